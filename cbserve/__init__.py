@@ -1,0 +1,25 @@
+"""cbserve: LLM serving on Ray with iteration-level batching, a paged KV cache and selective batching.
+
+``from cbserve import LLM, SamplingParams``. LLM is imported lazily so that ``cbserve.scheduler`` stays
+importable without torch or ray.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cbserve.scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from cbserve.cluster.llm import LLM
+
+__all__ = ["LLM", "SamplingParams"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    if name == "LLM":
+        from cbserve.cluster.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'cbserve' has no attribute {name!r}")

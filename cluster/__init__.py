@@ -1,0 +1,1 @@
+"""Ray actors, Serve ingress, config, metrics export, CLI and the offline LLM class."""

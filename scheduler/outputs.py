@@ -1,0 +1,90 @@
+"""The messages between the scheduler and the workers: one SchedulerOutput and one ModelRunnerOutput per
+iteration. Plain dataclasses of ints and strings: cheap to pickle across a Ray hop.
+
+Protocol (the scheduler is the single source of truth for token ids):
+- A request the worker has not seen (new, resumed after preemption, or a fork child) comes once as
+  ``NewRequestData`` with all its token ids, its whole block table and ``num_computed_tokens`` (tokens
+  whose KV is already in the cache, e.g. prefix-cache hits).
+- A request the worker already holds comes as ``CachedRequestData``: the token ids appended since the
+  worker last saw it (normally the one token sampled last iteration), the block ids appended to its
+  table, and its ``num_computed_tokens`` before this iteration.
+- ``num_scheduled_tokens[req_id]`` tokens are computed this iteration, starting at
+  ``num_computed_tokens``; a request is sampled only when this reaches the end of its known tokens.
+- ``block_copies`` (src, dst) are carried out before the forward pass (copy-on-write after a fork).
+- ``finished_req_ids`` and ``preempted_req_ids``: the worker drops its state for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt + any generated tokens (resumed or forked requests)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Number of tokens to sample at the position that completes this request's prefill (n>1 fork
+    # happens once the prompt is computed: the worker samples ``num_samples`` tokens from one row).
+    num_samples: int = 1
+    # Seed for this sequence (already offset per fork child), None for unseeded sampling.
+    seed: int | None = None
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of one sampled token plus the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the worker returns for one SchedulerOutput: only requests that were sampled appear."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # One list per req id: one token normally, ``num_samples`` when a prefill completes with n>1.
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    # Parallel to sampled_token_ids when the request asked for logprobs, else None per request.
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    forward_time_s: float = 0.0  # worker-side wall time of the forward pass + sampling
+
+
+class Executor(Protocol):
+    """Runs one iteration on the workers. worker/ (LocalExecutor) and cluster/ (RayExecutor) implement it."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...

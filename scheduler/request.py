@@ -1,0 +1,70 @@
+"""One request's state inside the engine core."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+from .stats import RequestTimes
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASON
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class EngineRequest:
+    """What a client hands to EngineCore.add_request()."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower runs first under the "priority" ordering
+    cache_salt: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one sequence since the last step (what is streamed to the client).
+
+    For n > 1 / best_of / beam search, each sequence is reported under ``req_id`` = the client's id and
+    its ``index`` (0..num_sequences-1). With best_of or beam search, outputs are only final at finish.
+    """
+
+    req_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list | None  # list[TokenLogprob] when asked for
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    cumulative_logprob: float | None = None
+    # For best_of / beam search only: the final token ids of this sequence (replaces the stream).
+    final_token_ids: list[int] | None = None

@@ -1,0 +1,129 @@
+"""Sampling parameters of one request, validated at construction.
+
+Every check raises ``ValueError`` naming the offending field, so the HTTP edge can turn it into a 400.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_N = 64
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next tokens of one request (OpenAI / vLLM semantics).
+
+    ``temperature == 0`` means greedy. ``n`` sequences are returned; ``best_of`` (>= n) are generated
+    and the n with the highest cumulative logprob are kept. With ``use_beam_search`` the beam width is
+    ``best_of`` (or ``n`` when unset). ``logprobs`` asks for the sampled token's logprob plus the top
+    ``logprobs`` alternatives at every step (0 = the sampled token only, None = none).
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        # Normalise list inputs (JSON gives lists) to tuples so the object stays hashable and frozen.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    # ---- validation -------------------------------------------------------------------------
+    def _validate(self) -> None:
+        _check_int("n", self.n, lo=1, hi=MAX_N)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, lo=self.n, hi=MAX_N)
+        _check_number("temperature", self.temperature, lo=0.0, hi=100.0)
+        _check_number("top_p", self.top_p, lo=0.0, hi=1.0)
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0")
+        _check_int("top_k", self.top_k, lo=-1, hi=None)
+        _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
+        _check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=None)
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty must be > 0, got 0")
+        _check_number("length_penalty", self.length_penalty, lo=None, hi=None)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=None, hi=None)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1, hi=None)
+        _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, lo=0, hi=None)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.use_beam_search:
+            if self.temperature != 0.0 and self.extra.get("beam_allow_temperature") is None:
+                raise ValueError("use_beam_search requires temperature=0")
+            if self.beam_width < 2:
+                raise ValueError("use_beam_search needs a beam width (best_of or n) of at least 2")
+
+    # ---- derived ------------------------------------------------------------------------------
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine generates for this request (best_of >= n of them)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        )
+
+
+def _check_int(name: str, value: object, lo: int | None, hi: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+def _check_number(name: str, value: object, lo: float | None, hi: float | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value:  # NaN
+        raise ValueError(f"{name} must be a number, got NaN")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")

@@ -1,0 +1,94 @@
+"""Stats dataclasses filled by the engine core every iteration. Nothing here knows about Prometheus:
+cluster/metrics.py alone turns these into series."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestTimes:
+    """Per-request timestamps (time.monotonic seconds) from which the latency metrics follow."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prefill_done: float | None = None  # when the last prompt token was computed
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_scheduled is None or self.first_token is None:
+            return None
+        return self.first_token - self.first_scheduled
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.first_token is None or self.last_token is None:
+            return None
+        return self.last_token - self.first_token
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        dt = self.decode_time
+        if dt is None or self.num_generation_tokens < 2:
+            return None
+        return dt / (self.num_generation_tokens - 1)
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    times: RequestTimes
+
+
+@dataclass
+class SchedulerStats:
+    """Gauges and per-iteration counters of one engine replica, one snapshot per step()."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preempted_waiting: int = 0  # waiting requests that were preempted and await recompute
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    num_kv_blocks: int = 0
+    num_free_kv_blocks: int = 0
+    # counters for this iteration (the metrics layer adds them up)
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of which found in cache
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preemptions: int = 0
+    batch_size: int = 0  # sequences scheduled this iteration
+    schedule_time_s: float = 0.0  # time spent in schedule() + update_from_output()
+    execute_time_s: float = 0.0  # time spent in executor.execute_model() (includes the Ray hop)
+    forward_time_s: float = 0.0  # worker-reported forward + sample time
+    step_counter: int = 0
+
+
+@dataclass
+class IterationStats:
+    """What happened to requests during one step: the source of latency histograms and counters."""
+
+    num_generation_tokens: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens of requests that got their first token this step
+    ttfts: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+    rejected_reasons: list[str] = field(default_factory=list)

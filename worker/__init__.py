@@ -1,0 +1,1 @@
+"""Model worker: model, weights, paged KV cache tensors, attention backends, sampler, ModelRunner."""
