@@ -1,5 +1,49 @@
 """Engine core: requests, paged KV block management, the iteration-level scheduler. Standard library only."""
 
+from .block_pool import BlockPool, KVBlock
+from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .engine_core import EngineCore, StepResult
+from .errors import DuplicateRequestError, EngineError, QueueFullError, RequestRejectedError
+from .kv_cache_manager import KVCacheManager
+from .outputs import (
+    CachedRequestData,
+    Executor,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    TokenLogprob,
+)
+from .request import EngineRequest, RequestOutput, RequestStatus
 from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .stats import FinishedRequestStats, IterationStats, RequestTimes, SchedulerStats
 
-__all__ = ["SamplingParams"]
+__all__ = [
+    "BlockPool",
+    "CacheConfig",
+    "CachedRequestData",
+    "DuplicateRequestError",
+    "EngineConfig",
+    "EngineCore",
+    "EngineError",
+    "EngineRequest",
+    "Executor",
+    "FinishedRequestStats",
+    "IterationStats",
+    "KVBlock",
+    "KVCacheManager",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "QueueFullError",
+    "RequestOutput",
+    "RequestRejectedError",
+    "RequestStatus",
+    "RequestTimes",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "StepResult",
+    "TokenLogprob",
+]

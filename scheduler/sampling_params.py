@@ -104,9 +104,7 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _check_int(name: str, value: object, lo: int | None, hi: int | None) -> None:

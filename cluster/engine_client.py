@@ -1,0 +1,152 @@
+"""The ingress side of the engine replicas: creates the SchedulerActors, watches their health, routes each
+request to one (cluster/router.py) and turns its stream into RequestOutput batches or APIErrors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from cbserve.cluster.config import CBServeConfig
+from cbserve.cluster.openai_protocol import APIError
+from cbserve.cluster.router import NoHealthyReplicaError, Router
+from cbserve.cluster.scheduler_actor import EngineFailure, SchedulerActor
+from cbserve.scheduler.request import EngineRequest, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "cbserve"
+HEALTH_PERIOD_S = 0.5
+HEALTH_TIMEOUT_S = 5.0
+
+_FAILURE_STATUS = {"rejected": 400, "duplicate": 400, "queue_full": 429, "unavailable": 503, "aborted": 503}
+_FAILURE_TYPE = {
+    "rejected": "invalid_request_error",
+    "duplicate": "invalid_request_error",
+    "queue_full": "rate_limit_exceeded",
+    "unavailable": "service_unavailable",
+    "aborted": "service_unavailable",
+}
+
+
+def engine_actor_name(app_name: str, index: int) -> str:
+    return f"{app_name}:engine-{index}"
+
+
+def failure_to_api_error(failure: EngineFailure) -> APIError:
+    status = _FAILURE_STATUS.get(failure.kind, 500)
+    return APIError(status, failure.message, _FAILURE_TYPE.get(failure.kind, "internal_error"))
+
+
+class EngineClient:
+    def __init__(self, config: CBServeConfig, app_name: str) -> None:
+        self.config = config
+        self.router = Router(
+            config.num_replicas, config.block_size, config.prefix_affinity_tokens,
+            config.affinity_max_imbalance_tokens,
+        )
+        self.engines = [
+            SchedulerActor.options(
+                name=engine_actor_name(app_name, i),
+                namespace=NAMESPACE,
+                get_if_exists=True,
+                max_restarts=config.max_restarts,
+                max_task_retries=0,
+                num_cpus=0,
+                max_concurrency=100_000,
+            ).remote(config.model_dump(), str(i), engine_actor_name(app_name, i))
+            for i in range(config.num_replicas)
+        ]
+        self.health: list[dict[str, Any]] = [{"state": "starting"} for _ in self.engines]
+        self._routes: dict[str, int] = {}  # req_id -> replica index, while in flight
+        self._watcher: asyncio.Task[None] | None = None
+
+    # ---- health -------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._watcher is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await self.refresh_health()
+            await asyncio.sleep(HEALTH_PERIOD_S)
+
+    async def refresh_health(self) -> None:
+        async def one(i: int) -> dict[str, Any]:
+            try:
+                return await asyncio.wait_for(self.engines[i].health.remote(), HEALTH_TIMEOUT_S)
+            except Exception as e:  # actor dead or restarting, or too slow
+                return {"replica": str(i), "state": "unreachable", "error": f"{type(e).__name__}"}
+
+        self.health = list(await asyncio.gather(*[one(i) for i in range(len(self.engines))]))
+        for i, h in enumerate(self.health):
+            self.router.set_healthy(i, h.get("state") == "ready")
+
+    @property
+    def ready(self) -> bool:
+        return all(h.get("state") == "ready" for h in self.health)
+
+    async def stats(self) -> list[dict[str, Any]]:
+        async def one(i: int) -> dict[str, Any]:
+            try:
+                d = await asyncio.wait_for(self.engines[i].stats.remote(), HEALTH_TIMEOUT_S)
+            except Exception as e:
+                d = {"replica": str(i), "state": "unreachable", "error": f"{type(e).__name__}"}
+            r = self.router.replicas[i]
+            d.update(routed_requests=r.total_routed, router_outstanding_tokens=r.outstanding_tokens)
+            return d
+
+        return list(await asyncio.gather(*[one(i) for i in range(len(self.engines))]))
+
+    # ---- requests -----------------------------------------------------------------------------
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
+        """Yields ``[]`` once the engine admitted the request, then batches of new outputs. Raises APIError
+        on rejection or failure. Leaving early (client gone, stop string) aborts it in the engine."""
+        try:
+            idx = self.router.choose(request.prompt_token_ids)
+        except NoHealthyReplicaError as e:
+            raise APIError(503, f"{e}; retry later", "service_unavailable") from e
+        sp = request.sampling_params
+        cost = len(request.prompt_token_ids) + sp.num_sequences * (sp.max_tokens or 0)
+        engine = self.engines[idx]
+        self.router.add(idx, cost)
+        self._routes[request.req_id] = idx
+        finished = False
+        try:
+            async for ref in engine.generate.remote(request):
+                item = await ref
+                if isinstance(item, EngineFailure):
+                    if item.kind == "unavailable":
+                        self.router.set_healthy(idx, False)
+                    raise failure_to_api_error(item)
+                yield item
+            finished = True
+        except ray.exceptions.RayActorError as e:
+            self.router.set_healthy(idx, False)
+            msg = f"engine replica {idx} is unavailable; retry later"
+            raise APIError(503, msg, "service_unavailable") from e
+        finally:
+            self.router.done(idx, cost)
+            self._routes.pop(request.req_id, None)
+            if not finished:
+                with contextlib.suppress(Exception):
+                    engine.abort.remote(request.req_id)
+
+    def finish(self, req_id: str, index: int) -> None:
+        """A stop string ended sequence ``index``: tell its engine (fire and forget)."""
+        idx = self._routes.get(req_id)
+        if idx is not None:
+            self.engines[idx].finish.remote(req_id, index)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Release every replica's workers and placement group, then end the actors (blocking)."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+        with contextlib.suppress(Exception):
+            ray.get([e.shutdown.remote() for e in self.engines], timeout=timeout_s)
+        for engine in self.engines:
+            with contextlib.suppress(Exception):
+                ray.kill(engine, no_restart=True)

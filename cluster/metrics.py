@@ -1,0 +1,296 @@
+"""Prometheus metrics of every cbserve component, exported through Ray's metrics API.
+
+The scheduler and the workers only fill stats dataclasses (scheduler/stats.py); this module alone turns
+them into series. Metrics are created with ``ray.util.metrics``, so every actor's series leave through
+Ray's per-node metrics export port and are found by Prometheus through Ray's service-discovery file
+(see deploy/prometheus.yml). Ray Serve's own ``ray_serve_*`` series come out of the same ports.
+
+Exported names: Ray's exporter prefixes every metric with ``ray_``. We therefore register the
+metrics without a prefix of our own; the exported series are named ``ray_cbserve_*`` — see
+``exported_names()`` and docs in dashboards/README.md. Ray also adds its own labels (``Component``,
+``NodeAddress``, ``SessionName``, ``WorkerId``, ...) on top of ours.
+
+Labels are bounded: ``model`` and ``replica`` everywhere, ``rank`` for workers, ``reason`` for finished and
+rejected requests, ``route`` and ``status`` at the HTTP ingress (routes outside ``KNOWN_ROUTES`` are
+reported as ``other``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# Prefix Ray's exporter puts in front of every custom metric name.
+RAY_EXPORT_PREFIX = "ray_"
+# Prefix of all our metric names (as registered with ray.util.metrics).
+PREFIX = "cbserve_"
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+# --- buckets: LLM latencies from milliseconds to minutes -----------------------------------------
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
+    5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+)  # fmt: skip
+TOKEN_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+    0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+STEP_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+TOKEN_COUNT_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(18))  # 1 .. 131072
+BATCH_SIZE_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(12))  # 1 .. 2048
+
+ENGINE_LABELS = ("model", "replica")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+WORKER_LABELS = ("model", "replica", "rank")
+KNOWN_ROUTES = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/models/{model}",
+        "/health",
+        "/stats",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+    }
+)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # as registered (without Ray's export prefix)
+    kind: Kind
+    description: str
+    labels: tuple[str, ...]
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def exported(self) -> str:
+        """The base name of the series Prometheus stores (counters get ``_total``)."""
+        base = RAY_EXPORT_PREFIX + self.name
+        return base + "_total" if self.kind == "counter" else base
+
+    def exported_series(self) -> tuple[str, ...]:
+        if self.kind == "histogram":
+            return tuple(self.exported + s for s in ("_bucket", "_sum", "_count"))
+        return (self.exported,)
+
+
+def _c(name: str, desc: str, labels: tuple[str, ...] = ENGINE_LABELS) -> MetricSpec:
+    return MetricSpec(PREFIX + name, "counter", desc, labels)
+
+
+def _g(name: str, desc: str, labels: tuple[str, ...] = ENGINE_LABELS) -> MetricSpec:
+    return MetricSpec(PREFIX + name, "gauge", desc, labels)
+
+
+def _h(
+    name: str, desc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ENGINE_LABELS
+) -> MetricSpec:
+    return MetricSpec(PREFIX + name, "histogram", desc, labels, buckets)
+
+
+REASON = (*ENGINE_LABELS, "reason")
+ENGINE_SPECS: tuple[MetricSpec, ...] = (
+    # scheduler state (gauges)
+    _g("num_requests_running", "Requests in the running set (being prefilled or decoded)."),
+    _g("num_requests_waiting", "Requests waiting to be scheduled (including preempted ones)."),
+    _g("num_requests_preempted", "Waiting requests that were preempted and await recompute."),
+    _g("kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1)."),
+    _g("kv_cache_blocks", "Total number of KV-cache blocks."),
+    _g("kv_cache_free_blocks", "Free KV-cache blocks."),
+    # counters
+    _c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    _c("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    _c("num_preemptions", "Preemptions (running requests sent back to the waiting queue)."),
+    _c("prompt_tokens", "Prompt tokens of requests that got their first token (prefill done)."),
+    _c("generation_tokens", "Generated tokens."),
+    _c("iteration_prefill_tokens", "Prefill tokens computed by the engine (chunks included)."),
+    _c("iteration_decode_tokens", "Decode tokens computed by the engine."),
+    _c("request_finished", "Finished requests by finish reason.", REASON),
+    _c("request_rejected", "Requests rejected at admission by reason.", REASON),
+    # per-iteration histograms
+    _h("iteration_tokens", "Tokens scheduled per iteration (prefill + decode).", TOKEN_COUNT_BUCKETS),
+    _h("iteration_batch_size", "Sequences scheduled per iteration.", BATCH_SIZE_BUCKETS),
+    _h("engine_step_seconds", "Wall time of one engine step (schedule + execute + update).",
+       STEP_LATENCY_BUCKETS),
+    _h("scheduler_time_seconds", "Scheduler bookkeeping per step (schedule + update_from_output).",
+       STEP_LATENCY_BUCKETS),
+    _h("dispatch_overhead_seconds", "Ray dispatch overhead per step (execute time minus worker forward).",
+       STEP_LATENCY_BUCKETS),
+    # per-request histograms
+    _h("time_to_first_token_seconds", "Time to first token (from arrival).", REQUEST_LATENCY_BUCKETS),
+    _h("inter_token_latency_seconds", "Time between consecutive output tokens.", TOKEN_LATENCY_BUCKETS),
+    _h("time_per_output_token_seconds", "Mean time per output token after the first, per request.",
+       TOKEN_LATENCY_BUCKETS),
+    _h("e2e_request_latency_seconds", "End-to-end latency (arrival to finish).", REQUEST_LATENCY_BUCKETS),
+    _h("request_queue_time_seconds", "Time from arrival to first scheduled.", REQUEST_LATENCY_BUCKETS),
+    _h("request_prefill_time_seconds", "Time from first scheduled to first token.", REQUEST_LATENCY_BUCKETS),
+    _h("request_decode_time_seconds", "Time from first token to last token.", REQUEST_LATENCY_BUCKETS),
+    _h("request_prompt_tokens", "Prompt length of finished requests.", TOKEN_COUNT_BUCKETS),
+    _h("request_generation_tokens", "Generated tokens of finished requests.", TOKEN_COUNT_BUCKETS),
+)  # fmt: skip
+WORKER_SPECS: tuple[MetricSpec, ...] = (
+    _h("worker_forward_seconds", "Worker forward pass + sampling per iteration.", STEP_LATENCY_BUCKETS,
+       WORKER_LABELS),
+)  # fmt: skip
+INGRESS_SPECS: tuple[MetricSpec, ...] = (
+    _c("http_requests", "HTTP requests by route and status.", ("model", "route", "status")),
+    _h("http_request_duration_seconds", "HTTP request latency (to the last byte of the response).",
+       REQUEST_LATENCY_BUCKETS, ("model", "route")),
+    _g("http_requests_in_flight", "HTTP requests being served by this ingress replica.", ("model",)),
+)  # fmt: skip
+ALL_SPECS: tuple[MetricSpec, ...] = ENGINE_SPECS + WORKER_SPECS + INGRESS_SPECS
+
+
+def exported_names() -> set[str]:
+    """Every series name (histogram suffixes included) Prometheus stores for our metrics."""
+    return {s for spec in ALL_SPECS for s in spec.exported_series()}
+
+
+def _counter_type() -> type:
+    from ray.util.metrics import Counter
+
+    return Counter
+
+
+def _make(spec: MetricSpec) -> Any:
+    from ray.util import metrics as rm
+
+    if spec.kind == "counter":
+        return rm.Counter(spec.name, spec.description, tag_keys=spec.labels)
+    if spec.kind == "gauge":
+        return rm.Gauge(spec.name, spec.description, tag_keys=spec.labels)
+    return rm.Histogram(spec.name, spec.description, boundaries=list(spec.buckets), tag_keys=spec.labels)
+
+
+class _Metrics:
+    """Ray metric objects for a tuple of specs, keyed by the spec name without prefix."""
+
+    def __init__(self, specs: tuple[MetricSpec, ...], default_tags: dict[str, str]) -> None:
+        self._m: dict[str, Any] = {}
+        for spec in specs:
+            metric = _make(spec)
+            metric.set_default_tags({k: v for k, v in default_tags.items() if k in spec.labels})
+            self._m[spec.name.removeprefix(PREFIX)] = metric
+
+    def inc(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+        if value > 0:  # Ray counters refuse 0
+            self._m[name].inc(float(value), tags=tags)
+
+    def set(self, name: str, value: float) -> None:
+        self._m[name].set(float(value))
+
+    def zero(self, name: str, tags: dict[str, str] | None = None) -> None:
+        """Create the series at 0, so that rate() reads 0 (not "no data") before the first event."""
+        metric = self._m[name]
+        if isinstance(metric, _counter_type()):
+            metric._record(0.0, tags)  # Counter.inc() refuses 0; _record is what inc() calls
+        else:
+            metric.set(0.0)
+
+    def observe(self, name: str, value: float | None) -> None:
+        if value is not None and value >= 0:
+            self._m[name].observe(float(value))
+
+
+class EngineMetrics:
+    """Metrics of one engine replica, fed by the SchedulerActor after every step()."""
+
+    def __init__(self, model: str, replica: str) -> None:
+        self._m = _Metrics(ENGINE_SPECS, {"model": model, "replica": str(replica)})
+        for spec in ENGINE_SPECS:
+            name = spec.name.removeprefix(PREFIX)
+            if spec.kind == "gauge" or (spec.kind == "counter" and spec.labels == ENGINE_LABELS):
+                self._m.zero(name)
+        for reason in FINISH_REASONS:
+            self._m.zero("request_finished", {"reason": reason})
+
+    def observe_step(self, result: Any, dispatch_overhead_s: float) -> None:
+        """``result`` is a scheduler StepResult (scheduler_stats, iteration_stats, outputs)."""
+        self._observe_scheduler(result.scheduler_stats, dispatch_overhead_s)
+        self._observe_iteration(result.iteration_stats)
+
+    def observe_rejected(self, reason: str) -> None:
+        """Count one request refused by add_request(). The caller that catches the exception counts it
+        (``iteration_stats.rejected_reasons`` holds free-text messages and is not counted again)."""
+        self._m.inc("request_rejected", 1, {"reason": _reason(reason)})
+
+    def _observe_scheduler(self, s: Any, dispatch_overhead_s: float) -> None:
+        m = self._m
+        m.set("num_requests_running", s.num_running)
+        m.set("num_requests_waiting", s.num_waiting)
+        m.set("num_requests_preempted", s.num_preempted_waiting)
+        m.set("kv_cache_usage_ratio", s.kv_cache_usage)
+        m.set("kv_cache_blocks", s.num_kv_blocks)
+        m.set("kv_cache_free_blocks", s.num_free_kv_blocks)
+        m.inc("prefix_cache_queries", s.prefix_cache_queries)
+        m.inc("prefix_cache_hits", s.prefix_cache_hits)
+        m.inc("num_preemptions", s.num_preemptions)
+        m.inc("iteration_prefill_tokens", s.num_prefill_tokens)
+        m.inc("iteration_decode_tokens", s.num_decode_tokens)
+        num_tokens = s.num_prefill_tokens + s.num_decode_tokens
+        if s.batch_size > 0 or num_tokens > 0:  # idle polls would drown the step histograms
+            m.observe("iteration_tokens", num_tokens)
+            m.observe("iteration_batch_size", s.batch_size)
+            m.observe("engine_step_seconds", s.schedule_time_s + s.execute_time_s)
+            m.observe("scheduler_time_seconds", s.schedule_time_s)
+            m.observe("dispatch_overhead_seconds", max(0.0, dispatch_overhead_s))
+
+    def _observe_iteration(self, it: Any) -> None:
+        m = self._m
+        m.inc("prompt_tokens", it.num_prompt_tokens)
+        m.inc("generation_tokens", it.num_generation_tokens)
+        for ttft in it.ttfts:
+            m.observe("time_to_first_token_seconds", ttft)
+        for itl in it.inter_token_latencies:
+            m.observe("inter_token_latency_seconds", itl)
+        for fin in it.finished:
+            t = fin.times
+            m.inc("request_finished", 1, {"reason": _reason(fin.finish_reason)})
+            m.observe("e2e_request_latency_seconds", t.e2e)
+            m.observe("request_queue_time_seconds", t.queue_time)
+            m.observe("request_prefill_time_seconds", t.prefill_time)
+            m.observe("request_decode_time_seconds", t.decode_time)
+            m.observe("time_per_output_token_seconds", t.tpot)
+            m.observe("request_prompt_tokens", t.num_prompt_tokens)
+            m.observe("request_generation_tokens", t.num_generation_tokens)
+
+
+class WorkerMetrics:
+    """Metrics of one tensor-parallel rank of one engine replica."""
+
+    def __init__(self, model: str, replica: str, rank: int) -> None:
+        self._m = _Metrics(WORKER_SPECS, {"model": model, "replica": str(replica), "rank": str(rank)})
+
+    def observe_forward(self, seconds: float) -> None:
+        self._m.observe("worker_forward_seconds", seconds)
+
+
+class IngressMetrics:
+    """HTTP metrics of one ingress replica. ``route`` must be a route template, never a raw path."""
+
+    def __init__(self, model: str) -> None:
+        self._m = _Metrics(INGRESS_SPECS, {"model": model})
+        self._in_flight = 0
+        self._m.set("http_requests_in_flight", 0)
+
+    def observe_http(self, route: str, status: int, seconds: float) -> None:
+        route = route if route in KNOWN_ROUTES else "other"
+        self._m.inc("http_requests", 1, {"route": route, "status": str(int(status))})
+        self._m._m["http_request_duration_seconds"].observe(max(0.0, float(seconds)), tags={"route": route})
+
+    def in_flight(self, delta: int) -> None:
+        self._in_flight = max(0, self._in_flight + int(delta))
+        self._m.set("http_requests_in_flight", self._in_flight)
+
+
+def _reason(reason: str | None) -> str:
+    """Bounded finish / reject reason label (free text would make the label unbounded)."""
+    text = (reason or "unknown").strip().lower()
+    return text if text.replace("_", "").isalnum() and len(text) <= 32 else "other"

@@ -1,0 +1,264 @@
+"""SchedulerActor: one engine replica. An async Ray actor that owns an EngineCore and the RayExecutor over
+its worker group, runs the iteration loop as an asyncio task and streams each request's new tokens back.
+
+All engine state is touched from the actor's event loop only: ``schedule()`` and ``update_from_output()``
+run on the loop (they are cheap), and the loop awaits the workers in between, which is when new requests,
+aborts and stop-string finishes are taken in. When the worker group fails (a worker actor died), every
+in-flight request gets an ``EngineFailure`` ("unavailable") and the replica rebuilds its worker group and
+engine; the actor itself is restarted by Ray (``max_restarts``) if it dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from cbserve.cluster.config import CBServeConfig
+from cbserve.cluster.metrics import EngineMetrics
+from cbserve.cluster.ray_executor import RayExecutor
+from cbserve.scheduler.engine_core import EngineCore
+from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
+from cbserve.scheduler.outputs import ModelRunnerOutput
+from cbserve.scheduler.request import EngineRequest, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+REBUILD_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
+
+
+@dataclass
+class EngineFailure:
+    """Sent instead of outputs when a request cannot run or stops abnormally.
+    kind: "rejected" (400), "queue_full" (429), "duplicate" (400), "unavailable" (503)."""
+
+    kind: str
+    message: str
+
+
+@dataclass
+class _InFlight:
+    queue: asyncio.Queue[RequestOutput | EngineFailure]
+    generation: int
+    outstanding_tokens: int
+
+
+@ray.remote
+class SchedulerActor:
+    def __init__(self, config: dict[str, Any], replica: str, name: str) -> None:
+        self.config = CBServeConfig.model_validate(config)
+        self.replica = replica
+        self.name = name  # unique in the cluster: names the worker group's placement group
+        self.state = "starting"  # starting | ready | restarting | failed
+        self.error: str | None = None
+        self.generation = 0  # bumps every time the worker group is rebuilt
+        self.engine: EngineCore | None = None
+        self.executor: RayExecutor | None = None
+        self.requests: dict[str, _InFlight] = {}
+        self.num_admitted = 0
+        self.prefix_cache = [0, 0]  # prompt tokens looked up, of which hits (all generations)
+        self.metrics = EngineMetrics(self.config.model_name, replica)
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def _ensure_started(self) -> None:
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    # ---- requests ---------------------------------------------------------------------------
+    @ray.method(num_returns="streaming")
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput] | EngineFailure]:
+        """Streams ``[]`` once admitted, then lists of RequestOutputs (all new ones since the last yield)
+        until every sequence finished; or one EngineFailure. Closing the stream early aborts the request."""
+        self._ensure_started()
+        failure = self._admit(request)
+        if failure is not None:
+            yield failure
+            return
+        entry = self.requests[request.req_id]
+        remaining = request.sampling_params.n  # finished sequences reported (best_of: the n kept)
+        try:
+            yield []  # admitted: lets the caller answer errors before committing to a streaming response
+            while remaining > 0:
+                batch = [await entry.queue.get()]
+                while not entry.queue.empty():
+                    batch.append(entry.queue.get_nowait())
+                outputs: list[RequestOutput] = []
+                for item in batch:
+                    if isinstance(item, EngineFailure):
+                        yield item
+                        return
+                    outputs.append(item)
+                    remaining -= int(item.finished)
+                yield outputs
+        finally:
+            self.requests.pop(request.req_id, None)
+            if remaining > 0:
+                self._abort(request.req_id, entry.generation)
+
+    def _admit(self, request: EngineRequest) -> EngineFailure | None:
+        if self.state != "ready" or self.engine is None:
+            return EngineFailure("unavailable", f"engine replica {self.replica} is {self.state}")
+        request.arrival_time = time.monotonic()  # the ingress clock may be on another node
+        try:
+            self.engine.add_request(request)
+        except QueueFullError as e:
+            self.metrics.observe_rejected("queue_full")
+            return EngineFailure("queue_full", str(e))
+        except DuplicateRequestError as e:
+            return EngineFailure("duplicate", str(e))
+        except RequestRejectedError as e:
+            self.metrics.observe_rejected("rejected")
+            return EngineFailure("rejected", str(e))
+        sp = request.sampling_params
+        max_tokens = sp.max_tokens or self.config.max_model_len - len(request.prompt_token_ids)
+        self.requests[request.req_id] = _InFlight(
+            asyncio.Queue(), self.generation, len(request.prompt_token_ids) + sp.num_sequences * max_tokens
+        )
+        self.num_admitted += 1
+        assert self._wakeup is not None
+        self._wakeup.set()
+        return None
+
+    async def abort(self, req_id: str) -> None:
+        """Idempotent: frees the request's blocks; its stream ends."""
+        self._abort(req_id, self.generation)
+        entry = self.requests.get(req_id)
+        if entry is not None:
+            entry.queue.put_nowait(EngineFailure("aborted", "request aborted"))
+
+    def _abort(self, req_id: str, generation: int) -> None:
+        if self.engine is not None and generation == self.generation:
+            self.engine.abort_request(req_id)
+            if self._wakeup is not None:
+                self._wakeup.set()
+
+    async def finish(self, req_id: str, index: int = 0) -> None:
+        """A stop string was seen by the ingress: finish that sequence (reason "stop")."""
+        entry = self.requests.get(req_id)
+        if self.engine is not None and entry is not None and entry.generation == self.generation:
+            self.engine.finish_request(req_id, index, "stop")
+
+    # ---- the loop ---------------------------------------------------------------------------
+    async def _run(self) -> None:
+        attempt = 0
+        while True:
+            try:
+                await self._build()
+                attempt = 0
+                await self._loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # worker group failure (or a failed build): fail in-flight, rebuild
+                msg = f"engine replica {self.replica} failed ({e}); it is restarting, retry the request"
+                logger.error("%s", msg)
+                self.state, self.error = "restarting", str(e)
+                self._fail_all(msg)
+                self._teardown()
+                await asyncio.sleep(REBUILD_BACKOFF_S[min(attempt, len(REBUILD_BACKOFF_S) - 1)])
+                attempt += 1
+
+    async def _build(self) -> None:
+        self.generation += 1
+        self.executor = await RayExecutor.create(self.config, self.replica, f"{self.name}:workers")
+        self.engine = EngineCore(self.config.engine_config(self.executor.num_blocks), self.executor)
+        self.state, self.error = "ready", None
+        logger.info("engine replica %s ready (%d KV blocks)", self.replica, self.executor.num_blocks)
+
+    async def _loop(self) -> None:
+        assert self.engine is not None and self.executor is not None and self._wakeup is not None
+        engine, executor = self.engine, self.executor
+        while True:
+            if not engine.has_unfinished_requests():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            t0 = time.perf_counter()
+            so = engine.schedule()
+            t1 = time.perf_counter()
+            if so.is_empty:  # as EngineCore.step(): nothing to run (e.g. only aborts, or a batching
+                result = engine.update_from_output(so, ModelRunnerOutput())  # window is open)
+                self._dispatch(result.outputs)
+                await asyncio.sleep(0.002)
+                continue
+            out = await executor.execute_model_async(so)
+            t2 = time.perf_counter()
+            result = engine.update_from_output(so, out)
+            stats = result.scheduler_stats
+            stats.schedule_time_s = (t1 - t0) + (time.perf_counter() - t2)
+            stats.execute_time_s = t2 - t1
+            stats.forward_time_s = out.forward_time_s
+            self._dispatch(result.outputs)
+            self.prefix_cache[0] += stats.prefix_cache_queries
+            self.prefix_cache[1] += stats.prefix_cache_hits
+            self.metrics.observe_step(result, executor.stats.last_overhead_s)
+            await asyncio.sleep(0)  # let add_request / abort / finish in
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            entry = self.requests.get(out.req_id)
+            if entry is not None:
+                entry.queue.put_nowait(out)
+
+    def _fail_all(self, message: str) -> None:
+        for entry in self.requests.values():
+            entry.queue.put_nowait(EngineFailure("unavailable", message))
+        self.requests.clear()
+
+    def _teardown(self) -> None:
+        self.engine = None
+        if self.executor is not None:
+            try:
+                self.executor.shutdown()
+            except Exception:
+                logger.exception("worker group shutdown failed")
+            self.executor = None
+
+    # ---- introspection ----------------------------------------------------------------------
+    async def health(self) -> dict[str, Any]:
+        self._ensure_started()
+        return {
+            "replica": self.replica, "state": self.state, "generation": self.generation, "error": self.error
+        }
+
+    async def stats(self) -> dict[str, Any]:
+        self._ensure_started()
+        d: dict[str, Any] = {
+            "replica": self.replica,
+            "state": self.state,
+            "generation": self.generation,
+            "num_in_flight": len(self.requests),
+            "num_admitted": self.num_admitted,
+            "prefix_cache_queries": self.prefix_cache[0],
+            "prefix_cache_hits": self.prefix_cache[1],
+            "outstanding_tokens": sum(e.outstanding_tokens for e in self.requests.values()),
+        }
+        if self.engine is not None and self.executor is not None:
+            kv = self.engine.scheduler.kv
+            d["num_kv_blocks"] = kv.num_blocks
+            d["num_free_kv_blocks"] = kv.num_free_blocks
+            d["kv_cache_usage"] = kv.usage
+            d["num_unfinished_requests"] = self.engine.get_num_unfinished_requests()
+            d["has_unfinished_requests"] = self.engine.has_unfinished_requests()
+            ds = self.executor.stats
+            d["compiled_graph"] = ds.compiled_graph
+            d["dispatch_calls"] = ds.num_calls
+            d["dispatch_overhead_ms_mean"] = 1000 * ds.mean_overhead_s
+        return d
+
+    async def shutdown(self) -> None:
+        """Stop the loop and release the worker group and its placement group."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self._fail_all(f"engine replica {self.replica} is shutting down")
+        self._teardown()
+        self.state = "stopped"
+
+    async def worker_handles(self) -> list[Any]:
+        return list(self.executor.workers) if self.executor is not None else []

@@ -1,0 +1,106 @@
+"""WorkerActor: one tensor-parallel rank of one engine replica, wrapping the worker's ModelRunner.
+
+The ranks of a replica join one torch.distributed group (gloo on CPU, nccl on CUDA); rank 0 picks the
+rendezvous address on a free port. Every rank receives every SchedulerOutput; only rank 0 returns its
+ModelRunnerOutput (the others return None, keeping the Ray hop small).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import ray
+from cbserve.cluster.config import CBServeConfig
+from cbserve.cluster.metrics import WorkerMetrics
+from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(max_restarts=0, max_concurrency=1)
+class WorkerActor:
+    def __init__(self, config: dict[str, Any], rank: int, replica: str) -> None:
+        self.config = CBServeConfig.model_validate(config)
+        self.rank = rank
+        self.replica = replica
+        self.runner: Any = None
+        if self.config.worker_torch_threads:
+            import torch
+
+            torch.set_num_threads(self.config.worker_torch_threads)
+        self.metrics = WorkerMetrics(self.config.model_name, replica, rank)
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def node_ip_and_free_port(self) -> tuple[str, int]:
+        """Rank 0 only: the address the other ranks rendezvous at."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return ip, s.getsockname()[1]
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        world = self.config.tensor_parallel_size
+        if world == 1:
+            return
+        import torch.distributed as dist
+
+        device = self.config.resolved_device
+        backend = "nccl" if device == "cuda" else "gloo"
+        if device == "cuda":
+            import torch
+
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=world,
+        )
+
+    def load_model(self) -> int:
+        """Load this rank's shard and size the KV cache; returns the number of KV blocks it can hold."""
+        from cbserve.worker.model_runner import ModelRunner
+
+        model_config = self.config.worker_model_config(rank=self.rank)
+        self.runner = ModelRunner(
+            model_config,
+            block_size=self.config.block_size,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            progress=False,
+        )
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        return int(self.runner.determine_num_blocks())
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+
+    # ---- the per-iteration call -----------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        start = time.perf_counter()
+        out = self.runner.execute_model(scheduler_output)
+        elapsed = time.perf_counter() - start
+        self.metrics.observe_forward(elapsed)
+        if self.rank != 0:
+            return None
+        out.forward_time_s = out.forward_time_s or elapsed
+        return out
+
+    # ---- introspection (tests, health) --------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        loaded = self.runner is not None
+        return {"rank": self.rank, "replica": self.replica, "pid": os.getpid(), "loaded": loaded}
+
+    def shutdown(self) -> None:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # best effort while tearing down
+            logger.exception("destroy_process_group failed")

@@ -1,0 +1,366 @@
+"""Generate the Grafana dashboards of cbserve: ``python dashboards/generate.py`` rewrites the JSON files
+next to this script. Edit the panels here, never the JSON by hand (tests/cluster/test_metrics.py checks
+that the committed JSON is what this script writes).
+
+Metric names are the exported ones: Ray's exporter prefixes custom metrics with ``ray_`` (see
+cluster/metrics.py), so cbserve's series are ``ray_cbserve_*`` and Ray Serve's are ``ray_serve_*``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+E = '{model=~"$model", replica=~"$replica"}'  # engine and worker series
+M = '{model=~"$model"}'  # ingress series (no replica label)
+S = '{application=~"$application"}'  # Ray Serve series
+RI = "[$__rate_interval]"
+
+
+def rate(metric: str, sel: str = E, by: str = "") -> str:
+    grp = f" by ({by})" if by else ""
+    return f"sum{grp}(rate({metric}{sel}{RI}))"
+
+
+def quantile(q: float, hist: str, sel: str = E, by: str = "") -> str:
+    labels = f"{by}, le" if by else "le"
+    return f"histogram_quantile({q}, sum by ({labels})(rate({hist}_bucket{sel}{RI})))"
+
+
+def mean(hist: str, sel: str = E, by: str = "") -> str:
+    return f"{rate(hist + '_sum', sel, by)} / {rate(hist + '_count', sel, by)}"
+
+
+def quantiles(hist: str, sel: str = E, by: str = "", qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> list:
+    suffix = "".join(f" {{{{{label.strip()}}}}}" for label in by.split(",") if label.strip())
+    targets = [(quantile(q, hist, sel, by), f"p{round(q * 100)}{suffix}") for q in qs]
+    return [*targets, (mean(hist, sel, by), f"mean{suffix}")]
+
+
+class Board:
+    """Lays out panels on Grafana's 24-column grid, row by row."""
+
+    def __init__(self) -> None:
+        self.panels: list[dict[str, Any]] = []
+        self.x = 0
+        self.y = 0
+        self.next_id = 1
+
+    def row(self, title: str) -> None:
+        self._newline()
+        self.panels.append(
+            {"type": "row", "title": title, "id": self._id(), "collapsed": False, "panels": [],
+             "gridPos": {"x": 0, "y": self.y, "w": 24, "h": 1}}
+        )  # fmt: skip
+        self.y += 1
+
+    def panel(self, title: str, targets: list[tuple[str, str]], unit: str = "short", *, w: int = 8,
+              kind: str = "timeseries", desc: str = "", stack: bool = False) -> None:  # fmt: skip
+        if self.x + w > 24:
+            self._newline()
+        defaults: dict[str, Any] = {"unit": unit}
+        if kind == "timeseries":
+            defaults["custom"] = {"lineWidth": 1, "fillOpacity": 10, "showPoints": "never"}
+            if stack:
+                defaults["custom"].update(stacking={"mode": "normal", "group": "A"}, fillOpacity=40)
+        self.panels.append({
+            "type": kind,
+            "title": title,
+            "description": desc,
+            "id": self._id(),
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "gridPos": {"x": self.x, "y": self.y, "w": w, "h": 8},
+            "fieldConfig": {"defaults": defaults, "overrides": []},
+            "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                        "tooltip": {"mode": "multi", "sort": "desc"}},
+            "targets": [
+                {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend,
+                 "datasource": {"type": "prometheus", "uid": "${datasource}"}}
+                for i, (expr, legend) in enumerate(targets)
+            ],
+        })  # fmt: skip
+        self.x += w
+
+    def _newline(self) -> None:
+        if self.x:
+            self.x = 0
+            self.y += 8
+
+    def _id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+
+def variable(name: str, query: str, label: str) -> dict[str, Any]:
+    return {
+        "name": name, "label": label, "type": "query",
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "query": {"query": query, "refId": f"var_{name}"}, "definition": query,
+        "refresh": 2, "multi": True, "includeAll": True, "allValue": ".*",
+        "current": {"text": "All", "value": "$__all"}, "sort": 1,
+    }  # fmt: skip
+
+
+def dashboard(uid: str, title: str, board: Board, variables: list[dict[str, Any]]) -> dict[str, Any]:
+    datasource = {
+        "name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+        "current": {}, "hide": 0, "refresh": 1,
+    }  # fmt: skip
+    return {
+        "uid": uid, "title": title, "tags": ["cbserve", "llm", "ray"], "timezone": "browser",
+        "schemaVersion": 39, "version": 1, "editable": True, "graphTooltip": 1, "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"}, "timepicker": {},
+        "annotations": {"list": []}, "links": [],
+        "templating": {"list": [datasource, *variables]},
+        "panels": board.panels,
+    }  # fmt: skip
+
+
+C = "ray_cbserve_"
+
+
+def engine_panels(b: Board) -> None:
+    """The cbserve dashboard: throughput, latency, scheduler, KV cache, batches, errors, replicas, HTTP."""
+    b.row("Throughput")
+    b.panel(
+        "Finished requests / s",
+        [(rate(C + "request_finished_total", by="reason"), "{{reason}}")],
+        "reqps",
+        stack=True,
+    )
+    b.panel(
+        "Tokens / s",
+        [(rate(C + "prompt_tokens_total"), "prompt"), (rate(C + "generation_tokens_total"), "generation")],
+        "short",
+    )
+    b.panel(
+        "Requests running / waiting / preempted",
+        [
+            (f"sum(ray_cbserve_num_requests_running{E})", "running"),
+            (f"sum(ray_cbserve_num_requests_waiting{E})", "waiting"),
+            (f"sum(ray_cbserve_num_requests_preempted{E})", "preempted (waiting)"),
+        ],
+    )
+    b.row("Latency")
+    b.panel("Time to first token", quantiles(C + "time_to_first_token_seconds"), "s")
+    b.panel("Inter-token latency", quantiles(C + "inter_token_latency_seconds"), "s")
+    b.panel("Time per output token (per request)", quantiles(C + "time_per_output_token_seconds"), "s")
+    b.panel("End-to-end request latency", quantiles(C + "e2e_request_latency_seconds"), "s")
+    b.panel("Queue time", quantiles(C + "request_queue_time_seconds"), "s")
+    b.panel(
+        "Prefill / decode time per request",
+        [
+            (quantile(0.5, C + "request_prefill_time_seconds"), "prefill p50"),
+            (quantile(0.99, C + "request_prefill_time_seconds"), "prefill p99"),
+            (quantile(0.5, C + "request_decode_time_seconds"), "decode p50"),
+            (quantile(0.99, C + "request_decode_time_seconds"), "decode p99"),
+        ],
+        "s",
+    )
+    b.row("Scheduler and workers")
+    b.panel(
+        "Engine step time",
+        quantiles(C + "engine_step_seconds", qs=(0.5, 0.99)),
+        "s",
+        desc="One step(): schedule + execute on the workers + update_from_output.",
+    )
+    b.panel(
+        "Scheduler time / Ray dispatch overhead",
+        [
+            (quantile(0.5, C + "scheduler_time_seconds"), "scheduler p50"),
+            (quantile(0.99, C + "scheduler_time_seconds"), "scheduler p99"),
+            (quantile(0.5, C + "dispatch_overhead_seconds"), "dispatch p50"),
+            (quantile(0.99, C + "dispatch_overhead_seconds"), "dispatch p99"),
+        ],
+        "s",
+        desc="Scheduler bookkeeping per step, and execute time minus worker forward time (the Ray hop).",
+    )
+    b.panel(
+        "Worker forward time by rank",
+        quantiles(C + "worker_forward_seconds", by="replica, rank", qs=(0.5, 0.99)),
+        "s",
+    )
+    b.panel("Engine steps / s", [(rate(C + "engine_step_seconds_count", by="replica"), "{{replica}}")], "ops")
+    b.row("KV cache and prefix cache")
+    b.panel(
+        "KV cache usage",
+        [(f"max by (replica)(ray_cbserve_kv_cache_usage_ratio{E})", "{{replica}}")],
+        "percentunit",
+    )
+    b.panel(
+        "KV cache blocks",
+        [
+            (f"sum(ray_cbserve_kv_cache_blocks{E})", "total"),
+            (f"sum(ray_cbserve_kv_cache_free_blocks{E})", "free"),
+        ],
+    )
+    b.panel(
+        "Prefix cache hit rate",
+        [(f"{rate(C + 'prefix_cache_hits_total')} / {rate(C + 'prefix_cache_queries_total')}", "hit rate")],
+        "percentunit",
+        desc="Prompt tokens served from the prefix cache / prompt tokens looked up.",
+    )
+    b.panel(
+        "Prefix cache tokens / s",
+        [(rate(C + "prefix_cache_queries_total"), "queried"), (rate(C + "prefix_cache_hits_total"), "hit")],
+    )
+    b.panel("Preemptions / s", [(rate(C + "num_preemptions_total", by="replica"), "{{replica}}")], "ops")
+    b.row("Batch composition")
+    b.panel(
+        "Scheduled tokens / s: prefill vs decode",
+        [
+            (rate(C + "iteration_prefill_tokens_total"), "prefill"),
+            (rate(C + "iteration_decode_tokens_total"), "decode"),
+        ],
+        stack=True,
+    )
+    b.panel("Tokens per iteration", quantiles(C + "iteration_tokens"))
+    b.panel("Batch size (sequences per iteration)", quantiles(C + "iteration_batch_size"))
+    b.panel("Prompt length of finished requests", quantiles(C + "request_prompt_tokens", qs=(0.5, 0.99)))
+    b.panel(
+        "Generated tokens per finished request", quantiles(C + "request_generation_tokens", qs=(0.5, 0.99))
+    )
+    b.row("Errors")
+    b.panel(
+        "Rejected requests / s by reason",
+        [(rate(C + "request_rejected_total", by="reason"), "{{reason}}")],
+        "reqps",
+    )
+    b.panel(
+        "Aborted / errored requests / s",
+        [
+            (
+                rate(
+                    C + "request_finished_total",
+                    '{model=~"$model", replica=~"$replica", reason=~"abort|error"}',
+                    "reason",
+                ),
+                "{{reason}}",
+            )
+        ],
+        "reqps",
+    )
+    b.panel(
+        "HTTP errors / s by route and status",
+        [
+            (
+                rate(C + "http_requests_total", '{model=~"$model", status!~"2.."}', "route, status"),
+                "{{route}} {{status}}",
+            )
+        ],
+        "reqps",
+    )
+    b.row("Per-replica load")
+    b.panel(
+        "Running requests by replica",
+        [(f"sum by (replica)(ray_cbserve_num_requests_running{E})", "{{replica}}")],
+    )
+    b.panel(
+        "Waiting requests by replica",
+        [(f"sum by (replica)(ray_cbserve_num_requests_waiting{E})", "{{replica}}")],
+    )
+    b.panel(
+        "Generation tokens / s by replica",
+        [(rate(C + "generation_tokens_total", by="replica"), "{{replica}}")],
+    )
+    b.row("HTTP ingress")
+    b.panel(
+        "HTTP requests / s by route and status",
+        [(rate(C + "http_requests_total", M, "route, status"), "{{route}} {{status}}")],
+        "reqps",
+    )
+    b.panel(
+        "HTTP latency by route", quantiles(C + "http_request_duration_seconds", M, "route", (0.5, 0.99)), "s"
+    )
+    b.panel("HTTP requests in flight", [(f"sum(ray_cbserve_http_requests_in_flight{M})", "in flight")])
+
+
+def ray_serve_panels(b: Board) -> None:
+    """Ray Serve's own HTTP proxy and deployment metrics for the cbserve application."""
+    sr = '{application=~"$application", route!~"/-/.*"}'
+    b.row("Ray Serve HTTP proxy")
+    b.panel(
+        "QPS by route and status",
+        [(rate("ray_serve_num_http_requests_total", sr, "route, status_code"), "{{route}} {{status_code}}")],
+        "reqps",
+    )
+    b.panel(
+        "Error QPS by route and code",
+        [
+            (
+                rate("ray_serve_num_http_error_requests_total", sr, "route, error_code"),
+                "{{route}} {{error_code}}",
+            )
+        ],
+        "reqps",
+    )
+    b.panel(
+        "HTTP latency by route",
+        quantiles("ray_serve_http_request_latency_ms", sr, "route", (0.5, 0.99)),
+        "ms",
+    )
+    b.panel("Ongoing HTTP requests", [("sum(ray_serve_num_ongoing_http_requests)", "ongoing")])
+    b.row("Ray Serve deployments")
+    b.panel(
+        "Deployment QPS",
+        [(rate("ray_serve_deployment_request_counter_total", S, "deployment"), "{{deployment}}")],
+        "reqps",
+    )
+    b.panel(
+        "Deployment processing latency",
+        quantiles("ray_serve_deployment_processing_latency_ms", S, "deployment", (0.5, 0.99)),
+        "ms",
+    )
+    b.panel(
+        "Healthy replicas",
+        [(f"sum by (deployment)(ray_serve_deployment_replica_healthy{S})", "{{deployment}}")],
+    )
+    b.panel(
+        "Queries being processed by replicas",
+        [(f"sum by (deployment)(ray_serve_replica_processing_queries{S})", "{{deployment}}")],
+    )
+    b.panel(
+        "Queued queries (at handles)",
+        [(f"sum by (deployment)(ray_serve_deployment_queued_queries{S})", "{{deployment}}")],
+    )
+
+
+def cbserve_dashboard() -> dict[str, Any]:
+    b = Board()
+    engine_panels(b)
+    variables = [
+        variable("model", "label_values(ray_cbserve_num_requests_running, model)", "Model"),
+        variable("replica", 'label_values(ray_cbserve_num_requests_running{model=~"$model"}, replica)',
+                 "Replica"),
+    ]  # fmt: skip
+    return dashboard("cbserve-engine", "cbserve: LLM serving", b, variables)
+
+
+def ray_serve_dashboard() -> dict[str, Any]:
+    b = Board()
+    ray_serve_panels(b)
+    variables = [variable("application", "label_values(ray_serve_deployment_replica_healthy, application)",
+                          "Application")]  # fmt: skip
+    return dashboard("cbserve-ray-serve", "cbserve: Ray Serve HTTP", b, variables)
+
+
+def build_all() -> dict[str, dict[str, Any]]:
+    return {"cbserve.json": cbserve_dashboard(), "cbserve_ray_serve.json": ray_serve_dashboard()}
+
+
+def render(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2) + "\n"
+
+
+def main() -> int:
+    for name, data in build_all().items():
+        (HERE / name).write_text(render(data))
+        print(f"wrote {HERE / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,253 @@
+"""EngineCore: ``step() = schedule -> executor.execute_model -> update_from_output``.
+
+The engine core owns every request's state and is the single source of truth for token ids. It is
+synchronous and single-threaded; the cluster's SchedulerActor drives it. Times: request timestamps use
+the injected ``clock``; ``EngineRequest.arrival_time`` (``time.monotonic`` seconds) is honoured only
+when the clock is ``time.monotonic``, otherwise arrival is stamped with the clock at ``add_request``.
+
+An empty SchedulerOutput (nothing scheduled) need not be executed: ``step()`` skips the executor, and
+finished/preempted ids wait for the next non-empty output.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .config import EngineConfig
+from .errors import DuplicateRequestError, QueueFullError, RequestRejectedError
+from .output_processor import OutputProcessor
+from .outputs import Executor, ModelRunnerOutput, SchedulerOutput
+from .request import EngineRequest, RequestOutput, RequestStatus
+from .scheduler import Scheduler, StepState
+from .sequence import SequenceGroup, child_seq_id
+from .stats import IterationStats, SchedulerStats
+
+_REASON_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+    "error": RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput]  # new tokens per sequence this step; finished ones flagged
+    scheduler_stats: SchedulerStats
+    iteration_stats: IterationStats
+
+
+class EngineCore:
+    def __init__(
+        self, config: EngineConfig, executor: Executor, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.clock = clock
+        self.scheduler = Scheduler(config, clock)
+        self.groups: dict[str, SequenceGroup] = {}
+        self.processor = OutputProcessor(self.scheduler, self.groups)
+        self._counter = 0
+        self._pending_outputs: list[RequestOutput] = []
+        self._pending_iter = IterationStats()
+        self._step_state: StepState | None = None
+        self._schedule_time = 0.0
+        self._step_counter = 0
+
+    # ---- requests in and out ----------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request. Raises DuplicateRequestError, RequestRejectedError or QueueFullError."""
+        if self._id_in_use(request):
+            raise DuplicateRequestError(f"request id {request.req_id!r} is already in the engine")
+        try:
+            max_tokens = self._validate(request)
+        except RequestRejectedError as e:
+            self._pending_iter.rejected_reasons.append(str(e))
+            raise
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.config.scheduler.max_waiting} requests); retry later"
+            )
+        now = self.clock()
+        arrival = request.arrival_time if self.clock is time.monotonic else now
+        sc = self.config.scheduler
+        group = SequenceGroup(request, self._counter, max_tokens, sc.max_model_len, sc.ordering, arrival, now)
+        self._counter += 1
+        self.groups[request.req_id] = group
+        self.scheduler.add_sequence(group.new_sequence(0, list(request.prompt_token_ids)))
+
+    def _id_in_use(self, request: EngineRequest) -> bool:
+        """Sequence ids share one namespace at the worker: "x" with n=2 owns "x" and "x#1"."""
+        groups = self.groups
+        for i in range(request.sampling_params.num_sequences):
+            seq_id = child_seq_id(request.req_id, i)
+            if seq_id in groups:
+                return True
+            base, sep, index = seq_id.rpartition("#")
+            owner = groups.get(base) if sep and index.isdigit() else None
+            if owner is not None and (owner.mode == "beam" or int(index) < owner.params.num_sequences):
+                return True  # beam search forks children with ever-growing indices
+        return False
+
+    def _validate(self, request: EngineRequest) -> int:
+        """Reject what could never run. Returns the effective max_tokens."""
+        cfg = self.config
+        max_len = cfg.scheduler.max_model_len
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt == 0:
+            raise RequestRejectedError("the prompt is empty: at least one prompt token is needed")
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            if num_prompt >= max_len:
+                raise RequestRejectedError(
+                    f"the prompt has {num_prompt} tokens but max_model_len is {max_len}: no room to generate"
+                )
+            max_tokens = max_len - num_prompt
+        elif num_prompt + max_tokens > max_len:
+            raise RequestRejectedError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
+                f"exceeds max_model_len ({max_len})"
+            )
+        # The last generated token is never computed, so its KV needs no slot.
+        blocks = math.ceil((num_prompt + max_tokens - 1) / cfg.cache.block_size)
+        if blocks > cfg.cache.num_blocks:
+            raise RequestRejectedError(
+                f"the request needs {blocks} KV cache blocks (prompt {num_prompt} + max_tokens {max_tokens} "
+                f"tokens) but the whole cache has only {cfg.cache.num_blocks} blocks"
+            )
+        params = request.sampling_params
+        if params.use_beam_search:  # all beams live at once: they share the prompt's blocks only
+            bs = cfg.cache.block_size
+            blocks = math.ceil(num_prompt / bs) + params.beam_width * (math.ceil(max_tokens / bs) + 1)
+            if blocks > cfg.cache.num_blocks:
+                raise RequestRejectedError(
+                    f"beam search with width {params.beam_width} needs up to {blocks} KV cache blocks "
+                    f"but the whole cache has only {cfg.cache.num_blocks} blocks"
+                )
+        return max_tokens
+
+    def abort_request(self, req_id: str) -> None:
+        """Abort every sequence of the request; idempotent. The next step reports it finished "abort"."""
+        group = self.groups.get(req_id)
+        if group is None:
+            return
+        now = self.clock()
+        for seq in list(group.seqs):
+            if not seq.is_finished:
+                self.processor.finish_external(
+                    seq, RequestStatus.FINISHED_ABORTED, now, self._pending_outputs, self._pending_iter
+                )
+
+    def finish_request(self, req_id: str, index: int = 0, reason: str = "stop") -> None:
+        """Finish one sequence from outside (e.g. the detokenizer saw a stop string). Idempotent."""
+        status = _REASON_STATUS.get(reason)
+        if status is None:
+            raise ValueError(f"unknown finish reason {reason!r}; expected one of {sorted(_REASON_STATUS)}")
+        group = self.groups.get(req_id)
+        seq = None if group is None else group.sequence(index)
+        if seq is None or seq.is_finished:
+            return
+        self.processor.finish_external(seq, status, self.clock(), self._pending_outputs, self._pending_iter)
+
+    # ---- one iteration ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        t0 = time.perf_counter()
+        so, st = self.scheduler.schedule()
+        if so.scheduled_new_reqs:
+            now = self.clock()
+            seqs = self.scheduler.seqs
+            for new in so.scheduled_new_reqs:
+                times = seqs[new.req_id].group.times
+                if times.first_scheduled is None:
+                    times.first_scheduled = now
+                    times.num_cached_tokens = new.num_computed_tokens
+        self._step_state = st
+        self._schedule_time = time.perf_counter() - t0
+        return so
+
+    def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> StepResult:
+        t0 = time.perf_counter()
+        now = self.clock()
+        it, self._pending_iter = self._pending_iter, IterationStats()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        self.scheduler.update_after_step(so)
+        seqs = self.scheduler.seqs
+        running = RequestStatus.RUNNING
+        all_logprobs = out.logprobs
+        num_logprobs = len(all_logprobs)
+        process = self.processor.process_sampled
+        append = self.processor.append_token
+        for i, (seq_id, sampled) in enumerate(zip(out.req_ids, out.sampled_token_ids, strict=True)):
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status is not running or seq.num_computed_tokens != len(seq.token_ids):
+                continue  # finished/aborted meanwhile, or not at a sampling position
+            logprobs = all_logprobs[i] if i < num_logprobs else None
+            if len(sampled) == 1 and seq.group.forked and seq.group.stream:
+                append(seq, sampled[0], logprobs[0] if logprobs else None, now, outputs, it)
+            else:
+                process(seq, sampled, logprobs, now, outputs, it)
+        st, self._step_state = self._step_state, None
+        self._step_counter += 1
+        stats = self._stats(st, out, self._schedule_time + time.perf_counter() - t0)
+        self._schedule_time = 0.0
+        return StepResult(outputs=outputs, scheduler_stats=stats, iteration_stats=it)
+
+    def step(self) -> StepResult:
+        so = self.schedule()
+        execute_time = 0.0
+        if so.is_empty:
+            out = ModelRunnerOutput()
+        else:
+            t0 = time.perf_counter()
+            out = self.executor.execute_model(so)
+            execute_time = time.perf_counter() - t0
+        result = self.update_from_output(so, out)
+        result.scheduler_stats.execute_time_s = execute_time
+        return result
+
+    def _stats(self, st: StepState | None, out: ModelRunnerOutput, schedule_time: float) -> SchedulerStats:
+        sched = self.scheduler
+        kv = sched.kv
+        stats = SchedulerStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_preempted_waiting=sched.num_preempted_waiting,
+            kv_cache_usage=kv.usage,
+            num_kv_blocks=kv.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            schedule_time_s=schedule_time,
+            forward_time_s=out.forward_time_s,
+            step_counter=self._step_counter,
+        )
+        if st is not None:
+            stats.prefix_cache_queries = st.prefix_cache_queries
+            stats.prefix_cache_hits = st.prefix_cache_hits
+            stats.num_prefill_tokens = st.num_prefill_tokens
+            stats.num_decode_tokens = st.num_decode_tokens
+            stats.num_preemptions = len(st.preempted)
+            stats.batch_size = len(st.scheduled)
+        return stats
+
+    # ---- introspection ----------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups) or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv.pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        seqs = self.scheduler.seqs
+        for seq_id, seq in seqs.items():
+            assert self.groups.get(seq.group.req_id) is seq.group, f"{seq_id} belongs to no live request"
+        for group in self.groups.values():
+            unfinished = [s for s in group.seqs if not s.is_finished]
+            assert len(unfinished) == group.num_unfinished > 0, f"{group.req_id}: unfinished count is off"
+            for seq in unfinished:
+                assert seqs.get(seq.seq_id) is seq, f"{seq} is unfinished but unknown to the scheduler"

@@ -1,0 +1,238 @@
+"""Turns sampled tokens into sequence state, stop decisions, forks and RequestOutputs.
+
+Stop conditions (checked after each appended token): EOS (unless ``ignore_eos``) and ``stop_token_ids``
+stop a sequence only once more than ``min_tokens`` tokens were generated (the worker masks them too);
+``max_tokens`` and ``max_model_len`` end it with reason "length". Stop strings are the detokenizer's
+business: it calls ``EngineCore.finish_request``.
+"""
+
+from __future__ import annotations
+
+from .beam_search import BeamSearch, hypotheses
+from .outputs import TokenLogprob
+from .request import RequestOutput, RequestStatus
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceGroup
+from .stats import FinishedRequestStats, IterationStats
+
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, groups: dict[str, SequenceGroup]) -> None:
+        self.scheduler = scheduler
+        self.groups = groups
+        self.beam_search = BeamSearch(self)
+
+    # ---- sampled tokens ---------------------------------------------------------------------------
+    def process_sampled(
+        self,
+        seq: Sequence,
+        sampled: list[int],
+        logprobs: list[TokenLogprob] | None,
+        now: float,
+        outputs: list[RequestOutput],
+        it: IterationStats,
+    ) -> None:
+        group = seq.group
+        if group.mode == "beam":
+            self.beam_search.process(seq, sampled, logprobs, now, outputs, it)
+            return
+        if len(sampled) > 1 and not group.forked and seq.index == 0:
+            targets = self._fork(seq, sampled, logprobs)
+        else:
+            targets = [(seq, sampled[0], logprobs[0] if logprobs else None)]
+        for target, token, logprob in targets:
+            self.append_token(target, token, logprob, now, outputs, it)
+
+    def _fork(
+        self, parent: Sequence, sampled: list[int], logprobs: list[TokenLogprob] | None
+    ) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """n > 1: the worker sampled ``num_samples`` tokens from the prompt's last row. Children share
+        the parent's blocks (copy-on-write of the partly filled last block happens when written)."""
+        group = parent.group
+        group.forked = True
+        targets = [(parent, sampled[0], logprobs[0] if logprobs else None)]
+        for i in range(1, min(len(sampled), group.params.num_sequences)):
+            child = group.new_sequence(i, list(parent.token_ids))
+            child.last_token_time = parent.last_token_time
+            self.scheduler.fork(parent, child)
+            targets.append((child, sampled[i], logprobs[i] if logprobs and i < len(logprobs) else None))
+        return targets
+
+    def append_token(
+        self,
+        seq: Sequence,
+        token: int,
+        logprob: TokenLogprob | None,
+        now: float,
+        outputs: list[RequestOutput],
+        it: IterationStats,
+    ) -> None:
+        """Append one sampled token, check the stop conditions, stream it (per-step hot path)."""
+        tokens = seq.token_ids
+        tokens.append(token)
+        group = seq.group
+        times = group.times
+        if logprob is not None:
+            seq.cumulative_logprob += logprob.logprob
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprob)
+        it.num_generation_tokens += 1
+        times.num_generation_tokens += 1
+        if times.first_token is None:
+            times.first_token = times.prefill_done = now
+            it.ttfts.append(now - times.arrival)
+            it.num_prompt_tokens += group.num_prompt_tokens
+        elif seq.last_token_time is not None:
+            it.inter_token_latencies.append(now - seq.last_token_time)
+        seq.last_token_time = now
+        times.last_token = now
+        # stop conditions (see the module docstring)
+        status = None
+        num_tokens = len(tokens)
+        if num_tokens > group.min_stop_len and (token == group.eos_token_id or token in group.stop_token_ids):
+            status = _STOPPED
+        elif num_tokens >= group.max_len:
+            status = _LENGTH
+        if group.stream:
+            outputs.append(
+                RequestOutput(
+                    group.req_id,
+                    seq.index,
+                    [token],
+                    [logprob] if group.stream_logprobs and logprob is not None else None,
+                    status is not None,
+                    None if status is None else status.finish_reason,
+                    group.num_prompt_tokens,
+                    times.num_cached_tokens,
+                    seq.cumulative_logprob if logprob is not None else None,
+                )
+            )
+        if status is not None:
+            self.finish_sequence(seq, status, now, outputs, it)
+
+    def check_stop(self, seq: Sequence, token: int) -> RequestStatus | None:
+        """The stop rule of append_token, for a sequence whose last token is ``token``."""
+        group = seq.group
+        num_tokens = len(seq.token_ids)
+        if num_tokens > group.min_stop_len and (token == group.eos_token_id or token in group.stop_token_ids):
+            return _STOPPED
+        if num_tokens >= group.max_len:
+            return _LENGTH
+        return None
+
+    # ---- finishing --------------------------------------------------------------------------------
+    def finish_external(
+        self,
+        seq: Sequence,
+        status: RequestStatus,
+        now: float,
+        outputs: list[RequestOutput],
+        it: IterationStats,
+    ) -> None:
+        """Finish from outside (abort, stop string): report it with no new tokens."""
+        group = seq.group
+        if group.mode == "stream":
+            outputs.append(
+                RequestOutput(
+                    req_id=group.req_id,
+                    index=seq.index,
+                    new_token_ids=[],
+                    new_logprobs=[] if group.params.logprobs is not None else None,
+                    finished=True,
+                    finish_reason=status.finish_reason,
+                    num_prompt_tokens=group.num_prompt_tokens,
+                    num_cached_tokens=group.times.num_cached_tokens,
+                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                )
+            )
+        self.finish_sequence(seq, status, now, outputs, it)
+
+    def finish_sequence(
+        self,
+        seq: Sequence,
+        status: RequestStatus,
+        now: float,
+        outputs: list[RequestOutput],
+        it: IterationStats,
+    ) -> None:
+        self.scheduler.finish(seq, status)
+        group = seq.group
+        group.num_unfinished -= 1
+        if group.num_unfinished == 0:
+            self._finish_group(group, now, outputs, it)
+
+    def drop_sequence(
+        self, seq: Sequence, now: float, outputs: list[RequestOutput], it: IterationStats
+    ) -> None:
+        """Remove a sequence that is no candidate any more (a beam not chosen): no output of its own."""
+        self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        group = seq.group
+        group.seqs.remove(seq)
+        group.num_unfinished -= 1
+        if group.num_unfinished == 0:
+            self._finish_group(group, now, outputs, it)
+
+    def _finish_group(
+        self, group: SequenceGroup, now: float, outputs: list[RequestOutput], it: IterationStats
+    ) -> None:
+        times = group.times
+        times.finished = now
+        if self.groups.get(group.req_id) is group:
+            del self.groups[group.req_id]
+        if group.mode != "stream":
+            finals = final_outputs(group)
+            it.finished.append(
+                FinishedRequestStats(finish_reason=finals[0].finish_reason or "abort", times=times)
+            )
+            outputs.extend(finals)
+            return
+        reason = group.seqs[0].status.finish_reason or "abort"
+        it.finished.append(FinishedRequestStats(finish_reason=reason, times=times))
+        # Ended before the fork (abort, or sequence 0 finished from outside while prefilling): the
+        # sequences that never came to be are reported finished too, with the same reason.
+        for index in range(len(group.seqs), group.params.n):
+            outputs.append(
+                RequestOutput(
+                    req_id=group.req_id,
+                    index=index,
+                    new_token_ids=[],
+                    new_logprobs=[] if group.params.logprobs is not None else None,
+                    finished=True,
+                    finish_reason=reason,
+                    num_prompt_tokens=group.num_prompt_tokens,
+                    num_cached_tokens=times.num_cached_tokens,
+                )
+            )
+
+
+def final_outputs(group: SequenceGroup) -> list[RequestOutput]:
+    """best_of / beam search: the ``n`` best candidates (by cumulative logprob; for beams with the length
+    penalty), reported once at the end (``final_token_ids`` and ``new_token_ids`` both hold the whole
+    output)."""
+    params = group.params
+    ranked = hypotheses(group)
+    outs = []
+    for i in range(params.n):
+        hyp = ranked[i] if i < len(ranked) else None
+        tokens = [] if hyp is None else hyp.token_ids
+        lps = None
+        if params.logprobs is not None:
+            lps = [] if hyp is None or hyp.logprobs is None else list(hyp.logprobs)
+        outs.append(
+            RequestOutput(
+                req_id=group.req_id,
+                index=i,
+                new_token_ids=list(tokens),
+                new_logprobs=lps,
+                finished=True,
+                finish_reason="abort" if hyp is None else hyp.finish_reason,
+                num_prompt_tokens=group.num_prompt_tokens,
+                num_cached_tokens=group.times.num_cached_tokens,
+                cumulative_logprob=None if hyp is None else hyp.cumulative_logprob,
+                final_token_ids=list(tokens),
+            )
+        )
+    return outs

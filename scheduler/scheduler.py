@@ -1,0 +1,327 @@
+"""The iteration-level scheduler: which sequences compute how many tokens this iteration.
+
+The rule (design.md): no prefill phase, no decode phase. Each sequence has ``num_computed_tokens``
+chasing ``num_tokens``. Under a token budget and a sequence cap, running sequences go first (one token
+in decode, or their next prefill chunk), then waiting ones are admitted while budget, cap and KV blocks
+last. When a running sequence cannot get a block, the lowest-priority running sequence is preempted
+(recompute): its blocks are freed and it goes back to the front of the waiting queue.
+
+``running`` is kept sorted by ``Sequence.sort_key`` (arrival order under FCFS, (priority, arrival)
+under "priority"), so the victim of a preemption is always ``running[-1]``. Policies (policies.py)
+compose the primitives ``schedule_running`` and ``admit_waiting``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .config import EngineConfig
+from .kv_cache_manager import NO_HITS, KVCacheManager
+from .outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from .policies import make_policy
+from .request import RequestStatus
+from .sequence import Sequence
+from .waiting_queue import make_waiting_queue
+
+_RUNNING = RequestStatus.RUNNING
+_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+def _sort_key(seq: Sequence) -> tuple:
+    return seq.sort_key
+
+
+@dataclass
+class StepState:
+    """What one schedule() call decided, plus its counters for the stats."""
+
+    budget: int
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.scheduled.append((seq, num_tokens))
+        self.budget -= num_tokens
+        if num_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            self.num_decode_tokens += 1
+        else:
+            self.num_prefill_tokens += num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config.scheduler
+        self.cache_config = config.cache
+        self.block_size = config.cache.block_size
+        self.kv = KVCacheManager(config.cache)
+        self.waiting = make_waiting_queue(config.scheduler.ordering)
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}  # every unfinished sequence, by seq id
+        self.policy = make_policy(config.scheduler, clock)
+        self.num_preempted_waiting = 0
+        self.num_preemptions_total = 0
+        self._finished_ids: set[str] = set()  # to tell the worker (sequences it holds state for)
+        self._preempted_ids: set[str] = set()
+
+    # ---- bookkeeping ------------------------------------------------------------------------------
+    def add_sequence(self, seq: Sequence) -> None:
+        seq.status = RequestStatus.WAITING
+        self.seqs[seq.seq_id] = seq
+        self.waiting.add(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` (tokens already set) shares all of ``parent``'s blocks and computed tokens."""
+        self.kv.fork(parent.seq_id, child.seq_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = _RUNNING
+        self.seqs[child.seq_id] = child
+        bisect.insort(self.running, child, key=_sort_key)
+
+    def finish(self, seq: Sequence, status: RequestStatus) -> None:
+        """Remove a sequence wherever it is (waiting or running) and free its blocks."""
+        if seq.status is _RUNNING:
+            self._remove_running(seq)
+        elif seq.status in _WAITING_STATES and seq.seq_id in self.seqs:
+            self.waiting.remove(seq)
+            if seq.status is RequestStatus.PREEMPTED:
+                self.num_preempted_waiting -= 1
+        self.kv.free(seq.seq_id)
+        if seq.sent:
+            self._finished_ids.add(seq.seq_id)
+            seq.sent = False
+        seq.status = status
+        self.seqs.pop(seq.seq_id, None)
+
+    def _remove_running(self, seq: Sequence) -> None:
+        i = bisect.bisect_left(self.running, seq.sort_key, key=_sort_key)
+        if i >= len(self.running) or self.running[i] is not seq:
+            raise RuntimeError(f"{seq} is not in the running list")
+        del self.running[i]
+
+    # ---- one iteration ----------------------------------------------------------------------------
+    def schedule(self) -> tuple[SchedulerOutput, StepState]:
+        st = StepState(budget=self.config.max_num_batched_tokens)
+        self.policy.schedule(self, st)
+        return self._build_output(st), st
+
+    def schedule_running(self, st: StepState, select: Callable[[Sequence], bool] | None = None) -> None:
+        """Give running sequences (optionally only those ``select`` accepts) their next tokens, in
+        priority order, preempting from the back when blocks run out. This is the per-step hot path:
+        the common decode case (room left in its own last block) is inlined."""
+        running = self.running
+        max_seqs = self.config.max_num_seqs
+        tables = self.kv.tables
+        bs = self.block_size
+        scheduled = st.scheduled
+        budget = st.budget
+        i = 0
+        while i < len(running) and budget > 0 and len(scheduled) < max_seqs:
+            seq = running[i]
+            i += 1
+            if select is not None and not select(seq):
+                continue
+            pos = seq.num_computed_tokens
+            num_new = len(seq.token_ids) - pos
+            if num_new > budget:
+                num_new = budget
+            elif num_new <= 0:  # nothing to compute until a token is appended
+                continue
+            table = tables.get(seq.seq_id)
+            if table is None or pos + num_new > len(table) * bs or table[pos // bs].ref_cnt != 1:
+                while not self._try_allocate(seq, num_new):
+                    victim = running[-1]  # lowest priority; never one scheduled this step (index < i)
+                    self._preempt(victim, st)
+                    if victim is seq:
+                        st.budget = budget
+                        return
+            scheduled.append((seq, num_new))
+            budget -= num_new
+            if num_new == 1 and pos >= seq.num_prompt_tokens:
+                st.num_decode_tokens += 1
+            else:
+                st.num_prefill_tokens += num_new
+        st.budget = budget
+
+    def admit_waiting(self, st: StepState, accept: Callable[[Sequence], bool] | None = None) -> None:
+        """Admit waiting sequences in queue order while budget, sequence cap and blocks last. With
+        ``accept``, sequences it refuses are skipped (they keep their place)."""
+        if st.preempted:  # blocks are short: do not admit in the step that had to preempt
+            return
+        waiting = self.waiting
+        if accept is None:
+            while waiting and self._has_room(st):
+                if not self._admit(waiting.peek(), st):
+                    return
+                waiting.pop()
+            return
+        for seq in waiting.ordered():
+            if not self._has_room(st):
+                return
+            if not accept(seq):
+                continue
+            if not self._admit(seq, st):
+                return
+            waiting.remove(seq)
+
+    def _has_room(self, st: StepState) -> bool:
+        return st.budget > 0 and len(self.running) < self.config.max_num_seqs
+
+    def _admit(self, seq: Sequence, st: StepState) -> bool:
+        """Allocate blocks for a waiting sequence (taking prefix-cache hits) and mark it running. Does
+        not remove it from the waiting queue."""
+        computed = NO_HITS
+        if self.kv.enable_caching:
+            computed = self.kv.get_computed_blocks(seq.token_ids, seq.group.extra_keys)
+        num_cached = len(computed[0]) * self.block_size
+        num_new = seq.num_tokens - num_cached
+        if num_new > st.budget:
+            if not self.config.enable_chunked_prefill:
+                return False
+            num_new = st.budget
+        if self.kv.allocate_slots(seq.seq_id, num_cached, num_new, computed) is None:
+            return False
+        if seq.status is RequestStatus.PREEMPTED:
+            self.num_preempted_waiting -= 1
+        seq.num_computed_tokens = num_cached
+        seq.status = _RUNNING
+        st.prefix_cache_queries += seq.num_tokens
+        st.prefix_cache_hits += num_cached
+        bisect.insort(self.running, seq, key=_sort_key)
+        st.add(seq, num_new)
+        return True
+
+    def _try_allocate(self, seq: Sequence, num_new: int) -> bool:
+        kv = self.kv
+        table = kv.tables.get(seq.seq_id)
+        pos = seq.num_computed_tokens
+        bs = self.block_size
+        if table is not None and pos + num_new <= len(table) * bs and table[pos // bs].ref_cnt == 1:
+            return True  # fast path: room in its own partly filled block
+        siblings = self._siblings_to_copy(seq, table, pos) if seq.sent else []
+        need = kv.num_blocks_to_allocate(seq.seq_id, pos, num_new) + len(siblings) - (1 if siblings else 0)
+        if need > kv.num_free_blocks:
+            return False
+        idx = pos // self.block_size
+        for sibling in siblings:
+            kv.copy_on_write(sibling.seq_id, idx)
+        return kv.allocate_slots(seq.seq_id, pos, num_new) is not None
+
+    def _siblings_to_copy(self, seq: Sequence, table: list | None, pos: int) -> list[Sequence]:
+        """Copy-on-write for a sequence the worker already holds: its block table there cannot change,
+        so the sequences sharing its partly filled block (fork children the worker has not seen yet)
+        get the copies instead, and it keeps writing in place."""
+        idx = pos // self.block_size
+        if table is None or idx >= len(table) or table[idx].ref_cnt == 1:
+            return []
+        block = table[idx]
+        holders = []
+        for other in seq.group.seqs:
+            if other is seq or other.status is not _RUNNING:
+                continue
+            other_table = self.kv.tables.get(other.seq_id)
+            if other_table is not None and idx < len(other_table) and other_table[idx] is block:
+                holders.append(other)
+        if len(holders) != block.ref_cnt - 1 or any(h.sent for h in holders):
+            raise RuntimeError(f"cannot copy-on-write {block} of {seq}: shared with {holders}")
+        return holders
+
+    def _preempt(self, seq: Sequence, st: StepState) -> None:
+        self._remove_running(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = RequestStatus.PREEMPTED
+        if seq.sent:
+            self._preempted_ids.add(seq.seq_id)
+            seq.sent = False
+        self.waiting.add_front(seq)
+        self.num_preempted_waiting += 1
+        self.num_preemptions_total += 1
+        st.preempted.append(seq)
+
+    def _build_output(self, st: StepState) -> SchedulerOutput:
+        so = SchedulerOutput()
+        new_reqs, cached_reqs = so.scheduled_new_reqs, so.scheduled_cached_reqs
+        num_scheduled = so.num_scheduled_tokens
+        tables = self.kv.tables
+        total = 0
+        for seq, num in st.scheduled:
+            table = tables[seq.seq_id]
+            tokens = seq.token_ids
+            if seq.sent:
+                nb = seq.num_sent_blocks
+                new_blocks = [b.block_id for b in table[nb:]] if len(table) > nb else []
+                new_tokens = tokens[seq.num_sent_tokens :]
+                cached_reqs.append(
+                    CachedRequestData(seq.seq_id, new_tokens, new_blocks, seq.num_computed_tokens)
+                )
+            else:
+                group = seq.group
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=seq.seq_id,
+                        token_ids=list(tokens),
+                        num_prompt_tokens=seq.num_prompt_tokens,
+                        sampling_params=group.worker_params,
+                        block_ids=[b.block_id for b in table],
+                        num_computed_tokens=seq.num_computed_tokens,
+                        num_samples=seq.num_samples,
+                        seed=seq.seed,
+                    )
+                )
+                seq.sent = True
+            seq.num_sent_tokens = len(tokens)
+            seq.num_sent_blocks = len(table)
+            num_scheduled[seq.seq_id] = num
+            total += num
+        so.total_num_scheduled_tokens = total
+        so.block_copies = self.kv.take_block_copies()
+        if total:  # an empty output may be skipped by the caller: keep the ids for the next one
+            so.finished_req_ids, self._finished_ids = self._finished_ids, set()
+            so.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
+        return so
+
+    def update_after_step(self, so: SchedulerOutput) -> None:
+        """The scheduled tokens were computed: advance, and register newly full blocks in the cache."""
+        seqs = self.seqs
+        kv = self.kv
+        bs = self.block_size
+        caching = kv.enable_caching
+        for seq_id, num in so.num_scheduled_tokens.items():
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status is not _RUNNING:
+                continue  # finished or aborted meanwhile
+            seq.num_computed_tokens += num
+            if caching and seq.num_computed_tokens // bs > len(kv.hashes[seq_id]):
+                kv.cache_full_blocks(seq_id, seq.token_ids, seq.num_computed_tokens, seq.group.extra_keys)
+
+    # ---- introspection ----------------------------------------------------------------------------
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.seqs)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        keys = [s.sort_key for s in self.running]
+        assert keys == sorted(keys), "running list is not sorted"
+        running_ids = {s.seq_id for s in self.running}
+        waiting_ids = {s.seq_id for s in self.waiting.ordered()}
+        assert len(running_ids) == len(self.running) and len(waiting_ids) == len(self.waiting)
+        assert not running_ids & waiting_ids, "a sequence is both running and waiting"
+        assert running_ids | waiting_ids == set(self.seqs), "running + waiting != unfinished sequences"
+        assert running_ids == set(self.kv.tables), "only running sequences hold blocks"
+        for seq in self.running:
+            assert seq.status is _RUNNING, f"{seq} in running"
+            assert seq.num_computed_tokens <= seq.num_tokens
+            need = self.kv.num_required_blocks(seq.num_computed_tokens)
+            assert len(self.kv.tables[seq.seq_id]) >= need, f"{seq} lacks blocks for its computed tokens"
+        preempted = sum(1 for s in self.waiting.ordered() if s.status is RequestStatus.PREEMPTED)
+        assert preempted == self.num_preempted_waiting, "preempted-waiting counter is off"
+        for seq in self.waiting.ordered():
+            assert seq.status in _WAITING_STATES and seq.num_computed_tokens == 0, f"{seq} in waiting"

@@ -1,0 +1,1 @@
+"""End-to-end tests of the OpenAI-compatible server on one shared local Ray + Serve deployment."""

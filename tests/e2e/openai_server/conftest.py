@@ -1,0 +1,170 @@
+"""One local Ray cluster and one Serve instance for every test in this package (package scope: torn down
+before other e2e modules start their own clusters). Two apps:
+
+- ``main`` at ``/``: the bundled SmolLM2-135M, 2 engine replicas of tensor-parallel size 1, an API key;
+- ``tp2`` at ``/tp2``: SmolLM2 cut to 4 layers / 6 heads / 2 KV heads (so it splits over 2 ranks), one
+  replica of tensor-parallel size 2, one running sequence and a waiting queue of one (for the 429 test).
+
+The reference greedy outputs come from the in-process offline ``LLM`` with the same engine settings.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+API_KEY = "e2e-secret"
+MAIN_MODEL = "SmolLM2-135M-Instruct"
+TP2_MODEL = "smollm2-tp2"
+MAX_MODEL_LEN = 512
+COMMON = {
+    "dtype": "float32",
+    "device": "cpu",
+    "max_model_len": MAX_MODEL_LEN,
+    "max_num_batched_tokens": 512,
+    "worker_num_cpus": 1,
+    "worker_torch_threads": 1,
+}
+MAIN_ARGS = dict(COMMON, num_replicas=2, max_num_seqs=32, kv_cache_memory_bytes=48 * 1024**2, api_key=API_KEY)
+TP2_ARGS = dict(
+    COMMON, tensor_parallel_size=2, served_model_name=TP2_MODEL, max_num_seqs=1, max_waiting=1,
+    kv_cache_memory_bytes=16 * 1024**2,
+)
+READY_TIMEOUT_S = 420
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, cond: Callable[[], Any], timeout: float, period: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = cond()
+            if last:
+                return last
+        except Exception as e:  # not there yet
+            last = e
+        time.sleep(period)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+@dataclass
+class App:
+    base_url: str  # http://host:port/prefix (no trailing slash)
+    model: str
+    api_key: str | None
+
+    def client(self, **kwargs: Any) -> Any:
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 120)
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "none", **kwargs)
+
+    def http(
+        self, method: str, path: str, body: Any = None, raw: bytes | None = None, key: str | None = "default"
+    ) -> tuple[int, Any]:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(self.base_url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        token = self.api_key if key == "default" else key
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            payload = e.read()
+            try:
+                return e.code, json.loads(payload or b"null")
+            except json.JSONDecodeError:
+                return e.code, payload.decode(errors="replace")
+
+    def healthy(self) -> bool:
+        return self.http("GET", "/health")[0] == 200
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        status, body = self.http("GET", "/stats")
+        assert status == 200, body
+        return {r["replica"]: r for r in body["replicas"]}
+
+
+@dataclass
+class Server:
+    main: App
+    tp2: App
+    tp2_model_path: Path
+    expected: dict[str, str]  # reference greedy texts, keyed like the tests ask for them
+
+
+def _reference(tp2_model: Path) -> dict[str, str]:
+    """Greedy outputs of the offline LLM (one request at a time, as the tests send them)."""
+    import torch
+
+    from cbserve import LLM, SamplingParams
+
+    from .cases import CHAT, MAX_TOKENS, PROMPTS
+
+    torch.set_num_threads(1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    out: dict[str, str] = {}
+    engine_kw = {k: COMMON[k] for k in ("dtype", "device", "max_model_len", "max_num_batched_tokens")}
+    llm = LLM(kv_cache_memory_bytes=48 * 1024**2, progress=False, **engine_kw)
+    for p in PROMPTS:
+        out[f"main:{p}"] = llm.generate(p, greedy, use_tqdm=False)[0].outputs[0].text
+    out["main:chat"] = llm.chat(CHAT, greedy, use_tqdm=False)[0].outputs[0].text
+    llm.shutdown()
+    llm = LLM(str(tp2_model), kv_cache_memory_bytes=16 * 1024**2, progress=False, **engine_kw)
+    for p in PROMPTS:
+        out[f"tp2:{p}"] = llm.generate(p, greedy, use_tqdm=False)[0].outputs[0].text
+    llm.shutdown()
+    return out
+
+
+@pytest.fixture(scope="package")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    from cbserve.cluster.app import build_app
+
+    from test_multinode import derive_tp2_model  # the cut-down model of the multi-node test
+
+    tp2_model = derive_tp2_model(tmp_path_factory.mktemp("model") / TP2_MODEL)
+    port = free_port()
+    ray.init(
+        address="local", num_cpus=16, include_dashboard=False, namespace="cbserve-e2e",
+        object_store_memory=256 * 1024**2,
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run_many(
+            [
+                RunTarget(build_app(MAIN_ARGS), name="main", route_prefix="/"),
+                RunTarget(build_app(dict(TP2_ARGS, model=str(tp2_model))), name="tp2", route_prefix="/tp2"),
+            ],
+            wait_for_applications_running=False,
+        )
+        expected = _reference(tp2_model)  # while the apps start
+        base = f"http://127.0.0.1:{port}"
+        srv = Server(App(base, MAIN_MODEL, API_KEY), App(f"{base}/tp2", TP2_MODEL, None), tp2_model, expected)
+        wait_for("both apps healthy", lambda: srv.main.healthy() and srv.tp2.healthy(), READY_TIMEOUT_S, 1.0)
+        yield srv
+    finally:
+        serve.shutdown()
+        ray.shutdown()

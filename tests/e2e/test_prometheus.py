@@ -1,0 +1,249 @@
+"""The dashboards are proven against a live Prometheus scraping a live cbserve deployment.
+
+A real local Ray cluster runs the cbserve app (cluster/app.py, bundled SmolLM2 GGUF on CPU, a small KV
+cache so that requests get preempted and one is rejected by the engine) on a free HTTP port. A real
+Prometheus (Debian package ``prometheus``) is started on a free port with the scrape configuration of
+deploy/prometheus.yml, only the service-discovery file path (this cluster's session dir) and the
+intervals rewritten. After a small load (completions, a streamed chat completion, concurrent requests,
+bad requests), every PromQL expression of every dashboard panel (template variables = ``.*``,
+``$__rate_interval`` = 5m) must return at least one finite sample through /api/v1/query.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+MODEL = "SmolLM2-135M-Instruct"
+RATE_INTERVAL = "5m"  # covers the whole test, so quantiles see the load
+SD_FILE = "prom_metrics_service_discovery.json"
+
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK), reason="prometheus binary not installed"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, check: Any, timeout: float, interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except OSError:
+        return 0, b""
+
+
+# ---- fixtures: Ray + the cbserve app, Prometheus ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_session_dir() -> Iterator[Path]:
+    ray = pytest.importorskip("ray")
+    ray.init(
+        address="local",  # always a new cluster of our own, even if another one runs on this machine
+        num_cpus=4,
+        include_dashboard=True,  # the dashboard writes Prometheus's service-discovery file
+        dashboard_port=free_port(),
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    try:
+        yield Path(ray._private.worker.global_worker.node.get_session_dir_path())
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app_url(ray_session_dir: Path) -> Iterator[str]:
+    from cbserve.cluster.app import build_app
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {
+        "device": "cpu",
+        "worker_torch_threads": 1,
+        "max_model_len": 1024,
+        "num_kv_blocks": 24,  # 384 tokens: concurrent requests preempt, a long prompt is rejected
+        "max_num_batched_tokens": 256,
+    }
+    try:
+        serve.run(build_app(args), name="cbserve", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        wait_for("the app's /health", lambda: http_get(url + "/health")[0] == 200, 180)
+        yield url
+    finally:
+        serve.shutdown()
+
+
+def prometheus_config(sd_file: Path) -> dict[str, Any]:
+    """deploy/prometheus.yml with only the discovery file path and the intervals rewritten."""
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    config["global"] = {**config.get("global", {}), "scrape_interval": "1s", "evaluation_interval": "1s"}
+    jobs = config["scrape_configs"]
+    assert len(jobs) == 1 and jobs[0]["file_sd_configs"], "deploy/prometheus.yml: one file_sd scrape job"
+    for sd in jobs[0]["file_sd_configs"]:
+        assert [Path(f).name for f in sd["files"]] == [SD_FILE]
+        sd["files"] = [str(sd_file)]
+        sd["refresh_interval"] = "1s"
+    return config
+
+
+@pytest.fixture(scope="module")
+def prometheus_url(ray_session_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    sd_file = ray_session_dir / SD_FILE
+    wait_for(f"Ray's service-discovery file {sd_file}", sd_file.exists, 60)
+    tmp = tmp_path_factory.mktemp("prometheus")
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(prometheus_config(sd_file)))
+    port = free_port()
+    cmd = [
+        PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn",
+    ]  # fmt: skip
+    with open(tmp / "prometheus.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(
+            "Prometheus /-/ready", lambda: proc.poll() is None and http_get(url + "/-/ready")[0] == 200, 60
+        )
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def query(prom: str, expr: str) -> list[dict[str, Any]]:
+    status, body = http_get(f"{prom}/api/v1/query?{urllib.parse.urlencode({'query': expr})}", timeout=10)
+    data = json.loads(body or b"{}")
+    if status != 200 or data.get("status") != "success":
+        raise AssertionError(f"query failed ({status}): {expr}\n{body[:500]!r}")
+    return data["data"]["result"]
+
+
+def has_finite_sample(result: list[dict[str, Any]]) -> bool:
+    return any(math.isfinite(float(r["value"][1])) for r in result)
+
+
+# ---- load ---------------------------------------------------------------------------------------------
+def run_load(url: str) -> dict[str, int]:
+    """A few completions, concurrent (batches, preemptions, prefix hits), streamed, and bad ones."""
+    from openai import BadRequestError, NotFoundError, OpenAI
+
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    shared = "You are a helpful assistant. Answer briefly and precisely. " * 4  # prefix-cache hits
+
+    def complete(i: int) -> int:
+        out = client.completions.create(model=MODEL, prompt=f"{shared}Question {i}: name a colour.",
+                                        max_tokens=24, temperature=0.0)  # fmt: skip
+        return out.usage.completion_tokens
+
+    with ThreadPoolExecutor(6) as pool:
+        tokens = sum(pool.map(complete, range(6)))
+    chunks = 0
+    for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
+                                                max_tokens=12, stream=True):  # fmt: skip
+        chunks += bool(chunk.choices and chunk.choices[0].delta.content)
+    with pytest.raises(BadRequestError):  # fits max_model_len, not the KV cache: the engine rejects it
+        client.completions.create(model=MODEL, prompt="word " * 500, max_tokens=8)
+    with pytest.raises(BadRequestError):  # refused at the ingress
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=-1)
+    with pytest.raises(NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hello", max_tokens=4)
+    return {"tokens": tokens, "chunks": chunks}
+
+
+# ---- the test -----------------------------------------------------------------------------------------
+def dashboard_queries() -> list[tuple[str, str, str]]:
+    out = []
+    for path in sorted((ROOT / "dashboards").glob("*.json")):
+        dash = json.loads(path.read_text())
+        panels = [q for p in dash["panels"] for q in [p, *p.get("panels", [])]]
+        out += [(path.name, p["title"], t["expr"]) for p in panels for t in p.get("targets", [])]
+    return out
+
+
+def substitute(expr: str) -> str:
+    expr = expr.replace("$__rate_interval", RATE_INTERVAL)
+    for var in ("model", "replica", "application"):
+        expr = expr.replace(f"${{{var}}}", ".*").replace(f"${var}", ".*")
+    assert "$" not in expr, f"unsubstituted variable in {expr}"
+    return expr
+
+
+def test_every_dashboard_query_returns_data(app_url: str, prometheus_url: str) -> None:
+    started = time.monotonic()
+    load = run_load(app_url)
+    assert load["tokens"] > 0 and load["chunks"] > 0
+
+    # Prometheus found Ray's metrics port through the discovery file and scrapes it.
+    targets = wait_for("a healthy scrape target", lambda: query(prometheus_url, 'up{job="ray"} == 1'), 60)
+    assert targets
+
+    queries = [(d, t, substitute(e)) for d, t, e in dashboard_queries()]
+    missing: list[tuple[str, str, str]] = []
+
+    def all_have_data() -> bool:
+        missing[:] = [q for q in queries if not has_finite_sample(query(prometheus_url, q[2]))]
+        return not missing
+
+    try:
+        wait_for("every dashboard query to return data", all_have_data, 90, interval=2)
+    except TimeoutError:
+        lines = "\n".join(f"  {d} / {t}: {e}" for d, t, e in missing)
+        pytest.fail(f"{len(missing)} of {len(queries)} dashboard queries return no data:\n{lines}")
+    took = time.monotonic() - started
+    print(f"{len(queries)} dashboard queries return data; {took:.1f}s after the load began")
+
+    # The load left the marks it should: a rejection by the engine, HTTP errors, preemptions happened.
+    rejected = query(prometheus_url, 'sum(ray_cbserve_request_rejected_total{reason="rejected"})')
+    assert rejected and float(rejected[0]["value"][1]) >= 1
+    errors = query(prometheus_url, 'sum by (status)(ray_cbserve_http_requests_total{status=~"4.."})')
+    assert {r["metric"]["status"] for r in errors} >= {"400", "404"}
+    finished = query(prometheus_url, "sum(ray_cbserve_request_finished_total)")
+    assert float(finished[0]["value"][1]) >= 7
+    for expr in (
+        "sum(ray_cbserve_num_preemptions_total)",
+        "sum(ray_cbserve_prefix_cache_hits_total)",
+        "sum(ray_cbserve_request_rejected_total)",
+        "sum(ray_serve_num_http_requests_total)",
+    ):
+        print(expr, "=", query(prometheus_url, expr)[0]["value"][1])

@@ -1,0 +1,99 @@
+"""Beam search in the engine (fork / drop / copy-on-write) against a plain reference beam search over
+the same fake model."""
+
+from __future__ import annotations
+
+import pytest
+from cbserve.scheduler import RequestRejectedError
+from cbserve.scheduler.beam_search import beam_score
+from sched_fakes import EOS, Collected, collect, make_engine, req, run, top_candidates
+
+
+def reference_beam_search(
+    prompt: list[int], width: int, n: int, max_tokens: int, eos_at: int | None, penalty: float
+) -> list[tuple[list[int], str]]:
+    k = min(20, 2 * width)
+    live: list[tuple[float, list[int]]] = [(0.0, [])]
+    finished: list[tuple[float, list[int], str]] = []  # EOS hypotheses
+    done_length: list[tuple[float, list[int], str]] = []
+    while live:
+        cands = []
+        for cum, out in live:
+            eos_second = eos_at is not None and len(out) + 1 >= eos_at
+            for tok, lp in top_candidates(prompt + out, k, eos_second):
+                cands.append((cum + lp, out, tok))
+        cands.sort(key=lambda c: c[0], reverse=True)
+        chosen = []
+        for pos, (cum, out, tok) in enumerate(cands):
+            if len(chosen) >= width:
+                break
+            if tok == EOS:
+                if pos < width:
+                    finished.append((cum, [*out, tok], "stop"))
+                continue
+            chosen.append((cum, [*out, tok]))
+        live = []
+        for cum, out in chosen:
+            (done_length if len(out) >= max_tokens else live).append(
+                (cum, out, "length") if len(out) >= max_tokens else (cum, out)  # type: ignore[arg-type]
+            )
+        if live and len(finished) >= width:
+            worst = sorted((beam_score(c, len(o), penalty) for c, o, _ in finished), reverse=True)[width - 1]
+            if max(beam_score(c, len(o), penalty) for c, o in live) <= worst:
+                live = []
+    allh = finished + done_length
+    allh.sort(key=lambda h: beam_score(h[0], len(h[1]), penalty), reverse=True)
+    return [(h[1], h[2]) for h in allh[:n]]
+
+
+@pytest.mark.parametrize(
+    ("width", "n", "max_tokens", "eos_at", "penalty", "num_blocks"),
+    [
+        (2, 1, 5, None, 1.0, 64),
+        (3, 2, 6, 3, 1.0, 64),
+        (4, 4, 7, 2, 0.5, 64),
+        (3, 3, 8, 4, 1.0, 18),  # tight cache shared with a plain request: beams preempted, recomputed
+    ],
+)
+def test_beam_search_matches_reference(
+    width: int, n: int, max_tokens: int, eos_at: int | None, penalty: float, num_blocks: int
+) -> None:
+    engine, ex = make_engine(block_size=2, num_blocks=num_blocks, max_seqs=8, max_model_len=64)
+    r = req(
+        "b", 5, max_tokens=max_tokens, n=n, best_of=width if width != n else None, use_beam_search=True,
+        temperature=0.0, length_penalty=penalty,
+    )  # fmt: skip
+    if eos_at is not None:
+        ex.eos_after["b"] = eos_at
+    if num_blocks == 18:
+        engine.add_request(req("p", 16, max_tokens=12))
+    engine.add_request(r)
+    col = run(engine)
+    got = [(col.final[("b", i)], col.reasons[("b", i)]) for i in range(n)]
+    assert got == reference_beam_search(r.prompt_token_ids, width, n, max_tokens, eos_at, penalty)
+    assert any(c.block_copies for c in ex.calls)  # forks wrote into shared partly filled blocks
+    assert engine.scheduler.kv.num_free_blocks == num_blocks
+    if num_blocks == 18:
+        assert any(rid.startswith("b") for c in ex.calls for rid in c.preempted_req_ids)
+
+
+def test_beam_search_alongside_other_requests_and_abort() -> None:
+    engine, _ = make_engine(block_size=2, num_blocks=64, max_model_len=64)
+    engine.add_request(req("b", 5, max_tokens=6, n=2, use_beam_search=True, temperature=0.0))
+    engine.add_request(req("c", 5, max_tokens=6, n=2, use_beam_search=True, temperature=0.0))
+    engine.add_request(req("plain", 4, max_tokens=6))
+    col = Collected()
+    for _ in range(3):
+        collect(engine.step(), col)
+        engine.check_integrity()
+    engine.abort_request("c")
+    run(engine, into=col)
+    assert col.reasons[("c", 0)] == "abort" and col.reasons[("c", 1)] == "abort"
+    assert len(col.final[("b", 0)]) == 6 and len(col.tokens[("plain", 0)]) == 6
+    assert engine.scheduler.kv.num_free_blocks == 64
+
+
+def test_beam_search_rejected_when_beams_cannot_fit() -> None:
+    engine, _ = make_engine(block_size=4, num_blocks=10, max_model_len=64)
+    with pytest.raises(RequestRejectedError, match="beam search with width 4"):
+        engine.add_request(req("b", 8, max_tokens=12, n=4, use_beam_search=True, temperature=0.0))

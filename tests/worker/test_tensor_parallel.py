@@ -1,0 +1,88 @@
+"""TP=2 on CPU (two spawned processes, gloo) gives the same greedy tokens as TP=1 on the tiny model."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from worker_testlib import make_tiny_model, run_engine
+
+from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.worker.config import ModelConfig
+from cbserve.worker.executor import LocalExecutor
+from cbserve.worker.model_runner import ModelRunner
+
+BLOCK, NUM_BLOCKS = 4, 64
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [11, 12, 13], list(range(40, 75))]
+
+
+class _BroadcastExecutor:
+    """Rank 0's executor: every SchedulerOutput is broadcast to rank 1 before running locally."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        dist.broadcast_object_list([so], src=0)
+        return self.runner.execute_model(so)
+
+    def shutdown(self) -> None:
+        dist.broadcast_object_list([None], src=0)
+
+
+def _requests() -> list:
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    return [(f"r{i}", p, sp) for i, p in enumerate(PROMPTS)]
+
+
+def _worker(rank: int, folder: str, port: int, result_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        runner = ModelRunner(ModelConfig(model=folder, tensor_parallel_size=2, rank=rank), BLOCK, progress=False)
+        runner.init_kv_cache(NUM_BLOCKS)
+        if rank == 0:
+            executor = _BroadcastExecutor(runner)
+            run = run_engine(executor, _requests(), block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                             max_num_batched_tokens=16, max_num_seqs=4)
+            executor.shutdown()
+            torch.save({k: v[0] for k, v in run.tokens.items()}, result_file)
+        else:
+            while True:
+                box: list = [None]
+                dist.broadcast_object_list(box, src=0)
+                if box[0] is None:
+                    break
+                out = runner.execute_model(box[0])
+                assert out.req_ids == []  # only rank 0 samples
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(180)
+def test_tp2_matches_tp1(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path / "model", "llama_gqa")
+    executor = LocalExecutor(ModelConfig(model=str(folder)), BLOCK, num_blocks=NUM_BLOCKS, progress=False)
+    tp1 = run_engine(executor, _requests(), block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
+                     max_num_seqs=4)
+    result_file = str(tmp_path / "tp2.pt")
+    mp.spawn(_worker, args=(str(folder), _free_port(), result_file), nprocs=2, join=True)
+    tp2 = torch.load(result_file)
+    assert tp2 == {k: v[0] for k, v in tp1.tokens.items()}
+
+
+def test_tp_size_must_match_the_process_group(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path / "model", "llama_gqa")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ModelRunner(ModelConfig(model=str(folder), tensor_parallel_size=2), BLOCK, progress=False)

@@ -1,0 +1,85 @@
+"""Compile every Triton kernel ahead of time for an H100 (sm_90, bf16) without needing a GPU.
+
+The interpreter runs kernels as Python, so it does not catch what only the compiler rejects (non-constexpr
+globals, type errors in tl ops, shared-memory overflow). ``triton.compile`` with an explicit GPUTarget
+runs the whole pipeline down to a cubin with the bundled ptxas, no driver required.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+_TRITON_SPEC = importlib.util.find_spec("triton")  # not imported here: it would fix interpret mode for
+# the whole pytest process before the interpreter tests can set TRITON_INTERPRET
+
+pytestmark = pytest.mark.slow
+
+_PTR = "*bf16"
+_KV_WRITE = dict(key_ptr=_PTR, value_ptr=_PTR, k_cache_ptr=_PTR, v_cache_ptr=_PTR, slot_ptr="*i64",
+                 stride_k_tok="i32", stride_k_head="i32", stride_v_tok="i32", stride_v_head="i32",
+                 stride_c_blk="i64", stride_c_off="i32", stride_c_head="i32")
+_PREFILL = dict(q_ptr=_PTR, k_cache_ptr=_PTR, v_cache_ptr=_PTR, out_ptr=_PTR, block_tables_ptr="*i32",
+                cu_seqlens_q_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32", stride_q_tok="i32",
+                stride_q_head="i32", stride_o_tok="i32", stride_o_head="i32", stride_c_blk="i64",
+                stride_c_off="i32", stride_c_head="i32", stride_bt="i32")
+_DECODE = dict(q_ptr=_PTR, k_cache_ptr=_PTR, v_cache_ptr=_PTR, block_tables_ptr="*i32", seq_lens_ptr="*i32",
+               mid_o_ptr="*fp32", mid_lse_ptr="*fp32", qk_scale="fp32", stride_q_tok="i32",
+               stride_q_head="i32", stride_c_blk="i64", stride_c_off="i32", stride_c_head="i32",
+               stride_bt="i32", stride_mo_req="i32", stride_mo_head="i32", stride_mo_split="i32",
+               stride_ml_req="i32", stride_ml_head="i32")
+_MERGE = dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", out_ptr=_PTR, stride_mo_req="i32",
+              stride_mo_head="i32", stride_mo_split="i32", stride_ml_req="i32", stride_ml_head="i32",
+              stride_o_tok="i32", stride_o_head="i32")
+
+CASES = [  # (kernel name, arg types, constexprs) at Llama-3-8B shapes (GQA 4, head_dim 128, block 16)
+    ("_kv_write_kernel", _KV_WRITE, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8,
+                                         BLOCK_D=128)),
+    ("_prefill_kernel", _PREFILL, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
+                                       BLOCK_D=128)),
+    ("_decode_split_kernel", _DECODE, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, NUM_SPLITS=8, BLOCK_H=16,
+                                           BLOCK_N=64, BLOCK_D=128)),
+    ("_decode_merge_kernel", _MERGE, dict(NUM_SPLITS=8, HEAD_DIM=128, BLOCK_S=8, BLOCK_D=128)),
+]
+
+
+_SCRIPT = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from cbserve.worker.attention import triton_kernels
+for name, types, consts in json.loads(sys.argv[1]):
+    fn = getattr(triton_kernels, name)
+    if set(types) | set(consts) != set(fn.arg_names):
+        sys.exit(f"{name}: test signature out of date with the kernel {fn.arg_names}")
+    sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 2})
+    if not k.asm.get("cubin") or k.metadata.shared > 227 * 1024:
+        sys.exit(f"{name}: no cubin or too much shared memory ({k.metadata.shared})")
+    print(name, "shared", k.metadata.shared)
+"""
+
+
+def test_kernels_compile_for_sm90() -> None:
+    """In a fresh process without TRITON_INTERPRET: interpreted and compiled kernels cannot share one."""
+    if _TRITON_SPEC is None or not _TRITON_SPEC.submodule_search_locations:
+        pytest.skip("triton is not installed")
+    root = next(iter(_TRITON_SPEC.submodule_search_locations))
+    ptxas = os.path.join(root, "backends", "nvidia", "bin", "ptxas")
+    if not (os.path.exists(ptxas) or shutil.which("ptxas")):
+        pytest.skip("no ptxas bundled with triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(CASES)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("shared") == len(CASES), proc.stdout

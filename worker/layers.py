@@ -1,0 +1,162 @@
+"""Building blocks of the Llama family, tensor-parallel aware (Megatron-style sharding).
+
+Column-parallel layers split the output dimension across ranks; row-parallel layers split the input
+dimension and sum the partial results with an all-reduce. Every parameter carries a ``weight_loader`` that
+copies this rank's shard out of a full checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_world_size
+
+
+def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 like HF's LlamaRMSNorm; optionally fused with the residual add."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight.weight_loader = _default_loader
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed, new_residual) where new_residual = x + residual (or x)."""
+        if residual is not None:
+            x = x + residual
+        return self._norm(x), x
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) with W's output rows split across ranks; each rank returns its slice of y.
+
+    ``output_sizes`` lists the logical sub-matrices fused into this layer (e.g. gate and up); each is
+    sharded separately so rank r holds [gate_r; up_r].
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = tp_world_size(), tp_rank()
+        self.shard_sizes = [divide(s, self.tp_size, "linear output size") for s in output_sizes]
+        out = sum(self.shard_sizes)
+        self.weight = nn.Parameter(torch.empty(out, input_size))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out))
+            self.bias.weight_loader = self.weight_loader
+
+    def _offset(self, shard_id: int) -> int:
+        return sum(self.shard_sizes[:shard_id])
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        size = self.shard_sizes[shard_id]
+        piece = loaded.narrow(0, self.tp_rank * size, size)
+        target = param.data.narrow(0, self._offset(shard_id), size)
+        if target.shape != piece.shape:
+            raise ValueError(
+                f"weight shape mismatch: expected {tuple(target.shape)}, got {tuple(piece.shape)}"
+            )
+        target.copy_(piece)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection; heads (query and key/value) are split across ranks."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+        super().__init__(
+            hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias
+        )
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int = 0) -> None:
+        idx = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id)  # type: ignore[arg-type]
+        super().weight_loader(param, loaded, int(idx))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = tp_world_size(), tp_rank()
+        self.in_shard = divide(input_size, self.tp_size, "linear input size")
+        self.weight = nn.Parameter(torch.empty(output_size, self.in_shard))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size))
+            self.bias.weight_loader = _default_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        _default_loader(param, loaded.narrow(1, self.tp_rank * self.in_shard, self.in_shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split across ranks; out-of-shard ids give 0, then all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        super().__init__()
+        self.tp_size, self.tp_rank = tp_world_size(), tp_rank()
+        self.vocab_size = vocab_size
+        self.shard = -(-vocab_size // self.tp_size)  # ceil: the last shard is padded
+        self.start = self.tp_rank * self.shard
+        self.weight = nn.Parameter(torch.zeros(self.shard, hidden))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        end = min(self.start + self.shard, loaded.shape[0])
+        param.data.zero_()
+        param.data[: end - self.start].copy_(loaded[self.start : end])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local >= 0) & (local < self.shard)
+        y = F.embedding(local.clamp(0, self.shard - 1), self.weight) * mask.unsqueeze(-1).to(
+            self.weight.dtype
+        )
+        return all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """LM head sharing VocabParallelEmbedding's sharding; logits are gathered over ranks."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = all_gather_last_dim(logits)
+        return logits[:, : self.vocab_size]
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,191 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2-style q/k/v bias), with GQA, RoPE scaling, tied
+embeddings and tensor parallelism, over a flattened, unpadded token batch and a paged KV cache."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from .layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+from .parallel import divide, tp_world_size
+from .rotary import RotaryEmbedding, apply_rotary
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def head_dim_of(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def num_kv_heads_of(cfg: Any) -> int:
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, backend_cls: type[AttentionBackend]) -> None:
+        super().__init__()
+        tp = tp_world_size()
+        self.head_dim = head_dim_of(cfg)
+        self.num_heads = divide(cfg.num_attention_heads, tp, "num_attention_heads")
+        self.num_kv_heads = divide(num_kv_heads_of(cfg), tp, "num_key_value_heads")
+        qwen2 = cfg.model_type == "qwen2"
+        attn_bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, self.head_dim, cfg.num_attention_heads, num_kv_heads_of(cfg), attn_bias or qwen2
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * self.head_dim, cfg.hidden_size, attn_bias and not qwen2
+        )
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.attn = backend_cls(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        o = self.attn.forward(q, k, v, kv_cache, md)
+        return self.o_proj(o.view(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not supported")
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, backend_cls: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend_cls)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, md)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, backend_cls: type[AttentionBackend], max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend_cls) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg, head_dim_of(cfg), max_positions)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` returns the final hidden states (before the last norm) of every token;
+    ``compute_logits`` takes only the rows to sample."""
+
+    def __init__(self, cfg: Any, backend_cls: type[AttentionBackend], max_positions: int) -> None:
+        super().__init__()
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise NotImplementedError(
+                f"model_type {cfg.model_type!r} is not supported ({SUPPORTED_MODEL_TYPES})"
+            )
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend_cls, max_positions)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, md)
+        return x + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        h, _ = self.model.norm(hidden)
+        return self.lm_head.compute_logits(h)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named checkpoint tensors, fusing q/k/v and gate/up and keeping this rank's shard."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            target, shard = _map_name(name)
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            param = params[target]
+            if shard is None:
+                param.weight_loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
+            loaded.add(target)
+        expected = set(params) - ({"lm_head.weight"} if self.tie_word_embeddings else set())
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"weights missing from checkpoint: {sorted(missing)[:5]}")
+
+
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _map_name(name: str) -> tuple[str, str | int | None]:
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p in _FUSED:
+            fused, shard = _FUSED[p]
+            parts[i] = fused
+            return ".".join(parts), shard
+    return name, None

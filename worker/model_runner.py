@@ -1,0 +1,188 @@
+"""ModelRunner: one worker's model, KV cache and sampler; turns a SchedulerOutput into a ModelRunnerOutput."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+
+from .attention.backend import KVCache
+from .attention.selector import get_attention_backend
+from .config import ModelConfig
+from .input_batch import PreparedBatch, RequestState, build_batch, order_decode_first
+from .kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, num_blocks_for_budget
+from .model import LlamaForCausalLM, head_dim_of, num_kv_heads_of
+from .model_loader import eos_token_ids, iter_weights, load_hf_config, resolve_model
+from .parallel import divide, tp_rank, tp_world_size
+from .profiling import profile_cuda_kv_budget
+from .sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    """Holds the model shard, the paged KV cache and per-request state of one (tensor-parallel) rank.
+
+    Usage: ``runner = ModelRunner(cfg, block_size)``; ``runner.init_kv_cache(runner.determine_num_blocks())``;
+    then ``runner.execute_model(scheduler_output)`` every iteration.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 128,
+        progress: bool = True,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if config.tensor_parallel_size != tp_world_size():
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size} but torch.distributed has "
+                f"{tp_world_size()} rank(s): initialise the process group first"
+            )
+        self.config = config
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        torch.manual_seed(config.seed)
+        self.model_folder: Path = resolve_model(config.model).folder
+        self.hf_config = load_hf_config(self.model_folder)
+        model_max = int(getattr(self.hf_config, "max_position_embeddings", 0) or 1 << 30)
+        self.max_model_len = min(config.max_model_len or model_max, model_max)
+        self.backend_cls = get_attention_backend(config.attention_backend, self.device)
+        with _default_dtype(self.dtype), torch.device(self.device):
+            self.model = LlamaForCausalLM(self.hf_config, self.backend_cls, self.max_model_len)
+        self.model.load_weights(iter_weights(self.model_folder, progress=progress and tp_rank() == 0))
+        self.model.eval()
+        self.eos_token_ids = sorted(eos_token_ids(self.model_folder, self.hf_config))
+        self.sampler = Sampler(self.eos_token_ids)
+        self.num_kv_heads = divide(num_kv_heads_of(self.hf_config), tp_world_size(), "num_key_value_heads")
+        self.head_dim = head_dim_of(self.hf_config)
+        self.kv_caches: list[KVCache] = []
+        self.num_blocks = 0
+        self.requests: dict[str, RequestState] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    # ---- KV cache ------------------------------------------------------------------------------
+    def block_bytes(self) -> int:
+        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit: from kv_cache_memory_bytes on CPU; on CUDA from gpu_memory_utilization after
+        the weights and a profiling forward pass at the largest batch."""
+        if self.device.type == "cuda":
+            budget = profile_cuda_kv_budget(self, self.config.gpu_memory_utilization)
+        else:
+            budget = self.config.kv_cache_memory_bytes
+        return num_blocks_for_budget(budget, self.block_bytes())
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_cache(
+            self.num_layers,
+            num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.num_blocks = num_blocks
+
+    # ---- one iteration -------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = RequestState.from_new(new)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests.get(cached.req_id)
+            if state is None:
+                raise KeyError(f"cached request {cached.req_id!r} is unknown to the worker")
+            state.update(cached)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        self._update_states(so)
+        if not self.kv_caches:
+            raise RuntimeError("init_kv_cache() must be called before execute_model()")
+        copy_blocks(self.kv_caches, so.block_copies)
+        if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
+            return ModelRunnerOutput(forward_time_s=time.perf_counter() - t0)
+        states = [self.requests[r] for r in so.num_scheduled_tokens]
+        states = order_decode_first(states, so.num_scheduled_tokens)
+        batch = build_batch(states, so.num_scheduled_tokens, self.block_size, self.device)
+        logits = self._forward(batch)
+        out = self._sample(batch, logits) if tp_rank() == 0 else ModelRunnerOutput()
+        for state in states:
+            state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
+        out.forward_time_s = time.perf_counter() - t0
+        return out
+
+    def _forward(self, batch: PreparedBatch) -> torch.Tensor | None:
+        attn = self.model.model.layers[0].self_attn.attn
+        attn.prepare(batch.metadata)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        if batch.logits_rows.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
+
+    def _sample(self, batch: PreparedBatch, logits: torch.Tensor | None) -> ModelRunnerOutput:
+        out = ModelRunnerOutput(req_ids=list(batch.sampled_req_ids))
+        if logits is None:
+            return out
+        owner = torch.tensor(batch.sample_owner, dtype=torch.long, device=logits.device)
+        rows_logits = logits if len(batch.sample_owner) == logits.shape[0] else logits.index_select(0, owner)
+        tokens, logprobs = self.sampler(rows_logits, batch.sample_rows)
+        sampled: list[list[int]] = [[] for _ in batch.sampled_req_ids]
+        lps: list[list[TokenLogprob] | None] = [None for _ in batch.sampled_req_ids]
+        for j, o in enumerate(batch.sample_owner):
+            sampled[o].append(tokens[j])
+            if logprobs[j] is not None:
+                lps[o] = (lps[o] or []) + [logprobs[j]]  # type: ignore[operator]
+        out.sampled_token_ids = sampled
+        out.logprobs = lps
+        return out
+
+    @torch.inference_mode()
+    def dummy_forward(self, num_tokens: int, num_logits: int) -> None:
+        """Run a forward pass over ``num_tokens`` tokens (as prefill chunks of at most max_model_len) and
+        compute ``num_logits`` rows of logits: the activation peak for memory profiling."""
+        from .profiling import dummy_batch
+
+        batch = dummy_batch(self, num_tokens, num_logits)
+        attn = self.model.model.layers[0].self_attn.attn
+        attn.prepare(batch.metadata)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
+        torch.softmax(logits.float(), dim=-1)
+
+    def shutdown(self) -> None:
+        self.kv_caches = []
+        self.requests.clear()

@@ -1,0 +1,64 @@
+"""Memory profiling: how many bytes the KV cache may take on a CUDA device."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from cbserve.scheduler.sampling_params import SamplingParams
+
+from .input_batch import PreparedBatch, RequestState, build_batch
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def dummy_batch(runner: ModelRunner, num_tokens: int, num_logits: int) -> PreparedBatch:
+    """Prefill chunks of up to max_model_len tokens covering ``num_tokens``, all writing to block 0..;
+    the runner's KV cache must hold at least ceil(max chunk / block_size) blocks."""
+    chunk = min(num_tokens, runner.max_model_len)
+    nblocks = -(-chunk // runner.block_size)
+    states, sched = [], {}
+    left = num_tokens
+    while left > 0:
+        n = min(chunk, left)
+        rid = f"profile-{len(states)}"
+        states.append(RequestState(rid, [0] * n, n, SamplingParams(), list(range(nblocks)), 0))
+        sched[rid] = n
+        left -= n
+    batch = build_batch(states, sched, runner.block_size, runner.device)
+    rows = batch.logits_rows
+    if num_logits > rows.numel():  # profile the LM head at max_num_seqs rows
+        batch.logits_rows = torch.zeros(num_logits, dtype=torch.long, device=runner.device)
+    return batch
+
+
+def profile_cuda_kv_budget(runner: ModelRunner, gpu_memory_utilization: float) -> int:
+    """Bytes left for the KV cache: total * utilization - (memory in use before profiling) - (activation
+    peak of a forward pass at max_num_batched_tokens with max_num_seqs logits rows)."""
+    device = runner.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    in_use_before = total - free  # weights, CUDA context, other processes
+    scratch_blocks = -(-min(runner.max_num_batched_tokens, runner.max_model_len) // runner.block_size)
+    runner.init_kv_cache(scratch_blocks)
+    allocated_before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.dummy_forward(runner.max_num_batched_tokens, runner.max_num_seqs)
+    torch.cuda.synchronize(device)
+    activation_peak = torch.cuda.max_memory_allocated(device) - allocated_before
+    runner.kv_caches = []
+    torch.cuda.empty_cache()
+    budget = int(total * gpu_memory_utilization) - in_use_before - activation_peak
+    logger.info(
+        "CUDA memory: total %.2f GiB, in use %.2f GiB, activation peak %.2f GiB -> KV cache %.2f GiB",
+        total / 2**30,
+        in_use_before / 2**30,
+        activation_peak / 2**30,
+        budget / 2**30,
+    )
+    return budget

@@ -1,0 +1,81 @@
+"""Rotary position embeddings (RoPE) with the config's scaling: default, linear, llama3; other HF types
+(yarn, longrope, ...) through transformers' own frequency functions at load time."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """Normalise transformers 4.x (rope_theta + rope_scaling) and 5.x (rope_parameters) configs."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        out = dict(params)
+    else:
+        out = dict(getattr(hf_config, "rope_scaling", None) or {})
+        out["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    out["rope_type"] = out.get("rope_type", out.get("type", "default")) or "default"
+    return out
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (float32) and the cos/sin scaling factor."""
+    p = rope_parameters(hf_config)
+    rope_type = p["rope_type"]
+    base = float(p["rope_theta"])
+    dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
+    if dim != head_dim:
+        raise NotImplementedError("partial rotary embeddings are not supported")
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / p["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, p), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+        raise NotImplementedError(f"rope type {rope_type!r} is not supported")
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv.float(), float(scale)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables [max_positions, head_dim]; ``cos_sin(positions)`` once per forward."""
+
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scale = compute_inv_freq(hf_config, head_dim)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = t[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_tokens, 1, head_dim] tables for the given positions (broadcast over heads)."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim] (rotate-half convention, as HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
