@@ -67,9 +67,8 @@ def wait_ready(url: str, timeout_s: float) -> bool:
 
 def main(args: argparse.Namespace) -> int:
     import ray
-    from ray import serve
-
     from cbserve.cluster.app import build_app_from_config
+    from ray import serve
 
     config = config_from_args(args)
     init_ray(args.ray_address)

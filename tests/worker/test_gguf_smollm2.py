@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from worker_testlib import hf_greedy, run_engine
-
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker import model_loader
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.executor import LocalExecutor
 from cbserve.worker.tokenizer import load_tokenizer
+from worker_testlib import hf_greedy, run_engine
 
 MAX_NEW = 12
 
@@ -65,7 +64,7 @@ def test_smollm2_greedy_matches_hf(folder: Path) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
     ex = LocalExecutor(ModelConfig(), block_size=16, num_blocks=6, progress=False)
     run = run_engine(ex, [(f"r{i}", p, sp) for i, p in enumerate(prompts)], block_size=16, num_blocks=6,
-                     max_num_batched_tokens=24, max_num_seqs=4, join_at_step={"r3": 3})
+                     max_num_batched_tokens=24, max_num_seqs=4, join_at_step={"r1": 2, "r3": 3})
     assert run.prefix_hits > 0 and run.num_preemptions > 0
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for i, p in enumerate(prompts):

@@ -7,7 +7,6 @@ from collections import Counter
 
 import pytest
 import torch
-
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.sampler import Sampler, SamplingRow
 

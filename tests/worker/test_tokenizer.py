@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from cbserve.worker.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
 
 
@@ -26,7 +25,9 @@ def _stream(tok, text: str, prompt: str = "", **kw) -> tuple[list[str], Incremen
     return pieces, d
 
 
-@pytest.mark.parametrize("text", ["Hello world, how are you?", "naïve café — 日本語のテキスト 🤖🚀 done", " spaced  out\n\nlines"])
+@pytest.mark.parametrize(
+    "text", ["Hello world, how are you?", "naïve café — 日本語のテキスト 🤖🚀 done", " spaced  out\n\nlines"]
+)
 def test_streamed_text_equals_full_decode(tok, text: str) -> None:  # noqa: ANN001
     pieces, d = _stream(tok, text, prompt="Say:")
     ids = tok(text, add_special_tokens=False)["input_ids"]

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, SchedulerConfig
 from cbserve.scheduler.sampling_params import SamplingParams
 

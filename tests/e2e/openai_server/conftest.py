@@ -138,11 +138,9 @@ def _reference(tp2_model: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="package")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    from cbserve.cluster.app import build_app
     from ray import serve
     from ray.serve.api import RunTarget
-
-    from cbserve.cluster.app import build_app
-
     from test_multinode import derive_tp2_model  # the cut-down model of the multi-node test
 
     tp2_model = derive_tp2_model(tmp_path_factory.mktemp("model") / TP2_MODEL)
