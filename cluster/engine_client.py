@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
@@ -15,6 +15,7 @@ from cbserve.cluster.openai_protocol import APIError
 from cbserve.cluster.router import NoHealthyReplicaError, Router
 from cbserve.cluster.scheduler_actor import EngineFailure, SchedulerActor
 from cbserve.scheduler.request import EngineRequest, RequestOutput
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,17 @@ _FAILURE_TYPE = {
 }
 
 
-def engine_actor_name(app_name: str, index: int) -> str:
-    return f"{app_name}:engine-{index}"
+def engine_actor_name(app_name: str, owner: str, index: int) -> str:
+    """Engines belong to one ingress replica (``owner``): a new version of the app, or a second ingress
+    replica, builds its own engines instead of adopting (and later killing) another's."""
+    return f"{app_name}:{owner}:engine-{index}"
+
+
+def engine_actor_names(app_name: str) -> list[str]:
+    """Names of the live engine actors of an app (all its ingress replicas), in index order."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a.get("namespace") == NAMESPACE and a["name"].startswith(f"{app_name}:")]
+    return sorted(names, key=lambda n: (n.rsplit(":", 2)[1], int(n.rsplit("-", 1)[1])))
 
 
 def failure_to_api_error(failure: EngineFailure) -> APIError:
@@ -42,36 +52,44 @@ def failure_to_api_error(failure: EngineFailure) -> APIError:
 
 
 class EngineClient:
-    def __init__(self, config: CBServeConfig, app_name: str) -> None:
+    def __init__(self, config: CBServeConfig, app_name: str, owner: str) -> None:
         self.config = config
         self.router = Router(
             config.num_replicas, config.block_size, config.prefix_affinity_tokens,
             config.affinity_max_imbalance_tokens,
         )
+        # The zero-CPU schedulers live beside the ingress that feeds them (one hop less on a node loss).
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+        names = [engine_actor_name(app_name, owner, i) for i in range(config.num_replicas)]
         self.engines = [
             SchedulerActor.options(
-                name=engine_actor_name(app_name, i),
+                name=name,
                 namespace=NAMESPACE,
-                get_if_exists=True,
                 max_restarts=config.max_restarts,
                 max_task_retries=0,
                 num_cpus=0,
                 max_concurrency=100_000,
-            ).remote(config.model_dump(), str(i), engine_actor_name(app_name, i))
-            for i in range(config.num_replicas)
+                scheduling_strategy=here,
+            ).remote(config.model_dump(), str(i), name)
+            for i, name in enumerate(names)
         ]
+        for engine in self.engines:  # start loading the model now, not at the first request
+            engine.health.remote()
         self.health: list[dict[str, Any]] = [{"state": "starting"} for _ in self.engines]
         self._routes: dict[str, int] = {}  # req_id -> replica index, while in flight
         self._watcher: asyncio.Task[None] | None = None
 
     # ---- health -------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, on_tick: Callable[[], None] | None = None) -> None:
+        """Start the health watcher (on the caller's event loop); ``on_tick`` runs every period."""
         if self._watcher is None:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+            self._watcher = asyncio.get_running_loop().create_task(self._watch(on_tick))
 
-    async def _watch(self) -> None:
+    async def _watch(self, on_tick: Callable[[], None] | None) -> None:
         while True:
             await self.refresh_health()
+            if on_tick is not None:
+                on_tick()
             await asyncio.sleep(HEALTH_PERIOD_S)
 
     async def refresh_health(self) -> None:

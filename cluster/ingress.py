@@ -9,6 +9,7 @@ shape. With ``api_key`` set, every route but /health needs ``Authorization: Bear
 import hmac
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -55,11 +56,13 @@ class OpenAIIngress:
         if self.tokenizer.eos_token_id is not None:  # as the offline LLM: the tokenizer's EOS first
             eos = [self.tokenizer.eos_token_id] + [t for t in eos if t != self.tokenizer.eos_token_id]
         try:
-            app_name = serve.get_replica_context().app_name
+            ctx = serve.get_replica_context()
+            app_name, owner = ctx.app_name, ctx.replica_id.unique_id
         except Exception:  # outside Serve (unit tests)
-            app_name = self.config.app_name
-        self.client = EngineClient(self.config, app_name)
-        self.serving = OpenAIServing(self.config, self.tokenizer, self.client, eos)
+            app_name, owner = self.config.app_name, uuid.uuid4().hex[:8]
+        self.client = EngineClient(self.config, app_name, owner)
+        vocab = int(getattr(hf_config, "vocab_size", 0) or len(self.tokenizer))
+        self.serving = OpenAIServing(self.config, self.tokenizer, self.client, eos, vocab)
         self.metrics = IngressMetrics(self.config.model_name)
 
     def __del__(self) -> None:
@@ -69,27 +72,38 @@ class OpenAIIngress:
 
     # ---- plumbing -----------------------------------------------------------------------------
     async def _handle(self, route: str, request: Request, fn: Handler, auth: bool = True) -> Response:
-        """Auth, error mapping and metrics around one route."""
-        self.client.start()
+        """Auth, error mapping and metrics around one route. A streamed response counts as in flight, and
+        its duration runs, until its last byte is sent (or the client goes away)."""
+        self.client.start(on_tick=self.metrics.refresh)
         start = time.perf_counter()
         self.metrics.in_flight(1)
-        status = 500
         try:
             if auth:
                 self._check_api_key(request)
             result = await fn(request)
-            response = self._to_response(result)
         except APIError as e:
-            response = JSONResponse(e.body(), status_code=e.status)
+            result = JSONResponse(e.body(), status_code=e.status)
         except Exception as e:  # a bug: report it as such
             logger.exception("internal error on %s", route)
             err = APIError(500, f"internal server error: {type(e).__name__}: {e}", "internal_error")
-            response = JSONResponse(err.body(), status_code=500)
+            result = JSONResponse(err.body(), status_code=500)
+        except BaseException:  # cancelled: the client went away before an answer
+            self.metrics.in_flight(-1)
+            raise
+        if isinstance(result, AsyncIterator):
+            return self._to_response(self._accounted(route, start, result))
+        self.metrics.in_flight(-1)
+        response = self._to_response(result)
+        self.metrics.observe_http(route, response.status_code, time.perf_counter() - start)
+        return response
+
+    async def _accounted(self, route: str, start: float, body: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        try:
+            async for chunk in body:
+                yield chunk
         finally:
             self.metrics.in_flight(-1)
-        status = response.status_code
-        self.metrics.observe_http(route, status, time.perf_counter() - start)
-        return response
+            self.metrics.observe_http(route, 200, time.perf_counter() - start)
 
     @staticmethod
     def _to_response(result: Any) -> Response:

@@ -216,6 +216,10 @@ class EngineMetrics:
         self._observe_scheduler(result.scheduler_stats, dispatch_overhead_s)
         self._observe_iteration(result.iteration_stats)
 
+    def observe_idle(self, scheduler_stats: Any) -> None:
+        """Refresh the state gauges while no step runs (Ray stops exporting a gauge not set for a while)."""
+        self._observe_scheduler(scheduler_stats, 0.0)
+
     def observe_rejected(self, reason: str) -> None:
         """Count one request refused by add_request(). The caller that catches the exception counts it
         (``iteration_stats.rejected_reasons`` holds free-text messages and is not counted again)."""
@@ -287,6 +291,10 @@ class IngressMetrics:
 
     def in_flight(self, delta: int) -> None:
         self._in_flight = max(0, self._in_flight + int(delta))
+        self._m.set("http_requests_in_flight", self._in_flight)
+
+    def refresh(self) -> None:
+        """Re-set the gauge while idle (Ray stops exporting a gauge that is not set for a while)."""
         self._m.set("http_requests_in_flight", self._in_flight)
 
 

@@ -63,7 +63,8 @@ class Generation:
 
 class OpenAIServing:
     def __init__(
-        self, config: CBServeConfig, tokenizer: Any, client: EngineClient, eos_token_ids: list[int]
+        self, config: CBServeConfig, tokenizer: Any, client: EngineClient, eos_token_ids: list[int],
+        vocab_size: int | None = None,
     ) -> None:
         """``eos_token_ids``: the EOS first, then other ids that also end a sequence (unless ignore_eos)."""
         self.config = config
@@ -71,6 +72,7 @@ class OpenAIServing:
         self.client = client
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self.extra_eos = tuple(eos_token_ids[1:])
+        self.vocab_size = vocab_size or len(tokenizer)
 
     # ---- validation ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -126,10 +128,18 @@ class OpenAIServing:
         if isinstance(prompt, str):
             return [self.encode(prompt)]
         if prompt and all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
+            return [self._checked_ids(prompt)]
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
-        return [self.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        return [self.encode(p) if isinstance(p, str) else self._checked_ids(p) for p in prompt]
+
+    def _checked_ids(self, ids: list[int]) -> list[int]:
+        """Token-id prompts must name tokens of the vocabulary (an out-of-range id would crash the forward)."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} in the prompt is outside the vocabulary [0, {self.vocab_size})",
+                           param="prompt")
+        return list(ids)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"]) if text else []

@@ -29,6 +29,7 @@ from cbserve.scheduler.request import EngineRequest, RequestOutput
 logger = logging.getLogger(__name__)
 
 REBUILD_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
+IDLE_METRICS_PERIOD_S = 1.0  # how often an idle engine re-sets its gauges
 
 
 @dataclass
@@ -176,7 +177,10 @@ class SchedulerActor:
         while True:
             if not engine.has_unfinished_requests():
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), IDLE_METRICS_PERIOD_S)
+                except asyncio.TimeoutError:
+                    self.metrics.observe_idle(engine.current_stats())
                 continue
             t0 = time.perf_counter()
             so = engine.schedule()
@@ -184,6 +188,7 @@ class SchedulerActor:
             if so.is_empty:  # as EngineCore.step(): nothing to run (e.g. only aborts, or a batching
                 result = engine.update_from_output(so, ModelRunnerOutput())  # window is open)
                 self._dispatch(result.outputs)
+                self.metrics.observe_step(result, 0.0)
                 await asyncio.sleep(0.002)
                 continue
             out = await executor.execute_model_async(so)

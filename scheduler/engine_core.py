@@ -232,6 +232,10 @@ class EngineCore:
         return stats
 
     # ---- introspection ----------------------------------------------------------------------------
+    def current_stats(self) -> SchedulerStats:
+        """The scheduler state now, without a step (no tokens scheduled): for gauges while idle."""
+        return self._stats(None, ModelRunnerOutput(), 0.0)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or bool(self._pending_outputs)
 

@@ -207,14 +207,16 @@ class Deployment:
 
     def placement(self) -> dict[str, dict[int, str]]:
         """replica -> {rank: node id} of the live WorkerActors (from the engines' own worker handles)."""
-        from cbserve.cluster.engine_client import NAMESPACE, engine_actor_name
+        from cbserve.cluster.engine_client import NAMESPACE, engine_actor_names
         from ray.util.state import list_actors
 
         filters = [("class_name", "=", "WorkerActor"), ("state", "=", "ALIVE")]
         node_of_pid = {a.pid: a.node_id for a in list_actors(address=self.dashboard_url, filters=filters)}
         out: dict[str, dict[int, str]] = {}
-        for i in range(2):
-            engine = ray.get_actor(engine_actor_name(APP, i), namespace=NAMESPACE)
+        names = engine_actor_names(APP)
+        assert len(names) == 2, names
+        for name in names:
+            engine = ray.get_actor(name, namespace=NAMESPACE)
             handles = ray.get(engine.worker_handles.remote(), timeout=30)
             for ping in ray.get([h.ping.remote() for h in handles], timeout=30):
                 out.setdefault(ping["replica"], {})[ping["rank"]] = node_of_pid[ping["pid"]]

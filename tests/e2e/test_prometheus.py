@@ -11,12 +11,14 @@ bad requests), every PromQL expression of every dashboard panel (template variab
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -209,10 +211,42 @@ def substitute(expr: str) -> str:
     return expr
 
 
+class TrickleLoad:
+    """One tiny request per second while the queries run (bounded: at most ``limit`` requests), as on a
+    live deployment: Ray stops exporting a gauge or histogram that is not updated for a while."""
+
+    def __init__(self, url: str, limit: int = 240) -> None:
+        self.url, self.limit, self.stop = url, limit, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 2}).encode()
+        for _ in range(self.limit):
+            if self.stop.wait(1.0):
+                return
+            req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(req, timeout=30).read()
+
+    def __enter__(self) -> TrickleLoad:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=60)
+
+
 def test_every_dashboard_query_returns_data(app_url: str, prometheus_url: str) -> None:
     started = time.monotonic()
     load = run_load(app_url)
     assert load["tokens"] > 0 and load["chunks"] > 0
+    with TrickleLoad(app_url):
+        check_dashboards(prometheus_url, started)
+
+
+def check_dashboards(prometheus_url: str, started: float) -> None:
 
     # Prometheus found Ray's metrics port through the discovery file and scrapes it.
     targets = wait_for("a healthy scrape target", lambda: query(prometheus_url, 'up{job="ray"} == 1'), 60)
@@ -246,4 +280,6 @@ def test_every_dashboard_query_returns_data(app_url: str, prometheus_url: str) -
         "sum(ray_cbserve_request_rejected_total)",
         "sum(ray_serve_num_http_requests_total)",
     ):
-        print(expr, "=", query(prometheus_url, expr)[0]["value"][1])
+        value = float(query(prometheus_url, expr)[0]["value"][1])
+        print(expr, "=", value)
+        assert value > 0, f"{expr} should count what the load did"

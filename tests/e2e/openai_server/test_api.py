@@ -111,6 +111,11 @@ def _bad_requests(model: str) -> list[tuple[str, int, dict | bytes]]:
         ("n too large", 400, {"model": model, "prompt": "hi", "n": 1000}),
         ("empty prompt", 400, {"model": model, "prompt": ""}),
         ("wrong type", 400, {"model": model, "prompt": "hi", "max_tokens": "many"}),
+        ("token id past the vocabulary", 400, {"model": model, "prompt": [1, 2, 10**9], "max_tokens": 4}),
+        ("negative token id", 400, {"model": model, "prompt": [[5] * 40 + [-3]], "max_tokens": 4}),
+        ("chat: negative temperature", 400, {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                                             "temperature": -1}),
+        ("chat: n too large", 400, {"model": model, "messages": [{"role": "user", "content": "hi"}], "n": 1000}),
     ]
 
 
@@ -118,7 +123,8 @@ def test_bad_inputs_get_openai_errors(server: Server) -> None:
     app = server.main
     for what, status, body in _bad_requests(app.model):
         raw = body if isinstance(body, bytes) else None
-        got, payload = app.http("POST", "/v1/completions", None if raw else body, raw=raw)
+        route = "/v1/chat/completions" if what.startswith("chat") else "/v1/completions"
+        got, payload = app.http("POST", route, None if raw else body, raw=raw)
         assert got == status, (what, payload)
         err = payload["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], (what, err)

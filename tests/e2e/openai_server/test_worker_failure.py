@@ -34,10 +34,12 @@ def _long_request(server: Server, i: int) -> tuple[str, Any]:
 
 
 def test_killed_worker_fails_in_flight_requests_and_replica_recovers(server: Server) -> None:
-    from cbserve.cluster.engine_client import NAMESPACE, engine_actor_name
+    from cbserve.cluster.engine_client import NAMESPACE, engine_actor_names
 
     app = server.main
-    engine = ray.get_actor(engine_actor_name("main", 0), namespace=NAMESPACE)
+    names = engine_actor_names("main")
+    assert len(names) == 2, names  # one ingress replica, two engine replicas
+    engine = ray.get_actor(names[0], namespace=NAMESPACE)
     worker = ray.get(engine.worker_handles.remote())[0]
     generation = app.stats()["0"]["generation"]
     with ThreadPoolExecutor(6) as pool:
@@ -50,7 +52,6 @@ def test_killed_worker_fails_in_flight_requests_and_replica_recovers(server: Ser
     assert errors, "requests on the killed replica must fail"
     for e in errors:
         assert "restarting" in str(e) or "unavailable" in str(e), e
-        assert isinstance(e, openai.APIStatusError | openai.APIError)
         if isinstance(e, openai.APIStatusError):  # non-streaming: the status says "retry later"
             assert e.status_code == 503
     assert any(kind == "ok" for kind, _ in results), "the other replica keeps serving"
