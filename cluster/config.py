@@ -102,6 +102,10 @@ class CBServeConfig(BaseModel):
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
+        import ray
+
+        if ray.is_initialized():  # the cluster decides: an actor that asked for no GPU sees none itself
+            return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
         try:
             import torch
 

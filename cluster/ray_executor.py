@@ -23,6 +23,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 logger = logging.getLogger(__name__)
 
+NODE_CHECK_PERIOD_S = 2.0  # while a step is pending, how often the ranks' nodes are checked
+
 
 class WorkerGroupError(RuntimeError):
     """A worker actor died or the workers' channel broke: the replica must be rebuilt."""
@@ -48,10 +50,11 @@ class DispatchStats:
 class RayExecutor:
     """Built with ``await RayExecutor.create(config, replica)`` (loads the model on every rank)."""
 
-    def __init__(self, workers: list[Any], pg: Any, num_blocks: int) -> None:
+    def __init__(self, workers: list[Any], pg: Any, num_blocks: int, node_ids: set[str] | None = None) -> None:
         self.workers = workers
         self.pg = pg
         self.num_blocks = num_blocks
+        self.node_ids = node_ids or set()  # the nodes the ranks run on (watched while a step is pending)
         self.stats = DispatchStats()
         self._cgraph: Any = None
 
@@ -84,10 +87,11 @@ class RayExecutor:
             blocks = await asyncio.gather(*[w.load_model.remote() for w in workers])
             num_blocks = min(int(b) for b in blocks)
             await asyncio.gather(*[w.init_kv_cache.remote(num_blocks) for w in workers])
+            node_ids = {p["node_id"] for p in await asyncio.gather(*[w.ping.remote() for w in workers])}
         except BaseException:
             remove_placement_group(pg)
             raise
-        executor = cls(workers, pg, num_blocks)
+        executor = cls(workers, pg, num_blocks, node_ids)
         if config.use_compiled_graph:
             executor.compile()
         return executor
@@ -108,17 +112,35 @@ class RayExecutor:
     # ---- Executor protocol ----------------------------------------------------------------
     async def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
+        step = asyncio.ensure_future(self._execute(scheduler_output))
         try:
-            if self._cgraph is not None:
-                futures = await self._cgraph.execute_async(scheduler_output)
-                outputs = [await f for f in futures]
-            else:
-                outputs = await asyncio.gather(*self._submit(scheduler_output))
+            while True:  # a lost node can leave the channel waiting forever: watch the ranks' nodes
+                done, _ = await asyncio.wait({step}, timeout=NODE_CHECK_PERIOD_S)
+                if done:
+                    outputs = step.result()
+                    break
+                lost = await asyncio.to_thread(self._lost_nodes)
+                if lost:
+                    raise WorkerGroupError(f"engine worker group failed: node(s) {sorted(lost)} died")
         except asyncio.CancelledError:
+            step.cancel()
+            raise
+        except WorkerGroupError:
+            step.cancel()
             raise
         except Exception as e:
             raise WorkerGroupError(f"engine worker group failed: {type(e).__name__}: {e}") from e
         return self._finish(outputs[0], start)
+
+    async def _execute(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput | None]:
+        if self._cgraph is not None:
+            futures = await self._cgraph.execute_async(scheduler_output)
+            return [await f for f in futures]
+        return list(await asyncio.gather(*self._submit(scheduler_output)))
+
+    def _lost_nodes(self) -> set[str]:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return self.node_ids - alive
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Blocking variant (plain actor calls): for callers without an event loop."""

@@ -160,7 +160,7 @@ class SchedulerActor:
                 logger.error("%s", msg)
                 self.state, self.error = "restarting", str(e)
                 self._fail_all(msg)
-                self._teardown()
+                await asyncio.to_thread(self._teardown)  # a compiled-graph teardown may block
                 await asyncio.sleep(REBUILD_BACKOFF_S[min(attempt, len(REBUILD_BACKOFF_S) - 1)])
                 attempt += 1
 

@@ -94,7 +94,8 @@ class WorkerActor:
     # ---- introspection (tests, health) --------------------------------------------------------
     def ping(self) -> dict[str, Any]:
         loaded = self.runner is not None
-        return {"rank": self.rank, "replica": self.replica, "pid": os.getpid(), "loaded": loaded}
+        return {"rank": self.rank, "replica": self.replica, "pid": os.getpid(), "loaded": loaded,
+                "node_id": ray.get_runtime_context().get_node_id()}
 
     def shutdown(self) -> None:
         try:

@@ -175,7 +175,7 @@ def run_load(url: str) -> dict[str, int]:
 
     def complete(i: int) -> int:
         out = client.completions.create(model=MODEL, prompt=f"{shared}Question {i}: name a colour.",
-                                        max_tokens=24, temperature=0.0)  # fmt: skip
+                                        max_tokens=64, temperature=0.0)  # fmt: skip
         return out.usage.completion_tokens
 
     with ThreadPoolExecutor(6) as pool:
