@@ -58,8 +58,9 @@ class EngineClient:
             config.num_replicas, config.block_size, config.prefix_affinity_tokens,
             config.affinity_max_imbalance_tokens,
         )
-        # The zero-CPU schedulers live beside the ingress that feeds them (one hop less on a node loss).
-        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+        # The zero-CPU schedulers live beside the ingress that owns them (they die with it anyway): one
+        # network hop less per token, and a lost GPU node never takes a scheduler with it.
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         names = [engine_actor_name(app_name, owner, i) for i in range(config.num_replicas)]
         self.engines = [
             SchedulerActor.options(

@@ -220,6 +220,10 @@ class EngineMetrics:
         """Refresh the state gauges while no step runs (Ray stops exporting a gauge not set for a while)."""
         self._observe_scheduler(scheduler_stats, 0.0)
 
+    def observe_failed(self, num_requests: int) -> None:
+        """Requests lost with their worker group (they end with an error, not a normal finish)."""
+        self._m.inc("request_finished", num_requests, {"reason": "error"})
+
     def observe_rejected(self, reason: str) -> None:
         """Count one request refused by add_request(). The caller that catches the exception counts it
         (``iteration_stats.rejected_reasons`` holds free-text messages and is not counted again)."""

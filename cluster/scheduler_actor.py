@@ -211,6 +211,7 @@ class SchedulerActor:
                 entry.queue.put_nowait(out)
 
     def _fail_all(self, message: str) -> None:
+        self.metrics.observe_failed(len(self.requests))
         for entry in self.requests.values():
             entry.queue.put_nowait(EngineFailure("unavailable", message))
         self.requests.clear()
