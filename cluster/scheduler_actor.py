@@ -61,6 +61,7 @@ class SchedulerActor:
         self.executor: RayExecutor | None = None
         self.requests: dict[str, _InFlight] = {}
         self.num_admitted = 0
+        self.num_aborted = 0  # requests aborted while in flight (client gone, cancelled)
         self.prefix_cache = [0, 0]  # prompt tokens looked up, of which hits (all generations)
         self.metrics = EngineMetrics(self.config.model_name, replica)
         self._wakeup: asyncio.Event | None = None
@@ -131,6 +132,7 @@ class SchedulerActor:
         self._abort(req_id, self.generation)
         entry = self.requests.get(req_id)
         if entry is not None:
+            self.num_aborted += 1
             entry.queue.put_nowait(EngineFailure("aborted", "request aborted"))
 
     def _abort(self, req_id: str, generation: int) -> None:
@@ -240,6 +242,7 @@ class SchedulerActor:
             "generation": self.generation,
             "num_in_flight": len(self.requests),
             "num_admitted": self.num_admitted,
+            "num_aborted": self.num_aborted,
             "prefix_cache_queries": self.prefix_cache[0],
             "prefix_cache_hits": self.prefix_cache[1],
             "outstanding_tokens": sum(e.outstanding_tokens for e in self.requests.values()),

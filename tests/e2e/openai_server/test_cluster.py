@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -58,8 +59,12 @@ def test_client_disconnect_aborts_and_frees_blocks(server: Server) -> None:
         next(it)
     stats = server.main.stats().values()
     assert any(r["num_free_kv_blocks"] < r["num_kv_blocks"] for r in stats)  # its blocks are in use
+    aborted = sum(r["num_aborted"] for r in stats)
     stream.close()  # the client goes away mid-generation
+    t0 = time.monotonic()
     wait_for("the aborted request's blocks freed", lambda: _all_blocks_free(server), 20, 0.2)
+    assert time.monotonic() - t0 < 10  # far sooner than the ~400 tokens left would take
+    assert sum(r["num_aborted"] for r in server.main.stats().values()) == aborted + 1
     r = client.completions.create(model=server.main.model, prompt="Hello", max_tokens=MAX_TOKENS, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
 
