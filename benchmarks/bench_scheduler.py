@@ -23,6 +23,7 @@ from cbserve.scheduler import (
     SamplingParams,
     SchedulerConfig,
     SchedulerOutput,
+    tune_gc_for_serving,
 )
 
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
+    p.add_argument("--default-gc", action="store_true", help="keep CPython's GC thresholds (engines tune them)")
     args = p.parse_args(argv)
 
     max_len = args.prompt_len + args.steps + 16
@@ -96,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.add_request(EngineRequest(f"req-{i}", prompt, params, eos_token_id=None))
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
         engine.step()  # prefill everything first: the measured steps are pure decode
+    if not args.default_gc:
+        tune_gc_for_serving()  # as LLM and SchedulerActor do
 
     sched_t, update_t, total_t = [], [], []
     for _ in range(args.steps):
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         sched_t.append(t1 - t0)
         update_t.append(t3 - t2)
         total_t.append((t1 - t0) + (t3 - t2))
-    print(f"{args.num_requests} running decode requests, {args.steps} steps, block size {args.block_size}")
+    gc_mode = "default GC" if args.default_gc else "tuned GC"
+    print(f"{args.num_requests} running decode requests, {args.steps} steps, block size {args.block_size}, {gc_mode}")
     rows = {
         "schedule": summarize("schedule()", sched_t),
         "update_from_output": summarize("update_from_output()", update_t),

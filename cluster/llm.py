@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, SchedulerConfig
+from cbserve.scheduler import (
+    CacheConfig,
+    EngineConfig,
+    EngineCore,
+    EngineRequest,
+    SchedulerConfig,
+    tune_gc_for_serving,
+)
 from cbserve.scheduler.outputs import TokenLogprob
 from cbserve.scheduler.request import RequestOutput
 from cbserve.scheduler.sampling_params import SamplingParams
@@ -102,6 +109,7 @@ class LLM:
         )
         self.engine = EngineCore(self.engine_config, self.executor)
         self._ids = itertools.count()
+        tune_gc_for_serving()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

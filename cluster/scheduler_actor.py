@@ -21,7 +21,7 @@ import ray
 from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.metrics import EngineMetrics
 from cbserve.cluster.ray_executor import RayExecutor
-from cbserve.scheduler.engine_core import EngineCore
+from cbserve.scheduler.engine_core import EngineCore, tune_gc_for_serving
 from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
 from cbserve.scheduler.outputs import ModelRunnerOutput
 from cbserve.scheduler.request import EngineRequest, RequestOutput
@@ -170,6 +170,7 @@ class SchedulerActor:
         self.generation += 1
         self.executor = await RayExecutor.create(self.config, self.replica, f"{self.name}:workers")
         self.engine = EngineCore(self.config.engine_config(self.executor.num_blocks), self.executor)
+        tune_gc_for_serving()
         self.state, self.error = "ready", None
         logger.info("engine replica %s ready (%d KV blocks)", self.replica, self.executor.num_blocks)
 

@@ -2,7 +2,7 @@
 
 from .block_pool import BlockPool, KVBlock
 from .config import CacheConfig, EngineConfig, SchedulerConfig
-from .engine_core import EngineCore, StepResult
+from .engine_core import EngineCore, StepResult, tune_gc_for_serving
 from .errors import DuplicateRequestError, EngineError, QueueFullError, RequestRejectedError
 from .kv_cache_manager import KVCacheManager
 from .outputs import (
@@ -46,4 +46,5 @@ __all__ = [
     "SchedulerStats",
     "StepResult",
     "TokenLogprob",
+    "tune_gc_for_serving",
 ]

@@ -11,6 +11,7 @@ finished/preempted ids wait for the next non-empty output.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -32,6 +33,15 @@ _REASON_STATUS = {
     "error": RequestStatus.FINISHED_ERROR,
 }
 
+
+
+def tune_gc_for_serving(young_threshold: int = 50_000) -> None:
+    """For a process that hosts an engine: each step allocates thousands of short-lived objects, and
+    CPython's default young-generation threshold (700) collects dozens of times per step. Freezing what
+    exists (model, config) and raising the threshold cuts the mean scheduler step by about a tenth and
+    its p99 more (benchmarks/bench_scheduler.py --default-gc compares)."""
+    gc.freeze()
+    gc.set_threshold(young_threshold, 50, 50)
 
 @dataclass
 class StepResult:

@@ -37,7 +37,7 @@ class NewRequestData:
     seed: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     req_id: str
     new_token_ids: list[int]
@@ -60,7 +60,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprob:
     """Logprob of one sampled token plus the top alternatives at its position."""
 

@@ -49,7 +49,7 @@ class EngineRequest:
     cache_salt: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """New tokens of one sequence since the last step (what is streamed to the client).
 

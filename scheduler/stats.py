@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestTimes:
     """Per-request timestamps (time.monotonic seconds) from which the latency metrics follow."""
 
