@@ -104,6 +104,17 @@ class EngineClient:
         for i, h in enumerate(self.health):
             self.router.set_healthy(i, h.get("state") == "ready")
 
+    async def wait_started(self, timeout_s: float) -> None:
+        """Until every engine replica is ready, or one failed (its error shows in /health), or timeout."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            await self.refresh_health()
+            states = [h.get("state") for h in self.health]
+            if all(s == "ready" for s in states) or any(s in ("failed", "restarting") for s in states):
+                break
+            await asyncio.sleep(HEALTH_PERIOD_S)
+        logger.info("engine replicas: %s", [h.get("state") for h in self.health])
+
     @property
     def ready(self) -> bool:
         return all(h.get("state") == "ready" for h in self.health)

@@ -32,6 +32,8 @@ from ray import serve
 
 logger = logging.getLogger(__name__)
 
+STARTUP_WAIT_S = 900.0  # the longest a new ingress replica waits for its engines before it takes traffic
+
 api = FastAPI(title="cbserve", description="OpenAI-compatible LLM serving with continuous batching")
 
 Handler = Callable[[Request], Awaitable[Any]]
@@ -40,7 +42,14 @@ Handler = Callable[[Request], Awaitable[Any]]
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(api)
 class OpenAIIngress:
-    def __init__(self, config: dict[str, Any]) -> None:
+    async def __init__(self, config: dict[str, Any]) -> None:
+        """Serve awaits this: the replica turns RUNNING (and, in a rolling update, takes traffic from the
+        old version) only once its engine replicas loaded the model, or failed, or STARTUP_WAIT_S passed."""
+        self._setup(config)
+        self.client.start(on_tick=self.metrics.refresh)
+        await self.client.wait_started(STARTUP_WAIT_S)
+
+    def _setup(self, config: dict[str, Any]) -> None:
         from cbserve.worker.model_loader import eos_token_ids, load_hf_config, resolve_model
         from cbserve.worker.tokenizer import load_tokenizer
 
