@@ -34,6 +34,8 @@ lint: setup
 	$(BIN)/ruff check .
 
 test: setup lint
+	@# Triton runs the CUDA kernels' tests interpreted on CPU (CUDA builds of torch bring their own).
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q triton
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 clean:
