@@ -8,7 +8,7 @@ import uuid
 from typing import Any, Literal
 
 from cbserve.scheduler.sampling_params import SamplingParams
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class APIError(Exception):
@@ -101,6 +101,13 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:  # insertion (fill-in-the-middle) is not supported: say so rather than ignore it
+            raise ValueError("suffix (insertion) is not supported")
+        return v
 
 
 class ChatMessage(BaseModel):

@@ -112,6 +112,7 @@ def _bad_requests(model: str) -> list[tuple[str, int, dict | bytes]]:
         ("empty prompt", 400, {"model": model, "prompt": ""}),
         ("wrong type", 400, {"model": model, "prompt": "hi", "max_tokens": "many"}),
         ("token id past the vocabulary", 400, {"model": model, "prompt": [1, 2, 10**9], "max_tokens": 4}),
+        ("suffix (insertion) unsupported", 400, {"model": model, "prompt": "hi", "suffix": "end"}),
         ("negative token id", 400, {"model": model, "prompt": [[5] * 40 + [-3]], "max_tokens": 4}),
         ("chat: negative temperature", 400, {"model": model, "messages": [{"role": "user", "content": "hi"}],
                                              "temperature": -1}),
