@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 logger = logging.getLogger(__name__)
 
-NODE_CHECK_PERIOD_S = 2.0  # while a step is pending, how often the ranks' nodes are checked
+NODE_CHECK_PERIOD_S = 2.0  # while a step is pending, how often the ranks (nodes, actors) are checked
 
 
 class WorkerGroupError(RuntimeError):
@@ -55,6 +55,7 @@ class RayExecutor:
         self.pg = pg
         self.num_blocks = num_blocks
         self.node_ids = node_ids or set()  # the nodes the ranks run on (watched while a step is pending)
+        self._pings: dict[int, Any] = {}  # rank -> an outstanding liveness ping
         self.stats = DispatchStats()
         self._cgraph: Any = None
 
@@ -114,14 +115,14 @@ class RayExecutor:
         start = time.perf_counter()
         step = asyncio.ensure_future(self._execute(scheduler_output))
         try:
-            while True:  # a lost node can leave the channel waiting forever: watch the ranks' nodes
+            while True:  # a lost node or actor can leave the channel waiting forever: watch the ranks
                 done, _ = await asyncio.wait({step}, timeout=NODE_CHECK_PERIOD_S)
                 if done:
                     outputs = step.result()
                     break
-                lost = await asyncio.to_thread(self._lost_nodes)
+                lost = await asyncio.to_thread(self._lost_ranks)
                 if lost:
-                    raise WorkerGroupError(f"engine worker group failed: node(s) {sorted(lost)} died")
+                    raise WorkerGroupError(f"engine worker group failed: {lost}")
         except asyncio.CancelledError:
             step.cancel()
             raise
@@ -138,9 +139,26 @@ class RayExecutor:
             return [await f for f in futures]
         return list(await asyncio.gather(*self._submit(scheduler_output)))
 
-    def _lost_nodes(self) -> set[str]:
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        return self.node_ids - alive
+    def _lost_ranks(self) -> str | None:
+        """Why the group is broken (a node gone, a worker actor dead), or None. Each rank keeps one ping
+        in flight: a busy live worker answers it later, a dead one fails it at once."""
+        lost = self.node_ids - {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if lost:
+            return f"node(s) {sorted(lost)} died"
+        for rank, worker in enumerate(self.workers):
+            ref = self._pings.get(rank)
+            if ref is None:
+                self._pings[rank] = worker.ping.remote()
+                continue
+            if ray.wait([ref], timeout=0)[0]:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    return f"worker rank {rank} died ({type(e).__name__})"
+                except Exception:  # not a death: say so in the log, never fail the group for it
+                    logger.debug("liveness ping of rank %d failed", rank, exc_info=True)
+                self._pings[rank] = worker.ping.remote()
+        return None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Blocking variant (plain actor calls): for callers without an event loop."""

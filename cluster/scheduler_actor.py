@@ -99,9 +99,10 @@ class SchedulerActor:
                     remaining -= int(item.finished)
                 yield outputs
         finally:
-            self.requests.pop(request.req_id, None)
+            still_mine = self.requests.pop(request.req_id, None) is not None
             if remaining > 0:
                 self._abort(request.req_id, entry.generation)
+                self.num_aborted += still_mine  # the stream was closed early (client gone, cancelled)
 
     def _admit(self, request: EngineRequest) -> EngineFailure | None:
         if self.state != "ready" or self.engine is None:
@@ -130,7 +131,7 @@ class SchedulerActor:
     async def abort(self, req_id: str) -> None:
         """Idempotent: frees the request's blocks; its stream ends."""
         self._abort(req_id, self.generation)
-        entry = self.requests.get(req_id)
+        entry = self.requests.pop(req_id, None)
         if entry is not None:
             self.num_aborted += 1
             entry.queue.put_nowait(EngineFailure("aborted", "request aborted"))
