@@ -19,18 +19,17 @@ requests a GPU per rank only when ``device`` is cuda. The model is the bundled S
 from __future__ import annotations
 
 import json
-import shutil
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from e2e_lib import derive_tp2_model, free_port, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -44,64 +43,6 @@ HEAD_RESOURCE = "cbserve_test_head"
 GPU_NODE = {"num_cpus": 2, "num_gpus": 2, "object_store_memory": 100 * 1024**2}
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The best way to learn is"]
 MAX_TOKENS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(what: str, cond: Callable[[], Any], timeout: float, period: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = cond()
-            if last:
-                return last
-        except Exception as e:  # not up yet
-            last = e
-        time.sleep(period)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-
-
-def derive_tp2_model(dst: Path, num_layers: int = 4, num_kv_heads: int = 2) -> Path:
-    """The bundled SmolLM2-135M with its first ``num_layers`` layers and its first ``num_kv_heads`` KV heads
-    (with their query heads): 6 heads and 2 KV heads divide by a tensor-parallel size of 2."""
-    import torch
-    from cbserve.worker.model_loader import resolve_model
-    from safetensors.torch import load_file, save_file
-
-    src = resolve_model(None).folder
-    cfg = json.loads((src / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    q_rows = num_kv_heads * (cfg["num_attention_heads"] // cfg["num_key_value_heads"]) * head_dim
-    kv_rows = num_kv_heads * head_dim
-    state: dict[str, torch.Tensor] = {}
-    for name, t in load_file(str(src / "model.safetensors")).items():
-        if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
-            continue
-        if name.endswith("q_proj.weight"):
-            t = t[:q_rows]
-        elif name.endswith(("k_proj.weight", "v_proj.weight")):
-            t = t[:kv_rows]
-        elif name.endswith("o_proj.weight"):
-            t = t[:, :q_rows]
-        state[name] = t.contiguous()
-    dst.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg.update(
-        num_hidden_layers=num_layers,
-        num_attention_heads=q_rows // head_dim,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-    )
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in src.iterdir():
-        if f.name.startswith(("tokenizer", "chat_template", "generation_config", "special_tokens")):
-            shutil.copy(f, dst / f.name)
-    return dst
 
 
 def _app_args(model: Path) -> dict[str, Any]:
@@ -234,16 +175,16 @@ class Deployment:
 def deployment(tp2_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     from ray.cluster_utils import Cluster
 
-    http_port, dashboard_port = _free_port(), _free_port()
+    http_port, dashboard_port = free_port(), free_port()
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
             "num_cpus": 0,
             "num_gpus": 0,
             "resources": {HEAD_RESOURCE: 1},
-            "gcs_server_port": _free_port(),
+            "gcs_server_port": free_port(),
             "dashboard_port": dashboard_port,
-            "dashboard_agent_listen_port": _free_port(),
+            "dashboard_agent_listen_port": free_port(),
             "include_dashboard": True,
             "object_store_memory": 100 * 1024**2,
         },
@@ -261,7 +202,7 @@ def deployment(tp2_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             check=True, timeout=120, capture_output=True,
         )  # fmt: skip
         d = Deployment(cluster, http_port, f"http://127.0.0.1:{dashboard_port}")
-        _wait("the app to be healthy", d.healthy, timeout=180)
+        wait_for("the app to be healthy", d.healthy, timeout=180)
         yield d
     finally:
         try:
@@ -320,14 +261,14 @@ def test_node_loss_keeps_serving_and_lost_replica_returns(
     assert stats[lost_replica]["state"] != "ready"
 
     new_node = deployment.cluster.add_node(**GPU_NODE)
-    _wait("the lost replica to be rebuilt", deployment.healthy, timeout=180)
+    wait_for("the lost replica to be rebuilt", deployment.healthy, timeout=180)
     stats = deployment.replica_stats()
     assert stats[lost_replica]["generation"] > generation
     placement = deployment.placement()
     assert set(placement[lost_replica].values()) == {new_node.node_id}
     assert set(placement[survivor].values()) != {lost_node_id}
     before = stats[lost_replica]["num_admitted"]
-    _wait(
+    wait_for(
         "the rebuilt replica to serve",
         lambda: deployment.complete_all(PROMPTS) == expected
         and deployment.replica_stats()[lost_replica]["num_admitted"] > before,

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+from e2e_lib import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
 openai = pytest.importorskip("openai")
@@ -20,14 +20,8 @@ openai = pytest.importorskip("openai")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cbserve_serve_with_config_file_serves_and_stops_on_ctrl_c() -> None:
-    port = _free_port()
+    port = free_port()
     cli = Path(sys.executable).with_name("cbserve")
     cmd = [str(cli), "serve", "--ray-address", "local", "--config", str(ROOT / "deploy" / "serve-local.yaml"),
            "--port", str(port), "--max-model-len", "256", "--kv-cache-memory-bytes", str(16 * 1024**2),

@@ -4,11 +4,34 @@ cache is the user's (CBSERVE_CACHE_DIR or ~/.cache/cbserve) so the bundled model
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def triton_kernels_module() -> ModuleType:
+    """cbserve's Triton kernels module. Without CUDA it must run interpreted, which needs TRITON_INTERPRET=1
+    *before triton is first imported* in this process (triton's own tl.* helpers are decorated at import);
+    the module is re-imported if it was first imported without it."""
+    pytest.importorskip("triton")
+    from cbserve.worker.attention import triton_kernels
+
+    if torch.cuda.is_available():
+        return triton_kernels
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.max, InterpretedFunction):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process")
+    if not isinstance(triton_kernels._prefill_kernel, InterpretedFunction):
+        triton_kernels = importlib.reload(triton_kernels)  # the backend looks kernels up on the module
+    return triton_kernels

@@ -5,7 +5,6 @@ CPU: the Triton kernels run under ``TRITON_INTERPRET=1`` (fp32, small sizes); CU
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -21,28 +20,10 @@ DTYPE = torch.bfloat16 if CUDA else torch.float32
 ATOL, RTOL = (2e-2, 2e-2) if CUDA else (2e-4, 2e-4)
 
 
-def _require_interpreter() -> None:
-    """Without CUDA the kernels must run interpreted, which needs TRITON_INTERPRET=1 *before triton is first
-    imported* in this process (triton's own tl.* helpers are decorated at import)."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.max, InterpretedFunction):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process; run the Triton "
-                    "tests in their own process or set TRITON_INTERPRET=1 in tests/worker/conftest.py")
-
-
 @pytest.fixture(scope="module")
-def backend_cls():
-    if not CUDA:
-        _require_interpreter()
-    from cbserve.worker.attention import triton_backend, triton_kernels
+def backend_cls(triton_kernels_module):
+    from cbserve.worker.attention import triton_backend
 
-    if not CUDA:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(triton_kernels._prefill_kernel, InterpretedFunction):
-            importlib.reload(triton_kernels)  # triton_backend looks kernels up on the module at call time
     return triton_backend.TritonAttentionBackend
 
 

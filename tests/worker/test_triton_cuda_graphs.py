@@ -7,7 +7,6 @@ go wrong); on CUDA real graphs are captured and replayed.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -27,28 +26,10 @@ ATOL = 2e-2 if CUDA else 1e-5
 HQ, HKV, D, BS, VOCAB = 4, 2, 64, 16, 50
 
 
-def _require_interpreter() -> None:
-    """Without CUDA the kernels must run interpreted, which needs TRITON_INTERPRET=1 *before triton is first
-    imported* in this process (triton's own tl.* helpers are decorated at import)."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.max, InterpretedFunction):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process; run the Triton "
-                    "tests in their own process or set TRITON_INTERPRET=1 in tests/worker/conftest.py")
-
-
 @pytest.fixture(scope="module")
-def backend():
-    if not CUDA:
-        _require_interpreter()
-    from cbserve.worker.attention import triton_backend, triton_kernels
+def backend(triton_kernels_module):
+    from cbserve.worker.attention import triton_backend
 
-    if not CUDA:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(triton_kernels._prefill_kernel, InterpretedFunction):
-            importlib.reload(triton_kernels)
     return triton_backend.TritonAttentionBackend(HQ, HKV, D, D ** -0.5)
 
 

@@ -6,7 +6,6 @@ GPU the same tests run natively at larger sizes in bf16. Skips cleanly when trit
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -28,31 +27,10 @@ HEAD_DIMS = [64, 128]
 BLOCK_SIZES = [1, 16, 32]
 
 
-def _require_interpreter() -> None:
-    """Without CUDA the kernels must run interpreted, which needs TRITON_INTERPRET=1 *before triton is first
-    imported* in this process (triton's own tl.* helpers are decorated at import)."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.max, InterpretedFunction):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process; run the Triton "
-                    "tests in their own process or set TRITON_INTERPRET=1 in tests/worker/conftest.py")
-
-
 @pytest.fixture(scope="module")
-def tk():
-    """The kernels module, (re)imported so its decorators saw TRITON_INTERPRET (another test may have
-    imported it first)."""
-    if not CUDA:
-        _require_interpreter()
-    from cbserve.worker.attention import triton_kernels
-
-    if not CUDA:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(triton_kernels._prefill_kernel, InterpretedFunction):
-            triton_kernels = importlib.reload(triton_kernels)
-    return triton_kernels
+def tk(triton_kernels_module):
+    """The kernels module (interpreted without CUDA)."""
+    return triton_kernels_module
 
 
 # ------------------------------------------------------------------------------------------- references

@@ -11,16 +11,15 @@ The reference greedy outputs come from the in-process offline ``LLM`` with the s
 from __future__ import annotations
 
 import json
-import socket
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e_lib import derive_tp2_model, free_port, wait_for
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -43,26 +42,6 @@ TP2_ARGS = dict(
     kv_cache_memory_bytes=16 * 1024**2,
 )
 READY_TIMEOUT_S = 420
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(what: str, cond: Callable[[], Any], timeout: float, period: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = cond()
-            if last:
-                return last
-        except Exception as e:  # not there yet
-            last = e
-        time.sleep(period)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 @dataclass
@@ -141,7 +120,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     from cbserve.cluster.app import build_app
     from ray import serve
     from ray.serve.api import RunTarget
-    from test_multinode import derive_tp2_model  # the cut-down model of the multi-node test
 
     tp2_model = derive_tp2_model(tmp_path_factory.mktemp("model") / TP2_MODEL)
     port = free_port()

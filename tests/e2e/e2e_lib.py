@@ -1,0 +1,71 @@
+"""Helpers shared by the end-to-end tests: free ports, polling, and the cut-down SmolLM2 that splits over
+two tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, cond: Callable[[], Any], timeout: float, period: float = 0.5) -> Any:
+    """Poll ``cond`` until it returns something true (exceptions count as "not yet"); TimeoutError after."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = cond()
+            if last:
+                return last
+        except Exception as e:  # not there yet
+            last = e
+        time.sleep(period)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def derive_tp2_model(dst: Path, num_layers: int = 4, num_kv_heads: int = 2) -> Path:
+    """The bundled SmolLM2-135M with its first ``num_layers`` layers and its first ``num_kv_heads`` KV heads
+    (with their query heads): 6 heads and 2 KV heads divide by a tensor-parallel size of 2."""
+    import torch
+    from cbserve.worker.model_loader import resolve_model
+    from safetensors.torch import load_file, save_file
+
+    src = resolve_model(None).folder
+    cfg = json.loads((src / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    q_rows = num_kv_heads * (cfg["num_attention_heads"] // cfg["num_key_value_heads"]) * head_dim
+    kv_rows = num_kv_heads * head_dim
+    state: dict[str, torch.Tensor] = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
+            continue
+        if name.endswith("q_proj.weight"):
+            t = t[:q_rows]
+        elif name.endswith(("k_proj.weight", "v_proj.weight")):
+            t = t[:kv_rows]
+        elif name.endswith("o_proj.weight"):
+            t = t[:, :q_rows]
+        state[name] = t.contiguous()
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg.update(
+        num_hidden_layers=num_layers,
+        num_attention_heads=q_rows // head_dim,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "generation_config", "special_tokens")):
+            shutil.copy(f, dst / f.name)
+    return dst
