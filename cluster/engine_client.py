@@ -74,8 +74,6 @@ class EngineClient:
             ).remote(config.model_dump(), str(i), name)
             for i, name in enumerate(names)
         ]
-        for engine in self.engines:  # start loading the model now, not at the first request
-            engine.health.remote()
         self.health: list[dict[str, Any]] = [{"state": "starting"} for _ in self.engines]
         self._routes: dict[str, int] = {}  # req_id -> replica index, while in flight
         self._watcher: asyncio.Task[None] | None = None

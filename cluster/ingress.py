@@ -83,7 +83,6 @@ class OpenAIIngress:
     async def _handle(self, route: str, request: Request, fn: Handler, auth: bool = True) -> Response:
         """Auth, error mapping and metrics around one route. A streamed response counts as in flight, and
         its duration runs, until its last byte is sent (or the client goes away)."""
-        self.client.start(on_tick=self.metrics.refresh)
         start = time.perf_counter()
         self.metrics.in_flight(1)
         try:
