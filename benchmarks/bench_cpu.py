@@ -6,9 +6,12 @@ Workload (defaults): 64 requests, random prompts of 16-128 tokens, output length
   (a) HF transformers ``generate`` in static batches of 16 (left padding; every batch runs until its
       longest member is done, so the useful tokens are the requested ones, not the padded ones);
   (b) HF transformers' continuous batching (``init_continuous_batching``, per-request max_new_tokens);
-  (c) cbserve in-process (EngineCore + LocalExecutor).
+  (c) cbserve in-process (EngineCore + LocalExecutor) with its linear layers on F.linear (torch's BLAS),
+      to show what the oneDNN weight packing below is worth (``--skip-unpacked`` leaves it out);
+  (d) cbserve in-process as shipped: CPU linear weights pre-packed for oneDNN.
 
-It also measures the large fp32 GEMM rate of this machine and reports each system's fraction of that
+It also measures the large fp32 GEMM rate of this machine (torch's BLAS and oneDNN; the faster is the
+roofline) and reports each system's fraction of that
 roofline: useful FLOPs = 2 x non-embedding params per prompt and output token + 2 x LM-head params per
 output token. Greedy outputs of cbserve and HF continuous batching are compared token by token.
 Prints a table, writes ``bench_cpu.json`` and ``bench_cpu.png`` to ``--out-dir``.
@@ -45,35 +48,49 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-static", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
+    p.add_argument("--skip-unpacked", action="store_true",
+                   help="skip the cbserve run with F.linear (MKL) weights instead of oneDNN-packed ones")
     p.add_argument("--out-dir", default="bench_results")
     return p.parse_args()
 
 
-def gemm_rate(n: int = 2048, iters: int = 10) -> float:
-    """Sustained fp32 FLOP/s of a large square matmul (the machine's practical roofline)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def _rate(fn: Any, flops: float, iters: int) -> float:
     for _ in range(2):
-        a @ b
+        fn()
     t0 = time.perf_counter()
     for _ in range(iters):
-        a @ b
-    return 2 * n**3 * iters / (time.perf_counter() - t0)
+        fn()
+    return flops * iters / (time.perf_counter() - t0)
 
 
-def decode_gemm_rate(model: torch.nn.Module, rows: int, iters: int = 3) -> float:
+def gemm_rates(n: int = 2048, iters: int = 10) -> dict[str, float]:
+    """Sustained fp32 FLOP/s of a large square matmul through torch's BLAS (``a @ b``, MKL) and through
+    oneDNN with a pre-packed weight; the faster one is the machine's practical roofline."""
+    from cbserve.worker.cpu_linear import pack_weight, packed_linear, packing_supported
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    rates = {"torch @ (BLAS)": _rate(lambda: a @ b, 2 * n**3, iters)}
+    if packing_supported(b):
+        pb = pack_weight(b)
+        rates["oneDNN packed"] = _rate(lambda: packed_linear(a, pb, None), 2 * n**3, iters)
+    return rates
+
+
+def decode_gemm_rate(model: torch.nn.Module, rows: int, packed: bool, iters: int = 3) -> float:
     """FLOP/s of one decode step's matmuls alone: every linear weight of the model (and the LM head) in
-    turn against ``rows`` tokens, the weights streamed from memory as in a real step. This, not the large
-    square GEMM, bounds a decode step on a CPU."""
+    turn against ``rows`` tokens, the weights streamed from memory as in a real step, through F.linear
+    (``packed=False``) or oneDNN with pre-packed weights. This, not the large square GEMM, bounds a decode
+    step on a CPU."""
+    from cbserve.worker.cpu_linear import pack_weight, packed_linear
+
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     flops = sum(2 * rows * w.numel() for w in weights)
     with torch.inference_mode():
-        for _ in range(iters + 1):
-            if _ == 1:
-                t0 = time.perf_counter()
-            for w in weights:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
-    return flops * iters / (time.perf_counter() - t0)
+        if packed:
+            pw = [(pack_weight(w), xs[w.shape[1]]) for w in weights]
+            return _rate(lambda: [packed_linear(x, p, None) for p, x in pw], flops, iters)
+        return _rate(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights], flops, iters)
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -141,11 +158,12 @@ def run_hf_cb(model: Any, prompts: list[list[int]], outs: list[int], args: argpa
     return {"seconds": seconds, "tokens": tokens}
 
 
-def run_cbserve(prompts: list[list[int]], outs: list[int], args: argparse.Namespace) -> dict[str, Any]:
+def run_cbserve(prompts: list[list[int]], outs: list[int], args: argparse.Namespace,
+                packed: bool = True) -> dict[str, Any]:
     from cbserve import LLM, SamplingParams
 
     llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False, progress=False)
+              enable_prefix_caching=False, progress=False, cpu_weight_packing=packed)
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -174,10 +192,11 @@ def plot(rows: list[dict[str, Any]], meta: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     names = [r["system"] for r in rows]
     vals = [r["output_tok_s"] for r in rows]
-    bars = ax.bar(names, vals, color=["#999999", "#6699cc", "#cc5533"][-len(rows):])
+    ax.tick_params(axis="x", labelsize=8)
+    bars = ax.bar(names, vals, color=["#999999", "#6699cc", "#e0a080", "#cc5533"][-len(rows):])
     for b, r in zip(bars, rows, strict=True):
         ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{r['output_tok_s']:.0f} tok/s\n"
                 f"{100 * r['roofline_fraction']:.0f}% roofline", ha="center", va="bottom", fontsize=9)
@@ -194,44 +213,55 @@ def main() -> int:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    from cbserve.worker.cpu_malloc import tune_malloc_for_cpu_inference
+
+    # cbserve's workers set these glibc malloc options; set them for the whole process first so that the
+    # HF runs get them too and the ratios measure the engines, not the allocator.
+    print(f"glibc malloc tuned for every system in this run: {tune_malloc_for_cpu_inference()}")
     from cbserve.worker.model_loader import resolve_model
     from transformers import AutoModelForCausalLM
 
     folder = resolve_model(None).folder
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts, outs = make_workload(args, model.config.vocab_size)
-    rate = gemm_rate()
+    rates = gemm_rates()
+    rate = max(rates.values())
     flops = useful_flops(model, prompts, outs)
-    decode_rates = {m: decode_gemm_rate(model, m) for m in (8, 16, 32, 64)}
-    print(f"fp32 GEMM rate: {rate / 1e9:.1f} GFLOP/s on {torch.get_num_threads()} threads; "
-          f"useful work {flops / 1e12:.2f} TFLOP; {len(prompts)} requests, {sum(outs)} output tokens")
+    decode_rates = {f"{m} rows{' packed' if p else ''}": decode_gemm_rate(model, m, p)
+                    for p in (False, True) for m in (8, 16, 32, 64)}
+    print("large fp32 GEMM: " + ", ".join(f"{k} {r / 1e9:.1f} GFLOP/s" for k, r in rates.items())
+          + f" on {torch.get_num_threads()} threads; roofline = the faster, {rate / 1e9:.1f} GFLOP/s")
+    print(f"useful work {flops / 1e12:.2f} TFLOP; {len(prompts)} requests, {sum(outs)} output tokens")
     print("decode-step matmuls alone (weights streamed): " + ", ".join(
-        f"{m} rows {r / 1e9:.1f} GFLOP/s" for m, r in decode_rates.items()))
+        f"{m} {r / 1e9:.1f}" for m, r in decode_rates.items()) + " GFLOP/s")
     runs: dict[str, dict[str, Any]] = {}
     if not args.skip_static:
         runs["HF static (batch 16)"] = run_hf_static(model, prompts, outs, args.static_batch)
     if not args.skip_hf_cb:
         runs["HF continuous batching"] = run_hf_cb(model, prompts, outs, args)
     del model
+    if not args.skip_unpacked:
+        runs["cbserve, F.linear (MKL)"] = run_cbserve(prompts, outs, args, packed=False)
     runs["cbserve"] = run_cbserve(prompts, outs, args)
     rows = [summarize(k, v, outs, flops, rate) for k, v in runs.items()]
     cb = rows[-1]["output_tok_s"]
-    print(f"\n{'system':<26}{'seconds':>9}{'out tok/s':>11}{'roofline':>10}{'cbserve x':>11}")
+    print(f"\n{'system':<28}{'seconds':>9}{'out tok/s':>11}{'roofline':>10}{'cbserve x':>11}")
     for r in rows:
-        print(f"{r['system']:<26}{r['seconds']:>9.1f}{r['output_tok_s']:>11.1f}"
+        print(f"{r['system']:<28}{r['seconds']:>9.1f}{r['output_tok_s']:>11.1f}"
               f"{100 * r['roofline_fraction']:>9.1f}%{cb / r['output_tok_s']:>10.2f}x")
     ref = runs.get("HF continuous batching") or runs.get("HF static (batch 16)")
     if ref is not None:
-        same = sum(ref["tokens"][i] == runs["cbserve"]["tokens"][i] for i in range(len(prompts)))
-        print(f"greedy outputs identical to HF: {same}/{len(prompts)} requests")
+        for name in [k for k in runs if k.startswith("cbserve")]:
+            same = sum(ref["tokens"][i] == runs[name]["tokens"][i] for i in range(len(prompts)))
+            print(f"greedy outputs of {name} identical to HF: {same}/{len(prompts)} requests")
     meta = (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
             f"{torch.__version__}; {len(prompts)} reqs, prompts {args.min_prompt}-{args.max_prompt}, outputs "
             f"{args.outputs}; commit {_commit()}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_cpu.json").write_text(json.dumps(
-        {"gemm_flops": rate, "decode_gemm_flops": decode_rates, "useful_flops": flops, "rows": rows,
-         "meta": meta}, indent=2))
+        {"gemm_flops": rate, "gemm_flops_by_library": rates, "decode_gemm_flops": decode_rates,
+         "useful_flops": flops, "rows": rows, "meta": meta}, indent=2))
     plot(rows, meta, out_dir / "bench_cpu.png")
     print(f"wrote {out_dir / 'bench_cpu.json'} and {out_dir / 'bench_cpu.png'}")
     return 0

@@ -24,6 +24,7 @@ class ModelConfig:
     ``dtype="auto"``: float32 on CPU, bfloat16 on CUDA. ``max_model_len=None``: the model's own maximum.
     ``kv_cache_memory_bytes`` sizes the KV cache on CPU; ``gpu_memory_utilization`` is the fraction of
     GPU memory the worker may use in total (weights + activations + KV cache) on CUDA.
+    ``cpu_weight_packing``: on CPU, reorder linear weights once for oneDNN (2-3x faster decode GEMMs).
     """
 
     model: str | None = None
@@ -34,6 +35,7 @@ class ModelConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False
+    cpu_weight_packing: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
     rank: int = 0

@@ -59,10 +59,11 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k are rotated together: one set of elementwise ops instead of two.
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         o = self.attn.forward(q, k, v, kv_cache, md)
         return self.o_proj(o.view(n, self.q_size))
 

@@ -14,6 +14,8 @@ from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenL
 from .attention.backend import KVCache
 from .attention.selector import get_attention_backend
 from .config import ModelConfig
+from .cpu_linear import pack_linear_weights
+from .cpu_malloc import tune_malloc_for_cpu_inference
 from .input_batch import PreparedBatch, RequestState, build_batch, order_decode_first
 from .kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, num_blocks_for_budget
 from .model import LlamaForCausalLM, head_dim_of, num_kv_heads_of
@@ -73,6 +75,10 @@ class ModelRunner:
             self.model = LlamaForCausalLM(self.hf_config, self.backend_cls, self.max_model_len)
         self.model.load_weights(iter_weights(self.model_folder, progress=progress and tp_rank() == 0))
         self.model.eval()
+        if self.device.type == "cpu":
+            if config.cpu_weight_packing:
+                pack_linear_weights(self.model)
+            tune_malloc_for_cpu_inference()  # after the weights are placed: they stay in their own mappings
         self.eos_token_ids = sorted(eos_token_ids(self.model_folder, self.hf_config))
         self.sampler = Sampler(self.eos_token_ids)
         self.num_kv_heads = divide(num_kv_heads_of(self.hf_config), tp_world_size(), "num_key_value_heads")

@@ -4,6 +4,10 @@ Decode requests (one query token each) are attended together: their cache blocks
 padded [num_decodes, max_len, kv_heads, head_dim] tensor and a single masked SDPA call covers them all
 (grouped by context length so little padding is gathered). Prefill chunks are attended one request at a
 time, straight from this step's keys when the chunk starts the sequence, else from the cache.
+
+Blocks are gathered with ``index_select`` into one scratch buffer reused by every layer and every step:
+a fresh gather result per layer cost more in allocation and page faults than the copy itself (B=64 decode
+requests with 300-token contexts: 10.6 ms per layer with ``cache[block_table]``, 7.0 ms with the buffer).
 """
 
 from __future__ import annotations
@@ -17,6 +21,29 @@ from .backend import AttentionBackend, AttentionMetadata, KVCache, write_kv_cach
 
 # Decode requests are split into groups of similar context length when that saves this much padding.
 _MIN_GROUP = 8
+
+
+class _GatherBuffer:
+    """Scratch K and V buffers, grown on demand, that paged blocks are gathered into."""
+
+    def __init__(self) -> None:
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def gather(self, kv_cache: KVCache, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``blocks`` (1-D int64 block ids), as [len(blocks), block_size, kv_heads, head_dim]."""
+        k_cache, v_cache = kv_cache
+        n = blocks.numel()
+        k, v = self._k, self._v
+        if k is None or v is None or k.shape[0] < n or k.shape[1:] != k_cache.shape[1:] or (
+            k.dtype != k_cache.dtype or k.device != k_cache.device
+        ):
+            k = self._k = torch.empty((n, *k_cache.shape[1:]), dtype=k_cache.dtype, device=k_cache.device)
+            v = self._v = torch.empty_like(k)
+        k, v = k[:n], v[:n]
+        torch.index_select(k_cache, 0, blocks, out=k)
+        torch.index_select(v_cache, 0, blocks, out=v)
+        return k, v
 
 
 @dataclass
@@ -88,9 +115,14 @@ def _prefill_chunks(md: AttentionMetadata) -> list[_PrefillChunk]:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self._buffer = _GatherBuffer()  # only the instance that prepares a step (layer 0) lends its buffer
+
     def prepare(self, metadata: AttentionMetadata) -> None:
         metadata.extras["torch_decode"] = _decode_groups(metadata)
         metadata.extras["torch_prefill"] = _prefill_chunks(metadata)
+        metadata.extras["torch_buffer"] = self._buffer
 
     def forward(
         self,
@@ -104,18 +136,21 @@ class TorchAttentionBackend(AttentionBackend):
             self.prepare(metadata)
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
+        buffer = metadata.extras["torch_buffer"]
         for group in metadata.extras["torch_decode"]:
-            self._decode(q, kv_cache, group, out)
+            self._decode(q, kv_cache, group, out, buffer)
         for chunk in metadata.extras["torch_prefill"]:
-            self._prefill(q, k, v, kv_cache, chunk, out)
+            self._prefill(q, k, v, kv_cache, chunk, out, buffer)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: KVCache, g: _DecodeGroup, out: torch.Tensor) -> None:
-        k_cache, v_cache = kv_cache
+    def _decode(
+        self, q: torch.Tensor, kv_cache: KVCache, g: _DecodeGroup, out: torch.Tensor, buffer: _GatherBuffer
+    ) -> None:
         n, nblocks = g.block_table.shape
-        shape = (n, nblocks * k_cache.shape[1], self.num_kv_heads, self.head_dim)
-        keys = k_cache[g.block_table].view(shape).transpose(1, 2)
-        values = v_cache[g.block_table].view(shape).transpose(1, 2)
+        shape = (n, nblocks * kv_cache[0].shape[1], self.num_kv_heads, self.head_dim)
+        k_blocks, v_blocks = buffer.gather(kv_cache, g.block_table.reshape(-1))
+        keys = k_blocks.view(shape).transpose(1, 2)
+        values = v_blocks.view(shape).transpose(1, 2)
         qg = q[g.rows].unsqueeze(2)  # [n, heads, 1, dim]
         o = F.scaled_dot_product_attention(
             qg, keys, values, attn_mask=g.mask, scale=self.scale, enable_gqa=self._gqa
@@ -133,14 +168,15 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         c: _PrefillChunk,
         out: torch.Tensor,
+        buffer: _GatherBuffer,
     ) -> None:
         qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)
         if c.blocks is None:
             keys, values = k[c.start : c.end], v[c.start : c.end]
         else:
-            k_cache, v_cache = kv_cache
-            keys = k_cache[c.blocks].flatten(0, 1)[: c.seq_len]
-            values = v_cache[c.blocks].flatten(0, 1)[: c.seq_len]
+            k_blocks, v_blocks = buffer.gather(kv_cache, c.blocks)
+            keys = k_blocks.flatten(0, 1)[: c.seq_len]
+            values = v_blocks.flatten(0, 1)[: c.seq_len]
         keys = keys.transpose(0, 1).unsqueeze(0)
         values = values.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(

@@ -1,0 +1,117 @@
+"""CPU fast paths: oneDNN-packed linear weights, the reused gather buffer of the torch attention backend,
+and the malloc settings. Their end-to-end correctness (greedy equality with HF) is covered by
+test_model_equivalence.py and test_gguf_smollm2.py, which run with all three on."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.worker.attention.torch_backend import _GatherBuffer
+from cbserve.worker.config import ModelConfig
+from cbserve.worker.cpu_linear import pack_weight, packed_linear, packing_supported
+from cbserve.worker.cpu_malloc import tune_malloc_for_cpu_inference
+from cbserve.worker.input_batch import RequestState, build_batch
+from cbserve.worker.layers import ColumnParallelLinear, RowParallelLinear
+from cbserve.worker.model_runner import ModelRunner
+from worker_testlib import make_tiny_model
+
+needs_onednn = pytest.mark.skipif(
+    not packing_supported(torch.empty(2, 2)), reason="torch was built without oneDNN"
+)
+
+
+@pytest.fixture(scope="module")
+def tied_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tied"), "llama3_tied")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 11, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_f_linear(rows: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 80, dtype=dtype), torch.randn(96, dtype=dtype)
+    x = torch.randn(rows, 80, dtype=dtype)
+    packed = pack_weight(w)
+    assert packed.is_mkldnn
+    tol = 1e-4 if dtype == torch.float32 else 0.25
+    torch.testing.assert_close(packed_linear(x, packed, b), F.linear(x, w, b), atol=tol, rtol=tol / 10)
+
+
+def test_pack_refuses_what_it_cannot_pack() -> None:
+    with pytest.raises(ValueError, match="cannot pack"):
+        pack_weight(torch.zeros(4, 4, dtype=torch.float16))
+    layer = ColumnParallelLinear(8, [4], bias=False)
+    layer.weight.data = layer.weight.data.half()
+    assert layer.pack(release_dense=True) is False
+    assert layer.packed is None and layer.weight.numel() == 32  # unchanged, still usable
+
+
+@needs_onednn
+def test_packing_releases_the_dense_weight_and_keeps_the_result() -> None:
+    torch.manual_seed(0)
+    col, row = ColumnParallelLinear(16, [8, 8], bias=True), RowParallelLinear(16, 12, bias=True)
+    for layer in (col, row):
+        torch.nn.init.normal_(layer.weight)
+        torch.nn.init.normal_(layer.bias)
+    x = torch.randn(5, 16)
+    before = [col(x), row(x)]
+    assert col.pack(release_dense=True) and row.pack(release_dense=True)
+    assert col.weight.numel() == 0 and row.weight.numel() == 0
+    torch.testing.assert_close(col(x), before[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(row(x), before[1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="packed weight needs"):
+        col(x.double())
+
+
+@needs_onednn
+def test_runner_packs_linears_but_keeps_the_tied_embedding(tied_folder: Path) -> None:
+    packed = ModelRunner(ModelConfig(model=str(tied_folder)), 4, progress=False)
+    plain = ModelRunner(ModelConfig(model=str(tied_folder), cpu_weight_packing=False), 4, progress=False)
+    m = packed.model
+    assert m.tie_word_embeddings
+    assert m.lm_head.packed is not None
+    assert m.model.embed_tokens.weight.shape == (320, 64)  # shared with the LM head: not released
+    layer = m.model.layers[0]
+    assert layer.self_attn.qkv_proj.packed is not None and layer.self_attn.qkv_proj.weight.numel() == 0
+    assert layer.mlp.down_proj.packed is not None
+    assert plain.model.model.layers[0].mlp.down_proj.packed is None
+    # Same logits either way (one decode step over a 3-request batch of different lengths).
+    outs = []
+    for r in (packed, plain):
+        r.init_kv_cache(32)
+        states = [
+            RequestState(f"r{i}", list(range(5, 5 + n)), n, SamplingParams(), list(range(4 * i, 4 * i + 4)), 0)
+            for i, n in enumerate((3, 9, 14))
+        ]
+        batch = build_batch(states, {s.req_id: len(s.token_ids) for s in states}, 4, torch.device("cpu"))
+        with torch.inference_mode():
+            outs.append(r._forward(batch))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+
+
+def test_gather_buffer_is_reused_and_exact() -> None:
+    torch.manual_seed(0)
+    kv = (torch.randn(10, 4, 2, 8), torch.randn(10, 4, 2, 8))
+    buf = _GatherBuffer()
+    blocks = torch.tensor([7, 2, 9, 2, 0], dtype=torch.long)
+    k, v = buf.gather(kv, blocks)
+    assert torch.equal(k, kv[0][blocks]) and torch.equal(v, kv[1][blocks])
+    ptr = k.data_ptr()
+    k2, v2 = buf.gather(kv, blocks[:3])  # smaller: same storage
+    assert k2.data_ptr() == ptr and torch.equal(v2, kv[1][blocks[:3]])
+    k3, _ = buf.gather(kv, torch.arange(8))  # larger: grown
+    assert k3.shape[0] == 8 and torch.equal(k3, kv[0][:8])
+    other = (kv[0].double(), kv[1].double())  # another dtype: a new buffer, not a wrong-typed copy
+    k4, _ = buf.gather(other, blocks)
+    assert k4.dtype == torch.float64 and torch.equal(k4, other[0][blocks])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+def test_malloc_tuning_is_accepted_by_glibc() -> None:
+    assert tune_malloc_for_cpu_inference() is True
