@@ -78,7 +78,11 @@ def _read_ready(proc: subprocess.Popen, timeout_s: float) -> str:
 
     t = threading.Thread(target=reader, daemon=True)
     t.start()
-    t.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    # Ray's daemons inherit the child's stdout, so EOF never comes when the child dies: poll it instead.
+    while t.is_alive() and proc.poll() is None and time.monotonic() < deadline:
+        t.join(0.5)
+    t.join(1.0)
     if not box:
         raise RuntimeError(f"deployment did not start within {timeout_s:.0f}s (exit code {proc.poll()})")
     return box[0]
@@ -104,8 +108,9 @@ def _child(app_args: dict[str, Any]) -> int:
     from cbserve.cluster.app import build_app
     from ray import serve
 
-    port = int(app_args.pop("port", 0) or 0) or free_port()
+    port = int(app_args.pop("port", 0) or 0)
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    port = port or free_port()  # picked after Ray's daemons took their ports, so they cannot collide
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({**app_args, "port": port, "host": "127.0.0.1"}), name="cbserve",

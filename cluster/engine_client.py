@@ -24,6 +24,8 @@ HEALTH_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 5.0
 
 _FAILURE_STATUS = {"rejected": 400, "duplicate": 400, "queue_full": 429, "unavailable": 503, "aborted": 503}
+# Failures that happen before admission and say nothing about the request itself: another replica may take it.
+_TRY_ELSEWHERE = frozenset({"queue_full", "unavailable"})
 _FAILURE_TYPE = {
     "rejected": "invalid_request_error",
     "duplicate": "invalid_request_error",
@@ -132,11 +134,34 @@ class EngineClient:
     # ---- requests -----------------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
         """Yields ``[]`` once the engine admitted the request, then batches of new outputs. Raises APIError
-        on rejection or failure. Leaving early (client gone, stop string) aborts it in the engine."""
-        try:
-            idx = self.router.choose(request.prompt_token_ids)
-        except NoHealthyReplicaError as e:
-            raise APIError(503, f"{e}; retry later", "service_unavailable") from e
+        on rejection or failure. Leaving early (client gone, stop string) aborts it in the engine.
+
+        A replica that turns the request away before admitting it (waiting queue full, or gone) is skipped
+        and the next healthy replica is tried; the client sees a 429 / 503 only when none is left."""
+        tried: set[int] = set()
+        while True:
+            try:
+                idx = self.router.choose(request.prompt_token_ids, exclude=tried)
+            except NoHealthyReplicaError as e:
+                raise APIError(503, f"{e}; retry later", "service_unavailable") from e
+            tried.add(idx)
+            admitted = False
+            async with contextlib.aclosing(self._attempt(idx, request)) as stream:
+                async for item in stream:
+                    if isinstance(item, EngineFailure):
+                        if admitted or item.kind not in _TRY_ELSEWHERE or not self._another(tried):
+                            raise failure_to_api_error(item)
+                        break
+                    admitted = True
+                    yield item
+                else:
+                    return
+
+    def _another(self, tried: set[int]) -> bool:
+        return any(i not in tried for i in self.router.healthy_replicas())
+
+    async def _attempt(self, idx: int, request: EngineRequest) -> AsyncIterator[list[RequestOutput] | EngineFailure]:
+        """The stream of one replica; ends with an EngineFailure item when it fails or refuses."""
         sp = request.sampling_params
         cost = len(request.prompt_token_ids) + sp.num_sequences * (sp.max_tokens or 0)
         engine = self.engines[idx]
@@ -146,16 +171,17 @@ class EngineClient:
         try:
             async for ref in engine.generate.remote(request):
                 item = await ref
-                if isinstance(item, EngineFailure):
+                if isinstance(item, EngineFailure):  # the engine has ended the request itself
+                    finished = True
                     if item.kind == "unavailable":
                         self.router.set_healthy(idx, False)
-                    raise failure_to_api_error(item)
+                    yield item
+                    return
                 yield item
             finished = True
-        except ray.exceptions.RayActorError as e:
+        except ray.exceptions.RayActorError:
             self.router.set_healthy(idx, False)
-            msg = f"engine replica {idx} is unavailable; retry later"
-            raise APIError(503, msg, "service_unavailable") from e
+            yield EngineFailure("unavailable", f"engine replica {idx} is unavailable; retry later")
         finally:
             self.router.done(idx, cost)
             self._routes.pop(request.req_id, None)

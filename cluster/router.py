@@ -11,7 +11,7 @@ Pure Python (no ray): the ingress owns one Router and tells it which replicas ar
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 
@@ -76,10 +76,11 @@ class Router:
 
         return max(candidates, key=score)
 
-    def choose(self, prompt_token_ids: Sequence[int]) -> int:
-        healthy = self.healthy_replicas()
+    def choose(self, prompt_token_ids: Sequence[int], exclude: Collection[int] = ()) -> int:
+        """The replica for a request; ``exclude``: replicas that already turned it away (queue full)."""
+        healthy = [i for i in self.healthy_replicas() if i not in exclude]
         if not healthy:
-            raise NoHealthyReplicaError("no engine replica is ready")
+            raise NoHealthyReplicaError("no engine replica is ready" if not exclude else "every ready replica is full")
         least = self._least_loaded(healthy)
         key = self.prefix_key(prompt_token_ids)
         if key is None:

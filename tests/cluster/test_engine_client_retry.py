@@ -1,0 +1,116 @@
+"""EngineClient.generate across replicas: a replica that refuses a request before admitting it (queue full,
+gone) is skipped for the next healthy one; failures after admission and bad requests are not retried.
+
+The engines are fakes with the SchedulerActor's streaming shape (``generate.remote`` yields awaitables);
+the real actors' 429 path is crossed end to end in tests/e2e/openai_server/test_tp2.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from cbserve.cluster.engine_client import EngineClient
+from cbserve.cluster.openai_protocol import APIError
+from cbserve.cluster.router import Router
+from cbserve.cluster.scheduler_actor import EngineFailure
+from cbserve.scheduler.request import EngineRequest
+from cbserve.scheduler.sampling_params import SamplingParams
+
+
+class _Remote:
+    def __init__(self, fn: Any) -> None:
+        self.remote = fn
+
+
+class FakeEngine:
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+        self.calls = 0
+        self.aborted: list[str] = []
+        self.generate = _Remote(self._generate)
+        self.abort = _Remote(self.aborted.append)
+
+    async def _generate(self, request: EngineRequest) -> Any:
+        self.calls += 1
+        for item in self.items:
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(item)
+            yield fut
+
+
+def _client(*engines: FakeEngine) -> EngineClient:
+    client = object.__new__(EngineClient)  # no Ray: the fakes stand in for the SchedulerActors
+    client.router = Router(len(engines), block_size=4)
+    for i in range(len(engines)):
+        client.router.set_healthy(i, True)
+    client.engines = list(engines)
+    client._routes = {}
+    return client
+
+
+def _run(client: EngineClient, req_id: str = "r1") -> list[Any]:
+    request = EngineRequest(req_id, [1, 2, 3], SamplingParams(max_tokens=4))
+
+    async def collect() -> list[Any]:
+        return [item async for item in client.generate(request)]
+
+    return asyncio.run(collect())
+
+
+FULL = EngineFailure("queue_full", "waiting queue is full")
+
+
+def test_a_full_replica_is_skipped_for_the_next() -> None:
+    full, ok = FakeEngine([FULL]), FakeEngine([[], ["tokens"]])
+    client = _client(full, ok)
+    client.router.add(1, 1000)  # make the full replica the first choice (least loaded)
+    assert _run(client) == [[], ["tokens"]]
+    assert (full.calls, ok.calls) == (1, 1)
+    assert full.aborted == [] and ok.aborted == []  # both streams ended on the engines' side
+    assert [r.outstanding_tokens for r in client.router.replicas] == [0, 1000]  # nothing leaked
+    assert client._routes == {}
+
+
+def test_every_replica_full_gives_429() -> None:
+    a, b = FakeEngine([FULL]), FakeEngine([FULL])
+    with pytest.raises(APIError) as info:
+        _run(_client(a, b))
+    assert info.value.status == 429
+    assert (a.calls, b.calls) == (1, 1)
+
+
+def test_a_gone_replica_is_marked_down_and_skipped() -> None:
+    gone, ok = FakeEngine([EngineFailure("unavailable", "engine is restarting")]), FakeEngine([[], ["x"]])
+    client = _client(gone, ok)
+    client.router.add(1, 1000)
+    assert _run(client) == [[], ["x"]]
+    assert client.router.healthy_replicas() == [1]
+
+
+def test_failure_after_admission_is_not_retried() -> None:
+    dying, other = FakeEngine([[], ["a"], EngineFailure("unavailable", "lost")]), FakeEngine([[], ["b"]])
+    client = _client(dying, other)
+    client.router.add(1, 1000)
+    with pytest.raises(APIError) as info:
+        _run(client)
+    assert info.value.status == 503
+    assert other.calls == 0  # tokens were already streamed: a retry would repeat them
+
+
+def test_bad_request_is_not_retried() -> None:
+    bad, other = FakeEngine([EngineFailure("rejected", "prompt too long")]), FakeEngine([[]])
+    client = _client(bad, other)
+    client.router.add(1, 1000)
+    with pytest.raises(APIError) as info:
+        _run(client)
+    assert info.value.status == 400 and other.calls == 0
+
+
+def test_router_exclude() -> None:
+    r = Router(3, block_size=4)
+    for i in range(3):
+        r.set_healthy(i, True)
+    assert r.choose([1, 2, 3], exclude={0, 1}) == 2
+    with pytest.raises(Exception, match="every ready replica is full"):
+        r.choose([1, 2, 3], exclude={0, 1, 2})
