@@ -52,6 +52,18 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+def pack_module_weight(module: nn.Module, release_dense: bool) -> bool:
+    """Set ``module.packed`` to its packed ``weight`` (once) and, with ``release_dense``, free the dense copy;
+    returns False, changing nothing, where packing is unsupported."""
+    if module.packed is None:
+        if not packing_supported(module.weight):
+            return False
+        module.packed = pack_weight(module.weight)
+        if release_dense:
+            module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+    return True
+
+
 @runtime_checkable
 class Packable(Protocol):
     def pack(self, release_dense: bool) -> bool: ...
@@ -69,15 +81,7 @@ class PackableLinear(nn.Module):
         self.packed: torch.Tensor | None = None
 
     def pack(self, release_dense: bool) -> bool:
-        """Pack the weight for oneDNN; returns False (and changes nothing) where packing is unsupported."""
-        if self.packed is not None:
-            return True
-        if not packing_supported(self.weight):
-            return False
-        self.packed = pack_weight(self.weight)
-        if release_dense:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
-        return True
+        return pack_module_weight(self, release_dense)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2 and x.dtype == self.packed.dtype:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_linear import PackableLinear, pack_weight, packed_linear, packing_supported
+from .cpu_linear import PackableLinear, pack_module_weight, packed_linear
 from .parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_world_size
 
 SKINNY_LOGITS_ROWS = 96  # up to this many sampled rows, CPU logits are computed as W @ h^T
@@ -160,11 +160,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed: torch.Tensor | None = None
 
     def pack(self, release_dense: bool) -> bool:
-        if self.packed is None and packing_supported(self.weight):
-            self.packed = pack_weight(self.weight)
-            if release_dense:
-                self.weight.data = torch.empty(0, dtype=self.weight.dtype)
-        return self.packed is not None
+        return pack_module_weight(self, release_dense)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and hidden.dtype == self.packed.dtype:

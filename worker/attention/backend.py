@@ -44,7 +44,8 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """One attention implementation over the paged KV cache. Stateless apart from its configuration."""
+    """One attention implementation over the paged KV cache. Holds its configuration and, at most, scratch
+    buffers reused between steps (never request state)."""
 
     name: str = "abstract"
 

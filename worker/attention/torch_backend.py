@@ -27,23 +27,28 @@ class _GatherBuffer:
     """Scratch K and V buffers, grown on demand, that paged blocks are gathered into."""
 
     def __init__(self) -> None:
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
+        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def gather(self, kv_cache: KVCache, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` (1-D int64 block ids), as [len(blocks), block_size, kv_heads, head_dim]."""
         k_cache, v_cache = kv_cache
         n = blocks.numel()
-        k, v = self._k, self._v
-        if k is None or v is None or k.shape[0] < n or k.shape[1:] != k_cache.shape[1:] or (
-            k.dtype != k_cache.dtype or k.device != k_cache.device
-        ):
-            k = self._k = torch.empty((n, *k_cache.shape[1:]), dtype=k_cache.dtype, device=k_cache.device)
-            v = self._v = torch.empty_like(k)
-        k, v = k[:n], v[:n]
+        if self._kv is None or not _fits(self._kv[0], k_cache, n):
+            k = torch.empty((n, *k_cache.shape[1:]), dtype=k_cache.dtype, device=k_cache.device)
+            self._kv = (k, torch.empty_like(k))
+        k, v = self._kv[0][:n], self._kv[1][:n]
         torch.index_select(k_cache, 0, blocks, out=k)
         torch.index_select(v_cache, 0, blocks, out=v)
         return k, v
+
+
+def _fits(buffer: torch.Tensor, cache: torch.Tensor, n: int) -> bool:
+    return (
+        buffer.shape[0] >= n
+        and buffer.shape[1:] == cache.shape[1:]
+        and buffer.dtype == cache.dtype
+        and buffer.device == cache.device
+    )
 
 
 @dataclass
