@@ -9,11 +9,11 @@ import torch
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
-AttentionBackendName = Literal["auto", "torch", "triton", "flash"]
+AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash"]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
-_BACKENDS = ("auto", "torch", "triton", "flash")
+_BACKENDS = ("auto", "torch", "cpu", "triton", "flash")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

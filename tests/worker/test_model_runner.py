@@ -10,6 +10,8 @@ import torch
 from cbserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.attention import get_attention_backend
+from cbserve.worker.attention.cpu_backend import CpuAttentionBackend
+from cbserve.worker.attention.cpu_native import load_cpu_kernels
 from cbserve.worker.attention.torch_backend import TorchAttentionBackend
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.executor import LocalExecutor
@@ -102,7 +104,8 @@ def test_n_greater_than_one_through_the_engine(folder: Path) -> None:
 
 
 def test_attention_backend_selection() -> None:
-    assert get_attention_backend("auto", "cpu") is TorchAttentionBackend
+    cpu_kernels_built = load_cpu_kernels().kernels is not None
+    assert get_attention_backend("auto", "cpu") is (CpuAttentionBackend if cpu_kernels_built else TorchAttentionBackend)
     assert get_attention_backend("torch", "cpu") is TorchAttentionBackend
     with pytest.raises(ValueError):
         get_attention_backend("triton", "cpu")

@@ -14,6 +14,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorators running
 pytest.importorskip("triton")
+from worker_testlib import fused_qkv, paged_metadata  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float32
@@ -29,47 +30,11 @@ def backend_cls(triton_kernels_module):
 
 def _metadata(ctx_q: list[tuple[int, int]], block_size: int, num_blocks: int, gen: torch.Generator,
               pad_decodes: int = 0):
-    """Decode-first batch: requests with q_len 1 must come first. ``pad_decodes`` appends CUDA-graph style
-    padded decode rows (slot -1, seq_len 0) after the real decodes (only valid for decode-only batches)."""
-    from cbserve.worker.attention import AttentionMetadata
-
-    seq_lens = [c + q for c, q in ctx_q]
-    max_blocks = max(-(-s // block_size) for s in seq_lens)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots, used = [], [], 0
-    for (ctx, _ql), sl in zip(ctx_q, seq_lens, strict=True):
-        nb = -(-sl // block_size)
-        blocks = perm[used:used + nb]
-        used += nb
-        tables.append(blocks + [0] * (max_blocks - nb))
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(ctx, sl)]
-    q_lens = [q for _, q in ctx_q] + [1] * pad_decodes
-    seq_lens += [0] * pad_decodes
-    tables += [[0] * max_blocks] * pad_decodes
-    slots += [-1] * pad_decodes
-    num_decodes = sum(1 for q in q_lens if q == 1)
-    if q_lens[:num_decodes] != [1] * num_decodes:
-        raise ValueError("test batches must be decode-first")
-    i32 = dict(dtype=torch.int32, device=DEVICE)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        block_tables=torch.tensor(tables, **i32),
-        seq_lens=torch.tensor(seq_lens, **i32),
-        query_start_loc=torch.tensor([0] + q_lens, **i32).cumsum(0).to(torch.int32),
-        num_decodes=num_decodes,
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-        query_lens_cpu=q_lens,
-        seq_lens_cpu=seq_lens,
-    )
+    return paged_metadata(ctx_q, block_size, num_blocks, gen, DEVICE, pad_decodes)
 
 
 def _qkv(num_tokens: int, hq: int, hkv: int, d: int, gen: torch.Generator):
-    """q/k/v as views into one fused projection output, like the model produces."""
-    fused = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(DTYPE).to(DEVICE)
-    q, k, v = fused.split([hq * d, hkv * d, hkv * d], dim=-1)
-    return q.view(num_tokens, hq, d), k.view(num_tokens, hkv, d), v.reshape(num_tokens, hkv, d)
+    return fused_qkv(num_tokens, hq, hkv, d, gen, DTYPE, DEVICE)
 
 
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(9, 3, 64, 16), (8, 8, 128, 32), (8, 1, 64, 1)])

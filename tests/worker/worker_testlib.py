@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, SchedulerConfig
 from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.worker.attention import AttentionMetadata
 
 VARIANTS = ("llama_gqa", "qwen2_bias", "llama3_tied")
 
@@ -106,3 +107,48 @@ def run_engine(
         if run.steps > 10_000:
             raise RuntimeError("engine did not finish")
     return run
+
+
+def paged_metadata(ctx_q: list[tuple[int, int]], block_size: int, num_blocks: int, gen: torch.Generator,
+                   device: str = "cpu", pad_decodes: int = 0) -> AttentionMetadata:
+    """Attention metadata of a decode-first batch over randomly placed cache blocks: one request per
+    (cached context, query length) pair. ``pad_decodes`` appends CUDA-graph style padded decode rows
+    (slot -1, seq_len 0) after the real decodes (only valid for decode-only batches)."""
+    seq_lens = [c + q for c, q in ctx_q]
+    max_blocks = max(-(-s // block_size) for s in seq_lens)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots, used = [], [], 0
+    for (ctx, _ql), sl in zip(ctx_q, seq_lens, strict=True):
+        nb = -(-sl // block_size)
+        blocks = perm[used:used + nb]
+        used += nb
+        tables.append(blocks + [0] * (max_blocks - nb))
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(ctx, sl)]
+    q_lens = [q for _, q in ctx_q] + [1] * pad_decodes
+    seq_lens += [0] * pad_decodes
+    tables += [[0] * max_blocks] * pad_decodes
+    slots += [-1] * pad_decodes
+    num_decodes = sum(1 for q in q_lens if q == 1)
+    if q_lens[:num_decodes] != [1] * num_decodes:
+        raise ValueError("test batches must be decode-first")
+    i32 = dict(dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(tables, **i32),
+        seq_lens=torch.tensor(seq_lens, **i32),
+        query_start_loc=torch.tensor([0] + q_lens, **i32).cumsum(0).to(torch.int32),
+        num_decodes=num_decodes,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def fused_qkv(num_tokens: int, hq: int, hkv: int, d: int, gen: torch.Generator, dtype: torch.dtype = torch.float32,
+              device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q/k/v as views into one fused projection output, like the model produces (q is not contiguous)."""
+    fused = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype).to(device)
+    q, k, v = fused.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(num_tokens, hq, d), k.view(num_tokens, hkv, d), v.reshape(num_tokens, hkv, d)

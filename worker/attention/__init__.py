@@ -1,12 +1,14 @@
-"""Attention backends behind one interface (torch reference, Triton, flash-attn)."""
+"""Attention backends behind one interface (torch reference, CPU C kernel, Triton, flash-attn)."""
 
 from .backend import AttentionBackend, AttentionMetadata, KVCache, write_kv_cache
+from .cpu_backend import CpuAttentionBackend
 from .selector import get_attention_backend
 from .torch_backend import TorchAttentionBackend
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "CpuAttentionBackend",
     "KVCache",
     "TorchAttentionBackend",
     "get_attention_backend",

@@ -1,4 +1,5 @@
-"""Pick an attention backend by name. "triton" and "flash" are imported lazily, only when asked for."""
+"""Pick an attention backend by name. "triton" and "flash" are imported lazily, only when asked for; "cpu"
+compiles its C kernel on first use (cpu_native.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import logging
 import torch
 
 from .backend import AttentionBackend
+from .cpu_backend import CpuAttentionBackend
+from .cpu_native import load_cpu_kernels
 from .torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -26,14 +29,17 @@ def _load(name: str) -> type[AttentionBackend]:
 
 
 def get_attention_backend(name: str, device: torch.device | str) -> type[AttentionBackend]:
-    """The backend class for ``name`` ("auto" | "torch" | "triton" | "flash") on ``device``.
+    """The backend class for ``name`` ("auto" | "torch" | "cpu" | "triton" | "flash") on ``device``.
 
-    "auto" picks torch on CPU; on CUDA it tries triton, then flash, and falls back to torch.
-    Asking for "triton"/"flash" explicitly raises ValueError when it cannot be used.
+    "auto" picks cpu on CPU (torch when its kernel cannot be built); on CUDA it tries triton, then flash,
+    and falls back to torch. Asking for "cpu"/"triton"/"flash" explicitly raises ValueError when it cannot
+    be used.
     """
     device = torch.device(device)
     if name == "torch":
         return TorchAttentionBackend
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        return _cpu_backend(device, explicit=name == "cpu")
     if name in _LAZY_BACKENDS:
         if device.type != "cuda":
             raise ValueError(f"attention backend {name!r} needs a CUDA device, got {device}")
@@ -49,4 +55,16 @@ def get_attention_backend(name: str, device: torch.device | str) -> type[Attenti
                 return _load(candidate)
             except Exception as e:  # a missing or broken optional backend must never break "auto"
                 logger.info("attention backend %s unavailable (%s)", candidate, e)
+    return TorchAttentionBackend
+
+
+def _cpu_backend(device: torch.device, explicit: bool) -> type[AttentionBackend]:
+    if device.type != "cpu":
+        raise ValueError(f"attention backend 'cpu' needs a CPU device, got {device}")
+    load = load_cpu_kernels()
+    if load.kernels is not None:
+        return CpuAttentionBackend
+    if explicit:
+        raise ValueError(f"attention backend 'cpu' is not available: {load.reason}")
+    logger.warning("CPU attention kernels unavailable (%s); using the torch attention backend", load.reason)
     return TorchAttentionBackend

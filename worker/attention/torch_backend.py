@@ -137,16 +137,24 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        if "torch_decode" not in metadata.extras:
+        if "torch_prefill" not in metadata.extras:
             self.prepare(metadata)
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
+        if metadata.num_decodes:
+            self._attend_decodes(q, kv_cache, metadata, out)
         buffer = metadata.extras["torch_buffer"]
-        for group in metadata.extras["torch_decode"]:
-            self._decode(q, kv_cache, group, out, buffer)
         for chunk in metadata.extras["torch_prefill"]:
             self._prefill(q, k, v, kv_cache, chunk, out, buffer)
         return out
+
+    def _attend_decodes(self, q: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata, out: torch.Tensor) -> None:
+        """Rows ``0..num_decodes-1`` of ``out``: one query token per request, over its cached context."""
+        groups = md.extras.get("torch_decode")
+        if groups is None:  # a subclass's prepare() left them out
+            groups = md.extras["torch_decode"] = _decode_groups(md)
+        for group in groups:
+            self._decode(q, kv_cache, group, out, md.extras["torch_buffer"])
 
     def _decode(
         self, q: torch.Tensor, kv_cache: KVCache, g: _DecodeGroup, out: torch.Tensor, buffer: _GatherBuffer
