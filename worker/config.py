@@ -10,10 +10,12 @@ import torch
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash"]
+CpuOpsName = Literal["auto", "native", "onednn", "torch"]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _BACKENDS = ("auto", "torch", "cpu", "triton", "flash")
+_CPU_OPS = ("auto", "native", "onednn", "torch")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -24,7 +26,10 @@ class ModelConfig:
     ``dtype="auto"``: float32 on CPU, bfloat16 on CUDA. ``max_model_len=None``: the model's own maximum.
     ``kv_cache_memory_bytes`` sizes the KV cache on CPU; ``gpu_memory_utilization`` is the fraction of
     GPU memory the worker may use in total (weights + activations + KV cache) on CUDA.
-    ``cpu_weight_packing``: on CPU, reorder linear weights once for oneDNN (2-3x faster decode GEMMs).
+    ``cpu_ops`` (CPU only): "native" runs the linear layers, norms, SiLU, rotary and (with
+    ``attention_backend="auto"``) decode attention on cbserve's compiled C kernels; "onednn" packs the linear
+    weights for oneDNN and keeps torch for the rest; "torch" is plain torch. "auto": native when the
+    kernels build (a C compiler is found), else onednn, else torch.
     """
 
     model: str | None = None
@@ -35,7 +40,7 @@ class ModelConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False
-    cpu_weight_packing: bool = True
+    cpu_ops: CpuOpsName = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
     rank: int = 0
@@ -49,6 +54,8 @@ class ModelConfig:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if self.cpu_ops not in _CPU_OPS:
+            raise ValueError(f"cpu_ops must be one of {_CPU_OPS}, got {self.cpu_ops!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_memory_bytes < 1:

@@ -1,39 +1,45 @@
-"""Pre-packed CPU weights: linear layers run through oneDNN with weights reordered once at load time.
+"""Pre-packed CPU weights: each linear layer's weight (and the LM head's) is reordered once at load time
+into the layout a fast kernel reads, and the dense copy is released so memory does not double.
 
-On CPU, ``F.linear`` goes to the BLAS library torch was built with (MKL), whose kernels for the few-row
-products of a decode step leave most of the core idle: on the 2-core AMD EPYC (AVX-512) this project is
-benchmarked on, SmolLM2's 576 x 1536 projection runs at 37 GFLOP/s with 8 rows and 62 with 16. oneDNN with
-the weight reordered ahead of time into its blocked layout runs the same products at 84 and 135 GFLOP/s,
-and large prefill GEMMs at ~200 GFLOP/s against MKL's ~140 (``benchmarks/bench_cpu.py`` measures both).
+Two packings, chosen by ``ModelConfig.cpu_ops`` (see ``cpu_ops.py``):
 
-The packed tensor replaces the dense weight (same number of elements, an opaque oneDNN layout), so memory
-does not double. Results equal ``F.linear`` up to fp32 summation order (~1e-4 absolute on unit-scale
-inputs). Used for float32 and bfloat16 on CPU when torch has oneDNN; everything else keeps ``F.linear``.
+- ``"native"``: cbserve's own C kernel (``csrc/gemm.c``) over 48-column panels. A decode step multiplies
+  every weight by only a few rows, so its cost is reading the weights; the panel kernel streams each
+  weight once, in order. On the 2-core AMD EPYC (Zen 4) this project is benchmarked on, all of
+  SmolLM2-135M's weights against 8 / 16 / 64 rows take 1.7 / 1.4 / 1.1x less time than oneDNN's packed
+  kernels and prefill-sized products ~1.15x less (``benchmarks/bench_cpu.py`` prints the rates).
+- ``"onednn"``: oneDNN's blocked layout through ``mkldnn._linear_pointwise`` (float32 and bfloat16), for
+  machines where the C kernels cannot be built. Still 2-3x MKL's ``F.linear`` for decode-sized products.
+
+Results equal ``F.linear`` up to float32 summation order (~1e-4 absolute on unit-scale inputs).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_kernels import CpuKernels
+
 logger = logging.getLogger(__name__)
 
 # Row count oneDNN chooses the blocked layout for; measured flat from 16 to 1024 rows on the bench machine.
 PACK_BATCH_HINT = 64
-_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_supported(weight: torch.Tensor) -> bool:
-    """True when ``weight`` can be packed: a 2-D float32/bfloat16 CPU tensor and torch built with oneDNN."""
+    """True when oneDNN can pack ``weight``: a 2-D float32/bfloat16 CPU tensor and torch built with oneDNN."""
     return (
         weight.device.type == "cpu"
         and weight.dim() == 2
-        and weight.dtype in _PACKABLE_DTYPES
+        and weight.dtype in _ONEDNN_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -52,13 +58,52 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def pack_module_weight(module: nn.Module, release_dense: bool) -> bool:
+class PackedWeight(Protocol):
+    dtype: torch.dtype
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, W, bias)`` for 2-D ``x`` of ``dtype``."""
+        ...
+
+
+@dataclass(frozen=True)
+class OneDnnWeight:
+    packed: torch.Tensor
+    dtype: torch.dtype
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return packed_linear(x, self.packed, bias)
+
+
+@dataclass(frozen=True)
+class NativeWeight:
+    panels: torch.Tensor
+    out_features: int
+    kernels: CpuKernels
+    dtype: torch.dtype = torch.float32
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernels.linear(x, self.panels, self.out_features, bias)
+
+
+def make_packed_weight(weight: torch.Tensor, kernels: CpuKernels | None) -> PackedWeight | None:
+    """The weight packed for the C kernels (float32, when ``kernels`` is given) or else for oneDNN; None
+    where neither applies."""
+    if kernels is not None and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2:
+        return NativeWeight(kernels.pack_weight(weight.detach()), weight.shape[0], kernels)
+    if packing_supported(weight):
+        return OneDnnWeight(pack_weight(weight), weight.dtype)
+    return None
+
+
+def pack_module_weight(module: nn.Module, release_dense: bool, kernels: CpuKernels | None = None) -> bool:
     """Set ``module.packed`` to its packed ``weight`` (once) and, with ``release_dense``, free the dense copy;
     returns False, changing nothing, where packing is unsupported."""
     if module.packed is None:
-        if not packing_supported(module.weight):
+        packed = make_packed_weight(module.weight, kernels)
+        if packed is None:
             return False
-        module.packed = pack_weight(module.weight)
+        module.packed = packed
         if release_dense:
             module.weight.data = torch.empty(0, dtype=module.weight.dtype)
     return True
@@ -66,7 +111,7 @@ def pack_module_weight(module: nn.Module, release_dense: bool) -> bool:
 
 @runtime_checkable
 class Packable(Protocol):
-    def pack(self, release_dense: bool) -> bool: ...
+    def pack(self, release_dense: bool, kernels: CpuKernels | None = None) -> bool: ...
 
 
 class PackableLinear(nn.Module):
@@ -78,27 +123,29 @@ class PackableLinear(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.packed: torch.Tensor | None = None
+        self.packed: PackedWeight | None = None
 
-    def pack(self, release_dense: bool) -> bool:
-        return pack_module_weight(self, release_dense)
+    def pack(self, release_dense: bool, kernels: CpuKernels | None = None) -> bool:
+        return pack_module_weight(self, release_dense, kernels)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2 and x.dtype == self.packed.dtype:
-            return packed_linear(x, self.packed, bias)
+            return self.packed.matmul(x, bias)
         if self.packed is not None and self.weight.numel() == 0:
             raise RuntimeError(f"packed weight needs 2-D {self.packed.dtype} input, got {x.dtype} {x.dim()}-D")
         return F.linear(x, self.weight, bias)
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Pack every ``Packable`` module of ``model`` (dense copies are released unless the weight is shared,
-    like tied embeddings); returns how many were packed."""
+def pack_linear_weights(model: nn.Module, kernels: CpuKernels | None = None) -> int:
+    """Pack every ``Packable`` module of ``model`` for the C kernels (when ``kernels`` is given) or oneDNN;
+    dense copies are released unless the weight is shared, like tied embeddings. Returns how many were
+    packed."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     packed = 0
     for m in model.modules():
         if isinstance(m, Packable) and isinstance(m.weight, torch.Tensor):
-            packed += m.pack(release_dense=uses[id(m.weight)] == 1)
+            packed += m.pack(release_dense=uses[id(m.weight)] == 1, kernels=kernels)
     if packed:
-        logger.info("packed %d CPU linear weights into oneDNN's blocked layout", packed)
+        layout = "cbserve's panel layout" if kernels is not None else "oneDNN's blocked layout"
+        logger.info("packed %d CPU linear weights into %s", packed, layout)
     return packed

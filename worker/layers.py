@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_linear import PackableLinear, pack_module_weight, packed_linear
+from .cpu_kernels import CpuKernels
+from .cpu_linear import PackableLinear, PackedWeight, pack_module_weight
 from .parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_world_size
 
 SKINNY_LOGITS_ROWS = 96  # up to this many sampled rows, CPU logits are computed as W @ h^T
@@ -24,13 +25,16 @@ def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 like HF's LlamaRMSNorm; optionally fused with the residual add."""
+    """RMSNorm computed in float32 like HF's LlamaRMSNorm; optionally fused with the residual add. With
+    ``kernels`` set (float32 CPU models, see cpu_ops.py) both run as one C pass and the sum is written into
+    ``residual`` in place."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.weight.weight_loader = _default_loader
+        self.kernels: CpuKernels | None = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; the same float32 arithmetic as below
@@ -44,6 +48,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new_residual) where new_residual = x + residual (or x)."""
+        if self.kernels is not None:
+            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return self._norm(x), x
@@ -153,18 +159,18 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """LM head sharing VocabParallelEmbedding's sharding; logits are gathered over ranks. On CPU it can be
-    packed for oneDNN like the linear layers (see cpu_linear.py)."""
+    packed like the linear layers (see cpu_linear.py)."""
 
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__(vocab_size, hidden)
-        self.packed: torch.Tensor | None = None
+        self.packed: PackedWeight | None = None
 
-    def pack(self, release_dense: bool) -> bool:
-        return pack_module_weight(self, release_dense)
+    def pack(self, release_dense: bool, kernels: CpuKernels | None = None) -> bool:
+        return pack_module_weight(self, release_dense, kernels)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and hidden.dtype == self.packed.dtype:
-            logits = packed_linear(hidden, self.packed, None)
+            logits = self.packed.matmul(hidden, None)
         elif hidden.device.type == "cpu" and hidden.shape[0] <= SKINNY_LOGITS_ROWS:
             # Few rows against a vocabulary-sized weight: W @ h^T streams the weight once and runs
             # 1.5-1.7x faster than h @ W^T on CPU BLAS (measured for 16-64 rows, SmolLM2's 49152 x 576).
@@ -177,6 +183,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class SiluAndMul(nn.Module):
+    """silu(gate) * up of a fused [gate | up] projection; one C pass with ``kernels`` set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: CpuKernels | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -21,7 +21,7 @@ from .layers import (
     VocabParallelEmbedding,
 )
 from .parallel import divide, tp_world_size
-from .rotary import RotaryEmbedding, apply_rotary
+from .rotary import Rope, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +55,12 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.attn = backend_cls(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, md: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q and k are rotated together: one set of elementwise ops instead of two.
+        # q and k are rotated together: one set of elementwise ops (or one C pass) instead of two.
         qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rope.apply(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         o = self.attn.forward(q, k, v, kv_cache, md)
         return self.o_proj(o.view(n, self.q_size))
@@ -94,13 +92,12 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         kv_cache: KVCache,
         md: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, md)
+        h = self.self_attn(h, rope, kv_cache, md)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -139,10 +136,10 @@ class LlamaForCausalLM(nn.Module):
         md: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
+        rope = self.model.rotary.prepare(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, md)
+            x, residual = layer(x, residual, rope, kv_cache, md)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenL
 from .attention.backend import KVCache
 from .attention.selector import get_attention_backend
 from .config import ModelConfig
-from .cpu_linear import pack_linear_weights
 from .cpu_malloc import tune_malloc_for_cpu_inference
+from .cpu_ops import enable_cpu_ops, resolve_cpu_ops
 from .input_batch import PreparedBatch, RequestState, build_batch, order_decode_first
 from .kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, num_blocks_for_budget
 from .model import LlamaForCausalLM, head_dim_of, num_kv_heads_of
@@ -70,14 +70,14 @@ class ModelRunner:
         self.hf_config = load_hf_config(self.model_folder)
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 0) or 1 << 30)
         self.max_model_len = min(config.max_model_len or model_max, model_max)
-        self.backend_cls = get_attention_backend(config.attention_backend, self.device)
+        self.cpu_ops, cpu_kernels = resolve_cpu_ops(config.cpu_ops, self.device, self.dtype)
+        self.backend_cls = get_attention_backend(config.attention_backend, self.device, self.cpu_ops == "native")
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = LlamaForCausalLM(self.hf_config, self.backend_cls, self.max_model_len)
         self.model.load_weights(iter_weights(self.model_folder, progress=progress and tp_rank() == 0))
         self.model.eval()
         if self.device.type == "cpu":
-            if config.cpu_weight_packing:
-                pack_linear_weights(self.model)
+            enable_cpu_ops(self.model, self.cpu_ops, cpu_kernels)
             tune_malloc_for_cpu_inference()  # after the weights are placed: they stay in their own mappings
         self.eos_token_ids = sorted(eos_token_ids(self.model_folder, self.hf_config))
         self.sampler = Sampler(self.eos_token_ids)

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from .cpu_kernels import CpuKernels
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -57,8 +60,38 @@ def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float
     return inv.float(), float(scale)
 
 
+class Rope(Protocol):
+    """This step's rotation: made once per forward by ``RotaryEmbedding.prepare``, applied in every layer."""
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [num_tokens, num_heads, head_dim]; may work in place (the native one does)."""
+        ...
+
+
+@dataclass(frozen=True)
+class TorchRope:
+    cos: torch.Tensor  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x, self.cos, self.sin)
+
+
+@dataclass(frozen=True)
+class NativeRope:
+    kernels: CpuKernels
+    positions: torch.Tensor  # [num_tokens] int64
+    cos: torch.Tensor  # the whole [max_positions, head_dim] tables
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        self.kernels.rotary_(x.view(x.shape[0], -1), x.shape[2], self.positions, self.cos, self.sin)
+        return x
+
+
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables [max_positions, head_dim]; ``cos_sin(positions)`` once per forward."""
+    """Precomputed cos/sin tables [max_positions, head_dim] (float32); ``prepare(positions)`` once per
+    forward. With ``kernels`` set (float32 CPU models, see cpu_ops.py) the rotation is one C pass, in place."""
 
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -68,6 +101,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        self.kernels: CpuKernels | None = None
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        if self.kernels is not None and dtype == torch.float32:
+            return NativeRope(self.kernels, positions, self.cos, self.sin)
+        cos, sin = self.cos_sin(positions, dtype)
+        return TorchRope(cos, sin)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, 1, head_dim] tables for the given positions (broadcast over heads)."""

@@ -1,4 +1,4 @@
-"""The CPU attention backend (C decode kernel, cpu_kernels.c) against the torch reference backend, and how
+"""The CPU attention backend (C decode kernel, csrc/attention.c) against the torch reference backend, and how
 the kernel library is built, cached and refused. Its end-to-end correctness (greedy equality with HF) is
 covered by test_model_equivalence.py and test_gguf_smollm2.py, which run on it: "auto" picks it on CPU."""
 
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cbserve.worker.attention import CpuAttentionBackend, TorchAttentionBackend, cpu_native, get_attention_backend
-from cbserve.worker.attention.cpu_native import KernelLoad, load_cpu_kernels
+from cbserve.worker import cpu_native
+from cbserve.worker.attention import CpuAttentionBackend, TorchAttentionBackend, get_attention_backend
+from cbserve.worker.cpu_native import KernelLoad, load_cpu_kernels
 from worker_testlib import fused_qkv, paged_metadata
 
 HAVE_CC = cpu_native._compiler() is not None
@@ -80,7 +81,7 @@ def test_kernel_refuses_bad_block_ids_and_inputs() -> None:
     q, out = torch.randn(1, 4, 64), torch.empty(1, 4, 64)
     seq_lens = torch.tensor([20], dtype=torch.int32)
     bad_table = torch.tensor([[1, 4]], dtype=torch.int32)  # block 4 of a 4-block cache
-    with pytest.raises(RuntimeError, match="block id outside"):
+    with pytest.raises(RuntimeError, match="outside its table"):
         kernels.paged_decode(q, out, k_cache, k_cache, bad_table, seq_lens, 20, 0.125)
     good_table = torch.tensor([[1, 2]], dtype=torch.int32)
     with pytest.raises(ValueError, match="float32"):
@@ -107,9 +108,13 @@ def test_library_is_built_once_per_source_and_flags(tmp_path: Path, monkeypatch:
     assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
     assert not list(tmp_path.glob("*.so.*")) and len(list(tmp_path.iterdir())) == 1  # no temporary left over
     # another source (or compiler, flags, CPU) gets another file name
-    src = tmp_path / "edited.c"
-    src.write_text(cpu_native.SOURCE.read_text() + "\n/* edited */\n")
-    monkeypatch.setattr(cpu_native, "SOURCE", src)
+    src_dir = tmp_path / "csrc"
+    shutil.copytree(cpu_native.SOURCE_DIR, src_dir)
+    before = cpu_native._library_path(shutil.which("gcc") or "cc", ("-O3",))
+    monkeypatch.setattr(cpu_native, "SOURCE_DIR", src_dir)
+    assert cpu_native._library_path(shutil.which("gcc") or "cc", ("-O3",)) == before  # same bytes, same name
+    (src_dir / "gemm.c").write_text((src_dir / "gemm.c").read_text() + "\n/* edited */\n")
+    assert cpu_native._library_path(shutil.which("gcc") or "cc", ("-O3",)) != before
     assert cpu_native._library_path(shutil.which("gcc") or "cc", ("-O3",)) != cpu_native._library_path(
         shutil.which("gcc") or "cc", ("-O2",))
 
@@ -118,7 +123,7 @@ def test_unavailable_kernels_say_why_and_auto_falls_back(tmp_path: Path, monkeyp
     monkeypatch.setenv("CBSERVE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     failed = cpu_native._build()
-    assert failed.kernels is None and "compiling cpu_kernels.c failed" in failed.reason
+    assert failed.kernels is None and "compiling the CPU kernels failed" in failed.reason
     assert not list(tmp_path.glob("*.so"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert "no C compiler" in cpu_native._build().reason

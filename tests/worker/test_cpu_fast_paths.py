@@ -1,6 +1,7 @@
-"""CPU fast paths: oneDNN-packed linear weights, the reused gather buffer of the torch attention backend,
-and the malloc settings. Their end-to-end correctness (greedy equality with HF) is covered by
-test_model_equivalence.py and test_gguf_smollm2.py, which run with all three on."""
+"""CPU fast paths: packed linear weights (oneDNN here; the C kernels' own tests are in test_cpu_kernels.py),
+the reused gather buffer of the torch attention backend, and the malloc settings. Their end-to-end
+correctness (greedy equality with HF) is covered by test_model_equivalence.py and test_gguf_smollm2.py,
+which run with the default cpu_ops="auto" (native C kernels where a compiler is found)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.worker import cpu_native
 from cbserve.worker.attention.torch_backend import _GatherBuffer
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu_linear import pack_weight, packed_linear, packing_supported
@@ -23,6 +25,7 @@ from worker_testlib import make_tiny_model
 needs_onednn = pytest.mark.skipif(
     not packing_supported(torch.empty(2, 2)), reason="torch was built without oneDNN"
 )
+needs_cc = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +73,11 @@ def test_packing_releases_the_dense_weight_and_keeps_the_result() -> None:
 
 
 @needs_onednn
-def test_runner_packs_linears_but_keeps_the_tied_embedding(tied_folder: Path) -> None:
-    packed = ModelRunner(ModelConfig(model=str(tied_folder)), 4, progress=False)
-    plain = ModelRunner(ModelConfig(model=str(tied_folder), cpu_weight_packing=False), 4, progress=False)
+@pytest.mark.parametrize("cpu_ops", ["onednn", pytest.param("native", marks=needs_cc)])
+def test_runner_packs_linears_but_keeps_the_tied_embedding(tied_folder: Path, cpu_ops: str) -> None:
+    packed = ModelRunner(ModelConfig(model=str(tied_folder), cpu_ops=cpu_ops), 4, progress=False)
+    plain = ModelRunner(ModelConfig(model=str(tied_folder), cpu_ops="torch"), 4, progress=False)
+    assert (packed.cpu_ops, plain.cpu_ops) == (cpu_ops, "torch")
     m = packed.model
     assert m.tie_word_embeddings
     assert m.lm_head.packed is not None

@@ -11,9 +11,9 @@ from cbserve.scheduler.outputs import CachedRequestData, NewRequestData, Schedul
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.attention import get_attention_backend
 from cbserve.worker.attention.cpu_backend import CpuAttentionBackend
-from cbserve.worker.attention.cpu_native import load_cpu_kernels
 from cbserve.worker.attention.torch_backend import TorchAttentionBackend
 from cbserve.worker.config import ModelConfig
+from cbserve.worker.cpu_native import load_cpu_kernels
 from cbserve.worker.executor import LocalExecutor
 from cbserve.worker.kv_cache import copy_blocks
 from cbserve.worker.model_runner import ModelRunner
@@ -107,6 +107,7 @@ def test_attention_backend_selection() -> None:
     cpu_kernels_built = load_cpu_kernels().kernels is not None
     assert get_attention_backend("auto", "cpu") is (CpuAttentionBackend if cpu_kernels_built else TorchAttentionBackend)
     assert get_attention_backend("torch", "cpu") is TorchAttentionBackend
+    assert get_attention_backend("auto", "cpu", native_cpu=False) is TorchAttentionBackend  # cpu_ops="torch"
     with pytest.raises(ValueError):
         get_attention_backend("triton", "cpu")
     with pytest.raises(ValueError):
@@ -115,7 +116,8 @@ def test_attention_backend_selection() -> None:
 
 @pytest.mark.parametrize(
     "bad", [{"dtype": "int8"}, {"device": "tpu"}, {"max_model_len": 0}, {"tensor_parallel_size": 0},
-            {"rank": 1}, {"gpu_memory_utilization": 1.5}, {"attention_backend": "x"}, {"kv_cache_memory_bytes": 0}],
+            {"rank": 1}, {"gpu_memory_utilization": 1.5}, {"attention_backend": "x"}, {"kv_cache_memory_bytes": 0},
+            {"cpu_ops": "mkl"}],
 )
 def test_model_config_validation(bad: dict) -> None:
     with pytest.raises(ValueError):

@@ -1,14 +1,14 @@
-"""The CPU attention backend: the torch backend with its decode attention done by a C kernel.
+"""The CPU attention backend: the torch backend with its decode attention done by a C kernel (csrc/attention.c).
 
 Decode rows (one query token per request) are the bulk of a serving step's attention. The torch backend
 gathers every request's cache blocks into a padded buffer and runs a masked SDPA over it: the cache is
-read twice and written once, and the padding is computed. ``cpu_kernels.c`` reads each request's blocks in
+read twice and written once, and the padding is computed. ``csrc/attention.c`` reads each request's blocks in
 place, once for the scores and once for the values, with no padding and no mask. Prefill chunks (many
 query tokens, where SDPA's blocked kernels pay off) stay on the torch path, and so does any dtype other
 than float32.
 
 The selector picks this backend for ``attention_backend="auto"`` on CPU when the kernels build
-(see ``cpu_native.py``); otherwise the torch backend, which stays the reference this one is tested against.
+(see ``../cpu_native.py``); otherwise the torch backend, which stays the reference this one is tested against.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cpu_kernels import CpuKernels
+from ..cpu_native import load_cpu_kernels
 from .backend import AttentionMetadata, KVCache
-from .cpu_native import CpuKernels, load_cpu_kernels
 from .torch_backend import TorchAttentionBackend, _prefill_chunks
 
 

@@ -1,5 +1,5 @@
 """Pick an attention backend by name. "triton" and "flash" are imported lazily, only when asked for; "cpu"
-compiles its C kernel on first use (cpu_native.py)."""
+compiles cbserve's C kernels on first use (../cpu_native.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import logging
 
 import torch
 
+from ..cpu_native import load_cpu_kernels
 from .backend import AttentionBackend
 from .cpu_backend import CpuAttentionBackend
-from .cpu_native import load_cpu_kernels
 from .torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -28,15 +28,20 @@ def _load(name: str) -> type[AttentionBackend]:
     return getattr(module, class_name)
 
 
-def get_attention_backend(name: str, device: torch.device | str) -> type[AttentionBackend]:
+def get_attention_backend(
+    name: str, device: torch.device | str, native_cpu: bool = True
+) -> type[AttentionBackend]:
     """The backend class for ``name`` ("auto" | "torch" | "cpu" | "triton" | "flash") on ``device``.
 
-    "auto" picks cpu on CPU (torch when its kernel cannot be built); on CUDA it tries triton, then flash,
+    "auto" picks cpu on CPU when ``native_cpu`` (the model runs on cbserve's C kernels, see cpu_ops.py) and
+    the kernels build, else torch; on CUDA it tries triton, then flash,
     and falls back to torch. Asking for "cpu"/"triton"/"flash" explicitly raises ValueError when it cannot
     be used.
     """
     device = torch.device(device)
     if name == "torch":
+        return TorchAttentionBackend
+    if name == "auto" and device.type == "cpu" and not native_cpu:
         return TorchAttentionBackend
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         return _cpu_backend(device, explicit=name == "cpu")

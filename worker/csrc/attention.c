@@ -1,5 +1,5 @@
 /* Paged decode attention for CPUs (float32): one query token per sequence, keys and values read in place
- * from the paged KV cache. Built and loaded by cpu_native.py (gcc/cc, -O3 -march=native -fopenmp).
+ * from the paged KV cache. Built and loaded by ../cpu_native.py.
  *
  * Layouts (all contiguous unless a stride is given):
  *   q            [num_seqs, num_heads, head_dim], rows q_row_stride floats apart
@@ -14,36 +14,9 @@
  * head sizes go head by head. Software prefetching of the next block measured slower than leaving it to
  * the hardware prefetcher, so there is none.
  */
-#include <stdint.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include <stdlib.h>
-#include <string.h>
 
-#define CB_LOG2E 1.44269504088896341f
-#define CB_LN2_HI 0.693359375f
-#define CB_LN2_LO (-2.12194440e-4f)
-
-/* exp(x) for x <= 0 (Cephes' polynomial, ~1e-7 relative error), written so that loops over it vectorize. */
-static inline float cb_exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_floorf(x * CB_LOG2E + 0.5f);
-    const float r = x - n * CB_LN2_HI - n * CB_LN2_LO;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    union {
-        int32_t i;
-        float f;
-    } scale;
-    scale.i = ((int32_t)n + 127) << 23;
-    return y * scale.f;
-}
+#include "cb_cpu.h"
 
 typedef struct {
     int num_heads, num_kv_heads, head_dim, block_size;
@@ -85,59 +58,116 @@ static void pv_head_any(const float *restrict p, const float *restrict v_cache, 
     }
 }
 
-/* head_dim a multiple of 16, fixed at compile time: the query row and the output accumulator live in
- * vector registers (GCC vector extensions: AVX-512, AVX2 or SSE, whatever -march allows). */
-typedef float vf16 __attribute__((vector_size(64), aligned(4)));
-typedef float vf8 __attribute__((vector_size(32), aligned(4)));
-typedef float vf4 __attribute__((vector_size(16), aligned(4)));
-
-static inline vf16 load16(const float *p) { return *(const vf16 *)p; }
-
-static inline float hsum16(vf16 v) {
-    const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
+/* Lane t of the result = the sum of the 16 lanes of a[t]: a transpose-and-add tree, 15 adds for 16 sums
+ * instead of a horizontal sum each. */
+static inline vf16 reduce16x16(const vf16 *a) {
+    vf16 b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                       31);
+    for (int i = 0; i < 4; ++i)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+/* Ask for the next block of a sequence (its kv heads [kv0, kv1)) while this one is used: blocks sit at
+ * random places in the cache, and the hardware prefetcher does not follow a jump (nor a 4 KiB page). */
+#ifndef CB_PF_HINT
+#define CB_PF_HINT 2
+#endif
+static inline void prefetch_block(const float *blk, const geom_t *geo, int kv0, int kv1) {
+    const int64_t width = (int64_t)(kv1 - kv0) * geo->head_dim;
+    for (int j = 0; j < geo->block_size; ++j) {
+        const float *row = blk + j * geo->tok + (int64_t)kv0 * geo->head_dim;
+        for (int64_t i = 0; i < width; i += 16) __builtin_prefetch(row + i, 0, CB_PF_HINT);
+    }
+}
+
+/* head_dim D a multiple of 16, fixed at compile time (C = D / 16 vectors per row). Both passes walk the
+ * sequence block by block (a block holds all kv heads of block_size tokens, one contiguous run that stays
+ * in L1 while it is used) and keep what they reuse in registers:
+ *  - scores: per query head and chunk of 16 cached tokens, 16 dot-product accumulators, reduced together;
+ *  - values: per group of up to CB_PV_ACC / C query heads, their output rows as accumulators over the
+ *    block's tokens, each value row loaded once per group. */
+#define CB_PV_ACC 16 /* accumulator vectors of the value pass */
 #define CB_SEQ_KERNELS(D)                                                                                         \
+    static inline __attribute__((always_inline)) vf16 qk_chunk_##D(const int m, const vf16 *qv, const float *kp,  \
+                                                                   int64_t tok) {                                 \
+        enum { C = (D) / 16 };                                                                                    \
+        vf16 acc[16];                                                                                             \
+        for (int j = 0; j < 16; ++j) {                                                                            \
+            acc[j] = (vf16){0};                                                                                   \
+            if (j < m)                                                                                            \
+                for (int c = 0; c < C; ++c) acc[j] += qv[c] * cb_load16(kp + j * tok + 16 * c);                  \
+        }                                                                                                         \
+        return reduce16x16(acc);                                                                                  \
+    }                                                                                                             \
     static void qk_seq_##D(const float *restrict q, const float *restrict k_cache, const int32_t *restrict bt,     \
                            int len, const geom_t *geo, int kv0, int kv1, float *restrict scores) {                 \
+        enum { C = (D) / 16 };                                                                                    \
         const int group = geo->num_heads / geo->num_kv_heads, bs = geo->block_size;                               \
         for (int t0 = 0, b = 0; t0 < len; t0 += bs, ++b) {                                                        \
             const int n = len - t0 < bs ? len - t0 : bs;                                                          \
             const float *kb = k_cache + (int64_t)bt[b] * geo->blk;                                                \
-            for (int j = 0; j < n; ++j) {                                                                         \
-                for (int kvh = kv0; kvh < kv1; ++kvh) {                                                           \
-                    const float *kp = kb + j * geo->tok + kvh * (D);                                              \
-                    vf16 kv[D / 16];                                                                              \
-                    for (int c = 0; c < D / 16; ++c) kv[c] = load16(kp + 16 * c);                                 \
-                    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {                                       \
-                        const float *qh = q + (int64_t)h * (D);                                                   \
-                        vf16 acc = load16(qh) * kv[0];                                                            \
-                        for (int c = 1; c < D / 16; ++c) acc += load16(qh + 16 * c) * kv[c];                      \
-                        scores[(int64_t)h * len + t0 + j] = hsum16(acc) * geo->scale;                             \
+            if (t0 + bs < len) prefetch_block(k_cache + (int64_t)bt[b + 1] * geo->blk, geo, kv0, kv1);            \
+            for (int kvh = kv0; kvh < kv1; ++kvh)                                                                 \
+                for (int h = kvh * group; h < (kvh + 1) * group; ++h) {                                           \
+                    vf16 qv[C];                                                                                   \
+                    for (int c = 0; c < C; ++c) qv[c] = cb_load16(q + (int64_t)h * (D) + 16 * c) * geo->scale;    \
+                    float *sc = scores + (int64_t)h * len + t0;                                                   \
+                    for (int j0 = 0; j0 < n; j0 += 16) {                                                          \
+                        const float *kp = kb + j0 * geo->tok + kvh * (D);                                         \
+                        if (n - j0 >= 16) {                                                                       \
+                            cb_store16(sc + j0, qk_chunk_##D(16, qv, kp, geo->tok));                              \
+                        } else {                                                                                  \
+                            const vf16 s = qk_chunk_##D(n - j0, qv, kp, geo->tok);                                \
+                            for (int j = 0; j < n - j0; ++j) sc[j0 + j] = s[j];                                   \
+                        }                                                                                         \
                     }                                                                                             \
                 }                                                                                                 \
+        }                                                                                                         \
+    }                                                                                                             \
+    static inline __attribute__((always_inline)) void pv_heads_##D(                                               \
+        const int nh, const float *restrict probs, const float *restrict vb, int n, int len, int t0,               \
+        const geom_t *geo, int h0, float *restrict o) {                                                           \
+        enum { C = (D) / 16 };                                                                                    \
+        vf16 acc[CB_PV_ACC / C][C];                                                                               \
+        for (int hh = 0; hh < nh; ++hh)                                                                           \
+            for (int c = 0; c < C; ++c) acc[hh][c] = t0 ? cb_load16(o + (int64_t)(h0 + hh) * (D) + 16 * c)      \
+                                                        : (vf16){0};                                              \
+        for (int j = 0; j < n; ++j) {                                                                             \
+            vf16 vv[C];                                                                                           \
+            for (int c = 0; c < C; ++c) vv[c] = cb_load16(vb + j * geo->tok + 16 * c);                            \
+            for (int hh = 0; hh < nh; ++hh) {                                                                     \
+                const float w = probs[(int64_t)(h0 + hh) * len + t0 + j];                                         \
+                for (int c = 0; c < C; ++c) acc[hh][c] += w * vv[c];                                              \
             }                                                                                                     \
         }                                                                                                         \
+        for (int hh = 0; hh < nh; ++hh)                                                                           \
+            for (int c = 0; c < C; ++c) cb_store16(o + (int64_t)(h0 + hh) * (D) + 16 * c, acc[hh][c]);           \
     }                                                                                                             \
     static void pv_seq_##D(const float *restrict probs, const float *restrict v_cache, const int32_t *restrict bt, \
                            int len, const geom_t *geo, int kv0, int kv1, float *restrict o) {                      \
+        enum { C = (D) / 16, HMAX = CB_PV_ACC / C };                                                              \
         const int group = geo->num_heads / geo->num_kv_heads, bs = geo->block_size;                               \
-        memset(o + (int64_t)kv0 * group * (D), 0, sizeof(float) * (size_t)((kv1 - kv0) * group * (D)));           \
         for (int t0 = 0, b = 0; t0 < len; t0 += bs, ++b) {                                                        \
             const int n = len - t0 < bs ? len - t0 : bs;                                                          \
-            const float *vb = v_cache + (int64_t)bt[b] * geo->blk;                                                \
-            for (int j = 0; j < n; ++j) {                                                                         \
-                for (int kvh = kv0; kvh < kv1; ++kvh) {                                                           \
-                    const float *vp = vb + j * geo->tok + kvh * (D);                                              \
-                    vf16 vv[D / 16];                                                                              \
-                    for (int c = 0; c < D / 16; ++c) vv[c] = load16(vp + 16 * c);                                 \
-                    for (int h = kvh * group; h < (kvh + 1) * group; ++h) {                                       \
-                        const float w = probs[(int64_t)h * len + t0 + j];                                         \
-                        vf16 *oh = (vf16 *)(o + (int64_t)h * (D));                                                \
-                        for (int c = 0; c < D / 16; ++c) oh[c] += w * vv[c];                                      \
+            if (t0 + bs < len) prefetch_block(v_cache + (int64_t)bt[b + 1] * geo->blk, geo, kv0, kv1);            \
+            for (int kvh = kv0; kvh < kv1; ++kvh) {                                                               \
+                const float *vb = v_cache + (int64_t)bt[b] * geo->blk + kvh * (D);                                \
+                for (int h0 = kvh * group; h0 < (kvh + 1) * group; h0 += HMAX) {                                 \
+                    const int nh = (kvh + 1) * group - h0 < HMAX ? (kvh + 1) * group - h0 : HMAX;                 \
+                    switch (nh) { /* the head count as a constant: accumulators in registers */                  \
+                    case 1: pv_heads_##D(1, probs, vb, n, len, t0, geo, h0, o); break;                            \
+                    case 2: pv_heads_##D(2, probs, vb, n, len, t0, geo, h0, o); break;                            \
+                    case 3: pv_heads_##D(3, probs, vb, n, len, t0, geo, h0, o); break;                            \
+                    default: pv_heads_##D(HMAX, probs, vb, n, len, t0, geo, h0, o); break;                        \
                     }                                                                                             \
                 }                                                                                                 \
             }                                                                                                     \
@@ -171,7 +201,7 @@ static void softmax_inplace(float *restrict sc, int len) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int t = 0; t < len; ++t) {
-        sc[t] = cb_exp_nonpos(sc[t] - m);
+        sc[t] = cb_exp(sc[t] - m);
         sum += sc[t];
     }
     const float inv = 1.0f / sum;
@@ -203,7 +233,7 @@ int cb_paged_decode_f32(const float *q, int64_t q_row_stride, float *out, int64_
                         int head_dim, int block_size, float scale, int max_seq_len) {
     if (num_seqs < 0 || num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim < 1 || block_size < 1 ||
         max_seq_len < 1 || num_blocks < 1)
-        return 2;
+        return CB_EINVAL;
     const int64_t tok = (int64_t)num_kv_heads * head_dim;
     const geom_t geo = {num_heads, num_kv_heads, head_dim, block_size, tok, tok * block_size, scale};
     qk_fn qk = qk_seq_any;
@@ -216,10 +246,7 @@ int cb_paged_decode_f32(const float *q, int64_t q_row_stride, float *out, int64_
         pv = pv_seq_128;
     }
     /* Fewer sequences than twice the threads (one long chat, say): split each sequence's kv heads too. */
-    int threads = 1;
-#ifdef _OPENMP
-    threads = omp_get_max_threads();
-#endif
+    const int threads = cb_max_threads();
     int parts = 1;
     if (num_seqs > 0 && num_seqs < 2 * threads) parts = (2 * threads + num_seqs - 1) / num_seqs;
     if (parts > num_kv_heads) parts = num_kv_heads;
@@ -230,7 +257,7 @@ int cb_paged_decode_f32(const float *q, int64_t q_row_stride, float *out, int64_
         float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)max_seq_len);
         if (scores == NULL) {
 #pragma omp atomic write
-            failed = 1;
+            failed = CB_ENOMEM;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; ++item) {
@@ -240,7 +267,7 @@ int cb_paged_decode_f32(const float *q, int64_t q_row_stride, float *out, int64_
             if (scores == NULL) continue;
             if (len < 1 || len > max_seq_len || !blocks_in_range(bt, len, block_size, num_blocks)) {
 #pragma omp atomic write
-                failed = 3;
+                failed = CB_ERANGE;
                 continue;
             }
             const int kv0 = part * num_kv_heads / parts, kv1 = (part + 1) * num_kv_heads / parts;
