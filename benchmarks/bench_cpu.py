@@ -6,17 +6,19 @@ Workload (defaults): 64 requests, random prompts of 16-128 tokens, output length
   (a) HF transformers ``generate`` in static batches of 16 (left padding; every batch runs until its
       longest member is done, so the useful tokens are the requested ones, not the padded ones);
   (b) HF transformers' continuous batching (``init_continuous_batching``, per-request max_new_tokens);
-  (c) cbserve in-process (EngineCore + LocalExecutor) with its linear layers on F.linear (torch's BLAS),
-      to show what the oneDNN weight packing below is worth (``--skip-unpacked`` leaves it out);
-  (d) cbserve in-process as shipped: CPU linear weights pre-packed for oneDNN.
+  (c) cbserve in-process (EngineCore + LocalExecutor) on plain torch (``cpu_ops="torch"``: F.linear on
+      MKL, torch attention);
+  (d) cbserve with oneDNN-packed linear weights and torch for the rest (``cpu_ops="onednn"``);
+  (e) cbserve as shipped (``cpu_ops="auto"`` = native): its C kernels for the linear layers, norms, SiLU,
+      rotary and decode attention. ``--systems`` picks a subset of c-e.
 
-It also measures the large fp32 GEMM rate of this machine (torch's BLAS and oneDNN; the faster is the
-roofline) and reports each system's fraction of that
-roofline: useful FLOPs = 2 x non-embedding params per prompt and output token + 2 x LM-head params per
-output token. Greedy outputs of cbserve and HF continuous batching are compared token by token.
+It also measures the large fp32 GEMM rate of this machine (torch's BLAS, oneDNN and cbserve's panel kernel;
+the fastest is the roofline) and reports each system's fraction of that roofline: useful FLOPs =
+2 x non-embedding params per prompt and output token + 2 x LM-head params per output token. Greedy outputs
+of every cbserve run and HF continuous batching are compared token by token.
 Prints a table, writes ``bench_cpu.json`` and ``bench_cpu.png`` to ``--out-dir``.
 
-    python benchmarks/bench_cpu.py                 # ~10 min on 2 cores
+    python benchmarks/bench_cpu.py                 # ~9 min on 2 cores
     python benchmarks/bench_cpu.py --num-requests 8 --outputs 4 8 --skip-static   # smoke test
 """
 
@@ -34,6 +36,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+# cbserve configurations: label -> ModelConfig.cpu_ops ("auto" picks attention to match).
+CBSERVE_SYSTEMS = {"torch": "cbserve, plain torch", "onednn": "cbserve, oneDNN linears", "native": "cbserve"}
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,8 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-static", action="store_true")
     p.add_argument("--skip-hf-cb", action="store_true")
-    p.add_argument("--skip-unpacked", action="store_true",
-                   help="skip the cbserve run with F.linear (MKL) weights instead of oneDNN-packed ones")
+    p.add_argument("--systems", nargs="+", choices=list(CBSERVE_SYSTEMS), default=list(CBSERVE_SYSTEMS),
+                   help="cbserve configurations to run (the last one named is the reference of the ratios)")
     p.add_argument("--out-dir", default="bench_results")
     return p.parse_args()
 
@@ -63,34 +68,42 @@ def _rate(fn: Any, flops: float, iters: int) -> float:
     return flops * iters / (time.perf_counter() - t0)
 
 
+def _matmul_fns(weights: list[torch.Tensor]) -> dict[str, list[Any]]:
+    """For each available library, one ``f(x)`` per weight computing ``x @ w.T``."""
+    from cbserve.worker.cpu_linear import make_packed_weight, packing_supported
+    from cbserve.worker.cpu_native import load_cpu_kernels
+
+    def packed(w: torch.Tensor, kernels: Any) -> Any:
+        p = make_packed_weight(w, kernels)
+        return lambda x: p.matmul(x, None)
+
+    fns: dict[str, list[Any]] = {"torch BLAS": [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]}
+    if packing_supported(weights[0]):
+        fns["oneDNN packed"] = [packed(w, None) for w in weights]
+    kernels = load_cpu_kernels().kernels
+    if kernels is not None:
+        fns["cbserve panels"] = [packed(w, kernels) for w in weights]
+    return fns
+
+
 def gemm_rates(n: int = 2048, iters: int = 10) -> dict[str, float]:
-    """Sustained fp32 FLOP/s of a large square matmul through torch's BLAS (``a @ b``, MKL) and through
-    oneDNN with a pre-packed weight; the faster one is the machine's practical roofline."""
-    from cbserve.worker.cpu_linear import pack_weight, packed_linear, packing_supported
-
+    """Sustained fp32 FLOP/s of a large square matmul through torch's BLAS (MKL), oneDNN with a pre-packed
+    weight and cbserve's panel kernel; the fastest is the machine's practical roofline."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    rates = {"torch @ (BLAS)": _rate(lambda: a @ b, 2 * n**3, iters)}
-    if packing_supported(b):
-        pb = pack_weight(b)
-        rates["oneDNN packed"] = _rate(lambda: packed_linear(a, pb, None), 2 * n**3, iters)
-    return rates
+    with torch.inference_mode():
+        return {name: _rate(lambda f=fs[0]: f(a), 2 * n**3, iters) for name, fs in _matmul_fns([b]).items()}
 
 
-def decode_gemm_rate(model: torch.nn.Module, rows: int, packed: bool, iters: int = 3) -> float:
-    """FLOP/s of one decode step's matmuls alone: every linear weight of the model (and the LM head) in
-    turn against ``rows`` tokens, the weights streamed from memory as in a real step, through F.linear
-    (``packed=False``) or oneDNN with pre-packed weights. This, not the large square GEMM, bounds a decode
-    step on a CPU."""
-    from cbserve.worker.cpu_linear import pack_weight, packed_linear
-
+def decode_gemm_rates(model: torch.nn.Module, rows: int, iters: int = 3) -> dict[str, float]:
+    """FLOP/s of one decode step's matmuls alone, per library: every linear weight of the model (and the LM
+    head) in turn against ``rows`` tokens, the weights streamed from memory as in a real step. This, not
+    the large square GEMM, bounds a decode step on a CPU."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    xs = [torch.randn(rows, w.shape[1]) for w in weights]
     flops = sum(2 * rows * w.numel() for w in weights)
     with torch.inference_mode():
-        if packed:
-            pw = [(pack_weight(w), xs[w.shape[1]]) for w in weights]
-            return _rate(lambda: [packed_linear(x, p, None) for p, x in pw], flops, iters)
-        return _rate(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights], flops, iters)
+        return {name: _rate(lambda fs=fs: [f(x) for f, x in zip(fs, xs, strict=True)], flops, iters)
+                for name, fs in _matmul_fns(weights).items()}
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -159,16 +172,17 @@ def run_hf_cb(model: Any, prompts: list[list[int]], outs: list[int], args: argpa
 
 
 def run_cbserve(prompts: list[list[int]], outs: list[int], args: argparse.Namespace,
-                packed: bool = True) -> dict[str, Any]:
+                cpu_ops: str) -> dict[str, Any]:
     from cbserve import LLM, SamplingParams
 
     llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False, progress=False, cpu_weight_packing=packed)
+              enable_prefix_caching=False, progress=False, cpu_ops=cpu_ops)
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
     res = llm.generate(prompts, params)
     seconds = time.perf_counter() - t0
+    llm.shutdown()
     return {"seconds": seconds, "tokens": {i: r.outputs[0].token_ids for i, r in enumerate(res)}}
 
 
@@ -192,11 +206,11 @@ def plot(rows: list[dict[str, Any]], meta: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     names = [r["system"] for r in rows]
     vals = [r["output_tok_s"] for r in rows]
     ax.tick_params(axis="x", labelsize=8)
-    bars = ax.bar(names, vals, color=["#999999", "#6699cc", "#e0a080", "#cc5533"][-len(rows):])
+    bars = ax.bar(names, vals, color=["#999999", "#6699cc", "#e8c8a0", "#e0a080", "#cc5533"][-len(rows):])
     for b, r in zip(bars, rows, strict=True):
         ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{r['output_tok_s']:.0f} tok/s\n"
                 f"{100 * r['roofline_fraction']:.0f}% roofline", ha="center", va="bottom", fontsize=9)
@@ -227,25 +241,24 @@ def main() -> int:
     rates = gemm_rates()
     rate = max(rates.values())
     flops = useful_flops(model, prompts, outs)
-    decode_rates = {f"{m} rows{' packed' if p else ''}": decode_gemm_rate(model, m, p)
-                    for p in (False, True) for m in (8, 16, 32, 64)}
+    decode_rates = {m: decode_gemm_rates(model, m) for m in (1, 8, 16, 32, 64)}
     print("large fp32 GEMM: " + ", ".join(f"{k} {r / 1e9:.1f} GFLOP/s" for k, r in rates.items())
-          + f" on {torch.get_num_threads()} threads; roofline = the faster, {rate / 1e9:.1f} GFLOP/s")
+          + f" on {torch.get_num_threads()} threads; roofline = the fastest, {rate / 1e9:.1f} GFLOP/s")
     print(f"useful work {flops / 1e12:.2f} TFLOP; {len(prompts)} requests, {sum(outs)} output tokens")
-    print("decode-step matmuls alone (weights streamed): " + ", ".join(
-        f"{m} {r / 1e9:.1f}" for m, r in decode_rates.items()) + " GFLOP/s")
+    print("decode-step matmuls alone (all weights streamed), GFLOP/s:")
+    for m, by_lib in decode_rates.items():
+        print(f"  {m:3d} rows: " + ", ".join(f"{k} {r / 1e9:.1f}" for k, r in by_lib.items()))
     runs: dict[str, dict[str, Any]] = {}
     if not args.skip_static:
         runs["HF static (batch 16)"] = run_hf_static(model, prompts, outs, args.static_batch)
     if not args.skip_hf_cb:
         runs["HF continuous batching"] = run_hf_cb(model, prompts, outs, args)
     del model
-    if not args.skip_unpacked:
-        runs["cbserve, F.linear (MKL)"] = run_cbserve(prompts, outs, args, packed=False)
-    runs["cbserve"] = run_cbserve(prompts, outs, args)
+    for system in args.systems:
+        runs[CBSERVE_SYSTEMS[system]] = run_cbserve(prompts, outs, args, cpu_ops=system)
     rows = [summarize(k, v, outs, flops, rate) for k, v in runs.items()]
     cb = rows[-1]["output_tok_s"]
-    print(f"\n{'system':<28}{'seconds':>9}{'out tok/s':>11}{'roofline':>10}{'cbserve x':>11}")
+    print(f"\n{'system':<28}{'seconds':>9}{'out tok/s':>11}{'roofline':>10}{'last is x':>11}")
     for r in rows:
         print(f"{r['system']:<28}{r['seconds']:>9.1f}{r['output_tok_s']:>11.1f}"
               f"{100 * r['roofline_fraction']:>9.1f}%{cb / r['output_tok_s']:>10.2f}x")
@@ -260,7 +273,7 @@ def main() -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_cpu.json").write_text(json.dumps(
-        {"gemm_flops": rate, "gemm_flops_by_library": rates, "decode_gemm_flops": decode_rates,
+        {"gemm_flops": rate, "gemm_flops_by_library": rates, "decode_gemm_flops_by_rows": decode_rates,
          "useful_flops": flops, "rows": rows, "meta": meta}, indent=2))
     plot(rows, meta, out_dir / "bench_cpu.png")
     print(f"wrote {out_dir / 'bench_cpu.json'} and {out_dir / 'bench_cpu.png'}")
