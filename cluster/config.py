@@ -25,6 +25,7 @@ class CBServeConfig(BaseModel):
     served_model_name: str | None = None  # name clients use in "model"; default from the model
     dtype: str = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    cpu_ops: Literal["auto", "native", "onednn", "torch"] = "auto"  # CPU kernels (see worker/cpu_ops.py)
     tensor_parallel_size: int = Field(1, ge=1)
     num_replicas: int = Field(1, ge=1)  # data-parallel engine replicas
     seed: int = 0
@@ -142,6 +143,7 @@ class CBServeConfig(BaseModel):
             "max_model_len": self.max_model_len,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "gpu_memory_utilization": self.gpu_memory_utilization,
+            "cpu_ops": self.cpu_ops,
             "seed": self.seed,
             "rank": rank,
         }

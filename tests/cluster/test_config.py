@@ -48,7 +48,8 @@ def test_serve_run_string_args_are_coerced() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [{"no_such_field": 1}, {"tensor_parallel_size": 0}, {"route_prefix": "v1"}, {"block_size": -16}]
+    "bad", [{"no_such_field": 1}, {"tensor_parallel_size": 0}, {"route_prefix": "v1"}, {"block_size": -16},
+            {"cpu_ops": "mkl"}]
 )
 def test_bad_values_are_rejected(bad: dict) -> None:
     with pytest.raises((pydantic.ValidationError, ValueError)):
@@ -60,3 +61,8 @@ def test_not_a_mapping_is_rejected(tmp_path: Path) -> None:
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ValueError, match="mapping"):
         CBServeConfig.from_yaml(path)
+
+
+def test_cpu_ops_reaches_the_worker_config() -> None:
+    assert CBServeConfig.from_args({}).worker_model_config().cpu_ops == "auto"
+    assert CBServeConfig.from_args({"cpu_ops": "onednn"}).worker_model_config().cpu_ops == "onednn"
