@@ -6,8 +6,8 @@ Two packings, chosen by ``ModelConfig.cpu_ops`` (see ``cpu_ops.py``):
 - ``"native"``: cbserve's own C kernel (``csrc/gemm.c``) over 48-column panels. A decode step multiplies
   every weight by only a few rows, so its cost is reading the weights; the panel kernel streams each
   weight once, in order. On the 2-core AMD EPYC (Zen 4) this project is benchmarked on, all of
-  SmolLM2-135M's weights against 8 / 16 / 64 rows take 1.7 / 1.4 / 1.1x less time than oneDNN's packed
-  kernels and prefill-sized products ~1.15x less (``benchmarks/bench_cpu.py`` prints the rates).
+  SmolLM2-135M's weights against 8 / 16 / 32 / 64 rows ran at 1.8 / 1.3 / 1.24 / 1.46x oneDNN's packed
+  rate (``benchmarks/bench_cpu.py`` prints the rates; BENCHMARKS.md has the run).
 - ``"onednn"``: oneDNN's blocked layout through ``mkldnn._linear_pointwise`` (float32 and bfloat16), for
   machines where the C kernels cannot be built. Still 2-3x MKL's ``F.linear`` for decode-sized products.
 

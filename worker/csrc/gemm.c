@@ -8,8 +8,9 @@
  * Why not oneDNN or MKL: a decode step multiplies every weight by only a few rows (one per running
  * request). Then the cost is reading the weights from memory, and this loop reads each panel exactly once
  * from DRAM for the first row tile, in order, while the later row tiles of the same panel hit L2. Measured
- * on a 2-core AMD EPYC (Zen 4) for all of SmolLM2-135M's weights: 1.3-1.8x oneDNN's packed kernels for 1 to
- * 64 rows, ~1.15x for prefill-sized products (benchmarks/bench_cpu.py prints both).
+ * on a 2-core AMD EPYC (Zen 4) for all of SmolLM2-135M's weights: 1.2-1.8x oneDNN's packed kernels for 1 to
+ * 64 rows, 1.03-1.3x for 512-1024 rows; slower than oneDNN for large square products (0.82x at 2048^3),
+ * which have no K blocking here (benchmarks/bench_cpu.py prints the rates).
  *
  * Threads split the panels (and, for many rows, blocks of rows); each C element is one dot product
  * summed in k order by one thread, so results do not depend on the thread count.
