@@ -77,8 +77,6 @@ class CpuKernels:
             raise ValueError(f"packed weight of {packed.numel()} floats does not fit n={n}, k={k}")
         if bias is not None:
             _vector(bias, "bias", n)
-            pad = -n % self.panel_width  # the kernel reads the bias a whole panel at a time
-            bias = torch.nn.functional.pad(bias, (0, pad)) if pad else bias
         out = torch.empty(m, n, dtype=torch.float32)
         bias_ptr = None if bias is None else bias.data_ptr()
         _check(self._lib.cb_linear_f32(x.data_ptr(), lda, m, k, packed.data_ptr(), n, bias_ptr, out.data_ptr(), n),

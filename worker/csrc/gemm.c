@@ -94,8 +94,8 @@ static void tile_rows(int mr, const float *a, int64_t lda, const float *w, int k
     }
 }
 
-/* a: [m, k] rows lda floats apart; wp: cb_pack_weight_f32(W[n, k]); bias: [n] or NULL (read 48 at a time, so
- * the caller passes it padded to a multiple of 48); c: [m, n] rows ldc floats apart. */
+/* a: [m, k] rows lda floats apart; wp: cb_pack_weight_f32(W[n, k]); bias: [n] or NULL; c: [m, n] rows ldc
+ * floats apart. */
 int cb_linear_f32(const float *a, int64_t lda, int m, int k, const float *wp, int n, const float *bias, float *c,
                   int64_t ldc) {
     if (m < 0 || n < 1 || k < 1 || lda < k || ldc < n) return CB_EINVAL;
@@ -107,7 +107,12 @@ int cb_linear_f32(const float *a, int64_t lda, int m, int k, const float *wp, in
         const int rows = m - r0 < CB_ROW_BLOCK ? m - r0 : CB_ROW_BLOCK;
         const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
         const float *w = wp + (int64_t)p * k * CB_NR;
+        float tail_bias[CB_NR] = {0}; /* the last panel's bias, zero-padded: the tile reads 48 at a time */
         const float *b = bias ? bias + p * CB_NR : NULL;
+        if (b && ncols < CB_NR) {
+            memcpy(tail_bias, b, sizeof(float) * (size_t)ncols);
+            b = tail_bias;
+        }
         /* rows split into tiles of near-equal height: 11 rows -> 6 + 5, not 8 + 3 */
         const int tiles = (rows + CB_MR - 1) / CB_MR, base = rows / tiles, extra = rows % tiles;
         for (int t = 0, i = r0; t < tiles; ++t) {
