@@ -9,16 +9,20 @@ Workload (defaults): 64 requests, random prompts of 16-128 tokens, output length
   (c) cbserve in-process (EngineCore + LocalExecutor) on plain torch (``cpu_ops="torch"``: F.linear on
       MKL, torch attention);
   (d) cbserve with oneDNN-packed linear weights and torch for the rest (``cpu_ops="onednn"``);
-  (e) cbserve as shipped (``cpu_ops="auto"`` = native): its C kernels for the linear layers, norms, SiLU,
-      rotary and decode attention. ``--systems`` picks a subset of c-e.
+  (e) cbserve's C kernels (``cpu_ops="native"``) for the linear layers, norms, SiLU, rotary and decode
+      attention, with every linear weight in float32 panels (``cpu_compact_weights=False``);
+  (f) cbserve as shipped (``cpu_ops="auto"`` = native, compact weights): the same kernels reading each
+      weight in the smallest format that holds its float32 values exactly, here the GGUF's own Q4_1 / Q8_0
+      blocks, decoded to the same float32 values in registers. ``--systems`` picks a subset of c-f.
 
-It also measures the large fp32 GEMM rate of this machine (torch's BLAS, oneDNN and cbserve's panel kernel;
-the fastest is the roofline) and reports each system's fraction of that roofline: useful FLOPs =
-2 x non-embedding params per prompt and output token + 2 x LM-head params per output token. Greedy outputs
-of every cbserve run and HF continuous batching are compared token by token.
+It also measures the large fp32 GEMM rate of this machine (torch's BLAS, oneDNN and cbserve's float32 panel
+kernel; the fastest is the roofline; every system does the same float32 arithmetic) and reports each
+system's fraction of that roofline: useful FLOPs = 2 x non-embedding params per prompt and output token
++ 2 x LM-head params per output token. Greedy outputs of every cbserve run and HF continuous batching are
+compared token by token.
 Prints a table, writes ``bench_cpu.json`` and ``bench_cpu.png`` to ``--out-dir``.
 
-    python benchmarks/bench_cpu.py                 # ~9 min on 2 cores
+    python benchmarks/bench_cpu.py                 # ~10 min on 2 cores
     python benchmarks/bench_cpu.py --num-requests 8 --outputs 4 8 --skip-static   # smoke test
 """
 
@@ -36,8 +40,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-# cbserve configurations: label -> ModelConfig.cpu_ops ("auto" picks attention to match).
-CBSERVE_SYSTEMS = {"torch": "cbserve, plain torch", "onednn": "cbserve, oneDNN linears", "native": "cbserve"}
+# cbserve configurations: name -> (label, ModelConfig.cpu_ops, cpu_compact_weights); attention follows cpu_ops.
+CBSERVE_SYSTEMS = {
+    "torch": ("cbserve, plain torch", "torch", False),
+    "onednn": ("cbserve, oneDNN linears", "onednn", False),
+    "dense": ("cbserve, f32 panels", "native", False),
+    "native": ("cbserve", "native", True),
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,13 +77,14 @@ def _rate(fn: Any, flops: float, iters: int) -> float:
     return flops * iters / (time.perf_counter() - t0)
 
 
-def _matmul_fns(weights: list[torch.Tensor]) -> dict[str, list[Any]]:
-    """For each available library, one ``f(x)`` per weight computing ``x @ w.T``."""
+def _matmul_fns(weights: list[torch.Tensor], blocks: list[Any] | None = None) -> dict[str, list[Any]]:
+    """For each available library, one ``f(x)`` per weight computing ``x @ w.T``; with ``blocks`` (the GGUF
+    blocks of each weight) also cbserve's kernel on its compact panels."""
     from cbserve.worker.cpu_linear import make_packed_weight, packing_supported
     from cbserve.worker.cpu_native import load_cpu_kernels
 
-    def packed(w: torch.Tensor, kernels: Any) -> Any:
-        p = make_packed_weight(w, kernels)
+    def packed(w: torch.Tensor, kernels: Any, b: Any = None) -> Any:
+        p = make_packed_weight(w, kernels, b, compact=b is not None)
         return lambda x: p.matmul(x, None)
 
     fns: dict[str, list[Any]] = {"torch BLAS": [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]}
@@ -82,7 +92,9 @@ def _matmul_fns(weights: list[torch.Tensor]) -> dict[str, list[Any]]:
         fns["oneDNN packed"] = [packed(w, None) for w in weights]
     kernels = load_cpu_kernels().kernels
     if kernels is not None:
-        fns["cbserve panels"] = [packed(w, kernels) for w in weights]
+        fns["cbserve f32 panels"] = [packed(w, kernels) for w in weights]
+        if blocks is not None:
+            fns["cbserve compact"] = [packed(w, kernels, b) for w, b in zip(weights, blocks, strict=True)]
     return fns
 
 
@@ -94,16 +106,19 @@ def gemm_rates(n: int = 2048, iters: int = 10) -> dict[str, float]:
         return {name: _rate(lambda f=fs[0]: f(a), 2 * n**3, iters) for name, fs in _matmul_fns([b]).items()}
 
 
-def decode_gemm_rates(model: torch.nn.Module, rows: int, iters: int = 3) -> dict[str, float]:
+def decode_gemm_rates(model: torch.nn.Module, rows: int, blocks: dict[str, Any], iters: int = 3) -> dict[str, float]:
     """FLOP/s of one decode step's matmuls alone, per library: every linear weight of the model (and the LM
     head) in turn against ``rows`` tokens, the weights streamed from memory as in a real step. This, not
-    the large square GEMM, bounds a decode step on a CPU."""
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    the large square GEMM, bounds a decode step on a CPU. ``blocks``: the checkpoint's GGUF blocks by name."""
+    linears = [(name, m.weight) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    weights = [w for _, w in linears]
+    tied = {"lm_head.weight": "model.embed_tokens.weight"} if model.config.tie_word_embeddings else {}
+    by_weight = [blocks.get(tied.get(f"{n}.weight", f"{n}.weight")) for n, _ in linears]
     xs = [torch.randn(rows, w.shape[1]) for w in weights]
     flops = sum(2 * rows * w.numel() for w in weights)
     with torch.inference_mode():
         return {name: _rate(lambda fs=fs: [f(x) for f, x in zip(fs, xs, strict=True)], flops, iters)
-                for name, fs in _matmul_fns(weights).items()}
+                for name, fs in _matmul_fns(weights, by_weight if all(by_weight) else None).items()}
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -171,12 +186,12 @@ def run_hf_cb(model: Any, prompts: list[list[int]], outs: list[int], args: argpa
     return {"seconds": seconds, "tokens": tokens}
 
 
-def run_cbserve(prompts: list[list[int]], outs: list[int], args: argparse.Namespace,
-                cpu_ops: str) -> dict[str, Any]:
+def run_cbserve(prompts: list[list[int]], outs: list[int], args: argparse.Namespace, cpu_ops: str,
+                compact: bool) -> dict[str, Any]:
     from cbserve import LLM, SamplingParams
 
     llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False, progress=False, cpu_ops=cpu_ops)
+              enable_prefix_caching=False, progress=False, cpu_ops=cpu_ops, cpu_compact_weights=compact)
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -210,7 +225,7 @@ def plot(rows: list[dict[str, Any]], meta: str, path: Path) -> None:
     names = [r["system"] for r in rows]
     vals = [r["output_tok_s"] for r in rows]
     ax.tick_params(axis="x", labelsize=8)
-    bars = ax.bar(names, vals, color=["#999999", "#6699cc", "#e8c8a0", "#e0a080", "#cc5533"][-len(rows):])
+    bars = ax.bar(names, vals, color=["#999999", "#6699cc", "#e8c8a0", "#e0a080", "#d08060", "#cc5533"][-len(rows):])
     for b, r in zip(bars, rows, strict=True):
         ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{r['output_tok_s']:.0f} tok/s\n"
                 f"{100 * r['roofline_fraction']:.0f}% roofline", ha="center", va="bottom", fontsize=9)
@@ -232,6 +247,7 @@ def main() -> int:
     # cbserve's workers set these glibc malloc options; set them for the whole process first so that the
     # HF runs get them too and the ratios measure the engines, not the allocator.
     print(f"glibc malloc tuned for every system in this run: {tune_malloc_for_cpu_inference()}")
+    from cbserve.worker.gguf_blocks import load_gguf_blocks
     from cbserve.worker.model_loader import resolve_model
     from transformers import AutoModelForCausalLM
 
@@ -241,7 +257,8 @@ def main() -> int:
     rates = gemm_rates()
     rate = max(rates.values())
     flops = useful_flops(model, prompts, outs)
-    decode_rates = {m: decode_gemm_rates(model, m) for m in (1, 8, 16, 32, 64)}
+    blocks = load_gguf_blocks(folder)
+    decode_rates = {m: decode_gemm_rates(model, m, blocks) for m in (1, 8, 11, 16, 32, 64)}
     print("large fp32 GEMM: " + ", ".join(f"{k} {r / 1e9:.1f} GFLOP/s" for k, r in rates.items())
           + f" on {torch.get_num_threads()} threads; roofline = the fastest, {rate / 1e9:.1f} GFLOP/s")
     print(f"useful work {flops / 1e12:.2f} TFLOP; {len(prompts)} requests, {sum(outs)} output tokens")
@@ -255,7 +272,8 @@ def main() -> int:
         runs["HF continuous batching"] = run_hf_cb(model, prompts, outs, args)
     del model
     for system in args.systems:
-        runs[CBSERVE_SYSTEMS[system]] = run_cbserve(prompts, outs, args, cpu_ops=system)
+        label, cpu_ops, compact = CBSERVE_SYSTEMS[system]
+        runs[label] = run_cbserve(prompts, outs, args, cpu_ops, compact)
     rows = [summarize(k, v, outs, flops, rate) for k, v in runs.items()]
     cb = rows[-1]["output_tok_s"]
     print(f"\n{'system':<28}{'seconds':>9}{'out tok/s':>11}{'roofline':>10}{'last is x':>11}")

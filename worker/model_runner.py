@@ -16,6 +16,7 @@ from .attention.selector import get_attention_backend
 from .config import ModelConfig
 from .cpu_malloc import tune_malloc_for_cpu_inference
 from .cpu_ops import enable_cpu_ops, resolve_cpu_ops
+from .gguf_blocks import load_gguf_blocks
 from .input_batch import PreparedBatch, RequestState, build_batch, order_decode_first
 from .kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, num_blocks_for_budget
 from .model import LlamaForCausalLM, head_dim_of, num_kv_heads_of
@@ -77,7 +78,9 @@ class ModelRunner:
         self.model.load_weights(iter_weights(self.model_folder, progress=progress and tp_rank() == 0))
         self.model.eval()
         if self.device.type == "cpu":
-            enable_cpu_ops(self.model, self.cpu_ops, cpu_kernels)
+            compact = config.cpu_compact_weights and self.cpu_ops == "native"
+            blocks = self.model.fused_quant_blocks(load_gguf_blocks(self.model_folder)) if compact else {}
+            enable_cpu_ops(self.model, self.cpu_ops, cpu_kernels, blocks, compact)
             tune_malloc_for_cpu_inference()  # after the weights are placed: they stay in their own mappings
         self.eos_token_ids = sorted(eos_token_ids(self.model_folder, self.hf_config))
         self.sampler = Sampler(self.eos_token_ids)

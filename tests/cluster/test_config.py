@@ -66,3 +66,5 @@ def test_not_a_mapping_is_rejected(tmp_path: Path) -> None:
 def test_cpu_ops_reaches_the_worker_config() -> None:
     assert CBServeConfig.from_args({}).worker_model_config().cpu_ops == "auto"
     assert CBServeConfig.from_args({"cpu_ops": "onednn"}).worker_model_config().cpu_ops == "onednn"
+    assert CBServeConfig.from_args({}).worker_model_config().cpu_compact_weights is True
+    assert CBServeConfig.from_args({"cpu_compact_weights": False}).worker_model_config().cpu_compact_weights is False

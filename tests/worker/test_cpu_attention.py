@@ -1,5 +1,5 @@
-"""The CPU attention backend (C decode kernel, csrc/attention.c) against the torch reference backend, and how
-the kernel library is built, cached and refused. Its end-to-end correctness (greedy equality with HF) is
+"""The CPU attention backend (C kernel over the paged cache, csrc/attention.c, one row per query token) against
+the torch reference backend, and how the kernel library is built, cached and refused. Its end-to-end correctness (greedy equality with HF) is
 covered by test_model_equivalence.py and test_gguf_smollm2.py, which run on it: "auto" picks it on CPU."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 import torch
 from cbserve.worker import cpu_native
 from cbserve.worker.attention import CpuAttentionBackend, TorchAttentionBackend, get_attention_backend
+from cbserve.worker.attention.cpu_backend import row_args
 from cbserve.worker.cpu_native import KernelLoad, load_cpu_kernels
 from worker_testlib import fused_qkv, paged_metadata
 
@@ -45,10 +46,22 @@ def _run_both(ctx_q: list[tuple[int, int]], hq: int, hkv: int, d: int, bs: int, 
 )
 def test_matches_torch_backend_on_a_mixed_batch(hq: int, hkv: int, d: int, bs: int) -> None:
     # decodes of assorted lengths (a block boundary, a single token), then a fresh prompt, a prefix-cache hit
-    # and a later chunk of a chunked prefill (those three take the inherited torch path)
+    # and a later chunk of a chunked prefill (those three as one kernel row per token, causal by context length)
     ctx_q = [(20, 1), (0, 1), (bs * 3 - 1, 1), (200, 1), (0, 25), (32, 9), (17, 40)]
     out_c, out_t = _run_both(ctx_q, hq, hkv, d, bs, seed=hq * 100 + d)
     torch.testing.assert_close(out_c, out_t, atol=2e-5, rtol=1e-5)
+
+
+def test_row_args_give_every_token_its_context() -> None:
+    # (cached context, query tokens): two decodes, then a fresh 3-token prompt and a 2-token chunk after 5
+    md = paged_metadata([(6, 1), (0, 1), (0, 3), (5, 2)], 4, 20, torch.Generator().manual_seed(0))
+    rows = row_args(md)
+    assert rows.seq_lens.tolist() == [7, 1, 1, 2, 3, 6, 7]  # each token's position + 1: causal
+    owner = [0, 1, 2, 2, 2, 3, 3]
+    assert torch.equal(rows.block_tables, md.block_tables[owner].to(torch.int32))
+    assert rows.block_tables.dtype == torch.int32 and rows.max_seq_len == 7
+    decode_only = paged_metadata([(6, 1), (30, 1)], 4, 20, torch.Generator().manual_seed(0))
+    assert row_args(decode_only).seq_lens.tolist() == [7, 31]
 
 
 @needs_kernels

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker import cpu_native, cpu_ops
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.cpu_kernels import CpuKernels
+from cbserve.worker.cpu_kernels import CpuKernels, Panels
 from cbserve.worker.cpu_native import KernelLoad, load_cpu_kernels
 from cbserve.worker.input_batch import RequestState, build_batch
 from cbserve.worker.model_runner import ModelRunner
@@ -35,10 +35,12 @@ def test_linear_matches_f_linear(kernels: CpuKernels, m: int, n: int, k: int) ->
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     w, b, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
     packed = kernels.pack_weight(w)
-    assert packed.numel() == -(-n // kernels.panel_width) * kernels.panel_width * k
+    assert packed.fmt == "f32" and (packed.n, packed.k) == (n, k)
+    assert packed.nbytes == -(-n // kernels.panel_width) * kernels.panel_width * k * 4
+    assert torch.equal(kernels.unpack(packed), w)
     tol = 2e-6 * k
-    torch.testing.assert_close(kernels.linear(x, packed, n, b), F.linear(x, w, b), atol=tol, rtol=1e-5)
-    torch.testing.assert_close(kernels.linear(x, packed, n, None), F.linear(x, w), atol=tol, rtol=1e-5)
+    torch.testing.assert_close(kernels.linear(x, packed, b), F.linear(x, w, b), atol=tol, rtol=1e-5)
+    torch.testing.assert_close(kernels.linear(x, packed, None), F.linear(x, w), atol=tol, rtol=1e-5)
 
 
 def test_linear_reads_strided_rows_and_is_thread_count_independent(kernels: CpuKernels) -> None:
@@ -47,13 +49,13 @@ def test_linear_reads_strided_rows_and_is_thread_count_independent(kernels: CpuK
     w = big_w[:, 10:202]  # rows 300 floats apart
     x = torch.randn(40, 500, generator=gen)[:, 7:199]  # likewise for the input
     packed = kernels.pack_weight(w)
-    torch.testing.assert_close(kernels.linear(x, packed, 150, None), x @ w.t(), atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(kernels.linear(x, packed, None), x @ w.t(), atol=1e-3, rtol=1e-5)
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernels.linear(x, packed, 150, None)
+        one = kernels.linear(x, packed, None)
         torch.set_num_threads(2)
-        two = kernels.linear(x, packed, 150, None)
+        two = kernels.linear(x, packed, None)
     finally:
         torch.set_num_threads(old)
     assert torch.equal(one, two)  # each output is one thread's dot product in k order
@@ -63,15 +65,19 @@ def test_linear_refuses_what_does_not_fit(kernels: CpuKernels) -> None:
     w = torch.randn(10, 8)
     packed = kernels.pack_weight(w)
     with pytest.raises(ValueError, match="does not fit"):
-        kernels.linear(torch.randn(2, 9), packed, 10, None)  # k mismatch
+        kernels.linear(torch.randn(2, 9), packed, None)  # k mismatch
     with pytest.raises(ValueError, match="float32"):
-        kernels.linear(torch.randn(2, 8).double(), packed, 10, None)
+        kernels.linear(torch.randn(2, 8).double(), packed, None)
     with pytest.raises(ValueError, match="contiguous rows"):
-        kernels.linear(torch.randn(8, 2).t(), packed, 10, None)
+        kernels.linear(torch.randn(8, 2).t(), packed, None)
     with pytest.raises(ValueError, match="vector of 10"):
-        kernels.linear(torch.randn(2, 8), packed, 10, torch.randn(9))
+        kernels.linear(torch.randn(2, 8), packed, torch.randn(9))
     with pytest.raises(ValueError, match="float32"):
         kernels.pack_weight(w.half())
+    with pytest.raises(ValueError, match="does not fit"):  # bytes that are not this packing
+        kernels.linear(torch.randn(2, 8), Panels("f32", packed.data[:-4], 10, 8), None)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.linear(torch.randn(2, 8), Panels("q4_1", packed.data, 10, 8), None)
 
 
 @pytest.mark.parametrize("m,h", [(1, 576), (7, 64), (300, 200)])

@@ -12,6 +12,7 @@ from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker import model_loader
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.executor import LocalExecutor
+from cbserve.worker.gguf_blocks import load_gguf_blocks
 from cbserve.worker.tokenizer import load_tokenizer
 from worker_testlib import hf_greedy, run_engine
 
@@ -30,6 +31,9 @@ def test_default_model_is_the_bundled_gguf() -> None:
 
 def test_gguf_cache_is_reused_without_reconverting(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
+    blocks = load_gguf_blocks(folder)  # every linear weight and the (tied) embedding, checked at conversion
+    assert len(blocks) == 1 + 7 * 30 and blocks["model.embed_tokens.weight"].qtype == "Q8_0"
+    assert blocks["model.layers.0.self_attn.q_proj.weight"].qtype == "Q4_1"
     assert (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()
     import transformers
 
@@ -63,6 +67,10 @@ def test_smollm2_greedy_matches_hf(folder: Path) -> None:
     prompts = [tok(t)["input_ids"] for t in texts]
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
     ex = LocalExecutor(ModelConfig(), block_size=16, num_blocks=6, progress=False)
+    model = ex.runner.model
+    if ex.runner.cpu_ops == "native":  # the kernels read the GGUF blocks, not float32 copies
+        assert model.model.layers[0].mlp.down_proj.packed.panels.fmt == "q4_1"
+        assert model.lm_head.packed.panels.fmt == "q8_0"
     run = run_engine(ex, [(f"r{i}", p, sp) for i, p in enumerate(prompts)], block_size=16, num_blocks=6,
                      max_num_batched_tokens=24, max_num_seqs=4, join_at_step={"r1": 2, "r3": 3})
     assert run.prefix_hits > 0 and run.num_preemptions > 0

@@ -11,7 +11,7 @@ from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineReque
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.attention import AttentionMetadata
 
-VARIANTS = ("llama_gqa", "qwen2_bias", "llama3_tied")
+VARIANTS = ("llama_gqa", "qwen2_bias", "llama3_tied", "llama_bf16_values")
 
 
 def make_tiny_model(folder: Path, variant: str) -> Path:
@@ -23,8 +23,12 @@ def make_tiny_model(folder: Path, variant: str) -> Path:
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=512, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
     )
-    if variant == "llama_gqa":
+    if variant in ("llama_gqa", "llama_bf16_values"):
         model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common))
+        if variant == "llama_bf16_values":  # float32 weights that are all bfloat16 values, as a bf16 checkpoint
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.copy_(param.bfloat16().float())
     elif variant == "qwen2_bias":
         cfg = Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0, **common)
         model = Qwen2ForCausalLM(cfg)

@@ -1,14 +1,16 @@
-"""The CPU attention backend: the torch backend with its decode attention done by a C kernel (csrc/attention.c).
+"""The CPU attention backend: every query token attended by a C kernel over the paged cache (csrc/attention.c).
 
-Decode rows (one query token per request) are the bulk of a serving step's attention. The torch backend
-gathers every request's cache blocks into a padded buffer and runs a masked SDPA over it: the cache is
-read twice and written once, and the padding is computed. ``csrc/attention.c`` reads each request's blocks in
-place, once for the scores and once for the values, with no padding and no mask. Prefill chunks (many
-query tokens, where SDPA's blocked kernels pay off) stay on the torch path, and so does any dtype other
-than float32.
+The kernel takes one query row at a time with its own block table and context length, and reads that
+context's keys and values in place: no gather, no padding, no mask. A decode request is one such row. A
+prefill chunk is one row per token: the token at position p attends to the cached keys 0..p, which is
+causal attention, the chunk's own keys having been written to the cache first. So one kernel call covers
+a whole step, decodes and prefill chunks alike (the model's one-call layer driver, ``../cpu_layers.py``,
+relies on this). Against the torch backend's per-request SDPA it was ~6x faster on the prefill steps of
+the CPU benchmark (SmolLM2, prompts of 16-128 tokens; ``benchmarks/bench_cpu.py``).
 
-The selector picks this backend for ``attention_backend="auto"`` on CPU when the kernels build
-(see ``../cpu_native.py``); otherwise the torch backend, which stays the reference this one is tested against.
+Tensors other than float32 take the torch path, which stays the reference this one is tested against. The
+selector picks this backend for ``attention_backend="auto"`` on CPU when the kernels build (see
+``../cpu_native.py``).
 """
 
 from __future__ import annotations
@@ -19,15 +21,32 @@ import torch
 
 from ..cpu_kernels import CpuKernels
 from ..cpu_native import load_cpu_kernels
-from .backend import AttentionMetadata, KVCache
-from .torch_backend import TorchAttentionBackend, _prefill_chunks
+from .backend import AttentionMetadata, KVCache, write_kv_cache
+from .torch_backend import TorchAttentionBackend
 
 
 @dataclass
-class _DecodeArgs:
-    block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
-    seq_lens: torch.Tensor  # [num_decodes] int32
+class RowArgs:
+    """Per query token (row of the flattened batch): its request's block table and its context length."""
+
+    block_tables: torch.Tensor  # [num_tokens, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_tokens] int32: position of the token + 1
     max_seq_len: int
+
+
+def row_args(md: AttentionMetadata) -> RowArgs:
+    """One row per query token: decode rows as they are, prefill chunks expanded token by token."""
+    if md.num_decodes == md.num_reqs:  # decode only: rows are requests
+        return RowArgs(md.block_tables.to(torch.int32).contiguous(), md.seq_lens.to(torch.int32).contiguous(),
+                       md.max_seq_len)
+    qlens = torch.tensor(md.query_lens_cpu, dtype=torch.long, device=md.block_tables.device)
+    n = int(qlens.sum())
+    starts = md.query_start_loc[:-1].long().repeat_interleave(qlens, output_size=n)
+    ends = md.seq_lens.long().repeat_interleave(qlens, output_size=n)
+    within = torch.arange(n, device=qlens.device) - starts  # index of the token inside its chunk
+    seq = ends - qlens.repeat_interleave(qlens, output_size=n) + within + 1
+    tables = md.block_tables.to(torch.int32).repeat_interleave(qlens, dim=0, output_size=n)
+    return RowArgs(tables.contiguous(), seq.to(torch.int32).contiguous(), md.max_seq_len)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -38,27 +57,27 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._kernels = require_cpu_kernels()
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        # The torch decode groups are built only if a step falls back to them (see _attend_decodes).
-        md, nd = metadata, metadata.num_decodes
-        md.extras["torch_prefill"] = _prefill_chunks(md)
-        md.extras["torch_buffer"] = self._buffer
-        if nd:
-            md.extras["cpu_decode"] = _DecodeArgs(
-                md.block_tables[:nd].to(torch.int32).contiguous(),
-                md.seq_lens[:nd].to(torch.int32).contiguous(),
-                max(md.seq_lens_cpu[:nd]),
-            )
+        metadata.extras["cpu_rows"] = row_args(metadata)
 
-    def _attend_decodes(self, q: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata, out: torch.Tensor) -> None:
-        args: _DecodeArgs | None = md.extras.get("cpu_decode")
-        if args is None or q.dtype != torch.float32 or q.device.type != "cpu":
-            super()._attend_decodes(q, kv_cache, md, out)
-            return
-        nd = md.num_decodes
-        qd = q[:nd] if q.stride(1) == q.shape[2] and q.stride(2) == 1 else q[:nd].contiguous()
-        self._kernels.paged_decode(
-            qd, out[:nd], kv_cache[0], kv_cache[1], args.block_tables, args.seq_lens, args.max_seq_len, self.scale
-        )
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        if q.dtype != torch.float32 or q.device.type != "cpu" or kv_cache[0].dtype != torch.float32:
+            if "torch_prefill" not in metadata.extras:
+                TorchAttentionBackend.prepare(self, metadata)
+            return super().forward(q, k, v, kv_cache, metadata)
+        args: RowArgs = metadata.extras.get("cpu_rows") or row_args(metadata)
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        rows = q if q.stride(1) == q.shape[2] and q.stride(2) == 1 else q.contiguous()
+        out = torch.empty_like(rows)
+        self._kernels.paged_decode(rows, out, kv_cache[0], kv_cache[1], args.block_tables, args.seq_lens,
+                                   args.max_seq_len, self.scale)
+        return out
 
 
 def require_cpu_kernels() -> CpuKernels:

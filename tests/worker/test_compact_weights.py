@@ -1,0 +1,132 @@
+"""Compact CPU weights: GGUF Q8_0 / Q4_0 / Q4_1 blocks and bfloat16 values packed for the linear kernel,
+decoding to exactly the float32 weights they stand for, and giving the same products as float32 panels.
+The whole-model greedy equality with HF on them is in test_gguf_smollm2.py (the bundled Q4_1/Q8_0 GGUF)
+and test_model_equivalence.py (variant llama_bf16_values)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from cbserve.worker import cpu_native
+from cbserve.worker.config import ModelConfig
+from cbserve.worker.cpu_kernels import CpuKernels, is_bfloat16_exact
+from cbserve.worker.cpu_linear import NativeWeight, make_packed_weight
+from cbserve.worker.cpu_native import load_cpu_kernels
+from cbserve.worker.gguf_blocks import QuantBlocks, load_gguf_blocks, save_gguf_blocks
+from cbserve.worker.model_runner import ModelRunner
+from worker_testlib import make_tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    load = load_cpu_kernels()
+    assert load.kernels is not None, load.reason
+    return load.kernels
+
+
+def gguf_blocks(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantBlocks, torch.Tensor]:
+    """A random [n, k] weight quantized by gguf-py, and gguf-py's own float32 dequantization of it."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    w = np.random.default_rng(seed).normal(0.0, 0.05, size=(n, k)).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType[qtype])
+    return QuantBlocks(qtype, torch.from_numpy(raw)), torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]))
+
+
+def pack_blocks(kernels: CpuKernels, blocks: QuantBlocks):  # noqa: ANN201
+    return kernels.pack_q8_0(*blocks.q8_0()) if blocks.qtype == "Q8_0" else kernels.pack_q4_1(*blocks.q4_1())
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("n,k", [(48, 32), (100, 96), (7, 160)])
+def test_gguf_blocks_decode_to_gguf_py_values_bit_for_bit(kernels: CpuKernels, qtype: str, n: int, k: int) -> None:
+    blocks, reference = gguf_blocks(qtype, n, k)
+    assert blocks.shape == (n, k)
+    packed = pack_blocks(kernels, blocks)
+    assert packed.fmt == ("q8_0" if qtype == "Q8_0" else "q4_1")
+    decoded = kernels.unpack(packed)
+    assert torch.equal(decoded, reference)
+    if qtype != "Q4_0":  # Q4_0's d * (q - 8) is -0 in gguf-py for q = 8 and d < 0, +0 here: same value
+        assert torch.equal(decoded.view(torch.int32), reference.view(torch.int32))
+    per_weight = packed.nbytes / (-(-n // 48) * 48 * k)
+    assert per_weight == (1.125 if qtype == "Q8_0" else 0.75)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("m", [1, 5, 11, 100, 200])
+def test_compact_products_equal_float32_panels_exactly(kernels: CpuKernels, qtype: str, m: int) -> None:
+    """Same values, same k order: the format changes the bytes read, not one bit of the result. k = 160
+    crosses the kernel's 64-wide k chunks; m = 100 and 200 cross its 96-row blocks; n = 100 ends in a
+    partial panel; the bias is added first, as in the float32 path."""
+    blocks, w = gguf_blocks(qtype, 100, 160, seed=m)
+    gen = torch.Generator().manual_seed(m)
+    x, bias = torch.randn(m, 160, generator=gen), torch.randn(100, generator=gen)
+    dense = kernels.pack_weight(w)
+    compact = pack_blocks(kernels, blocks)
+    assert torch.equal(kernels.linear(x, compact, bias), kernels.linear(x, dense, bias))
+    assert torch.equal(kernels.linear(x, compact, None), kernels.linear(x, dense, None))
+    torch.testing.assert_close(kernels.linear(x, compact, bias), x @ w.t() + bias, atol=1e-4, rtol=1e-5)
+
+
+def test_bf16_panels(kernels: CpuKernels) -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(130, 70, generator=gen).bfloat16().float()
+    assert is_bfloat16_exact(w) and not is_bfloat16_exact(w + 1e-3)
+    packed = kernels.pack_weight(w, "bf16")
+    assert packed.nbytes == 3 * 48 * 70 * 2 and torch.equal(kernels.unpack(packed), w)
+    x = torch.randn(9, 70, generator=gen)
+    assert torch.equal(kernels.linear(x, packed, None), kernels.linear(x, kernels.pack_weight(w), None))
+    with pytest.raises(ValueError, match="not bfloat16"):
+        kernels.pack_weight(w + 1e-3, "bf16")
+
+
+def test_packing_refuses_bad_blocks(kernels: CpuKernels) -> None:
+    d = torch.ones(4, 1)
+    with pytest.raises(ValueError, match="0..15"):
+        kernels.pack_q4_1(d, d, torch.full((4, 32), 16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.pack_q8_0(torch.ones(4, 1), torch.zeros(4, 48, dtype=torch.int8))
+    with pytest.raises(ValueError, match="scales"):
+        kernels.pack_q8_0(torch.ones(4, 2), torch.zeros(4, 32, dtype=torch.int8))
+    with pytest.raises(ValueError, match="whole blocks"):
+        QuantBlocks("Q4_1", torch.zeros(4, 21, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="unsupported"):
+        QuantBlocks("Q6_K", torch.zeros(4, 210, dtype=torch.uint8))
+
+
+def test_make_packed_weight_picks_the_smallest_exact_format(kernels: CpuKernels) -> None:
+    blocks, w = gguf_blocks("Q4_1", 96, 64)
+    fmt = lambda *a, **k: make_packed_weight(*a, **k).panels.fmt  # noqa: E731
+    assert fmt(w, kernels, blocks, compact=True) == "q4_1"
+    assert fmt(w, kernels, blocks, compact=False) == "f32"
+    assert fmt(w.bfloat16().float(), kernels, None, compact=True) == "bf16"
+    assert fmt(torch.randn(96, 64), kernels, None, compact=True) == "f32"
+    # blocks that do not reproduce the weight (here: another weight's) are not used: float32 panels
+    other, _ = gguf_blocks("Q4_1", 96, 64, seed=1)
+    packed = make_packed_weight(w, kernels, other, compact=True)
+    assert isinstance(packed, NativeWeight) and packed.panels.fmt == "f32"
+    assert torch.equal(kernels.unpack(packed.panels), w)
+
+
+def test_blocks_round_trip_through_the_cache_folder(tmp_path: Path) -> None:
+    blocks = {"a.weight": gguf_blocks("Q8_0", 3, 64)[0], "b.weight": gguf_blocks("Q4_0", 5, 32)[0]}
+    save_gguf_blocks(tmp_path, blocks)
+    loaded = load_gguf_blocks(tmp_path)
+    assert {k: (v.qtype, v.raw.tolist()) for k, v in loaded.items()} == \
+        {k: (v.qtype, v.raw.tolist()) for k, v in blocks.items()}
+    assert load_gguf_blocks(tmp_path / "elsewhere") == {}
+
+
+def test_runner_packs_a_bf16_valued_model_as_bf16(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path, "llama_bf16_values")
+    compact = ModelRunner(ModelConfig(model=str(folder)), 4, progress=False).model
+    dense = ModelRunner(ModelConfig(model=str(folder), cpu_compact_weights=False), 4, progress=False).model
+    assert compact.model.layers[1].mlp.gate_up_proj.packed.panels.fmt == "bf16"
+    assert compact.lm_head.packed.panels.fmt == "bf16"
+    assert dense.model.layers[1].mlp.gate_up_proj.packed.panels.fmt == "f32"

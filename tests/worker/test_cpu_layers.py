@@ -1,0 +1,110 @@
+"""The one-call C layer driver (worker/cpu_layers.py, csrc/layers.c) against the per-module path it replaces:
+the same hidden states and the same KV cache, bit for bit, on prefill, mixed and decode steps, with q/k/v,
+o_proj and MLP biases. Greedy equality with HF on the driver is covered by test_model_equivalence.py and
+test_gguf_smollm2.py (the driver is on by default on CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.worker import cpu_native
+from cbserve.worker.config import ModelConfig
+from cbserve.worker.cpu_layers import NativeLayers
+from cbserve.worker.input_batch import RequestState, build_batch
+from cbserve.worker.model_runner import ModelRunner
+from worker_testlib import make_tiny_model
+
+pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
+BS = 4
+
+
+def _llama_all_biases(folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(7)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, attention_bias=True, mlp_bias=True,
+                      max_position_embeddings=256, initializer_range=0.2)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=["qwen2_bias", "llama_all_biases"])
+def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
+    folder = tmp_path_factory.mktemp(request.param)
+    folder = _llama_all_biases(folder) if request.param == "llama_all_biases" else make_tiny_model(folder, request.param)
+    r = ModelRunner(ModelConfig(model=str(folder)), BS, progress=False)
+    r.init_kv_cache(64)
+    return r
+
+
+def _forward(runner: ModelRunner, states: list[RequestState], counts: dict[str, int], native: bool) -> torch.Tensor:
+    model = runner.model
+    saved, model.native_layers = model.native_layers, (model.native_layers if native else None)
+    try:
+        batch = build_batch(states, counts, BS, torch.device("cpu"))
+        model.model.layers[0].self_attn.attn.prepare(batch.metadata)
+        if native:  # the step really goes through the driver
+            assert model.native_layers.applies(batch.input_ids.shape[0], batch.metadata)
+        with torch.inference_mode():
+            return model(batch.input_ids, batch.positions, runner.kv_caches, batch.metadata).clone()
+    finally:
+        model.native_layers = saved
+
+
+def _same_step(runner: ModelRunner, states: list[RequestState], counts: dict[str, int]) -> None:
+    """The step through the driver and through the modules: equal hidden states and KV writes."""
+    assert runner.model.native_layers is not None
+    native = _forward(runner, states, counts, native=True)
+    cache_after_native = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    modules = _forward(runner, states, counts, native=False)  # writes the same slots again
+    assert torch.equal(native, modules)
+    for (k1, v1), (k2, v2) in zip(cache_after_native, runner.kv_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    for s in states:
+        s.num_computed_tokens += counts[s.req_id]
+
+
+def test_driver_equals_the_module_path_on_prefill_mixed_and_decode_steps(runner: ModelRunner) -> None:
+    prompts = [list(range(5, 5 + n)) for n in (3, 11, 6)]
+    states = [RequestState(f"r{i}", p, len(p), SamplingParams(), list(range(10 * i, 10 * i + 10)), 0)
+              for i, p in enumerate(prompts)]
+    _same_step(runner, states[:2], {"r0": 3, "r1": 7})  # prefill, r1 chunked
+    states[0].token_ids.append(9)
+    _same_step(runner, states, {"r0": 1, "r1": 4, "r2": 6})  # a decode, a later chunk, a new prompt
+    for step in range(3):  # decode-only steps
+        for s in states:
+            s.token_ids.append(11 + step)
+        _same_step(runner, states, {s.req_id: 1 for s in states})
+
+
+def test_driver_refuses_bad_arguments(runner: ModelRunner) -> None:
+    layers: NativeLayers = runner.model.native_layers
+    args = layers.args
+    x = torch.zeros(2, args.hidden)
+    pos, slots = torch.zeros(2, dtype=torch.long), torch.tensor([0, 64 * BS], dtype=torch.long)  # slot past the end
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    layers._bind(runner.kv_caches)
+    with pytest.raises(RuntimeError, match="outside its table"):
+        layers.kernels.llama_layers(args, layers.layers, x, pos, slots, tables, lens, 1)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        layers.kernels.llama_layers(args, layers.layers, torch.zeros(2, args.hidden + 1), pos, slots, tables, lens, 1)
+    with pytest.raises(ValueError, match="exceeds the block table"):
+        layers.kernels.llama_layers(args, layers.layers, x, pos, slots, tables, lens, BS + 1)
+    with pytest.raises(ValueError, match="KV caches"):
+        layers._bind(runner.kv_caches[:1])
+
+
+def test_driver_is_used_only_where_it_applies(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path, "llama_gqa")
+    assert ModelRunner(ModelConfig(model=str(folder)), BS, progress=False).model.native_layers is not None
+    for kw in ({"cpu_ops": "torch"}, {"cpu_ops": "onednn"}, {"attention_backend": "torch"}):
+        assert ModelRunner(ModelConfig(model=str(folder), **kw), BS, progress=False).model.native_layers is None, kw
