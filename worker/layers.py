@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cpu_kernels import CpuKernels
-from .cpu_linear import PackableLinear, PackedWeight, pack_module_weight
-from .gguf_blocks import QuantBlocks
+from .cpu_linear import PackableLinear, PackedWeight
 from .parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_world_size
 
 SKINNY_LOGITS_ROWS = 96  # up to this many sampled rows, CPU logits are computed as W @ h^T
@@ -166,14 +165,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden)
         self.packed: PackedWeight | None = None
 
-    def pack(
-        self,
-        release_dense: bool,
-        kernels: CpuKernels | None = None,
-        blocks: QuantBlocks | None = None,
-        compact: bool = False,
-    ) -> bool:
-        return pack_module_weight(self, release_dense, kernels, blocks, compact)
+    pack = PackableLinear.pack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and hidden.dtype == self.packed.dtype:

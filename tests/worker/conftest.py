@@ -10,11 +10,21 @@ from types import ModuleType
 
 import pytest
 import torch
+from cbserve.worker.cpu_kernels import CpuKernels
+from cbserve.worker.cpu_native import load_cpu_kernels
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def kernels() -> CpuKernels:
+    """cbserve's CPU kernels (built on first use); the tests that take it skip without a C compiler."""
+    load = load_cpu_kernels()
+    assert load.kernels is not None, load.reason
+    return load.kernels
 
 
 @pytest.fixture(scope="session")

@@ -14,19 +14,11 @@ from cbserve.worker import cpu_native
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu_kernels import CpuKernels, is_bfloat16_exact
 from cbserve.worker.cpu_linear import NativeWeight, make_packed_weight
-from cbserve.worker.cpu_native import load_cpu_kernels
 from cbserve.worker.gguf_blocks import QuantBlocks, load_gguf_blocks, save_gguf_blocks
 from cbserve.worker.model_runner import ModelRunner
 from worker_testlib import make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
-
-
-@pytest.fixture(scope="module")
-def kernels() -> CpuKernels:
-    load = load_cpu_kernels()
-    assert load.kernels is not None, load.reason
-    return load.kernels
 
 
 def gguf_blocks(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantBlocks, torch.Tensor]:

@@ -1,6 +1,7 @@
-"""The CPU attention backend (C kernel over the paged cache, csrc/attention.c, one row per query token) against
-the torch reference backend, and how the kernel library is built, cached and refused. Its end-to-end correctness (greedy equality with HF) is
-covered by test_model_equivalence.py and test_gguf_smollm2.py, which run on it: "auto" picks it on CPU."""
+"""The CPU attention backend (C kernel over the paged cache, csrc/attention.c, one row per query token)
+against the torch reference backend, and how the kernel library is built, cached and refused. Its
+end-to-end correctness (greedy equality with HF) is covered by test_model_equivalence.py and
+test_gguf_smollm2.py, which run on it: "auto" picks it on CPU."""
 
 from __future__ import annotations
 

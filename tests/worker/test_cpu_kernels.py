@@ -13,20 +13,13 @@ from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker import cpu_native, cpu_ops
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu_kernels import CpuKernels, Panels
-from cbserve.worker.cpu_native import KernelLoad, load_cpu_kernels
+from cbserve.worker.cpu_native import KernelLoad
 from cbserve.worker.input_batch import RequestState, build_batch
 from cbserve.worker.model_runner import ModelRunner
 from cbserve.worker.rotary import apply_rotary
 from worker_testlib import make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
-
-
-@pytest.fixture(scope="module")
-def kernels() -> CpuKernels:
-    load = load_cpu_kernels()
-    assert load.kernels is not None, load.reason
-    return load.kernels
 
 
 @pytest.mark.parametrize("m", [0, 1, 3, 8, 11, 17, 64, 200])

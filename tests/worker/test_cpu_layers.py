@@ -40,7 +40,10 @@ def _llama_all_biases(folder: Path) -> Path:
 @pytest.fixture(scope="module", params=["qwen2_bias", "llama_all_biases"])
 def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     folder = tmp_path_factory.mktemp(request.param)
-    folder = _llama_all_biases(folder) if request.param == "llama_all_biases" else make_tiny_model(folder, request.param)
+    if request.param == "llama_all_biases":
+        folder = _llama_all_biases(folder)
+    else:
+        folder = make_tiny_model(folder, request.param)
     r = ModelRunner(ModelConfig(model=str(folder)), BS, progress=False)
     r.init_kv_cache(64)
     return r

@@ -12,6 +12,7 @@
 #include "cb_cpu.h"
 
 #define CB_PARALLEL_MIN 32768 /* elements below which one thread does the whole op */
+#define CB_SILU_CHUNK 256
 
 /* residual (optional): r = x + r is written back into residual and normalised; otherwise x is.
  * out[i] = w * (r[i] / sqrt(mean(r^2) + eps)). All rows have h elements. */
@@ -46,8 +47,16 @@ int cb_silu_mul_f32(const float *x, int64_t ldx, int m, int inter, float *out, i
     for (int row = 0; row < m; ++row) {
         const float *g = x + (int64_t)row * ldx, *u = g + inter;
         float *o = out + (int64_t)row * ldo;
+        /* exp first, into a small buffer, then the division: as one loop GCC vectorised it with two divisions
+         * a vector and ran at 3.3 cycles a value; as two, 1.4 (12 x 1536 values, Zen 4) */
+        for (int i0 = 0; i0 < inter; i0 += CB_SILU_CHUNK) {
+            const int n = inter - i0 < CB_SILU_CHUNK ? inter - i0 : CB_SILU_CHUNK;
+            float e[CB_SILU_CHUNK];
 #pragma omp simd
-        for (int i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + cb_exp(-g[i])) * u[i];
+            for (int i = 0; i < n; ++i) e[i] = cb_exp(-g[i0 + i]);
+#pragma omp simd
+            for (int i = 0; i < n; ++i) o[i0 + i] = g[i0 + i] / (1.0f + e[i]) * u[i0 + i];
+        }
     }
     return CB_OK;
 }

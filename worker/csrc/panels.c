@@ -13,8 +13,12 @@ typedef int32_t vi32x16 __attribute__((vector_size(64)));
 /* 16 integers of 8 or 16 bits widened to int32 lanes. GCC turns __builtin_convertvector from 8-bit lanes
  * into scalar code, so these use the widening loads where the target has them. */
 #ifdef __AVX512F__
-static inline vi32x16 widen_u8(const uint8_t *p) { return (vi32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-static inline vi32x16 widen_s8(const int8_t *p) { return (vi32x16)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi32x16 widen_u8(const uint8_t *p) {
+    return (vi32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vi32x16 widen_s8(const int8_t *p) {
+    return (vi32x16)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
 static inline vi32x16 widen_u16(const uint16_t *p) {
     return (vi32x16)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
 }
