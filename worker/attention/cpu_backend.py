@@ -5,8 +5,8 @@ context's keys and values in place: no gather, no padding, no mask. A decode req
 prefill chunk is one row per token: the token at position p attends to the cached keys 0..p, which is
 causal attention, the chunk's own keys having been written to the cache first. So one kernel call covers
 a whole step, decodes and prefill chunks alike (the model's one-call layer driver, ``../cpu_layers.py``,
-relies on this). Against the torch backend's per-request SDPA it was ~6x faster on the prefill steps of
-the CPU benchmark (SmolLM2, prompts of 16-128 tokens; ``benchmarks/bench_cpu.py``).
+relies on this). On a prefill step of 14 fresh prompts (1,097 tokens, SmolLM2's 9 query and 3 kv heads of
+64) it took 2.2 ms a layer against 5.4 ms for the torch backend's per-request SDPA, on 2 cores.
 
 Tensors other than float32 take the torch path, which stays the reference this one is tested against. The
 selector picks this backend for ``attention_backend="auto"`` on CPU when the kernels build (see
