@@ -54,6 +54,10 @@ def _ineligible(model: Any) -> str | None:
     return None
 
 
+def _addresses(kv_caches: list[KVCache]) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for kv in kv_caches for t in kv)
+
+
 class NativeLayers:
     """The C layer driver bound to one model's packed weights (build with ``NativeLayers.build``)."""
 
@@ -78,7 +82,7 @@ class NativeLayers:
                 qkv=_linear_args(attn.qkv_proj, True), o=_linear_args(attn.o_proj, False),
                 gate_up=_linear_args(mlp.gate_up_proj, True), down=_linear_args(mlp.down_proj, False),
             )
-        self._bound: list[KVCache] | None = None
+        self._bound: tuple[int, ...] = ()  # addresses of the KV caches the structs point at (no reference held)
 
     @classmethod
     def build(cls, model: Any, kernels: CpuKernels) -> NativeLayers | None:
@@ -105,12 +109,12 @@ class NativeLayers:
                 raise ValueError(f"KV cache of layer {i} is not a contiguous float32 [blocks, block_size, {want}] pair")
             self.layers[i].k_cache, self.layers[i].v_cache = k.data_ptr(), v.data_ptr()
         a.num_blocks, a.block_size = kv_caches[0][0].shape[:2]
-        self._bound = kv_caches
+        self._bound = _addresses(kv_caches)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 md: AttentionMetadata) -> torch.Tensor:
         """All layers over x [n, hidden] (the embeddings, overwritten); returns the final hidden states."""
-        if kv_caches is not self._bound:
+        if _addresses(kv_caches) != self._bound:  # a new or re-allocated cache: check it and point at it
             self._bind(kv_caches)
         d = md.extras["cpu_rows"]
         self.kernels.llama_layers(self.args, self.layers, x, positions, md.slot_mapping, d.block_tables,

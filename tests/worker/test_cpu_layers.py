@@ -106,6 +106,26 @@ def test_driver_refuses_bad_arguments(runner: ModelRunner) -> None:
         layers._bind(runner.kv_caches[:1])
 
 
+def test_driver_follows_a_reallocated_kv_cache_without_holding_the_old_one(runner: ModelRunner) -> None:
+    import gc
+    import weakref
+
+    layers: NativeLayers = runner.model.native_layers
+    old = runner.kv_caches
+    probe = weakref.ref(old[0][0])
+    states = [RequestState("a", [5, 6, 7], 3, SamplingParams(), [0, 1], 0)]
+    _forward(runner, states, {"a": 3}, native=True)
+    assert layers.layers[0].k_cache == old[0][0].data_ptr()
+    runner.init_kv_cache(32)  # a new cache, as after a restart of the engine
+    del old
+    gc.collect()
+    assert probe() is None  # the driver did not keep the old cache alive
+    out = _forward(runner, states, {"a": 3}, native=True)
+    assert layers.layers[0].k_cache == runner.kv_caches[0][0].data_ptr() and layers.args.num_blocks == 32
+    assert torch.equal(out, _forward(runner, states, {"a": 3}, native=False))
+    runner.init_kv_cache(64)  # back to the size the other tests use
+
+
 def test_driver_is_used_only_where_it_applies(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path, "llama_gqa")
     assert ModelRunner(ModelConfig(model=str(folder)), BS, progress=False).model.native_layers is not None
