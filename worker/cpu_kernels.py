@@ -295,7 +295,7 @@ class CpuKernels:
         _vector(slots, "slot_mapping", n, torch.int64)
         _vector(seq_lens, "seq_lens", n, torch.int32)
         if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != n \
-                or block_tables.stride(1) != 1:
+                or block_tables.stride(1) != 1 or block_tables.device.type != "cpu":
             raise ValueError(f"block_tables must be int32 [{n}, max_blocks] with contiguous rows")
         if max_seq_len > block_tables.shape[1] * model.block_size:
             raise ValueError(f"max_seq_len {max_seq_len} exceeds the block table ({block_tables.shape[1]} blocks)")

@@ -104,8 +104,8 @@ class NativeLayers:
         a = self.args
         want = (a.kv_heads, a.head_dim)
         for i, (k, v) in enumerate(kv_caches):
-            if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()) or k.shape != v.shape \
-                    or tuple(k.shape[2:]) != want or k.shape[:2] != kv_caches[0][0].shape[:2]:
+            if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in (k, v)) \
+                    or k.shape != v.shape or tuple(k.shape[2:]) != want or k.shape[:2] != kv_caches[0][0].shape[:2]:
                 raise ValueError(f"KV cache of layer {i} is not a contiguous float32 [blocks, block_size, {want}] pair")
             self.layers[i].k_cache, self.layers[i].v_cache = k.data_ptr(), v.data_ptr()
         a.num_blocks, a.block_size = kv_caches[0][0].shape[:2]

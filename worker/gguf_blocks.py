@@ -121,20 +121,35 @@ def extract_gguf_blocks(gguf_path: Path, cfg: Any, state: dict[str, torch.Tensor
         tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
         if tensor is None or tensor.tensor_type.name not in BLOCK_BYTES:
             continue
-        raw = np.asarray(tensor.data).reshape(ref.shape[0], -1)
-        want = ref.contiguous().numpy().view(np.uint32)
-        for order in _row_orders(tensor.name, ref.shape[0], cfg):
-            rows = raw[order]
-            got = _dequantize(rows, tensor.tensor_type.name)
-            if got.shape == want.shape and np.array_equal(got.astype(np.float32).view(np.uint32), want):
-                out[hf_name] = QuantBlocks(tensor.tensor_type.name, torch.from_numpy(np.ascontiguousarray(rows)))
-                break
-        else:
+        try:
+            blocks = _matching_blocks(tensor, ref, cfg)
+        except (ValueError, TypeError, NotImplementedError) as e:  # an unexpected layout: this weight stays dense
+            logger.info("GGUF tensor %s not kept as blocks (%s)", tensor.name, e)
+            continue
+        if blocks is None:
             logger.info("GGUF tensor %s does not dequantize to %s exactly: kept dense", tensor.name, hf_name)
+        else:
+            out[hf_name] = blocks
     return out
 
 
+def _matching_blocks(tensor: Any, ref: torch.Tensor, cfg: Any) -> QuantBlocks | None:
+    """The tensor's blocks in the row order that dequantizes to ``ref`` exactly, or None."""
+    raw = np.asarray(tensor.data).reshape(ref.shape[0], -1)
+    want = ref.contiguous().numpy().view(np.uint32)
+    for order in _row_orders(tensor.name, ref.shape[0], cfg):
+        rows = raw[order]
+        got = _dequantize(rows, tensor.tensor_type.name)
+        if got.shape == want.shape and np.array_equal(got.astype(np.float32).view(np.uint32), want):
+            return QuantBlocks(tensor.tensor_type.name, torch.from_numpy(np.ascontiguousarray(rows)))
+    return None
+
+
 def save_gguf_blocks(folder: Path, blocks: dict[str, QuantBlocks]) -> None:
+    """Save ``blocks`` next to a converted checkpoint (nothing when there are none: safetensors writes an
+    unreadable file for an empty dict with metadata)."""
+    if not blocks:
+        return
     from safetensors.torch import save_file
 
     path = folder / BLOCKS_FILE
@@ -144,12 +159,17 @@ def save_gguf_blocks(folder: Path, blocks: dict[str, QuantBlocks]) -> None:
 
 
 def load_gguf_blocks(folder: Path) -> dict[str, QuantBlocks]:
-    """The blocks saved next to a converted GGUF checkpoint ({} for any other folder)."""
+    """The blocks saved next to a converted GGUF checkpoint ({} for any other folder, and, with a warning,
+    for a file that cannot be read: the blocks are an optimisation, the dense checkpoint is the model)."""
     path = folder / BLOCKS_FILE
     if not path.exists():
         return {}
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        return {name: QuantBlocks(meta[name], f.get_tensor(name)) for name in f.keys()}  # noqa: SIM118
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            return {name: QuantBlocks(meta[name], f.get_tensor(name)) for name in f.keys()}  # noqa: SIM118
+    except Exception as e:  # noqa: BLE001 (safetensors raises its own error types; any means: not usable)
+        logger.warning("GGUF blocks in %s not used (%s: %s); the weights stay float32", path, type(e).__name__, e)
+        return {}

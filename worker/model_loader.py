@@ -111,7 +111,11 @@ def convert_gguf(gguf: Path) -> Path:
             model.generation_config.save_pretrained(tmp)
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             bar.update()
-            blocks = extract_gguf_blocks(gguf, config, state)
+            try:
+                blocks = extract_gguf_blocks(gguf, config, state)
+            except Exception as e:  # noqa: BLE001 (optional: a reader failure must not fail the conversion)
+                logger.warning("GGUF blocks of %s not kept (%s: %s); weights stay float32", gguf, type(e).__name__, e)
+                blocks = {}
             save_gguf_blocks(tmp, blocks)
             logger.info("kept the GGUF blocks of %d of %d weights", len(blocks), len(state))
             (tmp / _COMPLETE_MARKER).write_text(str(gguf.resolve()))

@@ -14,8 +14,16 @@ from cbserve.worker import cpu_native
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu_kernels import CpuKernels, is_bfloat16_exact
 from cbserve.worker.cpu_linear import NativeWeight, make_packed_weight
-from cbserve.worker.gguf_blocks import QuantBlocks, load_gguf_blocks, save_gguf_blocks
+from cbserve.worker.gguf_blocks import (
+    BLOCKS_FILE,
+    QuantBlocks,
+    extract_gguf_blocks,
+    load_gguf_blocks,
+    save_gguf_blocks,
+)
+from cbserve.worker.model_loader import default_model_path, resolve_model
 from cbserve.worker.model_runner import ModelRunner
+from safetensors.torch import load_file
 from worker_testlib import make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
@@ -53,12 +61,12 @@ def test_gguf_blocks_decode_to_gguf_py_values_bit_for_bit(kernels: CpuKernels, q
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
 @pytest.mark.parametrize("m", [1, 5, 11, 100, 200])
 def test_compact_products_equal_float32_panels_exactly(kernels: CpuKernels, qtype: str, m: int) -> None:
-    """Same values, same k order: the format changes the bytes read, not one bit of the result. k = 160
-    crosses the kernel's 64-wide k chunks; m = 100 and 200 cross its 96-row blocks; n = 100 ends in a
-    partial panel; the bias is added first, as in the float32 path."""
-    blocks, w = gguf_blocks(qtype, 100, 160, seed=m)
+    """Same values, same k order: the format changes the bytes read, not one bit of the result. k = 320
+    crosses the kernel's k chunks (64 wide for up to 32 rows, 256 for more); m = 200 crosses its 192-row
+    blocks; n = 100 ends in a partial panel; the bias is added first, as in the float32 path."""
+    blocks, w = gguf_blocks(qtype, 100, 320, seed=m)
     gen = torch.Generator().manual_seed(m)
-    x, bias = torch.randn(m, 160, generator=gen), torch.randn(100, generator=gen)
+    x, bias = torch.randn(m, 320, generator=gen), torch.randn(100, generator=gen)
     dense = kernels.pack_weight(w)
     compact = pack_blocks(kernels, blocks)
     assert torch.equal(kernels.linear(x, compact, bias), kernels.linear(x, dense, bias))
@@ -113,6 +121,32 @@ def test_blocks_round_trip_through_the_cache_folder(tmp_path: Path) -> None:
     assert {k: (v.qtype, v.raw.tolist()) for k, v in loaded.items()} == \
         {k: (v.qtype, v.raw.tolist()) for k, v in blocks.items()}
     assert load_gguf_blocks(tmp_path / "elsewhere") == {}
+
+
+def test_no_blocks_and_unreadable_blocks_leave_the_weights_dense(tmp_path: Path) -> None:
+    save_gguf_blocks(tmp_path / "none", {})  # a GGUF with no Q8_0/Q4_0/Q4_1 tensor (a K-quant, say)
+    assert not (tmp_path / "none" / BLOCKS_FILE).exists() and load_gguf_blocks(tmp_path / "none") == {}
+    broken = tmp_path / "broken" / BLOCKS_FILE
+    broken.parent.mkdir(parents=True)
+    broken.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{},trailing")
+    assert load_gguf_blocks(tmp_path / "broken") == {}
+
+
+def test_extraction_keeps_only_blocks_that_reproduce_the_checkpoint() -> None:
+    """On the bundled GGUF: a weight that matches is kept; one that differs by one value, or has another
+    shape, is left dense instead of failing the conversion."""
+    from transformers import AutoConfig
+
+    folder = resolve_model(None).folder
+    cfg = AutoConfig.from_pretrained(str(folder))
+    good = load_file(str(folder / "model.safetensors"))
+    names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight",
+             "model.layers.1.self_attn.q_proj.weight"]
+    state = {n: good[n].clone() for n in names}
+    state[names[1]][3, 5] += 1e-3  # no longer the GGUF's values
+    state[names[2]] = state[names[2]][:, :64].contiguous()  # not the GGUF tensor's shape
+    blocks = extract_gguf_blocks(Path(default_model_path()), cfg, state)
+    assert list(blocks) == [names[0]] and blocks[names[0]].qtype == "Q4_1"
 
 
 def test_runner_packs_a_bf16_valued_model_as_bf16(tmp_path: Path) -> None:

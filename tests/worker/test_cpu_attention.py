@@ -53,6 +53,23 @@ def test_matches_torch_backend_on_a_mixed_batch(hq: int, hkv: int, d: int, bs: i
     torch.testing.assert_close(out_c, out_t, atol=2e-5, rtol=1e-5)
 
 
+@needs_kernels
+def test_long_prefill_contexts_go_to_sdpa_and_decodes_stay_on_the_kernel() -> None:
+    """A chunk whose context exceeds ROWS_MAX_PREFILL_CONTEXT is attended by torch (faster there), the
+    decodes of the same step by the kernel; such a step has no per-token rows, so the model's one-call
+    layer driver leaves it to the modules."""
+    from cbserve.worker.attention.cpu_backend import ROWS_MAX_PREFILL_CONTEXT
+    from cbserve.worker.cpu_layers import NativeLayers
+
+    ctx_q = [(40, 1), (300, 1), (ROWS_MAX_PREFILL_CONTEXT - 60, 100), (0, 12)]
+    md = paged_metadata(ctx_q, 16, 80, torch.Generator().manual_seed(0))
+    CpuAttentionBackend(9, 3, 64, 0.125).prepare(md)
+    assert "cpu_rows" not in md.extras and md.extras["cpu_decode_rows"].seq_lens.tolist() == [41, 301]
+    assert not NativeLayers.applies(int(md.query_start_loc[-1]), md)
+    out_c, out_t = _run_both(ctx_q, 9, 3, 64, 16, seed=5)
+    torch.testing.assert_close(out_c, out_t, atol=2e-5, rtol=1e-5)
+
+
 def test_row_args_give_every_token_its_context() -> None:
     # (cached context, query tokens): two decodes, then a fresh 3-token prompt and a 2-token chunk after 5
     md = paged_metadata([(6, 1), (0, 1), (0, 3), (5, 2)], 4, 20, torch.Generator().manual_seed(0))

@@ -6,7 +6,10 @@ prefill chunk is one row per token: the token at position p attends to the cache
 causal attention, the chunk's own keys having been written to the cache first. So one kernel call covers
 a whole step, decodes and prefill chunks alike (the model's one-call layer driver, ``../cpu_layers.py``,
 relies on this). On a prefill step of 14 fresh prompts (1,097 tokens, SmolLM2's 9 query and 3 kv heads of
-64) it took 2.2 ms a layer against 5.4 ms for the torch backend's per-request SDPA, on 2 cores.
+64) it took 2.2 ms a layer against 5.4 ms for the torch backend's per-request SDPA, on 2 cores. But each row
+reads its whole context, so long contexts favour SDPA's blocked kernel (a 1,024-token prompt: a tie; 2,048:
+68.6 vs 47.2 ms): a step with a prefill chunk whose context exceeds ``ROWS_MAX_PREFILL_CONTEXT`` attends its
+prefill chunks with torch and only its decodes with the kernel (and runs layer by layer).
 
 Tensors other than float32 take the torch path, which stays the reference this one is tested against. The
 selector picks this backend for ``attention_backend="auto"`` on CPU when the kernels build (see
@@ -22,7 +25,10 @@ import torch
 from ..cpu_kernels import CpuKernels
 from ..cpu_native import load_cpu_kernels
 from .backend import AttentionMetadata, KVCache, write_kv_cache
-from .torch_backend import TorchAttentionBackend
+from .torch_backend import TorchAttentionBackend, _prefill_chunks
+
+# Longest prefill context (tokens) attended as kernel rows; longer ones go to torch's SDPA (see above).
+ROWS_MAX_PREFILL_CONTEXT = 768
 
 
 @dataclass
@@ -34,11 +40,17 @@ class RowArgs:
     max_seq_len: int
 
 
+def decode_row_args(md: AttentionMetadata) -> RowArgs:
+    """The rows of the decode requests alone (the first ``num_decodes``)."""
+    nd = md.num_decodes
+    return RowArgs(md.block_tables[:nd].to(torch.int32).contiguous(), md.seq_lens[:nd].to(torch.int32).contiguous(),
+                   max(md.seq_lens_cpu[:nd], default=1))
+
+
 def row_args(md: AttentionMetadata) -> RowArgs:
     """One row per query token: decode rows as they are, prefill chunks expanded token by token."""
     if md.num_decodes == md.num_reqs:  # decode only: rows are requests
-        return RowArgs(md.block_tables.to(torch.int32).contiguous(), md.seq_lens.to(torch.int32).contiguous(),
-                       md.max_seq_len)
+        return decode_row_args(md)
     qlens = torch.tensor(md.query_lens_cpu, dtype=torch.long, device=md.block_tables.device)
     n = int(qlens.sum())
     starts = md.query_start_loc[:-1].long().repeat_interleave(qlens, output_size=n)
@@ -57,7 +69,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._kernels = require_cpu_kernels()
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        metadata.extras["cpu_rows"] = row_args(metadata)
+        md = metadata
+        if max(md.seq_lens_cpu[md.num_decodes:], default=0) <= ROWS_MAX_PREFILL_CONTEXT:
+            md.extras["cpu_rows"] = row_args(md)
+        else:  # long prefill contexts: those chunks through torch's SDPA
+            md.extras["cpu_decode_rows"] = decode_row_args(md)
+            md.extras["torch_prefill"] = _prefill_chunks(md)
+            md.extras["torch_buffer"] = self._buffer
 
     def forward(
         self,
@@ -67,16 +85,27 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        md = metadata
         if q.dtype != torch.float32 or q.device.type != "cpu" or kv_cache[0].dtype != torch.float32:
-            if "torch_prefill" not in metadata.extras:
-                TorchAttentionBackend.prepare(self, metadata)
-            return super().forward(q, k, v, kv_cache, metadata)
-        args: RowArgs = metadata.extras.get("cpu_rows") or row_args(metadata)
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+            if "torch_decode" not in md.extras:
+                TorchAttentionBackend.prepare(self, md)
+            return super().forward(q, k, v, kv_cache, md)
+        if "cpu_rows" not in md.extras and "cpu_decode_rows" not in md.extras:
+            self.prepare(md)
+        write_kv_cache(k, v, kv_cache, md.slot_mapping)
         rows = q if q.stride(1) == q.shape[2] and q.stride(2) == 1 else q.contiguous()
         out = torch.empty_like(rows)
-        self._kernels.paged_decode(rows, out, kv_cache[0], kv_cache[1], args.block_tables, args.seq_lens,
-                                   args.max_seq_len, self.scale)
+        args: RowArgs | None = md.extras.get("cpu_rows")
+        if args is None:  # decodes on the kernel, prefill chunks on torch
+            args = md.extras["cpu_decode_rows"]
+            for chunk in md.extras["torch_prefill"]:
+                self._prefill(q, k, v, kv_cache, chunk, out, md.extras["torch_buffer"])
+            rows, out_rows = rows[: md.num_decodes], out[: md.num_decodes]
+        else:
+            out_rows = out
+        if rows.shape[0]:
+            self._kernels.paged_decode(rows, out_rows, kv_cache[0], kv_cache[1], args.block_tables, args.seq_lens,
+                                       args.max_seq_len, self.scale)
         return out
 
 

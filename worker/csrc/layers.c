@@ -64,13 +64,11 @@ static int linear(const cb_lin_t *lin, const float *a, int m, float *out) {
     return CB_OK;
 }
 
-/* k and v of each token (the tail of its qkv row) into its cache slot. */
+/* k and v of each token (the tail of its qkv row) into its cache slot (slots checked by rows_ok). */
 static int write_kv(const cb_model_t *md, const cb_layer_t *ly, const float *qkv, int64_t ldq, int n,
                     const int64_t *slots) {
     const int64_t kv = (int64_t)md->kv_heads * md->head_dim, q = (int64_t)md->heads * md->head_dim;
-    const int64_t num_slots = (int64_t)md->num_blocks * md->block_size;
     for (int t = 0; t < n; ++t) {
-        if (slots[t] < 0 || slots[t] >= num_slots) return CB_ERANGE;
         memcpy(ly->k_cache + slots[t] * kv, qkv + t * ldq + q, sizeof(float) * (size_t)kv);
         memcpy(ly->v_cache + slots[t] * kv, qkv + t * ldq + q + kv, sizeof(float) * (size_t)kv);
     }
@@ -96,6 +94,18 @@ static int layer(const cb_model_t *md, const cb_layer_t *ly, int n, float *x, fl
     return rc;
 }
 
+/* Every slot, position and context length in range before anything is written (the kernels check their
+ * own indices too, but a failure half-way would leave some layers' caches written). */
+static int rows_ok(const cb_model_t *md, int n, const int64_t *pos, const int64_t *slots, const int32_t *seq_lens,
+                   int max_seq_len) {
+    const int64_t num_slots = (int64_t)md->num_blocks * md->block_size;
+    for (int t = 0; t < n; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots || pos[t] < 0 || pos[t] >= md->max_pos || seq_lens[t] < 1 ||
+            seq_lens[t] > max_seq_len)
+            return 0;
+    return 1;
+}
+
 static int shapes_ok(const cb_model_t *md, const cb_layer_t *ly) {
     const int hid = md->hidden, an = md->heads * md->head_dim;
     return ly->qkv.k == hid && ly->qkv.n == an + 2 * md->kv_heads * md->head_dim && ly->o.k == an &&
@@ -108,10 +118,11 @@ static int shapes_ok(const cb_model_t *md, const cb_layer_t *ly) {
 int cb_llama_layers(const cb_model_t *md, const cb_layer_t *layers, int n, float *x, const int64_t *pos,
                      const int64_t *slots, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                      int max_seq_len) {
-    if (n < 0 || md->num_layers < 1 || md->heads % md->kv_heads) return CB_EINVAL;
+    if (n < 0 || md->num_layers < 1 || md->kv_heads < 1 || md->heads % md->kv_heads) return CB_EINVAL;
     for (int l = 0; l < md->num_layers; ++l)
         if (!shapes_ok(md, &layers[l])) return CB_EINVAL;
     if (n == 0) return CB_OK;
+    if (!rows_ok(md, n, pos, slots, seq_lens, max_seq_len)) return CB_ERANGE;
     const int64_t hid = md->hidden, per_row = 2 * hid + layers[0].qkv.n + (int64_t)md->heads * md->head_dim +
                                               3 * (int64_t)md->inter;
     float *work = malloc(sizeof(float) * (size_t)(per_row * n));
