@@ -69,8 +69,8 @@ def enable_cpu_ops(
     if mode == "native" and kernels is None:
         raise ValueError("cpu_ops 'native' needs the loaded kernels")
     native = mode == "native"
-    pack_linear_weights(model, kernels if native else None, blocks if native else None, compact and native)
-    if mode == "native":
+    pack_linear_weights(model, kernels if native else None, blocks, compact)  # onednn ignores blocks, compact
+    if native:
         for module in model.modules():
             if isinstance(module, _NATIVE_MODULES):
                 module.kernels = kernels

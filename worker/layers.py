@@ -99,10 +99,6 @@ class QKVParallelLinear(ColumnParallelLinear):
             hidden, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias
         )
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int = 0) -> None:
-        idx = {"q": 0, "k": 1, "v": 2}.get(shard_id, shard_id)  # type: ignore[arg-type]
-        super().weight_loader(param, loaded, int(idx))
-
 
 class RowParallelLinear(PackableLinear):
     """y = x W^T + b with W's input columns split across ranks; partial sums are all-reduced."""

@@ -183,8 +183,7 @@ class LlamaForCausalLM(nn.Module):
         parts: dict[str, dict[int, QuantBlocks]] = {}
         for name, b in blocks.items():
             target, shard = _map_name(name)
-            index = 0 if shard is None else {"q": 0, "k": 1, "v": 2}.get(shard, shard)  # type: ignore[arg-type]
-            parts.setdefault(target, {})[int(index)] = b
+            parts.setdefault(target, {})[shard or 0] = b
         params = dict(self.named_parameters(remove_duplicate=False))
         out: dict[str, QuantBlocks] = {}
         for target, by_part in parts.items():
@@ -201,16 +200,17 @@ class LlamaForCausalLM(nn.Module):
         return out
 
 
+# checkpoint projection -> (fused parameter, index of its part: the shard_id of the fused weight_loader)
 _FUSED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
 
 
-def _map_name(name: str) -> tuple[str, str | int | None]:
+def _map_name(name: str) -> tuple[str, int | None]:
     parts = name.split(".")
     for i, p in enumerate(parts):
         if p in _FUSED:

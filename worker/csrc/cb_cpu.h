@@ -1,6 +1,7 @@
-/* Shared by cbserve's CPU kernels (attention.c, gemm.c, elementwise.c): vector types, loads and stores,
- * and a vectorisable exp. Everything is float32. Vectors are GCC vector extensions, so the same source
- * compiles to AVX-512, AVX2 or SSE, whatever -march allows (cpu_native.py builds with -march=native).
+/* Shared by cbserve's CPU kernels (attention.c, gemm.c, elementwise.c, panels.c, layers.c): vector types,
+ * loads and stores, a vectorisable exp, and the prototypes of the kernels one file calls from another.
+ * Everything is float32. Vectors are GCC vector extensions, so the same source compiles to AVX-512, AVX2
+ * or SSE, whatever -march allows (cpu_native.py builds with -march=native).
  *
  * Return codes of every exported function: 0 ok, 1 out of memory, 2 invalid shapes, 3 an index (block
  * id, sequence length, position) outside its table.
@@ -65,5 +66,19 @@ static inline float cb_exp(float x) {
     scale.i = ((int32_t)n + 127) << 23;
     return y * scale.f;
 }
+
+/* Kernels layers.c chains (defined in gemm.c, elementwise.c, attention.c; these prototypes let the
+ * compiler check the definitions against the calls). */
+int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n, const float *bias,
+              float *c, int64_t ldc);
+int cb_add_rms_norm_f32(const float *x, int64_t ldx, float *residual, int64_t ldr, const float *w, float eps,
+                        float *out, int64_t ldo, int m, int h);
+int cb_silu_mul_f32(const float *x, int64_t ldx, int m, int inter, float *out, int64_t ldo);
+int cb_rotary_f32(float *x, int64_t ldx, int m, int heads, int head_dim, const int64_t *pos, const float *cos_t,
+                  const float *sin_t, int64_t max_pos);
+int cb_paged_decode_f32(const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride,
+                        const float *k_cache, const float *v_cache, int num_blocks, const int32_t *block_tables,
+                        int64_t bt_stride, const int32_t *seq_lens, int num_seqs, int num_heads, int num_kv_heads,
+                        int head_dim, int block_size, float scale, int max_seq_len);
 
 #endif

@@ -103,7 +103,7 @@ static void panel_rows(int fmt, const float *a, int64_t lda, int rows, int k, co
     const int64_t pbytes = cb_panel_bytes(fmt, k);
     for (int k0 = 0; k0 < k; k0 += kc) {
         const int kn = k - k0 < kc ? k - k0 : kc, first = k0 == 0, last = k0 + kn == k;
-        const float *w = cb_panel_chunk(fmt, panel, k, k0, kn, scratch);
+        const float *w = cb_panel_chunk(fmt, panel, k0, kn, scratch);
         if (fmt != CB_FMT_F32) /* float32 panels are read in place, a steady stream: 10% slower with it */
             prefetch_next(panel, pbytes * k0 / k, pbytes * (k0 + kn) / k); /* bytes grow with k in all formats */
         for (int t = 0, i = 0; t < tiles; ++t) {

@@ -42,18 +42,6 @@ typedef struct {
     int64_t max_pos;
 } cb_model_t;
 
-int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n, const float *bias,
-              float *c, int64_t ldc);
-int cb_add_rms_norm_f32(const float *x, int64_t ldx, float *residual, int64_t ldr, const float *w, float eps,
-                        float *out, int64_t ldo, int m, int h);
-int cb_silu_mul_f32(const float *x, int64_t ldx, int m, int inter, float *out, int64_t ldo);
-int cb_rotary_f32(float *x, int64_t ldx, int m, int heads, int head_dim, const int64_t *pos, const float *cos_t,
-                  const float *sin_t, int64_t max_pos);
-int cb_paged_decode_f32(const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride,
-                        const float *k_cache, const float *v_cache, int num_blocks, const int32_t *block_tables,
-                        int64_t bt_stride, const int32_t *seq_lens, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int block_size, float scale, int max_seq_len);
-
 /* out [m, lin.n] = a [m, lin.k] W^T (+ bias) */
 static int linear(const cb_lin_t *lin, const float *a, int m, float *out) {
     const int rc = cb_linear(lin->fmt, a, lin->k, m, lin->k, lin->w, lin->n, lin->bias_in_kernel ? lin->bias : NULL,

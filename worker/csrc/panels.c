@@ -119,8 +119,7 @@ static void chunk_q4_1(const uint8_t *restrict blocks, int kn, float *restrict d
     }
 }
 
-const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k, int k0, int kn, float *scratch) {
-    (void)k;
+const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch) {
     switch (fmt) {
     case CB_FMT_F32: return (const float *)panel + (int64_t)k0 * CB_NR;
     case CB_FMT_BF16: chunk_bf16((const uint16_t *)panel + (int64_t)k0 * CB_NR, kn, scratch); return scratch;
@@ -139,7 +138,7 @@ int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float *out, i
         float scratch[CB_QK * CB_NR] __attribute__((aligned(64)));
         for (int k0 = 0; k0 < k; k0 += CB_QK) {
             const int kn = k - k0 < CB_QK ? k - k0 : CB_QK;
-            const float *w = cb_panel_chunk(fmt, packed + p * pbytes, k, k0, kn, scratch);
+            const float *w = cb_panel_chunk(fmt, packed + p * pbytes, k0, kn, scratch);
             for (int j = 0; j < CB_NR && p * CB_NR + j < n; ++j)
                 for (int kk = 0; kk < kn; ++kk) out[(int64_t)(p * CB_NR + j) * ldo + k0 + kk] = w[kk * CB_NR + j];
         }

@@ -33,6 +33,6 @@ int64_t cb_panel_bytes(int fmt, int k);
 /* The weights of k values [k0, k0 + kn) of one panel as float32 [kn][48]: a pointer into the panel itself
  * (CB_FMT_F32) or into scratch, which must hold kn * 48 floats. k0 and kn are multiples of CB_QK for the
  * block formats (kn may end at k). */
-const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k, int k0, int kn, float *scratch);
+const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch);
 
 #endif
