@@ -25,12 +25,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from cbserve.cluster.bench import LoadConfig, run_benchmark, save_result
-from cbserve.cluster.bench_client import ClientConfig
-from cbserve.cluster.bench_datasets import SampleRequest, sample_random
-from cbserve.cluster.bench_deploy import local_deployment
-from cbserve.cluster.bench_plots import plot_runs
-from cbserve.cluster.bench_report import git_commit, hardware_summary, markdown_table, replace_section
+from cbserve.bench.client import ClientConfig
+from cbserve.bench.datasets import SampleRequest, sample_random
+from cbserve.bench.deploy import local_deployment
+from cbserve.bench.plots import plot_runs
+from cbserve.bench.report import git_commit, hardware_summary, markdown_table, replace_section
+from cbserve.bench.runner import LoadConfig, run_benchmark, save_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "batching-study"

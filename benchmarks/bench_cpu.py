@@ -80,8 +80,8 @@ def _rate(fn: Any, flops: float, iters: int) -> float:
 def _matmul_fns(weights: list[torch.Tensor], blocks: list[Any] | None = None) -> dict[str, list[Any]]:
     """For each available library, one ``f(x)`` per weight computing ``x @ w.T``; with ``blocks`` (the GGUF
     blocks of each weight) also cbserve's kernel on its compact panels."""
-    from cbserve.worker.cpu_linear import make_packed_weight, packing_supported
-    from cbserve.worker.cpu_native import load_cpu_kernels
+    from cbserve.worker.cpu.linear import make_packed_weight, packing_supported
+    from cbserve.worker.cpu.native import load_cpu_kernels
 
     def packed(w: torch.Tensor, kernels: Any, b: Any = None) -> Any:
         p = make_packed_weight(w, kernels, b, compact=b is not None)
@@ -242,12 +242,12 @@ def main() -> int:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from cbserve.worker.cpu_malloc import tune_malloc_for_cpu_inference
+    from cbserve.worker.cpu.malloc import tune_malloc_for_cpu_inference
 
     # cbserve's workers set these glibc malloc options; set them for the whole process first so that the
     # HF runs get them too and the ratios measure the engines, not the allocator.
     print(f"glibc malloc tuned for every system in this run: {tune_malloc_for_cpu_inference()}")
-    from cbserve.worker.gguf_blocks import load_gguf_blocks
+    from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
     from cbserve.worker.model_loader import resolve_model
     from transformers import AutoModelForCausalLM
 

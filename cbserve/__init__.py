@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from cbserve.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from cbserve.cluster.llm import LLM
+    from cbserve.frontend.llm import LLM
 
 __all__ = ["LLM", "SamplingParams"]
 __version__ = "0.1.0"
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> object:
     if name == "LLM":
-        from cbserve.cluster.llm import LLM
+        from cbserve.frontend.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'cbserve' has no attribute {name!r}")

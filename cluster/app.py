@@ -2,23 +2,26 @@
 
 ``serve run cbserve.cluster.app:build_app model=/path/to/model tensor_parallel_size=2`` and a Serve config
 YAML with ``import_path: cbserve.cluster.app:build_app`` and ``args:`` both work; ``args`` are the fields of
-CBServeConfig (plus ``config: FILE`` to read them from YAML first).
+CBServeConfig (plus ``config: FILE`` to read them from YAML first). The configuration is checked against
+the model here (``servable_config``), so a deployment that could never serve fails to build with one
+message instead of starting engines that cannot load.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from cbserve.cluster.config import CBServeConfig
+from cbserve.cluster.config import CBServeConfig, known_device, servable_config
 from ray.serve import Application
 
 
-def build_app(args: dict[str, Any] | None = None) -> Application:
+def build_app(args: dict[str, Any] | CBServeConfig | None = None) -> Application:
     config = args if isinstance(args, CBServeConfig) else CBServeConfig.from_args(args)
-    return build_app_from_config(config)
+    return build_app_from_config(servable_config(config, known_device(config)))
 
 
 def build_app_from_config(config: CBServeConfig) -> Application:
+    """The app of an already checked configuration (``servable_config``)."""
     from cbserve.cluster.ingress import OpenAIIngress
 
     return OpenAIIngress.bind(config.model_dump())

@@ -12,7 +12,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("cbserve.cluster.serve_cli", "start (or join) Ray and serve a model over the OpenAI API"),
     "generate": ("cbserve.cluster.generate_cli", "generate offline, in-process"),
-    "bench": ("cbserve.cluster.bench", "load-test an OpenAI-compatible server and report latencies"),
+    "bench": ("cbserve.bench.cli", "load-test an OpenAI-compatible server and report latencies"),
 }
 
 

@@ -1,18 +1,35 @@
 """The one user-facing configuration of a cbserve deployment (pydantic), read from YAML, CLI flags or a
-Serve app's ``args``, and turned into the frozen dataclasses the engine and the workers use."""
+Serve app's ``args``, and turned into the frozen dataclasses the engine (``engine_config``) and the workers
+(``worker_model_config``) use: a value is checked here, once. ``servable_config`` adds the checks that need
+the model (its heads, context length, KV size), read without torch: a configuration that could never serve
+stops at start-up with one ``ConfigError`` message."""
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from cbserve.scheduler.config import CacheConfig, EngineConfig, SchedulerConfig
+from cbserve.worker.config import (
+    DEFAULT_KV_CACHE_MEMORY_BYTES,
+    DTYPE_BYTES,
+    AttentionBackendName,
+    CpuOpsName,
+    Device,
+    Dtype,
+    ModelConfig,
+)
+from cbserve.worker.model_info import SUPPORTED_MODEL_TYPES, ModelInfo, read_model_info
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ConfigError(ValueError):
+    """A configuration that can never serve (one message, naming the values that disagree)."""
 
 
 class CBServeConfig(BaseModel):
@@ -23,10 +40,12 @@ class CBServeConfig(BaseModel):
     # model
     model: str | None = None  # HF folder or GGUF path; None = the bundled SmolLM2-135M-Instruct GGUF
     served_model_name: str | None = None  # name clients use in "model"; default from the model
-    dtype: str = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    cpu_ops: Literal["auto", "native", "onednn", "torch"] = "auto"  # CPU kernels (see worker/cpu_ops.py)
-    cpu_compact_weights: bool = True  # native CPU kernels read exact compact weights (worker/cpu_linear.py)
+    dtype: Dtype = "auto"  # float32 on CPU, bfloat16 on CUDA
+    device: Device = "auto"  # cuda when the Ray cluster has a GPU, else cpu
+    cpu_ops: CpuOpsName = "auto"  # CPU kernels (worker/cpu/)
+    cpu_compact_weights: bool = True  # native CPU kernels read exact compact weights
+    attention_backend: AttentionBackendName = "auto"
+    enforce_eager: bool = False  # CUDA: no CUDA-graph capture of decode steps
     tensor_parallel_size: int = Field(1, ge=1)
     num_replicas: int = Field(1, ge=1)  # data-parallel engine replicas
     seed: int = 0
@@ -34,8 +53,8 @@ class CBServeConfig(BaseModel):
     block_size: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_num_seqs: int = Field(128, ge=1)
-    max_model_len: int = Field(2048, ge=1)
-    kv_cache_memory_bytes: int | None = Field(None, ge=1)  # CPU KV budget per worker; None = worker default
+    max_model_len: int = Field(2048, ge=1)  # unset: at most the model's max_position_embeddings
+    kv_cache_memory_bytes: int = Field(DEFAULT_KV_CACHE_MEMORY_BYTES, ge=1)  # KV budget per worker on CPU
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     num_kv_blocks: int | None = Field(None, ge=1)  # force the block count (skips memory profiling)
     policy: Literal["continuous", "prefill_first", "static", "dynamic"] = "continuous"
@@ -57,7 +76,7 @@ class CBServeConfig(BaseModel):
     app_name: str = "cbserve"
     api_key: str | None = None
     max_n: int = Field(16, ge=1)  # largest n (or best_of) a request may ask for
-    request_timeout_s: float | None = None
+    request_timeout_s: float | None = Field(None, gt=0.0)  # a longer request is aborted (HTTP 504)
 
     @model_validator(mode="after")
     def _check(self) -> CBServeConfig:
@@ -131,26 +150,94 @@ class CBServeConfig(BaseModel):
             ),
         )
 
-    def worker_model_config(self, rank: int = 0) -> Any:
-        """The worker's frozen ModelConfig of one tensor-parallel rank, built from the fields it declares
-        (imported lazily: the ingress and the router never need torch)."""
-        from cbserve.worker.config import ModelConfig
+    def worker_model_config(self, rank: int = 0) -> ModelConfig:
+        """The worker's frozen ModelConfig of one tensor-parallel rank."""
+        return ModelConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.resolved_device,
+            max_model_len=self.max_model_len,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
+            cpu_ops=self.cpu_ops,
+            cpu_compact_weights=self.cpu_compact_weights,
+            seed=self.seed,
+            tensor_parallel_size=self.tensor_parallel_size,
+            rank=rank,
+        )
 
-        values = {
-            "model": self.model,
-            "dtype": self.dtype,
-            "device": self.resolved_device,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "max_model_len": self.max_model_len,
-            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
-            "gpu_memory_utilization": self.gpu_memory_utilization,
-            "cpu_ops": self.cpu_ops,
-            "cpu_compact_weights": self.cpu_compact_weights,
-            "seed": self.seed,
-            "rank": rank,
-        }
-        names = {f.name for f in dataclasses.fields(ModelConfig)}
-        return ModelConfig(**{k: v for k, v in values.items() if k in names and v is not None})
+
+# ---- can this configuration serve this model? ---------------------------------------------------------
+def known_device(config: CBServeConfig) -> str | None:
+    """The device, where it is known without importing torch: set in the config, or decided by the Ray
+    cluster this process is connected to; None otherwise."""
+    if config.device != "auto":
+        return config.device
+    import ray
+
+    return config.resolved_device if ray.is_initialized() else None
+
+
+def servable_config(config: CBServeConfig, device: str | None = None) -> CBServeConfig:
+    """``config`` checked against its model (read without torch) and resolved (an unset max_model_len
+    capped by the model's). ``device``: "cpu" or "cuda" where known (the KV budget is checked on CPU);
+    None = unknown yet. Raises ConfigError."""
+    try:
+        info = read_model_info(config.model)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load the model {config.model or DEFAULT_MODEL_NAME!r}: {e}") from e
+    return check_servable(config, info, device)
+
+
+def check_servable(config: CBServeConfig, info: ModelInfo, device: str | None = None) -> CBServeConfig:
+    """The model-dependent checks (see ``servable_config``), given the model's shape."""
+    if info.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"model_type {info.model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
+    tp = config.tensor_parallel_size
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if (n := getattr(info, what)) is not None and n % tp:
+            raise ConfigError(f"{what} ({n}) is not divisible by the tensor-parallel size ({tp})")
+    model_max = info.max_position_embeddings
+    if model_max is not None and config.max_model_len > model_max:
+        if "max_model_len" in config.model_fields_set:
+            raise ConfigError(
+                f"max_model_len ({config.max_model_len}) is longer than the model's max_position_embeddings "
+                f"({model_max})"
+            )
+        config = config.model_copy(update={"max_model_len": model_max})
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None and device == "cpu":  # on CUDA the budget is known once the weights are loaded
+        num_blocks = config.kv_cache_memory_bytes // kv_block_bytes(config, info)
+    if num_blocks is not None:
+        check_kv_capacity(config, num_blocks, device)
+    return config
+
+
+def kv_block_bytes(config: CBServeConfig, info: ModelInfo) -> int:
+    """Bytes of one KV block on one rank (all layers, K and V), as the worker allocates it on CPU."""
+    elem = DTYPE_BYTES.get(config.dtype, 4)  # "auto" is float32 on CPU
+    kv_heads = info.num_key_value_heads // config.tensor_parallel_size
+    return 2 * info.num_hidden_layers * config.block_size * kv_heads * info.head_dim * elem
+
+
+def check_kv_capacity(config: CBServeConfig, num_blocks: int, device: str | None = None) -> None:
+    """One request of max_model_len tokens must fit in the KV cache (as the engine admits it: the last
+    token's KV is never stored). Raises ConfigError."""
+    needed = max(1, math.ceil((config.max_model_len - 1) / config.block_size))
+    if num_blocks >= needed:
+        return
+    if config.num_kv_blocks is not None:
+        budget = f"num_kv_blocks={config.num_kv_blocks}"
+    elif device == "cuda":
+        budget = f"gpu_memory_utilization={config.gpu_memory_utilization}"
+    else:
+        budget = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
+    raise ConfigError(
+        f"the KV cache ({budget}) holds {num_blocks} blocks of {config.block_size} tokens, but one request of "
+        f"max_model_len ({config.max_model_len}) tokens needs {needed}: raise the KV budget or lower max_model_len"
+    )
 
 
 def _none_if_null(value: Any) -> Any:

@@ -1,5 +1,9 @@
 """The ingress side of the engine replicas: creates the SchedulerActors, watches their health, routes each
-request to one (cluster/router.py) and turns its stream into RequestOutput batches or APIErrors."""
+request to one (cluster/router.py) and turns its stream into RequestOutput batches or APIErrors.
+
+``request_timeout_s``: a request still running that long after ``generate`` was called is aborted in its
+engine (its KV blocks are freed) and ends with APIError 504 (type "timeout"): a non-streamed response is
+that error; a streamed one gets it as an error event, then ``[DONE]``."""
 
 from __future__ import annotations
 
@@ -11,9 +15,9 @@ from typing import Any
 
 import ray
 from cbserve.cluster.config import CBServeConfig
-from cbserve.cluster.openai_protocol import APIError
 from cbserve.cluster.router import NoHealthyReplicaError, Router
 from cbserve.cluster.scheduler_actor import EngineFailure, SchedulerActor
+from cbserve.frontend.protocol import APIError
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -23,7 +27,9 @@ NAMESPACE = "cbserve"
 HEALTH_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 5.0
 
-_FAILURE_STATUS = {"rejected": 400, "duplicate": 400, "queue_full": 429, "unavailable": 503, "aborted": 503}
+_FAILURE_STATUS = {
+    "rejected": 400, "duplicate": 400, "queue_full": 429, "unavailable": 503, "aborted": 503, "timeout": 504,
+}
 # Failures that happen before admission and say nothing about the request itself: another replica may take it.
 _TRY_ELSEWHERE = frozenset({"queue_full", "unavailable"})
 _FAILURE_TYPE = {
@@ -32,6 +38,7 @@ _FAILURE_TYPE = {
     "queue_full": "rate_limit_exceeded",
     "unavailable": "service_unavailable",
     "aborted": "service_unavailable",
+    "timeout": "timeout",
 }
 
 
@@ -134,10 +141,29 @@ class EngineClient:
     # ---- requests -----------------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
         """Yields ``[]`` once the engine admitted the request, then batches of new outputs. Raises APIError
-        on rejection or failure. Leaving early (client gone, stop string) aborts it in the engine.
+        on rejection, failure or timeout (``request_timeout_s``). Leaving early (client gone, stop string,
+        timeout) aborts it in the engine."""
+        timeout_s = self.config.request_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        async with contextlib.aclosing(self._routed(request)) as stream:
+            while True:
+                try:
+                    if deadline is None:
+                        item = await anext(stream)
+                    else:  # a timeout cancels the pending step of the stream: that aborts the request
+                        item = await asyncio.wait_for(anext(stream), max(0.0, deadline - loop.time()))
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    msg = f"the request did not finish within request_timeout_s ({timeout_s:g} s); it was aborted"
+                    raise failure_to_api_error(EngineFailure("timeout", msg)) from None
+                yield item
 
-        A replica that turns the request away before admitting it (waiting queue full, or gone) is skipped
-        and the next healthy replica is tried; the client sees a 429 / 503 only when none is left."""
+    async def _routed(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
+        """``generate`` without the deadline. A replica that turns the request away before admitting it
+        (waiting queue full, or gone) is skipped and the next healthy replica is tried; the client sees a
+        429 / 503 only when none is left."""
         tried: set[int] = set()
         while True:
             try:

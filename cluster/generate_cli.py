@@ -45,7 +45,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from cbserve.cluster.llm import LLM
+    from cbserve.frontend.llm import LLM
 
     prompts = _read_prompts(args)
     if not prompts:

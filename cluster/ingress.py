@@ -1,10 +1,11 @@
 """The Ray Serve ingress: an OpenAI-compatible HTTP API (FastAPI) in front of the engine replicas.
 
-Routes: /v1/completions, /v1/chat/completions (SSE when ``stream``), /v1/models, /health, /tokenize,
-/detokenize, and /stats (engine replicas and router, for operators and tests). Errors use OpenAI's body
-shape. With ``api_key`` set, every route but /health needs ``Authorization: Bearer <key>`` (401).
+A thin shell over the front end (``frontend/serving.py``): each route parses its body into the protocol
+model and hands it over. Routes: /v1/completions, /v1/chat/completions (SSE when ``stream``), /v1/models,
+/health, /tokenize, /detokenize, and /stats (engine replicas and router, for operators and tests). Errors use
+OpenAI's body shape. With ``api_key`` set, every route but /health needs ``Authorization: Bearer <key>``
+(401). Nothing here imports torch: the tokenizer and the model's numbers come from its files.
 """
-
 
 import hmac
 import logging
@@ -16,25 +17,66 @@ from typing import Any
 from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.engine_client import EngineClient
 from cbserve.cluster.metrics import IngressMetrics
-from cbserve.cluster.openai_protocol import (
+from cbserve.frontend.model_files import model_folder, read_model_files
+from cbserve.frontend.protocol import (
     APIError,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    TokenizeResponse,
 )
-from cbserve.cluster.openai_serving import OpenAIServing
+from cbserve.frontend.serving import OpenAIServing
+from cbserve.frontend.tokenizer import load_tokenizer
+from cbserve.frontend.validation import ServedModel, parse_body
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from ray import serve
 
 logger = logging.getLogger(__name__)
 
 STARTUP_WAIT_S = 900.0  # the longest a new ingress replica waits for its engines before it takes traffic
+_SCHEMA_REF = "#/components/schemas/{model}"
+# Parsed by the routes themselves (to answer OpenAI-shaped 400s), so FastAPI does not see them: documented here.
+_DOCUMENTED_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ChatCompletionChunk)
+_ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in (400, 401, 404, 429, 503)}
 
-api = FastAPI(title="cbserve", description="OpenAI-compatible LLM serving with continuous batching")
+
+class OpenAIApp(FastAPI):
+    """FastAPI whose /openapi.json also describes the request bodies and stream chunks of the routes."""
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is None:
+            schema = super().openapi()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in _DOCUMENTED_MODELS:
+                body = model.model_json_schema(ref_template=_SCHEMA_REF)
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+        return self.openapi_schema
+
+
+def _doc(body: type[BaseModel] | None = None, stream: type[BaseModel] | None = None) -> dict[str, Any]:
+    """Route keywords documenting a request body parsed by hand and, for SSE, the stream's chunks."""
+    responses: dict[int | str, dict[str, Any]] = dict(_ERRORS)
+    if stream is not None:
+        sse = {"schema": {"$ref": _SCHEMA_REF.format(model=stream.__name__)}}
+        responses[200] = {"content": {"text/event-stream": sse}}
+    if body is None:
+        return {"responses": responses}
+    content = {"application/json": {"schema": {"$ref": _SCHEMA_REF.format(model=body.__name__)}}}
+    return {"responses": responses, "openapi_extra": {"requestBody": {"required": True, "content": content}}}
+
+
+api = OpenAIApp(title="cbserve", description="OpenAI-compatible LLM serving with continuous batching")
 
 Handler = Callable[[Request], Awaitable[Any]]
 
@@ -50,29 +92,24 @@ class OpenAIIngress:
         await self.client.wait_started(STARTUP_WAIT_S)
 
     def _setup(self, config: dict[str, Any]) -> None:
-        from cbserve.worker.model_loader import eos_token_ids, load_hf_config, resolve_model
-        from cbserve.worker.tokenizer import load_tokenizer
-
-        folder = resolve_model(CBServeConfig.model_validate(config).model).folder
-        hf_config = load_hf_config(folder)
-        model_max = int(getattr(hf_config, "max_position_embeddings", 0) or config["max_model_len"])
+        folder = model_folder(CBServeConfig.model_validate(config).model)  # a GGUF: converted, in a child
+        files = read_model_files(folder)
+        model_max = files.max_position_embeddings or config["max_model_len"]
         # The engines and this edge agree on the context length: the configured one, capped by the model's.
         self.config = CBServeConfig.model_validate(
             dict(config, max_model_len=min(config["max_model_len"], model_max))
         )
-        self.tokenizer = load_tokenizer(folder)
-        eos = sorted(eos_token_ids(folder, hf_config))
-        if self.tokenizer.eos_token_id is not None:  # as the offline LLM: the tokenizer's EOS first
-            eos = [self.tokenizer.eos_token_id] + [t for t in eos if t != self.tokenizer.eos_token_id]
+        tokenizer = load_tokenizer(folder)
         try:
             ctx = serve.get_replica_context()
             app_name, owner = ctx.app_name, ctx.replica_id.unique_id
         except Exception:  # outside Serve (unit tests)
             app_name, owner = self.config.app_name, uuid.uuid4().hex[:8]
         self.client = EngineClient(self.config, app_name, owner)
-        vocab = int(getattr(hf_config, "vocab_size", 0) or len(self.tokenizer))
-        self.serving = OpenAIServing(self.config, self.tokenizer, self.client, eos, vocab)
-        self.metrics = IngressMetrics(self.config.model_name)
+        cfg = self.config
+        served = ServedModel(cfg.model_name, cfg.max_model_len, cfg.max_n, files.vocab_size or len(tokenizer))
+        self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids)
+        self.metrics = IngressMetrics(cfg.model_name)
 
     def __del__(self) -> None:
         client = getattr(self, "client", None)
@@ -120,7 +157,7 @@ class OpenAIIngress:
         if isinstance(result, AsyncIterator):
             headers = {"Cache-Control": "no-cache"}
             return StreamingResponse(result, media_type="text/event-stream", headers=headers)
-        if hasattr(result, "model_dump"):
+        if isinstance(result, BaseModel):
             result = result.model_dump()
         return JSONResponse(result)
 
@@ -135,40 +172,39 @@ class OpenAIIngress:
             raise APIError(401, msg, "authentication_error")
 
     # ---- OpenAI routes ------------------------------------------------------------------------
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", response_model=CompletionResponse, **_doc(CompletionRequest, CompletionResponse))
     async def completions(self, request: Request) -> Response:
         async def run(r: Request) -> Any:
-            return await self.serving.completions(self.serving.parse(CompletionRequest, await r.body()))
+            return await self.serving.completions(parse_body(CompletionRequest, await r.body()))
 
         return await self._handle("/v1/completions", request, run)
 
-    @api.post("/v1/chat/completions")
+    @api.post(
+        "/v1/chat/completions", response_model=ChatCompletionResponse,
+        **_doc(ChatCompletionRequest, ChatCompletionChunk),
+    )
     async def chat_completions(self, request: Request) -> Response:
         async def run(r: Request) -> Any:
-            return await self.serving.chat(self.serving.parse(ChatCompletionRequest, await r.body()))
+            return await self.serving.chat(parse_body(ChatCompletionRequest, await r.body()))
 
         return await self._handle("/v1/chat/completions", request, run)
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", response_model=ModelList, **_doc())
     async def models(self, request: Request) -> Response:
         async def run(r: Request) -> Any:
-            return ModelList(data=[self._card()])
+            return self.serving.models()
 
         return await self._handle("/v1/models", request, run)
 
-    @api.get("/v1/models/{model:path}")
+    @api.get("/v1/models/{model:path}", response_model=ModelCard, **_doc())
     async def model(self, model: str, request: Request) -> Response:
         async def run(r: Request) -> Any:
-            self.serving.check_model(model)
-            return self._card()
+            return self.serving.model_card(model)
 
         return await self._handle("/v1/models/{model}", request, run)
 
-    def _card(self) -> ModelCard:
-        return ModelCard(id=self.config.model_name, max_model_len=self.config.max_model_len)
-
     # ---- operations ---------------------------------------------------------------------------
-    @api.get("/health")
+    @api.get("/health", **_doc())
     async def health(self, request: Request) -> Response:
         async def run(r: Request) -> Any:
             await self.client.refresh_health()
@@ -179,38 +215,23 @@ class OpenAIIngress:
 
         return await self._handle("/health", request, run, auth=False)
 
-    @api.get("/stats")
+    @api.get("/stats", **_doc())
     async def stats(self, request: Request) -> Response:
         async def run(r: Request) -> Any:
             return {"model": self.config.model_name, "replicas": await self.client.stats()}
 
         return await self._handle("/stats", request, run)
 
-    @api.post("/tokenize")
+    @api.post("/tokenize", response_model=TokenizeResponse, **_doc(TokenizeRequest))
     async def tokenize(self, request: Request) -> Response:
         async def run(r: Request) -> Any:
-            req = self.serving.parse(TokenizeRequest, await r.body())
-            self.serving.check_model(req.model)
-            if req.messages is not None:
-                tokens = self.serving.chat_prompt(req.messages, req.add_generation_prompt)
-            elif req.prompt is not None:
-                enc = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
-                tokens = list(enc["input_ids"])
-            else:
-                raise APIError(400, "give 'prompt' or 'messages'", param="prompt")
-            return {"tokens": tokens, "count": len(tokens), "max_model_len": self.config.max_model_len}
+            return self.serving.tokenize(parse_body(TokenizeRequest, await r.body()))
 
         return await self._handle("/tokenize", request, run)
 
-    @api.post("/detokenize")
+    @api.post("/detokenize", response_model=DetokenizeResponse, **_doc(DetokenizeRequest))
     async def detokenize(self, request: Request) -> Response:
         async def run(r: Request) -> Any:
-            req = self.serving.parse(DetokenizeRequest, await r.body())
-            self.serving.check_model(req.model)
-            vocab = len(self.tokenizer)
-            bad = [t for t in req.tokens if not 0 <= t < vocab]
-            if bad:
-                raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
-            return {"prompt": self.tokenizer.decode(req.tokens)}
+            return self.serving.detokenize(parse_body(DetokenizeRequest, await r.body()))
 
         return await self._handle("/detokenize", request, run)

@@ -13,11 +13,18 @@ metrics without a prefix of our own; the exported series are named ``ray_cbserve
 Labels are bounded: ``model`` and ``replica`` everywhere, ``rank`` for workers, ``reason`` for finished and
 rejected requests, ``route`` and ``status`` at the HTTP ingress (routes outside ``KNOWN_ROUTES`` are
 reported as ``other``).
+
+No "No data" on a healthy cluster: every counter and gauge is created at 0 when its component starts, for
+each of its known label values (``MetricSpec.initial``: every finish and reject reason, the HTTP statuses of
+the generation routes), so a dashboard's rate() reads 0 before the first event. A histogram has no series
+until its first observation (Ray cannot export an empty one); the first request creates them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import product
 from typing import Any, Literal
 
 # Prefix Ray's exporter puts in front of every custom metric name.
@@ -45,6 +52,8 @@ BATCH_SIZE_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(12))  #
 
 ENGINE_LABELS = ("model", "replica")
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# what SchedulerActor passes to EngineMetrics.observe_rejected (QueueFullError, RequestRejectedError)
+REJECT_REASONS = ("queue_full", "rejected")
 WORKER_LABELS = ("model", "replica", "rank")
 KNOWN_ROUTES = frozenset(
     {
@@ -59,6 +68,12 @@ KNOWN_ROUTES = frozenset(
         "/version",
     }
 )
+# The routes that generate, and the statuses they answer (OpenAI error statuses): created at 0 at start-up.
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+HTTP_STATUSES = ("200", "400", "401", "404", "429", "500", "503")
+
+Labels = Mapping[str, str]
+NO_LABELS: tuple[Labels, ...] = ({},)  # one series, labelled by the component's default tags only
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,8 @@ class MetricSpec:
     description: str
     labels: tuple[str, ...]
     buckets: tuple[float, ...] = ()
+    # label values (beyond the component's default tags) of the series created at 0 at start-up
+    initial: tuple[Labels, ...] = ()
 
     @property
     def exported(self) -> str:
@@ -81,12 +98,18 @@ class MetricSpec:
         return (self.exported,)
 
 
-def _c(name: str, desc: str, labels: tuple[str, ...] = ENGINE_LABELS) -> MetricSpec:
-    return MetricSpec(PREFIX + name, "counter", desc, labels)
+def _c(
+    name: str, desc: str, labels: tuple[str, ...] = ENGINE_LABELS, initial: tuple[Labels, ...] = NO_LABELS
+) -> MetricSpec:
+    return MetricSpec(PREFIX + name, "counter", desc, labels, initial=initial)
 
 
 def _g(name: str, desc: str, labels: tuple[str, ...] = ENGINE_LABELS) -> MetricSpec:
-    return MetricSpec(PREFIX + name, "gauge", desc, labels)
+    return MetricSpec(PREFIX + name, "gauge", desc, labels, initial=NO_LABELS)
+
+
+def _each(label: str, values: tuple[str, ...]) -> tuple[Labels, ...]:
+    return tuple({label: v} for v in values)
 
 
 def _h(
@@ -112,8 +135,8 @@ ENGINE_SPECS: tuple[MetricSpec, ...] = (
     _c("generation_tokens", "Generated tokens."),
     _c("iteration_prefill_tokens", "Prefill tokens computed by the engine (chunks included)."),
     _c("iteration_decode_tokens", "Decode tokens computed by the engine."),
-    _c("request_finished", "Finished requests by finish reason.", REASON),
-    _c("request_rejected", "Requests rejected at admission by reason.", REASON),
+    _c("request_finished", "Finished requests by finish reason.", REASON, _each("reason", FINISH_REASONS)),
+    _c("request_rejected", "Requests rejected at admission by reason.", REASON, _each("reason", REJECT_REASONS)),
     # per-iteration histograms
     _h("iteration_tokens", "Tokens scheduled per iteration (prefill + decode).", TOKEN_COUNT_BUCKETS),
     _h("iteration_batch_size", "Sequences scheduled per iteration.", BATCH_SIZE_BUCKETS),
@@ -140,7 +163,8 @@ WORKER_SPECS: tuple[MetricSpec, ...] = (
        WORKER_LABELS),
 )  # fmt: skip
 INGRESS_SPECS: tuple[MetricSpec, ...] = (
-    _c("http_requests", "HTTP requests by route and status.", ("model", "route", "status")),
+    _c("http_requests", "HTTP requests by route and status.", ("model", "route", "status"),
+       tuple({"route": r, "status": s} for r, s in product(GENERATION_ROUTES, HTTP_STATUSES))),
     _h("http_request_duration_seconds", "HTTP request latency (to the last byte of the response).",
        REQUEST_LATENCY_BUCKETS, ("model", "route")),
     _g("http_requests_in_flight", "HTTP requests being served by this ingress replica.", ("model",)),
@@ -170,14 +194,18 @@ def _make(spec: MetricSpec) -> Any:
 
 
 class _Metrics:
-    """Ray metric objects for a tuple of specs, keyed by the spec name without prefix."""
+    """Ray metric objects for a tuple of specs, keyed by the spec name without prefix. Each spec's
+    ``initial`` series are created at 0 here, so they are exported before the first event."""
 
     def __init__(self, specs: tuple[MetricSpec, ...], default_tags: dict[str, str]) -> None:
         self._m: dict[str, Any] = {}
         for spec in specs:
             metric = _make(spec)
             metric.set_default_tags({k: v for k, v in default_tags.items() if k in spec.labels})
-            self._m[spec.name.removeprefix(PREFIX)] = metric
+            name = spec.name.removeprefix(PREFIX)
+            self._m[name] = metric
+            for labels in spec.initial:
+                self.zero(name, dict(labels) or None)
 
     def inc(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
         if value > 0:  # Ray counters refuse 0
@@ -192,7 +220,7 @@ class _Metrics:
         if isinstance(metric, _counter_type()):
             metric._record(0.0, tags)  # Counter.inc() refuses 0; _record is what inc() calls
         else:
-            metric.set(0.0)
+            metric.set(0.0, tags=tags)
 
     def observe(self, name: str, value: float | None) -> None:
         if value is not None and value >= 0:
@@ -204,12 +232,6 @@ class EngineMetrics:
 
     def __init__(self, model: str, replica: str) -> None:
         self._m = _Metrics(ENGINE_SPECS, {"model": model, "replica": str(replica)})
-        for spec in ENGINE_SPECS:
-            name = spec.name.removeprefix(PREFIX)
-            if spec.kind == "gauge" or (spec.kind == "counter" and spec.labels == ENGINE_LABELS):
-                self._m.zero(name)
-        for reason in FINISH_REASONS:
-            self._m.zero("request_finished", {"reason": reason})
 
     def observe_step(self, result: Any, dispatch_overhead_s: float) -> None:
         """``result`` is a scheduler StepResult (scheduler_stats, iteration_stats, outputs)."""
@@ -286,7 +308,6 @@ class IngressMetrics:
     def __init__(self, model: str) -> None:
         self._m = _Metrics(INGRESS_SPECS, {"model": model})
         self._in_flight = 0
-        self._m.set("http_requests_in_flight", 0)
 
     def observe_http(self, route: str, status: int, seconds: float) -> None:
         route = route if route in KNOWN_ROUTES else "other"

@@ -5,12 +5,19 @@ All engine state is touched from the actor's event loop only: ``schedule()`` and
 run on the loop (they are cheap), and the loop awaits the workers in between, which is when new requests,
 aborts and stop-string finishes are taken in. When the worker group fails (a worker actor died), every
 in-flight request gets an ``EngineFailure`` ("unavailable") and the replica rebuilds its worker group and
-engine; the actor itself is restarted by Ray (``max_restarts``) if it dies.
+engine; the actor itself is restarted by Ray (``max_restarts``) if it dies. A build that fails on the
+configuration or the model (a ConfigError, or the workers raising ValueError / FileNotFoundError /
+NotImplementedError while loading) is not retried: the replica stays "failed" with that error.
+
+Step timing and counters are the EngineCore's (``update_from_output`` fills the step's stats,
+``EngineCore.totals`` counts requests and prefix-cache lookups; each rebuilt engine continues the totals
+of the one it replaces); the actor keeps none of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,24 +25,29 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from cbserve.cluster.config import CBServeConfig
+from cbserve.cluster.config import CBServeConfig, check_kv_capacity
 from cbserve.cluster.metrics import EngineMetrics
 from cbserve.cluster.ray_executor import RayExecutor
 from cbserve.scheduler.engine_core import EngineCore, tune_gc_for_serving
 from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
 from cbserve.scheduler.outputs import ModelRunnerOutput
 from cbserve.scheduler.request import EngineRequest, RequestOutput
+from cbserve.scheduler.stats import EngineTotals
 
 logger = logging.getLogger(__name__)
 
 REBUILD_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
 IDLE_METRICS_PERIOD_S = 1.0  # how often an idle engine re-sets its gauges
+# Raised while building the engine, these say the configuration or the model is wrong: a rebuild would fail
+# the same way (a lost node or actor, or a failed rendezvous, raises something else and is retried).
+_CONFIG_ERRORS = (ValueError, FileNotFoundError, NotImplementedError)
 
 
 @dataclass
 class EngineFailure:
     """Sent instead of outputs when a request cannot run or stops abnormally.
-    kind: "rejected" (400), "queue_full" (429), "duplicate" (400), "unavailable" (503)."""
+    kind: "rejected" (400), "queue_full" (429), "duplicate" (400), "unavailable" (503), "aborted" (503),
+    "timeout" (504: request_timeout_s passed; the ingress side sets it)."""
 
     kind: str
     message: str
@@ -60,9 +72,7 @@ class SchedulerActor:
         self.engine: EngineCore | None = None
         self.executor: RayExecutor | None = None
         self.requests: dict[str, _InFlight] = {}
-        self.num_admitted = 0
-        self.num_aborted = 0  # requests aborted while in flight (client gone, cancelled)
-        self.prefix_cache = [0, 0]  # prompt tokens looked up, of which hits (all generations)
+        self.totals = EngineTotals()  # every engine this replica builds counts on from here
         self.metrics = EngineMetrics(self.config.model_name, replica)
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -99,14 +109,14 @@ class SchedulerActor:
                     remaining -= int(item.finished)
                 yield outputs
         finally:
-            still_mine = self.requests.pop(request.req_id, None) is not None
-            if remaining > 0:
+            self.requests.pop(request.req_id, None)
+            if remaining > 0:  # the stream was closed early (client gone, cancelled, timed out)
                 self._abort(request.req_id, entry.generation)
-                self.num_aborted += still_mine  # the stream was closed early (client gone, cancelled)
 
     def _admit(self, request: EngineRequest) -> EngineFailure | None:
         if self.state != "ready" or self.engine is None:
-            return EngineFailure("unavailable", f"engine replica {self.replica} is {self.state}")
+            why = f": {self.error}" if self.error else ""
+            return EngineFailure("unavailable", f"engine replica {self.replica} is {self.state}{why}")
         request.arrival_time = time.monotonic()  # the ingress clock may be on another node
         try:
             self.engine.add_request(request)
@@ -123,7 +133,6 @@ class SchedulerActor:
         self.requests[request.req_id] = _InFlight(
             asyncio.Queue(), self.generation, len(request.prompt_token_ids) + sp.num_sequences * max_tokens
         )
-        self.num_admitted += 1
         assert self._wakeup is not None
         self._wakeup.set()
         return None
@@ -133,7 +142,6 @@ class SchedulerActor:
         self._abort(req_id, self.generation)
         entry = self.requests.pop(req_id, None)
         if entry is not None:
-            self.num_aborted += 1
             entry.queue.put_nowait(EngineFailure("aborted", "request aborted"))
 
     def _abort(self, req_id: str, generation: int) -> None:
@@ -154,28 +162,51 @@ class SchedulerActor:
         while True:
             try:
                 await self._build()
-                attempt = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if isinstance(getattr(e, "cause", None) or e, _CONFIG_ERRORS):
+                    await self._fail_for_good(e)
+                    return
+                await self._recover(e, attempt)
+                attempt += 1
+                continue
+            attempt = 0
+            try:
                 await self._loop()
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # worker group failure (or a failed build): fail in-flight, rebuild
-                msg = f"engine replica {self.replica} failed ({e}); it is restarting, retry the request"
-                logger.error("%s", msg)
-                self.state, self.error = "restarting", str(e)
-                self._fail_all(msg)
-                await asyncio.to_thread(self._teardown)  # a compiled-graph teardown may block
-                await asyncio.sleep(REBUILD_BACKOFF_S[min(attempt, len(REBUILD_BACKOFF_S) - 1)])
+            except Exception as e:  # worker group failure: fail in-flight requests, rebuild
+                await self._recover(e, attempt)
                 attempt += 1
+
+    async def _recover(self, e: Exception, attempt: int) -> None:
+        msg = f"engine replica {self.replica} failed ({e}); it is restarting, retry the request"
+        logger.error("%s", msg)
+        self.state, self.error = "restarting", str(e)
+        self._fail_all(msg)
+        await asyncio.to_thread(self._teardown)  # a compiled-graph teardown may block
+        await asyncio.sleep(REBUILD_BACKOFF_S[min(attempt, len(REBUILD_BACKOFF_S) - 1)])
+
+    async def _fail_for_good(self, e: Exception) -> None:
+        cause = getattr(e, "cause", None) or e
+        logger.error("engine replica %s cannot serve this configuration: %s", self.replica, cause)
+        self.state, self.error = "failed", str(cause)
+        self._fail_all(f"engine replica {self.replica} failed: {cause}")
+        await asyncio.to_thread(self._teardown)
 
     async def _build(self) -> None:
         self.generation += 1
         self.executor = await RayExecutor.create(self.config, self.replica, f"{self.name}:workers")
-        self.engine = EngineCore(self.config.engine_config(self.executor.num_blocks), self.executor)
+        check_kv_capacity(self.config, self.executor.num_blocks, self.config.resolved_device)
+        engine_config = self.config.engine_config(self.executor.num_blocks)
+        self.engine = EngineCore(engine_config, self.executor, totals=self.totals)
         tune_gc_for_serving()
         self.state, self.error = "ready", None
         logger.info("engine replica %s ready (%d KV blocks)", self.replica, self.executor.num_blocks)
 
     async def _loop(self) -> None:
+        """schedule -> await the workers -> update_from_output; the engine times each part."""
         assert self.engine is not None and self.executor is not None and self._wakeup is not None
         engine, executor = self.engine, self.executor
         while True:
@@ -186,9 +217,7 @@ class SchedulerActor:
                 except asyncio.TimeoutError:
                     self.metrics.observe_idle(engine.current_stats())
                 continue
-            t0 = time.perf_counter()
             so = engine.schedule()
-            t1 = time.perf_counter()
             if so.is_empty:  # as EngineCore.step(): nothing to run (e.g. only aborts, or a batching
                 result = engine.update_from_output(so, ModelRunnerOutput())  # window is open)
                 self._dispatch(result.outputs)
@@ -196,15 +225,8 @@ class SchedulerActor:
                 await asyncio.sleep(0.002)
                 continue
             out = await executor.execute_model_async(so)
-            t2 = time.perf_counter()
             result = engine.update_from_output(so, out)
-            stats = result.scheduler_stats
-            stats.schedule_time_s = (t1 - t0) + (time.perf_counter() - t2)
-            stats.execute_time_s = t2 - t1
-            stats.forward_time_s = out.forward_time_s
             self._dispatch(result.outputs)
-            self.prefix_cache[0] += stats.prefix_cache_queries
-            self.prefix_cache[1] += stats.prefix_cache_hits
             self.metrics.observe_step(result, executor.stats.last_overhead_s)
             await asyncio.sleep(0)  # let add_request / abort / finish in
 
@@ -237,17 +259,16 @@ class SchedulerActor:
         }
 
     async def stats(self) -> dict[str, Any]:
+        """State, in-flight requests, the engines' totals (all generations), KV cache and dispatch figures."""
         self._ensure_started()
         d: dict[str, Any] = {
             "replica": self.replica,
             "state": self.state,
             "generation": self.generation,
+            "error": self.error,
             "num_in_flight": len(self.requests),
-            "num_admitted": self.num_admitted,
-            "num_aborted": self.num_aborted,
-            "prefix_cache_queries": self.prefix_cache[0],
-            "prefix_cache_hits": self.prefix_cache[1],
             "outstanding_tokens": sum(e.outstanding_tokens for e in self.requests.values()),
+            **dataclasses.asdict(self.totals),
         }
         if self.engine is not None and self.executor is not None:
             kv = self.engine.scheduler.kv

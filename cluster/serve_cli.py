@@ -1,17 +1,24 @@
 """``cbserve serve``: start (or join) Ray, deploy the OpenAI-compatible app, print where it listens and block
 until Ctrl-C. Every CBServeConfig field is a flag (``--tensor-parallel-size 2``); ``--config FILE`` reads
-them from YAML first (flags override it). Defaults, the port included, come from CBServeConfig."""
+them from YAML first (flags override it). Defaults, the port included, come from CBServeConfig.
+
+A configuration that could never serve (bad values, or values the model disagrees with: see
+``config.servable_config``) ends the command with one ``cbserve: error: ...`` line and exit status 1,
+before Serve starts; so does an engine replica that fails to build (its error is printed)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import sys
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
-from cbserve.cluster.config import CBServeConfig
+import pydantic
+from cbserve.cluster.config import CBServeConfig, known_device, servable_config
 
 logger = logging.getLogger(__name__)
 
@@ -52,35 +59,85 @@ def init_ray(address: str | None) -> None:
         logger.info("started a local Ray cluster")
 
 
-def wait_ready(url: str, timeout_s: float) -> bool:
+def checked_config(args: argparse.Namespace) -> CBServeConfig:
+    """The configuration of the flags, checked against the model where that needs no Ray (ConfigError /
+    pydantic.ValidationError otherwise)."""
+    config = config_from_args(args)
+    return servable_config(config, known_device(config))
+
+
+def error_message(e: Exception) -> str:
+    """One line for a configuration error (pydantic's report is a multi-line table)."""
+    if isinstance(e, pydantic.ValidationError):
+        return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
+    return str(e)
+
+
+def _fail(message: str) -> int:
+    print(f"cbserve: error: {message}", file=sys.stderr, flush=True)
+    return 1
+
+
+def wait_ready(base: str, timeout_s: float, api_key: str | None = None) -> tuple[bool, str | None]:
+    """Until /health says ready ``(True, None)``, an engine replica failed for good ``(False, its
+    error)``, or timeout ``(False, None)``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=5) as r:
+            with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
                 if r.status == 200:
-                    return True
+                    return True, None
+        except urllib.error.HTTPError:
+            failed = _failed_replicas(base, api_key)
+            if failed:
+                return False, failed
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(1.0)
-    return False
+    return False, None
+
+
+def _failed_replicas(base: str, api_key: str | None) -> str | None:
+    req = urllib.request.Request(f"{base}/stats")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            replicas = json.loads(r.read()).get("replicas", [])
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    errors = [f"engine replica {r.get('replica')}: {r.get('error')}" for r in replicas if r.get("state") == "failed"]
+    return "; ".join(errors) or None
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        config = checked_config(args)
+    except ValueError as e:  # ConfigError, pydantic.ValidationError
+        return _fail(error_message(e))
     import ray
     from cbserve.cluster.app import build_app_from_config
     from ray import serve
 
-    config = config_from_args(args)
     init_ray(args.ray_address)
+    try:
+        if config.device == "auto":  # the cluster decided the device: the KV budget can be checked now
+            config = servable_config(config, config.resolved_device)
+    except ValueError as e:
+        ray.shutdown()
+        return _fail(error_message(e))
     serve.start(http_options={"host": config.host, "port": config.port})
     serve.run(
         build_app_from_config(config), name=config.app_name, route_prefix=config.route_prefix, blocking=False
     )
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
-    prefix = config.route_prefix.rstrip("/")
-    base = f"http://{host}:{config.port}{prefix}"
+    base = f"http://{host}:{config.port}{config.route_prefix.rstrip('/')}"
     print(f"cbserve: serving {config.model_name!r} at {base}/v1 (OpenAI API); health at {base}/health", flush=True)
-    if wait_ready(f"{base}/health", args.ready_timeout):
+    ready, failure = wait_ready(base, args.ready_timeout, config.api_key)
+    if failure is not None:
+        _shutdown(serve, ray, config)
+        return _fail(failure)
+    if ready:
         print("cbserve: engine replicas ready; Ctrl-C to stop", flush=True)
     else:
         print(f"cbserve: not ready after {args.ready_timeout:.0f}s; see {base}/health", flush=True)

@@ -93,9 +93,11 @@ class WorkerActor:
 
     # ---- introspection (tests, health) --------------------------------------------------------
     def ping(self) -> dict[str, Any]:
+        import torch
+
         loaded = self.runner is not None
         return {"rank": self.rank, "replica": self.replica, "pid": os.getpid(), "loaded": loaded,
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "node_id": ray.get_runtime_context().get_node_id(), "torch_threads": torch.get_num_threads()}
 
     def shutdown(self) -> None:
         try:

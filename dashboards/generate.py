@@ -34,6 +34,12 @@ def mean(hist: str, sel: str = E, by: str = "") -> str:
     return f"{rate(hist + '_sum', sel, by)} / {rate(hist + '_count', sel, by)}"
 
 
+def or_zero(expr: str) -> str:
+    """For a series another component creates only at its first event (Ray Serve's error counter): the
+    panel reads 0, not "No data", until then."""
+    return f"{expr} or on() vector(0)"
+
+
 def quantiles(hist: str, sel: str = E, by: str = "", qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> list:
     suffix = "".join(f" {{{{{label.strip()}}}}}" for label in by.split(",") if label.strip())
     targets = [(quantile(q, hist, sel, by), f"p{round(q * 100)}{suffix}") for q in qs]
@@ -124,6 +130,12 @@ C = "ray_cbserve_"
 
 def engine_panels(b: Board) -> None:
     """The cbserve dashboard: throughput, latency, scheduler, KV cache, batches, errors, replicas, HTTP."""
+    for section in (throughput_panels, latency_panels, scheduler_panels, kv_cache_panels, batch_panels,
+                    error_panels, replica_panels, http_panels):  # fmt: skip
+        section(b)
+
+
+def throughput_panels(b: Board) -> None:
     b.row("Throughput")
     b.panel(
         "Finished requests / s",
@@ -144,6 +156,9 @@ def engine_panels(b: Board) -> None:
             (f"sum(ray_cbserve_num_requests_preempted{E})", "preempted (waiting)"),
         ],
     )
+
+
+def latency_panels(b: Board) -> None:
     b.row("Latency")
     b.panel("Time to first token", quantiles(C + "time_to_first_token_seconds"), "s")
     b.panel("Inter-token latency", quantiles(C + "inter_token_latency_seconds"), "s")
@@ -160,6 +175,9 @@ def engine_panels(b: Board) -> None:
         ],
         "s",
     )
+
+
+def scheduler_panels(b: Board) -> None:
     b.row("Scheduler and workers")
     b.panel(
         "Engine step time",
@@ -184,6 +202,9 @@ def engine_panels(b: Board) -> None:
         "s",
     )
     b.panel("Engine steps / s", [(rate(C + "engine_step_seconds_count", by="replica"), "{{replica}}")], "ops")
+
+
+def kv_cache_panels(b: Board) -> None:
     b.row("KV cache and prefix cache")
     b.panel(
         "KV cache usage",
@@ -208,6 +229,9 @@ def engine_panels(b: Board) -> None:
         [(rate(C + "prefix_cache_queries_total"), "queried"), (rate(C + "prefix_cache_hits_total"), "hit")],
     )
     b.panel("Preemptions / s", [(rate(C + "num_preemptions_total", by="replica"), "{{replica}}")], "ops")
+
+
+def batch_panels(b: Board) -> None:
     b.row("Batch composition")
     b.panel(
         "Scheduled tokens / s: prefill vs decode",
@@ -223,6 +247,9 @@ def engine_panels(b: Board) -> None:
     b.panel(
         "Generated tokens per finished request", quantiles(C + "request_generation_tokens", qs=(0.5, 0.99))
     )
+
+
+def error_panels(b: Board) -> None:
     b.row("Errors")
     b.panel(
         "Rejected requests / s by reason",
@@ -253,6 +280,9 @@ def engine_panels(b: Board) -> None:
         ],
         "reqps",
     )
+
+
+def replica_panels(b: Board) -> None:
     b.row("Per-replica load")
     b.panel(
         "Running requests by replica",
@@ -266,6 +296,9 @@ def engine_panels(b: Board) -> None:
         "Generation tokens / s by replica",
         [(rate(C + "generation_tokens_total", by="replica"), "{{replica}}")],
     )
+
+
+def http_panels(b: Board) -> None:
     b.row("HTTP ingress")
     b.panel(
         "HTTP requests / s by route and status",
@@ -291,7 +324,7 @@ def ray_serve_panels(b: Board) -> None:
         "Error QPS by route and code",
         [
             (
-                rate("ray_serve_num_http_error_requests_total", sr, "route, error_code"),
+                or_zero(rate("ray_serve_num_http_error_requests_total", sr, "route, error_code")),
                 "{{route}} {{error_code}}",
             )
         ],

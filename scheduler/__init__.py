@@ -5,6 +5,7 @@ from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .engine_core import EngineCore, StepResult, tune_gc_for_serving
 from .errors import DuplicateRequestError, EngineError, QueueFullError, RequestRejectedError
 from .kv_cache_manager import KVCacheManager
+from .limits import resolve_max_tokens
 from .outputs import (
     CachedRequestData,
     Executor,
@@ -16,7 +17,8 @@ from .outputs import (
 from .request import EngineRequest, RequestOutput, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .stats import FinishedRequestStats, IterationStats, RequestTimes, SchedulerStats
+from .stats import EngineTotals, FinishedRequestStats, IterationStats, RequestTimes, SchedulerStats
+from .stop import StopRule
 
 __all__ = [
     "BlockPool",
@@ -27,6 +29,7 @@ __all__ = [
     "EngineCore",
     "EngineError",
     "EngineRequest",
+    "EngineTotals",
     "Executor",
     "FinishedRequestStats",
     "IterationStats",
@@ -45,6 +48,8 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "StepResult",
+    "StopRule",
     "TokenLogprob",
+    "resolve_max_tokens",
     "tune_gc_for_serving",
 ]

@@ -7,6 +7,12 @@ when the clock is ``time.monotonic``, otherwise arrival is stamped with the cloc
 
 An empty SchedulerOutput (nothing scheduled) need not be executed: ``step()`` skips the executor, and
 finished/preempted ids wait for the next non-empty output.
+
+Step timing is the engine's own, so that ``step()`` and an async driver (``schedule()``, await the
+executor, ``update_from_output()``) report the same stats: ``schedule_time_s`` is the time spent in
+``schedule()`` plus ``update_from_output()``, ``execute_time_s`` the time from the end of ``schedule()``
+to the start of ``update_from_output()`` (the executor hop, whatever it is; 0 for an empty output) and
+``forward_time_s`` the worker's own. ``totals`` holds the engine's cumulative counters.
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ from dataclasses import dataclass
 
 from .config import EngineConfig
 from .errors import DuplicateRequestError, QueueFullError, RequestRejectedError
+from .limits import resolve_max_tokens
 from .output_processor import OutputProcessor
 from .outputs import Executor, ModelRunnerOutput, SchedulerOutput
 from .request import EngineRequest, RequestOutput, RequestStatus
 from .scheduler import Scheduler, StepState
 from .sequence import SequenceGroup, child_seq_id
-from .stats import IterationStats, SchedulerStats
+from .stats import EngineTotals, IterationStats, SchedulerStats
 
 _REASON_STATUS = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -52,8 +59,13 @@ class StepResult:
 
 class EngineCore:
     def __init__(
-        self, config: EngineConfig, executor: Executor, clock: Callable[[], float] = time.monotonic
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        clock: Callable[[], float] = time.monotonic,
+        totals: EngineTotals | None = None,
     ) -> None:
+        """``totals``: counters to continue from (e.g. those of the engine this one replaces)."""
         self.config = config
         self.executor = executor
         self.clock = clock
@@ -64,8 +76,9 @@ class EngineCore:
         self._pending_outputs: list[RequestOutput] = []
         self._pending_iter = IterationStats()
         self._step_state: StepState | None = None
-        self._schedule_time = 0.0
-        self._step_counter = 0
+        self._schedule_time = 0.0  # seconds spent in the last schedule()
+        self._scheduled_at: float | None = None  # perf_counter() when the last schedule() returned
+        self.totals = totals if totals is not None else EngineTotals()
 
     # ---- requests in and out ----------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -76,8 +89,10 @@ class EngineCore:
             max_tokens = self._validate(request)
         except RequestRejectedError as e:
             self._pending_iter.rejected_reasons.append(str(e))
+            self.totals.num_rejected += 1
             raise
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            self.totals.num_queue_full += 1
             raise QueueFullError(
                 f"the waiting queue is full ({self.config.scheduler.max_waiting} requests); retry later"
             )
@@ -88,6 +103,7 @@ class EngineCore:
         self._counter += 1
         self.groups[request.req_id] = group
         self.scheduler.add_sequence(group.new_sequence(0, list(request.prompt_token_ids)))
+        self.totals.num_admitted += 1
 
     def _id_in_use(self, request: EngineRequest) -> bool:
         """Sequence ids share one namespace at the worker: "x" with n=2 owns "x" and "x#1"."""
@@ -105,22 +121,8 @@ class EngineCore:
     def _validate(self, request: EngineRequest) -> int:
         """Reject what could never run. Returns the effective max_tokens."""
         cfg = self.config
-        max_len = cfg.scheduler.max_model_len
         num_prompt = len(request.prompt_token_ids)
-        if num_prompt == 0:
-            raise RequestRejectedError("the prompt is empty: at least one prompt token is needed")
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is None:
-            if num_prompt >= max_len:
-                raise RequestRejectedError(
-                    f"the prompt has {num_prompt} tokens but max_model_len is {max_len}: no room to generate"
-                )
-            max_tokens = max_len - num_prompt
-        elif num_prompt + max_tokens > max_len:
-            raise RequestRejectedError(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
-                f"exceeds max_model_len ({max_len})"
-            )
+        max_tokens = resolve_max_tokens(num_prompt, request.sampling_params.max_tokens, cfg.scheduler.max_model_len)
         # The last generated token is never computed, so its KV needs no slot.
         blocks = math.ceil((num_prompt + max_tokens - 1) / cfg.cache.block_size)
         if blocks > cfg.cache.num_blocks:
@@ -130,8 +132,11 @@ class EngineCore:
             )
         params = request.sampling_params
         if params.use_beam_search:  # all beams live at once: they share the prompt's blocks only
-            bs = cfg.cache.block_size
-            blocks = math.ceil(num_prompt / bs) + params.beam_width * (math.ceil(max_tokens / bs) + 1)
+            bs, width = cfg.cache.block_size, params.beam_width
+            if cfg.cache.enable_prefix_caching:
+                blocks = math.ceil(num_prompt / bs) + width * (math.ceil(max_tokens / bs) + 1)
+            else:  # a preempted beam is recomputed into blocks of its own: no prefix hits on its siblings'
+                blocks = width * math.ceil((num_prompt + max_tokens) / bs)
             if blocks > cfg.cache.num_blocks:
                 raise RequestRejectedError(
                     f"beam search with width {params.beam_width} needs up to {blocks} KV cache blocks "
@@ -145,6 +150,7 @@ class EngineCore:
         if group is None:
             return
         now = self.clock()
+        self.totals.num_aborted += 1
         for seq in list(group.seqs):
             if not seq.is_finished:
                 self.processor.finish_external(
@@ -175,11 +181,14 @@ class EngineCore:
                     times.first_scheduled = now
                     times.num_cached_tokens = new.num_computed_tokens
         self._step_state = st
-        self._schedule_time = time.perf_counter() - t0
+        self._scheduled_at = t1 = time.perf_counter()
+        self._schedule_time = t1 - t0
         return so
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> StepResult:
         t0 = time.perf_counter()
+        scheduled_at, self._scheduled_at = self._scheduled_at, None
+        execute_time = 0.0 if so.is_empty or scheduled_at is None else t0 - scheduled_at
         now = self.clock()
         it, self._pending_iter = self._pending_iter, IterationStats()
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -200,25 +209,28 @@ class EngineCore:
             else:
                 process(seq, sampled, logprobs, now, outputs, it)
         st, self._step_state = self._step_state, None
-        self._step_counter += 1
-        stats = self._stats(st, out, self._schedule_time + time.perf_counter() - t0)
+        self._count(st)
+        stats = self._stats(st)
+        stats.schedule_time_s = self._schedule_time + time.perf_counter() - t0
+        stats.execute_time_s = execute_time
+        stats.forward_time_s = out.forward_time_s
         self._schedule_time = 0.0
         return StepResult(outputs=outputs, scheduler_stats=stats, iteration_stats=it)
 
     def step(self) -> StepResult:
         so = self.schedule()
-        execute_time = 0.0
-        if so.is_empty:
-            out = ModelRunnerOutput()
-        else:
-            t0 = time.perf_counter()
-            out = self.executor.execute_model(so)
-            execute_time = time.perf_counter() - t0
-        result = self.update_from_output(so, out)
-        result.scheduler_stats.execute_time_s = execute_time
-        return result
+        out = ModelRunnerOutput() if so.is_empty else self.executor.execute_model(so)
+        return self.update_from_output(so, out)
 
-    def _stats(self, st: StepState | None, out: ModelRunnerOutput, schedule_time: float) -> SchedulerStats:
+    def _count(self, st: StepState | None) -> None:
+        totals = self.totals
+        totals.num_steps += 1
+        if st is not None:
+            totals.prefix_cache_queries += st.prefix_cache_queries
+            totals.prefix_cache_hits += st.prefix_cache_hits
+            totals.num_preemptions += len(st.preempted)
+
+    def _stats(self, st: StepState | None) -> SchedulerStats:
         sched = self.scheduler
         kv = sched.kv
         stats = SchedulerStats(
@@ -228,9 +240,7 @@ class EngineCore:
             kv_cache_usage=kv.usage,
             num_kv_blocks=kv.num_blocks,
             num_free_kv_blocks=kv.num_free_blocks,
-            schedule_time_s=schedule_time,
-            forward_time_s=out.forward_time_s,
-            step_counter=self._step_counter,
+            step_counter=self.totals.num_steps,
         )
         if st is not None:
             stats.prefix_cache_queries = st.prefix_cache_queries
@@ -244,16 +254,13 @@ class EngineCore:
     # ---- introspection ----------------------------------------------------------------------------
     def current_stats(self) -> SchedulerStats:
         """The scheduler state now, without a step (no tokens scheduled): for gauges while idle."""
-        return self._stats(None, ModelRunnerOutput(), 0.0)
+        return self._stats(None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups) or bool(self._pending_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.groups)
-
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.kv.pool.reset_prefix_cache()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -9,7 +9,14 @@ class EngineError(Exception):
 
 class RequestRejectedError(EngineError):
     """The request could never run (prompt + max_tokens over the context, or over the whole KV cache).
-    HTTP 400."""
+    HTTP 400; ``param`` names the request field to blame, when one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple:  # keep ``param`` across pickling (Ray hops)
+        return (type(self), (str(self), self.param))
 
 
 class QueueFullError(EngineError):

@@ -1,29 +1,24 @@
 """Turns sampled tokens into sequence state, stop decisions, forks and RequestOutputs.
 
-Stop conditions (checked after each appended token): EOS (unless ``ignore_eos``) and ``stop_token_ids``
-stop a sequence only once more than ``min_tokens`` tokens were generated (the worker masks them too);
-``max_tokens`` and ``max_model_len`` end it with reason "length". Stop strings are the detokenizer's
-business: it calls ``EngineCore.finish_request``.
+After each appended token the request's ``StopRule`` (stop.py) decides whether the sequence stops and
+why. Beam search (beam_search.py) only decides which beams continue, fork or drop; this module carries
+its decisions out. Stop strings are the front end's business: it calls ``EngineCore.finish_request``.
 """
 
 from __future__ import annotations
 
-from .beam_search import BeamSearch, hypotheses
+from .beam_search import BeamStep, exhausted_beams, hypotheses, offer_beam, ready_beam_step
 from .outputs import TokenLogprob
 from .request import RequestOutput, RequestStatus
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceGroup
 from .stats import FinishedRequestStats, IterationStats
 
-_STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH = RequestStatus.FINISHED_LENGTH
-
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, groups: dict[str, SequenceGroup]) -> None:
         self.scheduler = scheduler
         self.groups = groups
-        self.beam_search = BeamSearch(self)
 
     # ---- sampled tokens ---------------------------------------------------------------------------
     def process_sampled(
@@ -37,7 +32,9 @@ class OutputProcessor:
     ) -> None:
         group = seq.group
         if group.mode == "beam":
-            self.beam_search.process(seq, sampled, logprobs, now, outputs, it)
+            step = offer_beam(seq, sampled, logprobs)
+            if step is not None:
+                self._apply_beam_step(group, step, now, outputs, it)
             return
         if len(sampled) > 1 and not group.forked and seq.index == 0:
             targets = self._fork(seq, sampled, logprobs)
@@ -61,6 +58,18 @@ class OutputProcessor:
             targets.append((child, sampled[i], logprobs[i] if logprobs and i < len(logprobs) else None))
         return targets
 
+    def _apply_beam_step(
+        self, group: SequenceGroup, step: BeamStep, now: float, outputs: list[RequestOutput], it: IterationStats
+    ) -> None:
+        for parent, child in step.forks:
+            self.scheduler.fork(parent, child)
+        for seq in step.dropped:
+            self.drop_sequence(seq, now, outputs, it)
+        for seq, tlp in step.appends:
+            self.append_token(seq, tlp.token_id, tlp, now, outputs, it)
+        for seq in exhausted_beams(group):
+            self.drop_sequence(seq, now, outputs, it)
+
     def append_token(
         self,
         seq: Sequence,
@@ -82,20 +91,14 @@ class OutputProcessor:
         it.num_generation_tokens += 1
         times.num_generation_tokens += 1
         if times.first_token is None:
-            times.first_token = times.prefill_done = now
+            times.first_token = now
             it.ttfts.append(now - times.arrival)
             it.num_prompt_tokens += group.num_prompt_tokens
         elif seq.last_token_time is not None:
             it.inter_token_latencies.append(now - seq.last_token_time)
         seq.last_token_time = now
         times.last_token = now
-        # stop conditions (see the module docstring)
-        status = None
-        num_tokens = len(tokens)
-        if num_tokens > group.min_stop_len and (token == group.eos_token_id or token in group.stop_token_ids):
-            status = _STOPPED
-        elif num_tokens >= group.max_len:
-            status = _LENGTH
+        status = group.stop.check(len(tokens), token)
         if group.stream:
             outputs.append(
                 RequestOutput(
@@ -112,16 +115,6 @@ class OutputProcessor:
             )
         if status is not None:
             self.finish_sequence(seq, status, now, outputs, it)
-
-    def check_stop(self, seq: Sequence, token: int) -> RequestStatus | None:
-        """The stop rule of append_token, for a sequence whose last token is ``token``."""
-        group = seq.group
-        num_tokens = len(seq.token_ids)
-        if num_tokens > group.min_stop_len and (token == group.eos_token_id or token in group.stop_token_ids):
-            return _STOPPED
-        if num_tokens >= group.max_len:
-            return _LENGTH
-        return None
 
     # ---- finishing --------------------------------------------------------------------------------
     def finish_external(
@@ -149,6 +142,10 @@ class OutputProcessor:
                 )
             )
         self.finish_sequence(seq, status, now, outputs, it)
+        if group.mode == "beam" and group.num_unfinished and status is not RequestStatus.FINISHED_ABORTED:
+            step = ready_beam_step(group)  # the other beams may have been waiting for this one only
+            if step is not None:
+                self._apply_beam_step(group, step, now, outputs, it)
 
     def finish_sequence(
         self,

@@ -1,9 +1,15 @@
-"""Scheduling policies, selected by ``SchedulerConfig.policy``. Each composes the scheduler's two
-primitives, ``schedule_running(st, select)`` and ``admit_waiting(st, accept)``:
+"""Scheduling policies, selected by ``SchedulerConfig.policy``: strategies the scheduler asks two small
+questions every step, never callers back into it.
+
+- ``prefill_first``: does prefill work (running prefill chunks, then admissions) go before decodes, with
+  decodes run only in a step that found no prefill work?
+- ``may_run(waiting, unfinished)``: the request ids that may be scheduled this step (running or admitted),
+  or None for any. An empty set schedules nothing.
+
+The scheduler (scheduler.py) owns the one rule that uses the answers. The policies:
 
 - ``continuous`` (default): running sequences first (decode or next prefill chunk), then admit waiting.
-- ``prefill_first``: prefill work (running prefill chunks, then admissions) first; a step is
-  prefill-only while any prefill work can be scheduled, and decodes only otherwise.
+- ``prefill_first``: a step is prefill-only while any prefill work can be scheduled, decodes otherwise.
 - ``static``: form a batch of up to ``max_num_seqs`` waiting requests and run it until its longest
   member ends (finished members leave, no one joins), then form the next.
 - ``dynamic``: like static, but a batch only starts once ``dynamic_batch_size`` requests wait or the
@@ -12,47 +18,46 @@ primitives, ``schedule_running(st, select)`` and ``admit_waiting(st, accept)``:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from .config import SchedulerConfig
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler, StepState
-    from .sequence import Sequence
+from .sequence import Sequence
+from .waiting_queue import WaitingQueue
 
 
 class SchedulingPolicy(Protocol):
-    def schedule(self, scheduler: Scheduler, st: StepState) -> None: ...
+    prefill_first: bool
+
+    def may_run(self, waiting: WaitingQueue, unfinished: Mapping[str, Sequence]) -> frozenset[str] | None:
+        """Request ids that may be scheduled this step (None: any). ``unfinished``: every unfinished
+        sequence by sequence id."""
+        ...
 
 
 class ContinuousPolicy:
-    def schedule(self, scheduler: Scheduler, st: StepState) -> None:
-        scheduler.schedule_running(st)
-        scheduler.admit_waiting(st)
+    prefill_first = False
 
-
-def _is_prefill(seq: Sequence) -> bool:
-    return seq.is_prefill
+    def may_run(self, waiting: WaitingQueue, unfinished: Mapping[str, Sequence]) -> frozenset[str] | None:
+        return None
 
 
 class PrefillFirstPolicy:
-    def schedule(self, scheduler: Scheduler, st: StepState) -> None:
-        scheduler.schedule_running(st, select=_is_prefill)
-        scheduler.admit_waiting(st)
-        if not st.scheduled:
-            scheduler.schedule_running(st)
+    prefill_first = True
+
+    def may_run(self, waiting: WaitingQueue, unfinished: Mapping[str, Sequence]) -> frozenset[str] | None:
+        return None
 
 
 class BatchFormation(Protocol):
     """Decides when a new static batch may start."""
 
-    def ready(self, scheduler: Scheduler) -> bool: ...
+    def ready(self, waiting: WaitingQueue) -> bool: ...
 
 
 class Immediately:
-    def ready(self, scheduler: Scheduler) -> bool:
-        return bool(scheduler.waiting)
+    def ready(self, waiting: WaitingQueue) -> bool:
+        return bool(waiting)
 
 
 class SizeOrWindow:
@@ -61,8 +66,7 @@ class SizeOrWindow:
         self.window_s = window_s
         self.clock = clock
 
-    def ready(self, scheduler: Scheduler) -> bool:
-        waiting = scheduler.waiting
+    def ready(self, waiting: WaitingQueue) -> bool:
         if not waiting:
             return False
         if len(waiting) >= self.size:
@@ -74,29 +78,22 @@ class SizeOrWindow:
 class BatchPolicy:
     """Static batching; the formation rule decides when a batch starts (static or dynamic)."""
 
+    prefill_first = False
+
     def __init__(self, max_batch: int, formation: BatchFormation) -> None:
         self.max_batch = max_batch
         self.formation = formation
-        self.members: set[str] = set()  # group req ids of the current batch
+        self.members: set[str] = set()  # request ids of the current batch
 
-    def schedule(self, scheduler: Scheduler, st: StepState) -> None:
+    def may_run(self, waiting: WaitingQueue, unfinished: Mapping[str, Sequence]) -> frozenset[str] | None:
         if self.members:
-            active = {seq.group.req_id for seq in scheduler.seqs.values()}
-            self.members &= active
-        if not self.members and self.formation.ready(scheduler):
-            self._form_batch(scheduler)
-        if not self.members:
-            return
-        members = self.members
-        accept = lambda seq: seq.group.req_id in members
-        scheduler.schedule_running(st, select=accept)
-        scheduler.admit_waiting(st, accept=accept)
-
-    def _form_batch(self, scheduler: Scheduler) -> None:
-        for seq in scheduler.waiting.ordered():
-            if len(self.members) >= self.max_batch:
-                break
-            self.members.add(seq.group.req_id)
+            self.members &= {seq.group.req_id for seq in unfinished.values()}
+        if not self.members and self.formation.ready(waiting):
+            for seq in waiting.ordered():
+                if len(self.members) >= self.max_batch:
+                    break
+                self.members.add(seq.group.req_id)
+        return frozenset(self.members)
 
 
 def make_policy(config: SchedulerConfig, clock: Callable[[], float]) -> SchedulingPolicy:

@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams
-from .stats import RequestTimes  # noqa: F401  (re-exported for callers)
 
 
 class RequestStatus(enum.Enum):

@@ -6,9 +6,11 @@ in decode, or their next prefill chunk), then waiting ones are admitted while bu
 last. When a running sequence cannot get a block, the lowest-priority running sequence is preempted
 (recompute): its blocks are freed and it goes back to the front of the waiting queue.
 
+The policy (policies.py) only answers questions: which requests may run this step, and whether prefill
+work goes before decodes (then a step decodes only when it found no prefill work).
+
 ``running`` is kept sorted by ``Sequence.sort_key`` (arrival order under FCFS, (priority, arrival)
-under "priority"), so the victim of a preemption is always ``running[-1]``. Policies (policies.py)
-compose the primitives ``schedule_running`` and ``admit_waiting``.
+under "priority"), so the victim of a preemption is always ``running[-1]``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 def _sort_key(seq: Sequence) -> tuple:
     return seq.sort_key
+
+
+def _is_prefill(seq: Sequence) -> bool:
+    return seq.is_prefill
 
 
 @dataclass
@@ -58,7 +64,6 @@ class StepState:
 class Scheduler:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config.scheduler
-        self.cache_config = config.cache
         self.block_size = config.cache.block_size
         self.kv = KVCacheManager(config.cache)
         self.waiting = make_waiting_queue(config.scheduler.ordering)
@@ -66,7 +71,8 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence, by seq id
         self.policy = make_policy(config.scheduler, clock)
         self.num_preempted_waiting = 0
-        self.num_preemptions_total = 0
+        # Preempted beams, by seq id: their running siblings wait for them (see _readmit_beams).
+        self._preempted_beams: dict[str, Sequence] = {}
         self._finished_ids: set[str] = set()  # to tell the worker (sequences it holds state for)
         self._preempted_ids: set[str] = set()
 
@@ -92,6 +98,7 @@ class Scheduler:
             self.waiting.remove(seq)
             if seq.status is RequestStatus.PREEMPTED:
                 self.num_preempted_waiting -= 1
+                self._preempted_beams.pop(seq.seq_id, None)
         self.kv.free(seq.seq_id)
         if seq.sent:
             self._finished_ids.add(seq.seq_id)
@@ -107,11 +114,23 @@ class Scheduler:
 
     # ---- one iteration ----------------------------------------------------------------------------
     def schedule(self) -> tuple[SchedulerOutput, StepState]:
+        """The one scheduling rule: running sequences first, then admissions; the policy says which
+        requests may run, and whether prefill work goes first (decodes only in a step without any)."""
         st = StepState(budget=self.config.max_num_batched_tokens)
-        self.policy.schedule(self, st)
+        allowed = self.policy.may_run(self.waiting, self.seqs)
+        if allowed is None or allowed:
+            select = None if allowed is None else (lambda seq: seq.group.req_id in allowed)
+            if self.policy.prefill_first:
+                self._schedule_running(st, _is_prefill if select is None else (lambda s: s.is_prefill and select(s)))
+                self._admit_waiting(st, select)
+                if not st.scheduled:  # no prefill work at all: a decode step
+                    self._schedule_running(st, select)
+            else:
+                self._schedule_running(st, select)
+                self._admit_waiting(st, select)
         return self._build_output(st), st
 
-    def schedule_running(self, st: StepState, select: Callable[[Sequence], bool] | None = None) -> None:
+    def _schedule_running(self, st: StepState, select: Callable[[Sequence], bool] | None = None) -> None:
         """Give running sequences (optionally only those ``select`` accepts) their next tokens, in
         priority order, preempting from the back when blocks run out. This is the per-step hot path:
         the common decode case (room left in its own last block) is inlined."""
@@ -149,11 +168,13 @@ class Scheduler:
                 st.num_prefill_tokens += num_new
         st.budget = budget
 
-    def admit_waiting(self, st: StepState, accept: Callable[[Sequence], bool] | None = None) -> None:
+    def _admit_waiting(self, st: StepState, accept: Callable[[Sequence], bool] | None = None) -> None:
         """Admit waiting sequences in queue order while budget, sequence cap and blocks last. With
         ``accept``, sequences it refuses are skipped (they keep their place)."""
         if st.preempted:  # blocks are short: do not admit in the step that had to preempt
             return
+        if self._preempted_beams:
+            self._readmit_beams(st, accept)
         waiting = self.waiting
         if accept is None:
             while waiting and self._has_room(st):
@@ -173,6 +194,21 @@ class Scheduler:
     def _has_room(self, st: StepState) -> bool:
         return st.budget > 0 and len(self.running) < self.config.max_num_seqs
 
+    def _readmit_beams(self, st: StepState, accept: Callable[[Sequence], bool] | None) -> None:
+        """A beam waits (holding its running place) until all its siblings were sampled, so a preempted
+        beam whose siblings run goes first and may exceed the running cap as forks do; else the siblings
+        could wait for it forever with the cap full. The per-step cap and the budget still hold."""
+        for seq in sorted(self._preempted_beams.values(), key=_sort_key):
+            if st.budget <= 0 or len(st.scheduled) >= self.config.max_num_seqs:
+                return
+            if accept is not None and not accept(seq):
+                continue
+            if not any(s.status is _RUNNING for s in seq.group.seqs):
+                continue  # no sibling waits for it: it takes its turn in the queue
+            if not self._admit(seq, st):
+                return
+            self.waiting.remove(seq)
+
     def _admit(self, seq: Sequence, st: StepState) -> bool:
         """Allocate blocks for a waiting sequence (taking prefix-cache hits) and mark it running. Does
         not remove it from the waiting queue."""
@@ -189,6 +225,7 @@ class Scheduler:
             return False
         if seq.status is RequestStatus.PREEMPTED:
             self.num_preempted_waiting -= 1
+            self._preempted_beams.pop(seq.seq_id, None)
         seq.num_computed_tokens = num_cached
         seq.status = _RUNNING
         st.prefix_cache_queries += seq.num_tokens
@@ -240,9 +277,10 @@ class Scheduler:
         if seq.sent:
             self._preempted_ids.add(seq.seq_id)
             seq.sent = False
+        if seq.group.mode == "beam":
+            self._preempted_beams[seq.seq_id] = seq
         self.waiting.add_front(seq)
         self.num_preempted_waiting += 1
-        self.num_preemptions_total += 1
         st.preempted.append(seq)
 
     def _build_output(self, st: StepState) -> SchedulerOutput:
@@ -302,10 +340,6 @@ class Scheduler:
                 kv.cache_full_blocks(seq_id, seq.token_ids, seq.num_computed_tokens, seq.group.extra_keys)
 
     # ---- introspection ----------------------------------------------------------------------------
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.seqs)
-
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         keys = [s.sort_key for s in self.running]
@@ -321,7 +355,9 @@ class Scheduler:
             assert seq.num_computed_tokens <= seq.num_tokens
             need = self.kv.num_required_blocks(seq.num_computed_tokens)
             assert len(self.kv.tables[seq.seq_id]) >= need, f"{seq} lacks blocks for its computed tokens"
-        preempted = sum(1 for s in self.waiting.ordered() if s.status is RequestStatus.PREEMPTED)
-        assert preempted == self.num_preempted_waiting, "preempted-waiting counter is off"
+        preempted = [s for s in self.waiting.ordered() if s.status is RequestStatus.PREEMPTED]
+        assert len(preempted) == self.num_preempted_waiting, "preempted-waiting counter is off"
+        beams = {s.seq_id for s in preempted if s.group.mode == "beam"}
+        assert set(self._preempted_beams) == beams, "preempted beams are off"
         for seq in self.waiting.ordered():
             assert seq.status in _WAITING_STATES and seq.num_computed_tokens == 0, f"{seq} in waiting"

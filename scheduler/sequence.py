@@ -13,6 +13,7 @@ from typing import Literal
 from .request import EngineRequest, RequestStatus
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .stats import RequestTimes
+from .stop import StopRule
 
 OutputMode = Literal["stream", "best_of", "beam"]
 
@@ -27,7 +28,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "group", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
         "seed", "sort_key", "sent", "num_sent_tokens", "num_sent_blocks", "cumulative_logprob",
-        "logprobs", "last_token_time", "num_cached_tokens", "finish_status",
+        "logprobs", "last_token_time",
     )  # fmt: skip
 
     def __init__(self, group: SequenceGroup, index: int, token_ids: list[int], seed: int | None) -> None:
@@ -47,8 +48,6 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.logprobs: list | None = [] if group.keep_logprobs else None
         self.last_token_time: float | None = None
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
-        self.finish_status: RequestStatus | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -98,18 +97,10 @@ class SequenceGroup:
         enqueue_time: float,
     ) -> None:
         sp = request.sampling_params
-        self.request = request
         self.req_id = request.req_id
         self.params = sp
         self.num_prompt_tokens = len(request.prompt_token_ids)
-        self.max_tokens = max_tokens
-        # Stop rule, precomputed for the hot path: "length" at max_len tokens (prompt + max_tokens, within
-        # max_model_len); EOS / stop token ids only once more than min_tokens tokens were generated.
-        self.max_len = min(self.num_prompt_tokens + max_tokens, max_model_len)
-        self.min_stop_len = self.num_prompt_tokens + sp.min_tokens
-        self.eos_token_id = None if sp.ignore_eos else request.eos_token_id
-        self.stop_token_ids = frozenset(sp.stop_token_ids)
-        self.counter = counter
+        self.stop = StopRule.for_request(sp, self.num_prompt_tokens, max_tokens, max_model_len, request.eos_token_id)
         self.enqueue_time = enqueue_time  # engine clock at add_request (dynamic batching window)
         self.order_key: tuple = (request.priority, counter) if ordering == "priority" else (counter,)
         self.mode: OutputMode = "beam" if sp.use_beam_search else (
@@ -134,10 +125,6 @@ class SequenceGroup:
         self.seqs.append(seq)
         self.num_unfinished += 1
         return seq
-
-    @property
-    def is_finished(self) -> bool:
-        return self.num_unfinished == 0
 
     def sequence(self, index: int) -> Sequence | None:
         for seq in self.seqs:

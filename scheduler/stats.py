@@ -18,7 +18,6 @@ class RequestTimes:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    prefill_done: float | None = None  # when the last prompt token was computed
 
     @property
     def queue_time(self) -> float | None:
@@ -80,6 +79,21 @@ class SchedulerStats:
     execute_time_s: float = 0.0  # time spent in executor.execute_model() (includes the Ray hop)
     forward_time_s: float = 0.0  # worker-reported forward + sample time
     step_counter: int = 0
+
+
+@dataclass
+class EngineTotals:
+    """Cumulative counters of an engine (the SchedulerActor's /stats reports them). An engine built to
+    replace another may continue its totals (``EngineCore(..., totals=old.totals)``)."""
+
+    num_admitted: int = 0  # requests add_request accepted
+    num_rejected: int = 0  # refused because they could never run (RequestRejectedError)
+    num_queue_full: int = 0  # refused because the waiting queue was full (QueueFullError)
+    num_aborted: int = 0  # unfinished requests aborted (abort_request)
+    num_steps: int = 0  # update_from_output() calls, empty steps included
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found there
 
 
 @dataclass

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a device or dtype is resolved: the cluster's config reads this
+    import torch  # module (the allowed values, the defaults) without it
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash"]
 CpuOpsName = Literal["auto", "native", "onednn", "torch"]
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-_DEVICES = ("auto", "cpu", "cuda")
-_BACKENDS = ("auto", "torch", "cpu", "triton", "flash")
-_CPU_OPS = ("auto", "native", "onednn", "torch")
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES, _DEVICES = get_args(Dtype), get_args(Device)
+_BACKENDS, _CPU_OPS = get_args(AttentionBackendName), get_args(CpuOpsName)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -33,13 +33,15 @@ class ModelConfig:
     ``cpu_compact_weights`` (native only): keep each linear weight in the smallest format that holds its
     float32 values exactly (the GGUF Q8_0 / Q4_0 / Q4_1 blocks it came from, or bfloat16) and decode it in
     the kernel; same arithmetic and results, 2-5x fewer bytes read per decode step. False: float32 panels.
+    ``seed`` seeds torch's generator when the model is loaded: requests without a seed of their own sample
+    reproducibly from a fresh worker. Served, these values come from ``cluster.config.CBServeConfig``.
     """
 
     model: str | None = None
     dtype: Dtype = "auto"
     device: Device = "auto"
     max_model_len: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
     gpu_memory_utilization: float = 0.9
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False
@@ -72,6 +74,8 @@ class ModelConfig:
             raise ValueError(f"rank must be in [0, {self.tensor_parallel_size}), got {self.rank}")
 
     def resolved_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -81,6 +85,8 @@ class ModelConfig:
         return torch.device("cpu")
 
     def resolved_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return _TORCH_DTYPES[self.dtype]
+            return getattr(torch, self.dtype)
         return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32

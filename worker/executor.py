@@ -41,10 +41,6 @@ class LocalExecutor:
             self.num_blocks * self.runner.block_bytes() / 2**20,
         )
 
-    @property
-    def max_model_len(self) -> int:
-        return self.runner.max_model_len
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 

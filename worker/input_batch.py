@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -61,6 +62,27 @@ def order_decode_first(states: list[RequestState], num_scheduled: Mapping[str, i
     return decodes + prefills
 
 
+@dataclass
+class _Samples:
+    """The rows to sample, collected while a batch is flattened."""
+
+    req_ids: list[str] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)
+    owner: list[int] = field(default_factory=list)
+    rows: list[SamplingRow] = field(default_factory=list)
+
+    def add(self, s: RequestState, row: int) -> None:
+        owner = len(self.req_ids)
+        self.req_ids.append(s.req_id)
+        self.logits_rows.append(row)
+        # n > 1: the row that completes the prompt is sampled num_samples times (sample i with seed + i).
+        k = s.num_samples if len(s.token_ids) == s.num_prompt_tokens else 1
+        for i in range(k):
+            seed = None if s.seed is None else s.seed + i
+            self.owner.append(owner)
+            self.rows.append(SamplingRow(s.sampling_params, s.token_ids, s.num_prompt_tokens, seed))
+
+
 def build_batch(
     states: list[RequestState], num_scheduled: Mapping[str, int], block_size: int, device: torch.device
 ) -> PreparedBatch:
@@ -68,8 +90,9 @@ def build_batch(
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
-    query_lens, seq_lens, logits_rows = [], [], []
-    batch = PreparedBatch(torch.empty(0), torch.empty(0), None, torch.empty(0))  # type: ignore[arg-type]
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    samples = _Samples()
     num_decodes = 0
     for s in states:
         n = num_scheduled[s.req_id]
@@ -89,37 +112,27 @@ def build_batch(
         query_lens.append(n)
         seq_lens.append(end)
         if end == len(s.token_ids):
-            _add_samples(batch, s, len(ids) - 1, logits_rows)
+            samples.add(s, len(ids) - 1)
     max_blocks = max(len(s.block_ids) for s in states)
     table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    batch.input_ids = torch.tensor(ids, dtype=torch.long, device=device)
-    batch.positions = torch.tensor(pos, dtype=torch.long, device=device)
-    batch.logits_rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
-    batch.metadata = AttentionMetadata(
+    metadata = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         block_tables=torch.tensor(table, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        num_decodes=int(num_decodes),
+        query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device),
+        num_decodes=num_decodes,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         block_size=block_size,
         query_lens_cpu=query_lens,
         seq_lens_cpu=seq_lens,
     )
-    return batch
-
-
-def _add_samples(batch: PreparedBatch, s: RequestState, row: int, logits_rows: list[int]) -> None:
-    owner = len(batch.sampled_req_ids)
-    batch.sampled_req_ids.append(s.req_id)
-    logits_rows.append(row)
-    # n > 1: the row that completes the prompt is sampled num_samples times (sample i with seed + i).
-    k = s.num_samples if len(s.token_ids) == s.num_prompt_tokens else 1
-    for i in range(k):
-        seed = None if s.seed is None else s.seed + i
-        batch.sample_owner.append(owner)
-        batch.sample_rows.append(SamplingRow(s.sampling_params, s.token_ids, s.num_prompt_tokens, seed))
+    return PreparedBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        metadata=metadata,
+        logits_rows=torch.tensor(samples.logits_rows, dtype=torch.long, device=device),
+        sampled_req_ids=samples.req_ids,
+        sample_owner=samples.owner,
+        sample_rows=samples.rows,
+    )

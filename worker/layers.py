@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import CpuKernels
-from .cpu_linear import PackableLinear, PackedWeight
+from .cpu.kernels import CpuKernels
+from .cpu.linear import PackableLinear, PackedWeight
 from .parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_world_size
 
 SKINNY_LOGITS_ROWS = 96  # up to this many sampled rows, CPU logits are computed as W @ h^T
@@ -26,15 +26,15 @@ def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 like HF's LlamaRMSNorm; optionally fused with the residual add. With
-    ``kernels`` set (float32 CPU models, see cpu_ops.py) both run as one C pass and the sum is written into
-    ``residual`` in place."""
+    ``kernels`` (float32 CPU models on the native ops, see cpu/ops.py) both run as one C pass and the sum is
+    written into ``residual`` in place."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, kernels: CpuKernels | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.weight.weight_loader = _default_loader
-        self.kernels: CpuKernels | None = None
+        self.kernels = kernels
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; the same float32 arithmetic as below
@@ -155,7 +155,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """LM head sharing VocabParallelEmbedding's sharding; logits are gathered over ranks. On CPU it can be
-    packed like the linear layers (see cpu_linear.py)."""
+    packed like the linear layers (see cpu/linear.py)."""
 
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__(vocab_size, hidden)
@@ -178,11 +178,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up of a fused [gate | up] projection; one C pass with ``kernels`` set."""
+    """silu(gate) * up of a fused [gate | up] projection; one C pass with ``kernels``."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: CpuKernels | None = None) -> None:
         super().__init__()
-        self.kernels: CpuKernels | None = None
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:

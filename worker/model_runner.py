@@ -14,13 +14,15 @@ from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenL
 from .attention.backend import KVCache
 from .attention.selector import get_attention_backend
 from .config import ModelConfig
-from .cpu_malloc import tune_malloc_for_cpu_inference
-from .cpu_ops import enable_cpu_ops, resolve_cpu_ops
-from .gguf_blocks import load_gguf_blocks
+from .cpu.gguf_blocks import load_gguf_blocks
+from .cpu.malloc import tune_malloc_for_cpu_inference
+from .cpu.ops import resolve_cpu_ops
+from .cuda_graphs import CaptureFn, DecodeCUDAGraphs, maybe_capture_decode_graphs
 from .input_batch import PreparedBatch, RequestState, build_batch, order_decode_first
 from .kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, num_blocks_for_budget
-from .model import LlamaForCausalLM, head_dim_of, num_kv_heads_of
-from .model_loader import eos_token_ids, iter_weights, load_hf_config, resolve_model
+from .model import LlamaForCausalLM
+from .model_info import head_dim_of, num_kv_heads_of, read_eos_token_ids
+from .model_loader import hide_triton_from_torch, iter_weights, load_hf_config, resolve_model
 from .parallel import divide, tp_rank, tp_world_size
 from .profiling import profile_cuda_kv_budget
 from .sampler import Sampler
@@ -66,33 +68,32 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
+        if self.device.type == "cpu":
+            hide_triton_from_torch()  # before transformers first loads torch._dynamo (see model_loader)
         torch.manual_seed(config.seed)
         self.model_folder: Path = resolve_model(config.model).folder
         self.hf_config = load_hf_config(self.model_folder)
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 0) or 1 << 30)
         self.max_model_len = min(config.max_model_len or model_max, model_max)
-        self.cpu_ops, cpu_kernels = resolve_cpu_ops(config.cpu_ops, self.device, self.dtype)
-        self.backend_cls = get_attention_backend(config.attention_backend, self.device, self.cpu_ops == "native")
+        ops = resolve_cpu_ops(config.cpu_ops, self.device, self.dtype)
+        self.cpu_ops = ops.mode
+        self.backend_cls = get_attention_backend(config.attention_backend, self.device, ops.native)
         with _default_dtype(self.dtype), torch.device(self.device):
-            self.model = LlamaForCausalLM(self.hf_config, self.backend_cls, self.max_model_len)
+            self.model = LlamaForCausalLM(self.hf_config, self.backend_cls, self.max_model_len, ops)
         self.model.load_weights(iter_weights(self.model_folder, progress=progress and tp_rank() == 0))
         self.model.eval()
         if self.device.type == "cpu":
-            compact = config.cpu_compact_weights and self.cpu_ops == "native"
-            blocks = self.model.fused_quant_blocks(load_gguf_blocks(self.model_folder)) if compact else {}
-            enable_cpu_ops(self.model, self.cpu_ops, cpu_kernels, blocks, compact)
+            compact = config.cpu_compact_weights and ops.native
+            self.model.finish_loading(load_gguf_blocks(self.model_folder) if compact else None, compact)
             tune_malloc_for_cpu_inference()  # after the weights are placed: they stay in their own mappings
-        self.eos_token_ids = sorted(eos_token_ids(self.model_folder, self.hf_config))
+        self.eos_token_ids = list(read_eos_token_ids(self.model_folder))
         self.sampler = Sampler(self.eos_token_ids)
         self.num_kv_heads = divide(num_kv_heads_of(self.hf_config), tp_world_size(), "num_key_value_heads")
         self.head_dim = head_dim_of(self.hf_config)
         self.kv_caches: list[KVCache] = []
+        self.graphs: DecodeCUDAGraphs | None = None
         self.num_blocks = 0
         self.requests: dict[str, RequestState] = {}
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.hf_config.vocab_size)
 
     @property
     def num_layers(self) -> int:
@@ -111,17 +112,18 @@ class ModelRunner:
             budget = self.config.kv_cache_memory_bytes
         return num_blocks_for_budget(budget, self.block_bytes())
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_cache(
-            self.num_layers,
-            num_blocks,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-            self.dtype,
-            self.device,
+    def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
+        return allocate_kv_cache(
+            self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
         )
+
+    def init_kv_cache(self, num_blocks: int, capture: CaptureFn | None = None) -> None:
+        """Allocate the KV cache, then capture the decode CUDA graphs over it (CUDA, a backend that supports
+        them, ``enforce_eager`` off; ``capture``: a stand-in for the CUDA capture, for tests)."""
+        self.graphs = None  # graphs of an earlier cache point at its tensors
+        self.kv_caches = self.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+        self.graphs = maybe_capture_decode_graphs(self, capture)
 
     # ---- one iteration -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -155,9 +157,14 @@ class ModelRunner:
         return out
 
     def _forward(self, batch: PreparedBatch) -> torch.Tensor | None:
-        attn = self.model.model.layers[0].self_attn.attn
-        attn.prepare(batch.metadata)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
+        """Logits of the batch's ``logits_rows`` (None when there are none). A decode-only batch that fits a
+        captured CUDA graph replays it; anything else runs eagerly."""
+        md = batch.metadata
+        if self.graphs is not None and self.graphs.can_run(batch.input_ids.shape[0], md):
+            hidden = self.graphs.run(batch.input_ids, batch.positions, md)
+        else:
+            self.model.model.layers[0].self_attn.attn.prepare(md)  # once per step, for every layer
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, md)
         if batch.logits_rows.numel() == 0:
             return None
         return self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
@@ -179,19 +186,7 @@ class ModelRunner:
         out.logprobs = lps
         return out
 
-    @torch.inference_mode()
-    def dummy_forward(self, num_tokens: int, num_logits: int) -> None:
-        """Run a forward pass over ``num_tokens`` tokens (as prefill chunks of at most max_model_len) and
-        compute ``num_logits`` rows of logits: the activation peak for memory profiling."""
-        from .profiling import dummy_batch
-
-        batch = dummy_batch(self, num_tokens, num_logits)
-        attn = self.model.model.layers[0].self_attn.attn
-        attn.prepare(batch.metadata)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata)
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
-        torch.softmax(logits.float(), dim=-1)
-
     def shutdown(self) -> None:
+        self.graphs = None
         self.kv_caches = []
         self.requests.clear()

@@ -3,20 +3,33 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from cbserve.scheduler.sampling_params import SamplingParams
 
+from .attention.backend import KVCache
 from .input_batch import PreparedBatch, RequestState, build_batch
-
-if TYPE_CHECKING:
-    from .model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-def dummy_batch(runner: ModelRunner, num_tokens: int, num_logits: int) -> PreparedBatch:
+class ProfiledRunner(Protocol):
+    """What profiling needs of the model runner (model_runner.ModelRunner)."""
+
+    device: torch.device
+    block_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_caches: list[KVCache]
+
+    def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]: ...
+
+    def _forward(self, batch: PreparedBatch) -> torch.Tensor | None: ...
+
+
+def dummy_batch(runner: ProfiledRunner, num_tokens: int, num_logits: int) -> PreparedBatch:
     """Prefill chunks of up to max_model_len tokens covering ``num_tokens``, all writing to block 0..;
     the runner's KV cache must hold at least ceil(max chunk / block_size) blocks."""
     chunk = min(num_tokens, runner.max_model_len)
@@ -36,7 +49,7 @@ def dummy_batch(runner: ModelRunner, num_tokens: int, num_logits: int) -> Prepar
     return batch
 
 
-def profile_cuda_kv_budget(runner: ModelRunner, gpu_memory_utilization: float) -> int:
+def profile_cuda_kv_budget(runner: ProfiledRunner, gpu_memory_utilization: float) -> int:
     """Bytes left for the KV cache: total * utilization - (memory in use before profiling) - (activation
     peak of a forward pass at max_num_batched_tokens with max_num_seqs logits rows)."""
     device = runner.device
@@ -45,10 +58,13 @@ def profile_cuda_kv_budget(runner: ModelRunner, gpu_memory_utilization: float) -
     free, total = torch.cuda.mem_get_info(device)
     in_use_before = total - free  # weights, CUDA context, other processes
     scratch_blocks = -(-min(runner.max_num_batched_tokens, runner.max_model_len) // runner.block_size)
-    runner.init_kv_cache(scratch_blocks)
+    runner.kv_caches = runner.allocate_kv_cache(scratch_blocks)  # a scratch cache: no graphs captured on it
     allocated_before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    runner.dummy_forward(runner.max_num_batched_tokens, runner.max_num_seqs)
+    with torch.inference_mode():
+        logits = runner._forward(dummy_batch(runner, runner.max_num_batched_tokens, runner.max_num_seqs))
+        if logits is not None:
+            torch.softmax(logits.float(), dim=-1)  # the sampler's float32 copy of the logits
     torch.cuda.synchronize(device)
     activation_peak = torch.cuda.max_memory_allocated(device) - allocated_before
     runner.kv_caches = []

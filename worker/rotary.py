@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .cpu_kernels import CpuKernels
+from .cpu.kernels import CpuKernels
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -91,9 +91,12 @@ class NativeRope:
 
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables [max_positions, head_dim] (float32); ``prepare(positions)`` once per
-    forward. With ``kernels`` set (float32 CPU models, see cpu_ops.py) the rotation is one C pass, in place."""
+    forward. With ``kernels`` (float32 CPU models on the native ops, see cpu/ops.py) the rotation is one C
+    pass, in place."""
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+    def __init__(
+        self, hf_config: Any, head_dim: int, max_positions: int, kernels: CpuKernels | None = None
+    ) -> None:
         super().__init__()
         inv_freq, scale = compute_inv_freq(hf_config, head_dim)
         t = torch.arange(max_positions, dtype=torch.float32)
@@ -101,7 +104,7 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
-        self.kernels: CpuKernels | None = None
+        self.kernels = kernels
 
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         if self.kernels is not None and dtype == torch.float32:

@@ -7,9 +7,9 @@ import math
 import statistics
 
 import pytest
-from cbserve.cluster.bench_client import RequestResult
-from cbserve.cluster.bench_datasets import WORDS, load_sharegpt, parse_range, sample_random
-from cbserve.cluster.bench_metrics import (
+from cbserve.bench.client import RequestResult
+from cbserve.bench.datasets import WORDS, load_sharegpt, parse_range, sample_random
+from cbserve.bench.metrics import (
     arrival_times,
     format_summary,
     parse_goodput,
@@ -167,7 +167,7 @@ def _run_doc(label: str, rate: float | str, scale: float) -> dict:
 @pytest.mark.parametrize("kind", ["both", "cdf", "throughput"])
 def test_plot_writes_png(tmp_path, kind: str) -> None:
     pytest.importorskip("matplotlib")
-    from cbserve.cluster.bench_plots import load_results, plot_runs
+    from cbserve.bench.plots import load_results, plot_runs
 
     paths = []
     for i, (label, rate, scale) in enumerate(
@@ -197,7 +197,7 @@ def test_plot_cli(tmp_path, capsys) -> None:
 
 
 def test_replace_section_is_idempotent(tmp_path) -> None:
-    from cbserve.cluster.bench_report import markdown_table, replace_section
+    from cbserve.bench.report import markdown_table, replace_section
 
     md = tmp_path / "B.md"
     md.write_text("# Benchmarks\n\nintro\n")
@@ -217,10 +217,30 @@ def test_replace_section_is_idempotent(tmp_path) -> None:
 
 
 def test_hardware_strings(tmp_path) -> None:
-    from cbserve.cluster.bench_report import cpu_model, git_commit, hardware_summary
+    from cbserve.bench.report import cpu_model, git_commit, hardware_summary
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\n")
     assert cpu_model(info) == "Test CPU 9000"
     assert "cores" in hardware_summary()
     assert git_commit(tmp_path) == "unknown"
+
+
+def test_local_deployment_runs_cbserve_serve(tmp_path) -> None:
+    """The throw-away deployment is ``cbserve serve`` on its own local Ray: its command line parses with the
+    serve subcommand's own flags, and the config file it writes is read back as CBServeConfig."""
+    import argparse
+
+    from cbserve.bench.deploy import serve_command
+    from cbserve.cluster import serve_cli
+    from cbserve.cluster.config import CBServeConfig
+
+    cmd = serve_command(tmp_path / "c.yaml", 4321, 90.0)
+    assert cmd[1:5] == ["-m", "cbserve.cluster.cli", "serve", "--ray-address"]
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    args = parser.parse_args(cmd[4:])
+    assert (args.ray_address, args.host, int(args.port), float(args.ready_timeout)) == ("local", "127.0.0.1", 4321, 90)
+    (tmp_path / "c.yaml").write_text(json.dumps({"device": "cpu", "max_num_seqs": 8}))
+    config = CBServeConfig.from_yaml(args.config)
+    assert config.device == "cpu" and config.max_num_seqs == 8

@@ -13,9 +13,9 @@ import pytest
 
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
-from cbserve.cluster.bench import LoadConfig, run_benchmark  # noqa: E402
-from cbserve.cluster.bench_client import ClientConfig  # noqa: E402
-from cbserve.cluster.bench_datasets import sample_random  # noqa: E402
+from cbserve.bench.client import ClientConfig  # noqa: E402
+from cbserve.bench.datasets import sample_random  # noqa: E402
+from cbserve.bench.runner import LoadConfig, run_benchmark  # noqa: E402
 
 TOKEN_DELAY_S = 0.005
 
@@ -136,7 +136,7 @@ def test_concurrency_cap_and_poisson(server: FakeServer) -> None:
 
 def test_failures_are_reported_not_raised(server: FakeServer) -> None:
     reqs = sample_random(2, (5, 5), (3, 3), seed=4)
-    from cbserve.cluster.bench_datasets import SampleRequest
+    from cbserve.bench.datasets import SampleRequest
 
     reqs.append(SampleRequest(prompt="FAIL please", prompt_len=2, output_len=3))
     res = run_benchmark(_client(server), reqs, LoadConfig(progress=False))

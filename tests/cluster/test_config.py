@@ -1,14 +1,23 @@
-"""CBServeConfig from YAML, from Serve args and from `cbserve serve` flags (no Ray cluster needed)."""
+"""CBServeConfig from YAML, from Serve args and from `cbserve serve` flags; the start-up checks against the
+model (`cbserve serve` and build_app stop with one message); every field reaches what it configures. No Ray
+cluster is started."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pydantic
 import pytest
-from cbserve.cluster.config import CBServeConfig
+from cbserve.cluster import serve_cli
+from cbserve.cluster.config import CBServeConfig, ConfigError, check_kv_capacity, servable_config
 from cbserve.cluster.serve_cli import add_arguments, config_from_args
+from cbserve.worker.model_info import default_model_path, read_model_info
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,3 +77,189 @@ def test_cpu_ops_reaches_the_worker_config() -> None:
     assert CBServeConfig.from_args({"cpu_ops": "onednn"}).worker_model_config().cpu_ops == "onednn"
     assert CBServeConfig.from_args({}).worker_model_config().cpu_compact_weights is True
     assert CBServeConfig.from_args({"cpu_compact_weights": False}).worker_model_config().cpu_compact_weights is False
+
+
+# ---- a configuration that can never serve stops at start-up (no Ray, no torch) ----------------------------
+SMOLLM2 = {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+           "num_hidden_layers": 30, "max_position_embeddings": 8192, "intermediate_size": 1536}  # fmt: skip
+
+
+def _hf_folder(tmp_path: Path, **changes: object) -> str:
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    cfg = {k: v for k, v in {**SMOLLM2, **changes}.items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+def _serve(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    rc = serve_cli.main(_parse(argv + ["--ready-timeout", "1"]))
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tensor-parallel-size", "2"], "num_attention_heads (9) is not divisible by the tensor-parallel size (2)"),
+        (["--tensor-parallel-size", "9"], "num_key_value_heads (3) is not divisible by the tensor-parallel size (9)"),
+        (["--max-model-len", "9000"], "max_model_len (9000) is longer than the model's max_position_embeddings (8192)"),
+        (["--device", "cpu", "--kv-cache-memory-bytes", str(16 * 1024**2)],
+         "max_model_len (2048) tokens needs 128"),  # 16 MiB hold 22 blocks of the bundled model
+        (["--num-kv-blocks", "24", "--max-model-len", "1024"], "the KV cache (num_kv_blocks=24) holds 24 blocks"),
+        (["--model", "/no/such/model"], "model path '/no/such/model' does not exist"),
+        (["--tensor-parallel-size", "0"], "tensor_parallel_size: Input should be greater than or equal to 1"),
+        (["--dtype", "int8"], "dtype: Input should be"),
+    ],
+)
+def test_cbserve_serve_refuses_a_config_that_can_never_serve(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, err = _serve(argv, capsys)
+    assert rc != 0
+    assert err.count("\n") == 1 and err.startswith("cbserve: error: ") and message in err, err
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()  # stopped before Ray
+
+
+@pytest.mark.parametrize(
+    ("changes", "raw", "message"),
+    [
+        ({"num_attention_heads": 8, "num_key_value_heads": 2}, None,
+         "num_key_value_heads (2) is not divisible by the tensor-parallel size (4)"),
+        ({"num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 1530}, None,
+         "intermediate_size (1530) is not divisible by the tensor-parallel size (4)"),
+        ({"model_type": "gpt2"}, None, "model_type 'gpt2' is not supported"),
+        ({"num_hidden_layers": None}, None, "the model config lacks num_hidden_layers"),
+        ({}, "{not json", "is not a readable JSON file"),
+        ({"num_attention_heads": "many"}, None, "malformed value"),
+    ],
+)
+def test_cbserve_serve_refuses_a_model_that_cannot_load(
+    tmp_path: Path, changes: dict, raw: str | None, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = _hf_folder(tmp_path, **changes)
+    if raw is not None:
+        (Path(folder) / "config.json").write_text(raw)
+    rc, err = _serve(["--model", folder, "--tensor-parallel-size", "4"], capsys)
+    assert rc != 0 and err.startswith("cbserve: error: ") and message in err, err
+
+
+def test_a_file_that_is_no_gguf_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ConfigError, match="is not a GGUF v2/v3 file"):
+        servable_config(CBServeConfig(model=str(bad)))
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(Path(default_model_path()).read_bytes()[:4096])
+    with pytest.raises(ConfigError, match="truncated or malformed GGUF header"):
+        servable_config(CBServeConfig(model=str(truncated)))
+
+
+def test_the_cli_stops_in_a_subprocess_before_ray_starts() -> None:
+    cli = Path(sys.executable).with_name("cbserve")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([str(cli), "serve", "--ray-address", "local", "--tensor-parallel-size", "2"],
+                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "cbserve: error: num_attention_heads (9) is not divisible by the tensor-parallel size (2)"
+    )
+
+
+def test_the_gguf_header_gives_the_models_numbers_without_torch() -> None:
+    info = read_model_info(None)  # the bundled SmolLM2-135M GGUF
+    assert (info.model_type, info.num_attention_heads, info.num_key_value_heads) == ("llama", 9, 3)
+    assert (info.head_dim, info.num_hidden_layers, info.max_position_embeddings) == (64, 30, 8192)
+    assert info.intermediate_size == 1536
+    code = "import sys; from cbserve.cluster.config import *; from cbserve.cluster.serve_cli import *; "
+    code += "servable_config(CBServeConfig()); assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_an_unset_max_model_len_is_capped_by_the_model_an_explicit_one_is_not(tmp_path: Path) -> None:
+    folder = _hf_folder(tmp_path, max_position_embeddings=512)
+    assert servable_config(CBServeConfig(model=folder)).max_model_len == 512
+    assert servable_config(CBServeConfig(model=folder, max_model_len=256)).max_model_len == 256
+    with pytest.raises(ConfigError, match=r"max_model_len \(1024\) is longer"):
+        servable_config(CBServeConfig(model=folder, max_model_len=1024))
+    resolved = servable_config(CBServeConfig(model=folder))
+    assert CBServeConfig.model_validate(resolved.model_dump()).max_model_len == 512  # what the actors get
+
+
+def test_kv_budget_is_checked_on_cpu_and_where_the_blocks_are_known(tmp_path: Path) -> None:
+    folder = _hf_folder(tmp_path)  # 30 layers x 3 KV heads x 64 x 2 x 4 bytes x 16 tokens = 737280 B/block
+    fits = CBServeConfig(model=folder, max_model_len=353, kv_cache_memory_bytes=22 * 737280)  # 22 blocks
+    servable_config(fits, "cpu")
+    with pytest.raises(ConfigError, match="needs 23"):
+        servable_config(fits.model_copy(update={"max_model_len": 354}), "cpu")
+    servable_config(fits.model_copy(update={"max_model_len": 354}), "cuda")  # known after loading on CUDA
+    servable_config(fits.model_copy(update={"max_model_len": 354, "tensor_parallel_size": 3}), "cpu")  # 1/3
+    with pytest.raises(ConfigError, match="gpu_memory_utilization=0.9"):
+        check_kv_capacity(fits, 21, "cuda")  # what the engine replica checks once the workers sized the cache
+    check_kv_capacity(fits, 22, "cuda")
+
+
+def test_build_app_refuses_a_config_that_can_never_serve() -> None:
+    from cbserve.cluster.app import build_app
+
+    with pytest.raises(ConfigError, match=r"num_attention_heads \(9\) is not divisible"):
+        build_app({"tensor_parallel_size": 2, "device": "cpu"})
+
+
+# ---- every field reaches what it configures ---------------------------------------------------------------
+def test_the_worker_config_is_derived_from_every_matching_field() -> None:
+    from cbserve.worker.config import ModelConfig
+
+    values = {"model": "/m", "dtype": "bfloat16", "device": "cpu", "max_model_len": 77, "seed": 5,
+              "kv_cache_memory_bytes": 12345, "gpu_memory_utilization": 0.5, "attention_backend": "torch",
+              "enforce_eager": True, "cpu_ops": "onednn", "cpu_compact_weights": False,
+              "tensor_parallel_size": 3}  # fmt: skip
+    mc = CBServeConfig(**values).worker_model_config(rank=2)
+    assert {f.name for f in dataclasses.fields(ModelConfig)} == set(values) | {"rank"}
+    assert {k: getattr(mc, k) for k in values} == values and mc.rank == 2
+
+
+def test_the_engine_config_is_derived_from_the_engine_fields() -> None:
+    config = CBServeConfig(block_size=8, max_num_batched_tokens=64, max_num_seqs=3, max_model_len=99,
+                           policy="static", enable_prefix_caching=False, max_waiting=7)  # fmt: skip
+    ec = config.engine_config(num_blocks=42)
+    assert (ec.cache.block_size, ec.cache.num_blocks, ec.cache.enable_prefix_caching) == (8, 42, False)
+    sc = ec.scheduler
+    assert (sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len, sc.policy, sc.max_waiting) == (
+        64, 3, 99, "static", 7
+    )
+
+
+@pytest.mark.parametrize("bad", [{"request_timeout_s": 0}, {"request_timeout_s": -1}, {"attention_backend": "x"}])
+def test_more_bad_values_are_rejected(bad: dict) -> None:
+    with pytest.raises(pydantic.ValidationError):
+        CBServeConfig(**bad)
+
+
+def test_cbserve_serve_deploys_with_host_port_route_prefix_and_app_name(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`cbserve serve`'s Ray and Serve calls, faked: the HTTP and app fields reach them."""
+    import ray
+    from ray import serve
+
+    calls: dict[str, object] = {}
+    monkeypatch.setattr(serve_cli, "init_ray", lambda address: calls.update(ray_address=address))
+    monkeypatch.setattr(serve, "start", lambda http_options: calls.update(http=http_options))
+    monkeypatch.setattr(serve, "run", lambda app, **kw: calls.update(run=kw, app=app))
+    monkeypatch.setattr(serve, "delete", lambda name: calls.update(deleted=name))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.update(shutdown=True))
+    monkeypatch.setattr(serve_cli, "wait_ready", lambda base, timeout, key: calls.update(base=base) or (True, None))
+
+    def interrupted(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve_cli, "time", argparse.Namespace(sleep=interrupted))
+    argv = ["--device", "cpu", "--host", "127.0.0.2", "--port", "8123", "--route-prefix", "/llm", "--app-name",
+            "my-app", "--ray-address", "auto", "--max-model-len", "256"]  # fmt: skip
+    assert serve_cli.main(_parse(argv)) == 0
+    assert calls["ray_address"] == "auto" and calls["http"] == {"host": "127.0.0.2", "port": 8123}
+    assert calls["run"] == {"name": "my-app", "route_prefix": "/llm", "blocking": False}
+    assert calls["base"] == "http://127.0.0.2:8123/llm" and calls["deleted"] == "my-app" and calls["shutdown"]
+    deployed = CBServeConfig.model_validate(calls["app"]._bound_deployment.init_args[0])  # type: ignore[attr-defined]
+    assert deployed.max_model_len == 256 and deployed.app_name == "my-app"
+    assert "http://127.0.0.2:8123/llm/v1" in capsys.readouterr().out

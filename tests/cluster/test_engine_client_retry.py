@@ -1,19 +1,22 @@
 """EngineClient.generate across replicas: a replica that refuses a request before admitting it (queue full,
-gone) is skipped for the next healthy one; failures after admission and bad requests are not retried.
+gone) is skipped for the next healthy one; failures after admission and bad requests are not retried; a
+request past request_timeout_s is aborted in its engine and ends with HTTP 504.
 
 The engines are fakes with the SchedulerActor's streaming shape (``generate.remote`` yields awaitables);
 the real actors' 429 path is crossed end to end in tests/e2e/openai_server/test_tp2.py."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from typing import Any
 
 import pytest
+from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.engine_client import EngineClient
-from cbserve.cluster.openai_protocol import APIError
 from cbserve.cluster.router import Router
 from cbserve.cluster.scheduler_actor import EngineFailure
+from cbserve.frontend.protocol import APIError
 from cbserve.scheduler.request import EngineRequest
 from cbserve.scheduler.sampling_params import SamplingParams
 
@@ -24,8 +27,11 @@ class _Remote:
 
 
 class FakeEngine:
-    def __init__(self, items: list[Any]) -> None:
+    """Yields ``items``; with ``hang``, then waits forever (a long generation)."""
+
+    def __init__(self, items: list[Any], hang: bool = False) -> None:
         self.items = items
+        self.hang = hang
         self.calls = 0
         self.aborted: list[str] = []
         self.generate = _Remote(self._generate)
@@ -37,10 +43,13 @@ class FakeEngine:
             fut = asyncio.get_running_loop().create_future()
             fut.set_result(item)
             yield fut
+        if self.hang:
+            yield asyncio.get_running_loop().create_future()  # never resolved
 
 
-def _client(*engines: FakeEngine) -> EngineClient:
+def _client(*engines: FakeEngine, request_timeout_s: float | None = None) -> EngineClient:
     client = object.__new__(EngineClient)  # no Ray: the fakes stand in for the SchedulerActors
+    client.config = CBServeConfig(request_timeout_s=request_timeout_s)
     client.router = Router(len(engines), block_size=4)
     for i in range(len(engines)):
         client.router.set_healthy(i, True)
@@ -107,6 +116,38 @@ def test_bad_request_is_not_retried() -> None:
     assert info.value.status == 400 and other.calls == 0
 
 
+def test_a_request_past_its_timeout_is_aborted_with_504() -> None:
+    slow = FakeEngine([[], ["a"]], hang=True)
+    client = _client(slow, request_timeout_s=0.3)
+    got: list[Any] = []
+
+    async def collect() -> None:
+        async for item in client.generate(EngineRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4))):
+            got.append(item)
+
+    loop = asyncio.new_event_loop()
+    try:
+        t0 = loop.time()
+        with pytest.raises(APIError) as info:
+            loop.run_until_complete(collect())
+        elapsed = loop.time() - t0
+    finally:
+        loop.close()
+    assert info.value.status == 504 and "request_timeout_s" in str(info.value.body())
+    assert info.value.body()["error"]["type"] == "timeout"
+    assert 0.3 <= elapsed < 5
+    assert got == [[], ["a"]]  # what came before the deadline was passed on
+    assert slow.aborted == ["r1"]  # the engine was told to abort (and free) it
+    assert client._routes == {} and client.router.replicas[0].outstanding_tokens == 0
+
+
+def test_no_timeout_by_default_and_a_fast_request_is_untouched() -> None:
+    assert _run(_client(FakeEngine([[], ["a"]]))) == [[], ["a"]]
+    fast = FakeEngine([[], ["a"]])
+    assert _run(_client(fast, request_timeout_s=30)) == [[], ["a"]]
+    assert fast.aborted == []
+
+
 def test_router_exclude() -> None:
     r = Router(3, block_size=4)
     for i in range(3):
@@ -114,3 +155,28 @@ def test_router_exclude() -> None:
     assert r.choose([1, 2, 3], exclude={0, 1}) == 2
     with pytest.raises(Exception, match="every ready replica is full"):
         r.choose([1, 2, 3], exclude={0, 1, 2})
+
+
+def test_the_engines_and_the_router_are_built_from_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """num_replicas, max_restarts and the routing fields reach the SchedulerActors and the Router."""
+    from cbserve.cluster import engine_client
+
+    created: list[tuple[dict[str, Any], tuple[Any, ...]]] = []
+
+    class FakeActorClass:
+        def options(self, **kw: Any) -> Any:
+            return _Remote(lambda *args: created.append((kw, args)) or object())
+
+    context = argparse.Namespace(get_node_id=lambda: "ab" * 28)
+    monkeypatch.setattr(engine_client, "SchedulerActor", FakeActorClass())
+    monkeypatch.setattr(engine_client.ray, "get_runtime_context", lambda: context)
+    config = CBServeConfig(num_replicas=3, max_restarts=7, block_size=8, prefix_affinity_tokens=32,
+                           affinity_max_imbalance_tokens=99)  # fmt: skip
+    client = EngineClient(config, "app", "owner")
+    assert len(client.engines) == 3 and len(client.router.replicas) == 3
+    assert [kw["name"] for kw, _ in created] == [f"app:owner:engine-{i}" for i in range(3)]
+    assert {kw["max_restarts"] for kw, _ in created} == {7}
+    assert [args[1] for _, args in created] == ["0", "1", "2"]
+    assert CBServeConfig.model_validate(created[0][1][0]) == config  # each engine gets the whole config
+    r = client.router
+    assert (r.block_size, r.affinity_tokens, r.max_imbalance_tokens) == (8, 32, 99)

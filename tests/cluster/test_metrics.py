@@ -4,7 +4,9 @@
   (ray_serve_*), and every cbserve metric is charted on some panel;
 - the dashboard JSON is valid, importable (schemaVersion, unique ids, grid) and has its variables;
 - the committed JSON is exactly what dashboards/generate.py writes;
-- EngineMetrics / WorkerMetrics / IngressMetrics turn stats dataclasses into the right observations.
+- EngineMetrics / WorkerMetrics / IngressMetrics turn stats dataclasses into the right observations;
+- no "No data" on a healthy cluster: constructing them creates, at 0, every counter and gauge series a
+  dashboard selects (label matchers included); histograms appear with the first request.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,47 @@ def test_metric_names_parser() -> None:
     assert metric_names('max by (replica)(ray_a{model=~"$model"})') == {"ray_a"}
 
 
+_SELECTOR = re.compile(r'([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\})?')
+_MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+Matcher = tuple[str, str, str]
+
+
+def selectors(expr: str) -> list[tuple[str, list[Matcher]]]:
+    """(metric name, label matchers) of every series selector of a PromQL expression."""
+    names = metric_names(expr)
+    return [(m.group(1), _MATCHER.findall(m.group(2) or "")) for m in _SELECTOR.finditer(expr)
+            if m.group(1) in names]  # fmt: skip
+
+
+def matches(labels: dict[str, str], matchers: list[Matcher]) -> bool:
+    """Prometheus semantics (regexes anchored, a missing label is ""), dashboard variables = All (.*)."""
+    for key, op, value in matchers:
+        value = re.sub(r"\$\{?\w+\}?", ".*", value)
+        actual = labels.get(key, "")
+        ok = {"=": actual == value, "!=": actual != value}.get(op, re.fullmatch(value, actual) is not None)
+        if ok == (op == "!~"):
+            return False
+    return True
+
+
+def test_selectors_parser() -> None:
+    expr = (
+        'sum by (route)(rate(ray_cbserve_h_total{model=~"$model", status!~"2..", a="}"}[5m]))'
+        " / sum(ray_cbserve_g)"
+    )
+    assert selectors(expr) == [
+        ("ray_cbserve_h_total", [("model", "=~", "$model"), ("status", "!~", "2.."), ("a", "=", "}")]),
+        ("ray_cbserve_g", []),
+    ]
+    m = selectors(expr)[0][1]
+    assert matches({"model": "x", "status": "404", "a": "}"}, m)
+    assert not matches({"model": "x", "status": "200", "a": "}"}, m)
+    assert not matches({"model": "x", "status": "404"}, m)
+    assert matches({"reason": "abort"}, [("reason", "=~", "abort|error")])
+    assert not matches({"reason": "stop"}, [("reason", "=~", "abort|error")])
+    assert not matches({"reason": "stop"}, [("reason", "!=", "stop")])
+
+
 def load_dashboards() -> dict[str, dict[str, Any]]:
     return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
 
@@ -75,6 +119,16 @@ def all_exprs() -> list[tuple[str, str, str]]:
         for name, dash in load_dashboards().items()
         for p in iter_panels(dash)
         for t in p.get("targets", [])
+    ]
+
+
+def variable_queries() -> list[tuple[str, str, str]]:
+    """(dashboard file, variable name, series expression) of every label_values() template variable."""
+    return [
+        (name, v["name"], v["query"]["query"].removeprefix("label_values(").rsplit(",", 1)[0])
+        for name, dash in load_dashboards().items()
+        for v in dash["templating"]["list"]
+        if v["type"] == "query"
     ]
 
 
@@ -167,6 +221,11 @@ def test_specs_are_valid_and_bounded() -> None:
         assert not s.name.endswith("_total"), "Ray adds _total to counters"
         if s.kind == "histogram":
             assert list(s.buckets) == sorted(set(s.buckets)) and s.buckets[0] > 0
+            assert not s.initial, "an empty histogram cannot be exported"
+        else:
+            assert s.initial, f"{s.name}: a counter or gauge is created at 0 at start-up"
+        defaults = {"model", "replica", "rank"}
+        assert all(set(labels) == set(s.labels) - defaults for labels in s.initial), s.name
     for b in (cm.REQUEST_LATENCY_BUCKETS, cm.TOKEN_LATENCY_BUCKETS):  # ms to minutes
         assert b[0] <= 0.005 and b[-1] >= 60
 
@@ -273,3 +332,27 @@ def test_rejected_and_http_labels_stay_bounded(log: list) -> None:
     assert _values(log, "http_requests_in_flight") == [1.0, 2.0, 1.0]
     wm.observe_forward(0.03)
     assert [(v, t["rank"]) for n, v, t in log if n == "cbserve_worker_forward_seconds"] == [(0.03, "1")]
+
+
+def test_every_dashboard_series_exists_at_zero_before_traffic(log: list) -> None:
+    """A healthy cluster that served nothing yet: every counter and gauge series a panel or variable selects
+    (its label matchers included, e.g. reason=~"abort|error", status!~"2..") exists at 0."""
+    cm.EngineMetrics("m", "0"), cm.WorkerMetrics("m", "0", 0), cm.IngressMetrics("m")
+    assert log and all(v == 0.0 for _, v, _ in log), "construction records zeros only"
+    specs = {s.name: s for s in cm.ALL_SPECS}
+    started: dict[str, list[dict[str, str]]] = defaultdict(list)
+    for name, _, tags in log:
+        started[specs[name].exported].append(tags)
+    histograms = {n for s in cm.ALL_SPECS if s.kind == "histogram" for n in s.exported_series()}
+    checked = set()
+    for dash, title, expr in all_exprs() + variable_queries():
+        for name, matchers in selectors(expr):
+            if not name.startswith("ray_cbserve_") or name in histograms:
+                continue
+            assert any(matches(t, matchers) for t in started[name]), f"{dash} / {title}: no {name}{matchers} at 0"
+            checked.add(name)
+    assert checked == {s.exported for s in cm.ALL_SPECS if s.kind != "histogram"}
+    rejected = {t["reason"] for t in started["ray_cbserve_request_rejected_total"]}
+    assert rejected == set(cm.REJECT_REASONS) == {"queue_full", "rejected"}
+    errors = {(t["route"], t["status"]) for t in started["ray_cbserve_http_requests_total"]}
+    assert {("/v1/completions", "400"), ("/v1/chat/completions", "503")} <= errors

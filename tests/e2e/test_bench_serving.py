@@ -18,7 +18,7 @@ MODEL = "SmolLM2-135M-Instruct"
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pytest.importorskip("ray")
     pytest.importorskip("aiohttp")
-    from cbserve.cluster.bench_deploy import local_deployment
+    from cbserve.bench.deploy import local_deployment
 
     log = tmp_path_factory.mktemp("bench") / "deploy.log"
     args = {"device": "cpu", "worker_torch_threads": 1, "max_model_len": 512, "max_num_seqs": 8}
@@ -47,7 +47,7 @@ def _check_run(doc: dict, num: int, out_lens: list[int]) -> None:
 
 
 def test_cli_completions_burst(base_url: str, tmp_path: Path) -> None:
-    from cbserve.cluster.bench_datasets import sample_random
+    from cbserve.bench.datasets import sample_random
     from cbserve.cluster.cli import main
 
     out = tmp_path / "run.json"
@@ -61,9 +61,9 @@ def test_cli_completions_burst(base_url: str, tmp_path: Path) -> None:
 
 
 def test_chat_poisson_with_shared_prefix(base_url: str) -> None:
-    from cbserve.cluster.bench import LoadConfig, run_benchmark
-    from cbserve.cluster.bench_client import ClientConfig
-    from cbserve.cluster.bench_datasets import sample_random
+    from cbserve.bench.client import ClientConfig
+    from cbserve.bench.datasets import sample_random
+    from cbserve.bench.runner import LoadConfig, run_benchmark
 
     reqs = sample_random(3, (4, 8), (5, 5), shared_prefix_len=40, seed=1)
     client = ClientConfig(base_url=base_url, model=MODEL, endpoint="chat")

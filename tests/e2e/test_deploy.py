@@ -90,7 +90,8 @@ def test_serve_yaml_deployment_overrides_name_real_deployments(serve_config: dic
         return
     from cbserve.cluster.app import build_app
 
-    built = build_app(dict(app["args"], model=None, device="cpu"))
+    # the bundled model on CPU: its 9 heads split over 1 rank, not serve.yaml's 2 (build_app checks that)
+    built = build_app(dict(app["args"], model=None, device="cpu", tensor_parallel_size=1))
     names = {built._bound_deployment.name}
     names |= {d.name for d in _child_deployments(built._bound_deployment)}
     assert overrides <= names, f"unknown deployments in serve.yaml: {sorted(overrides - names)}"

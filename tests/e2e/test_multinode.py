@@ -161,6 +161,7 @@ class Deployment:
             handles = ray.get(engine.worker_handles.remote(), timeout=30)
             for ping in ray.get([h.ping.remote() for h in handles], timeout=30):
                 out.setdefault(ping["replica"], {})[ping["rank"]] = node_of_pid[ping["pid"]]
+                assert ping["torch_threads"] == 1  # worker_torch_threads
         return out
 
     def scheduler_nodes(self) -> set[str]:

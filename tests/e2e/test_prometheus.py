@@ -1,12 +1,14 @@
 """The dashboards are proven against a live Prometheus scraping a live cbserve deployment.
 
 A real local Ray cluster runs the cbserve app (cluster/app.py, bundled SmolLM2 GGUF on CPU, a small KV
-cache so that requests get preempted and one is rejected by the engine) on a free HTTP port. A real
-Prometheus (Debian package ``prometheus``) is started on a free port with the scrape configuration of
-deploy/prometheus.yml, only the service-discovery file path (this cluster's session dir) and the
-intervals rewritten. After a small load (completions, a streamed chat completion, concurrent requests,
-bad requests), every PromQL expression of every dashboard panel (template variables = ``.*``,
-``$__rate_interval`` = 5m) must return at least one finite sample through /api/v1/query.
+cache so that requests get preempted and a wide beam search is rejected by the engine) on a free HTTP port.
+A real Prometheus (Debian package ``prometheus``) is started on a free port with the scrape configuration of
+deploy/prometheus.yml, only the service-discovery file path (this cluster's session dir) and the intervals
+rewritten. After normal traffic only (completions, concurrent requests, a streamed chat completion), every
+cbserve series a dashboard selects and every panel's PromQL expression (template variables = ``.*``,
+``$__rate_interval`` = 5m) must return at least one finite sample through /api/v1/query, the rejected
+counter at 0: a healthy cluster shows no "No data". Then, after bad requests (one rejected by the engine,
+one refused at the ingress, an unknown model), every expression again, and the marks they left.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -99,8 +102,9 @@ def app_url(ray_session_dir: Path) -> Iterator[str]:
     args = {
         "device": "cpu",
         "worker_torch_threads": 1,
-        "max_model_len": 1024,
-        "num_kv_blocks": 24,  # 384 tokens: concurrent requests preempt, a long prompt is rejected
+        "max_model_len": 384,
+        "num_kv_blocks": 24,  # 384 tokens, one max-length request: concurrent requests preempt, wide beams
+        # do not fit (the engine rejects them)
         "max_num_batched_tokens": 256,
     }
     try:
@@ -166,11 +170,15 @@ def has_finite_sample(result: list[dict[str, Any]]) -> bool:
 
 
 # ---- load ---------------------------------------------------------------------------------------------
-def run_load(url: str) -> dict[str, int]:
-    """A few completions, concurrent (batches, preemptions, prefix hits), streamed, and bad ones."""
-    from openai import BadRequestError, NotFoundError, OpenAI
+def openai_client(url: str) -> Any:
+    from openai import OpenAI
 
-    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def run_normal_load(url: str) -> dict[str, int]:
+    """A few completions, concurrent (batches, preemptions, prefix hits), and a streamed chat completion."""
+    client = openai_client(url)
     shared = "You are a helpful assistant. Answer briefly and precisely. " * 4  # prefix-cache hits
 
     def complete(i: int) -> int:
@@ -184,13 +192,21 @@ def run_load(url: str) -> dict[str, int]:
     for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
                                                 max_tokens=12, stream=True):  # fmt: skip
         chunks += bool(chunk.choices and chunk.choices[0].delta.content)
+    return {"tokens": tokens, "chunks": chunks}
+
+
+def run_bad_load(url: str) -> None:
+    """A request the engine rejects, one the ingress refuses, one for an unknown model."""
+    from openai import BadRequestError, NotFoundError
+
+    client = openai_client(url)
     with pytest.raises(BadRequestError):  # fits max_model_len, not the KV cache: the engine rejects it
-        client.completions.create(model=MODEL, prompt="word " * 500, max_tokens=8)
+        client.completions.create(model=MODEL, prompt="hello", n=8, max_tokens=64, temperature=0.0,
+                                  extra_body={"use_beam_search": True})  # fmt: skip
     with pytest.raises(BadRequestError):  # refused at the ingress
         client.completions.create(model=MODEL, prompt="hello", max_tokens=-1)
     with pytest.raises(NotFoundError):
         client.completions.create(model="no-such-model", prompt="hello", max_tokens=4)
-    return {"tokens": tokens, "chunks": chunks}
 
 
 # ---- the test -----------------------------------------------------------------------------------------
@@ -201,6 +217,18 @@ def dashboard_queries() -> list[tuple[str, str, str]]:
         panels = [q for p in dash["panels"] for q in [p, *p.get("panels", [])]]
         out += [(path.name, p["title"], t["expr"]) for p in panels for t in p.get("targets", [])]
     return out
+
+
+_SELECTOR = re.compile(r'\bray_[a-z0-9_]+(?:\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\})?')
+
+
+def dashboard_selectors() -> list[str]:
+    """Every series selector (metric name and label matchers) of every dashboard query and variable."""
+    exprs = [e for _, _, e in dashboard_queries()]
+    for path in sorted((ROOT / "dashboards").glob("*.json")):
+        exprs += [v["query"]["query"] for v in json.loads(path.read_text())["templating"]["list"]
+                  if v["type"] == "query"]  # fmt: skip
+    return sorted({m.group() for e in exprs for m in _SELECTOR.finditer(substitute(e))})
 
 
 def substitute(expr: str) -> str:
@@ -240,46 +268,87 @@ class TrickleLoad:
 
 def test_every_dashboard_query_returns_data(app_url: str, prometheus_url: str) -> None:
     started = time.monotonic()
-    load = run_load(app_url)
+    load = run_normal_load(app_url)
     assert load["tokens"] > 0 and load["chunks"] > 0
     with TrickleLoad(app_url):
+        # Prometheus found Ray's metrics port through the discovery file and scrapes it.
+        targets = wait_for("a healthy scrape target", lambda: query(prometheus_url, 'up{job="ray"} == 1'), 60)
+        assert targets
+        check_healthy_cluster(prometheus_url, started)
+        run_bad_load(app_url)
         check_dashboards(prometheus_url, started)
 
 
-def check_dashboards(prometheus_url: str, started: float) -> None:
-
-    # Prometheus found Ray's metrics port through the discovery file and scrapes it.
-    targets = wait_for("a healthy scrape target", lambda: query(prometheus_url, 'up{job="ray"} == 1'), 60)
-    assert targets
-
-    queries = [(d, t, substitute(e)) for d, t, e in dashboard_queries()]
-    missing: list[tuple[str, str, str]] = []
+def require_data(prometheus_url: str, what: str, queries: list[tuple[str, str]], started: float) -> None:
+    """Wait until every (name, PromQL) query returns a finite sample; fail listing those that do not."""
+    missing: list[tuple[str, str]] = []
 
     def all_have_data() -> bool:
-        missing[:] = [q for q in queries if not has_finite_sample(query(prometheus_url, q[2]))]
+        missing[:] = [q for q in queries if not has_finite_sample(query(prometheus_url, q[1]))]
         return not missing
 
     try:
-        wait_for("every dashboard query to return data", all_have_data, 90, interval=2)
+        wait_for(f"{what} to return data", all_have_data, 90, interval=2)
     except TimeoutError:
-        lines = "\n".join(f"  {d} / {t}: {e}" for d, t, e in missing)
-        pytest.fail(f"{len(missing)} of {len(queries)} dashboard queries return no data:\n{lines}")
-    took = time.monotonic() - started
-    print(f"{len(queries)} dashboard queries return data; {took:.1f}s after the load began")
+        lines = "\n".join(f"  {name}: {expr}" for name, expr in missing)
+        pytest.fail(f"{what}: {len(missing)} of {len(queries)} return no data:\n{lines}")
+    print(f"{what}: all {len(queries)} return data; {time.monotonic() - started:.1f}s after the load began")
+
+
+def check_healthy_cluster(prometheus_url: str, started: float) -> None:
+    """Normal traffic only: no panel says "No data", every cbserve series a dashboard selects exists (the
+    error counters at 0 for their known label values), and nothing was rejected. (Ray Serve creates its
+    error counter at the first error: that panel falls back to 0.)"""
+    selectors = [s for s in dashboard_selectors() if s.startswith("ray_cbserve_")]
+    assert any(s.startswith("ray_cbserve_request_rejected_total") for s in selectors)
+    require_data(prometheus_url, "dashboard series", [(s, s) for s in selectors], started)
+    panels = [(f"{d} / {t}", substitute(e)) for d, t, e in dashboard_queries()]
+    require_data(prometheus_url, "dashboard queries on a healthy cluster", panels, started)
+    rejected = query(prometheus_url, "sum by (reason)(ray_cbserve_request_rejected_total)")
+    assert {r["metric"]["reason"]: float(r["value"][1]) for r in rejected} == {"queue_full": 0, "rejected": 0}
+    errors = query(prometheus_url, 'sum(ray_cbserve_http_requests_total{route=~"/v1/.*", status!~"2.."})')
+    assert errors and float(errors[0]["value"][1]) == 0
+
+
+def check_dashboards(prometheus_url: str, started: float) -> None:
+    panels = [(f"{d} / {t}", substitute(e)) for d, t, e in dashboard_queries()]
+    require_data(prometheus_url, "dashboard queries", panels, started)
 
     # The load left the marks it should: a rejection by the engine, HTTP errors, preemptions happened.
-    rejected = query(prometheus_url, 'sum(ray_cbserve_request_rejected_total{reason="rejected"})')
-    assert rejected and float(rejected[0]["value"][1]) >= 1
-    errors = query(prometheus_url, 'sum by (status)(ray_cbserve_http_requests_total{status=~"4.."})')
-    assert {r["metric"]["status"] for r in errors} >= {"400", "404"}
-    finished = query(prometheus_url, "sum(ray_cbserve_request_finished_total)")
-    assert float(finished[0]["value"][1]) >= 7
+    # (The series existed at 0 before: wait for Ray's export and the next scrape to carry the counts.)
+    failures: list[str] = []
+
+    def marks_left() -> bool:
+        failures[:] = load_marks(prometheus_url)
+        return not failures
+
+    with contextlib.suppress(TimeoutError):
+        wait_for("the bad load's marks", marks_left, 60, interval=2)
+    assert not failures, failures
+
+
+def load_marks(prometheus_url: str) -> list[str]:
+    """What the load should have counted but did not (empty: all there)."""
+    def value(expr: str) -> float:
+        result = query(prometheus_url, expr)
+        print(expr, "=", result[0]["value"][1] if result else None)
+        return float(result[0]["value"][1]) if result else 0.0
+
+    failures = []
+    if value('sum(ray_cbserve_request_rejected_total{reason="rejected"})') < 1:
+        failures.append("no request rejected by the engine")
+    errors = query(prometheus_url, 'sum by (status)(ray_cbserve_http_requests_total{status=~"4.."}) > 0')
+    if not {r["metric"]["status"] for r in errors} >= {"400", "404"}:
+        failures.append(f"HTTP 400 and 404 not both counted: {errors}")
+    if value("sum(ray_cbserve_request_finished_total)") < 7:
+        failures.append("fewer than 7 requests finished")
     for expr in (
         "sum(ray_cbserve_num_preemptions_total)",
         "sum(ray_cbserve_prefix_cache_hits_total)",
         "sum(ray_cbserve_request_rejected_total)",
         "sum(ray_serve_num_http_requests_total)",
+        "sum(ray_serve_num_http_error_requests_total)",
     ):
-        value = float(query(prometheus_url, expr)[0]["value"][1])
-        print(expr, "=", value)
-        assert value > 0, f"{expr} should count what the load did"
+        if value(expr) <= 0:
+            failures.append(f"{expr} should count what the load did")
+    return failures

@@ -1,60 +1,147 @@
 """`cbserve serve` as a user runs it (the README's serving command): a subprocess that starts its own local
-Ray cluster, serves the bundled model, says where it listens, answers the official OpenAI client, and
-shuts down cleanly on Ctrl-C."""
+Ray cluster, serves the bundled model (here without the compiled graph), says where it listens, answers the
+official OpenAI client, ends a request that outlives ``request_timeout_s`` with HTTP 504 (freeing its KV
+blocks), and shuts down cleanly on Ctrl-C. A model its engine cannot load ends the command with that error
+instead of a restart loop."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
-from e2e_lib import free_port
+from e2e_lib import free_port, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
 openai = pytest.importorskip("openai")
 
 ROOT = Path(__file__).resolve().parents[2]
+CLI = Path(sys.executable).with_name("cbserve")
+MODEL = "SmolLM2-135M-Instruct"
+TIMEOUT_S = 30  # request_timeout_s: far above an 8-token answer, far below 8000 tokens on a CPU
 
 
-def test_cbserve_serve_with_config_file_serves_and_stops_on_ctrl_c() -> None:
-    port = free_port()
-    cli = Path(sys.executable).with_name("cbserve")
-    cmd = [str(cli), "serve", "--ray-address", "local", "--config", str(ROOT / "deploy" / "serve-local.yaml"),
-           "--port", str(port), "--max-model-len", "256", "--kv-cache-memory-bytes", str(16 * 1024**2),
-           "--worker-torch-threads", "1"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
-    lines: list[str] = []
-    ready = threading.Event()
+class Serve:
+    """One ``cbserve serve`` subprocess and its output lines."""
 
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
+    def __init__(self, *flags: str) -> None:
+        self.port = free_port()
+        cmd = [str(CLI), "serve", "--ray-address", "local", "--port", str(self.port), *flags]
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     start_new_session=True)  # fmt: skip
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
             if "engine replicas ready" in line:
-                ready.set()
+                self.ready.set()
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=30) as r:
+            return json.loads(r.read())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def _engine_idle(srv: Serve) -> dict[str, Any] | None:
+    (stats,) = srv.get("/stats")["replicas"]
+    free = stats["num_unfinished_requests"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    return stats if free else None
+
+
+def test_cbserve_serve_with_config_file_serves_times_out_and_stops_on_ctrl_c() -> None:
+    srv = Serve("--config", str(ROOT / "deploy" / "serve-local.yaml"), "--max-model-len", "8192",
+                "--kv-cache-memory-bytes", str(384 * 1024**2), "--worker-torch-threads", "1",
+                "--request-timeout-s", str(TIMEOUT_S), "--use-compiled-graph", "false")  # fmt: skip
     try:
-        assert ready.wait(300), "cbserve serve did not get ready:\n" + "".join(lines[-40:])
-        said = "".join(lines)
-        assert f"http://127.0.0.1:{port}/v1" in said  # it says where it listens
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
-        assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
-        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=8, temperature=0,
+        assert srv.ready.wait(300), "cbserve serve did not get ready:\n" + "".join(srv.lines[-40:])
+        assert f"http://127.0.0.1:{srv.port}/v1" in srv.output  # it says where it listens
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="none", max_retries=0,
+                               timeout=120)  # fmt: skip
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        r = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
                                            messages=[{"role": "user", "content": "Say hello."}])  # fmt: skip
         assert r.choices[0].message.content and r.usage.completion_tokens > 0
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 0
-        reader.join(timeout=10)
-        assert "shutting down" in "".join(lines)
+        (stats,) = srv.get("/stats")["replicas"]  # plain actor calls (the compiled graph: openai_server/test_tp2)
+        assert stats["compiled_graph"] is False and stats["dispatch_calls"] > 0
+        _check_request_timeout(srv, client)
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(timeout=90) == 0
+        srv.reader.join(timeout=10)
+        assert "shutting down" in srv.output
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        srv.kill()
+
+
+def _check_request_timeout(srv: Serve, client: Any) -> None:
+    """A request still running after request_timeout_s: aborted in the engine (its blocks freed) and
+    answered 504 with OpenAI's error body; streamed: an error event, then [DONE]."""
+    long = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 8000,
+            "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    t0 = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(**long)
+    assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 30
+    assert info.value.status_code == 504
+    error = info.value.response.json()["error"]
+    assert error["type"] == "timeout" and "request_timeout_s" in error["message"], error
+    stats = wait_for("the timed-out request's blocks freed", lambda: _engine_idle(srv), 20, 0.2)
+    assert stats["num_aborted"] == 1
+
+    body = {k: v for k, v in long.items() if k != "extra_body"} | {"ignore_eos": True, "stream": True}
+    req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200  # committed to a stream before the deadline
+        events = [line.removeprefix("data: ") for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["error"]["code"] == 504 and last["error"]["type"] == "timeout", last
+    assert len(events) > 3  # tokens were streamed before the deadline
+    stats = wait_for("the timed-out stream's blocks freed", lambda: _engine_idle(srv), 20, 0.2)
+    assert stats["num_aborted"] == 2
+
+
+def test_cbserve_serve_exits_with_the_engines_error_when_the_model_cannot_load(tmp_path: Path) -> None:
+    """config.json and tokenizer, no weights: the start-up checks pass, the workers fail to load. The
+    replica is not rebuilt in a loop: `cbserve serve` prints its error and exits non-zero."""
+    from cbserve.worker.model_loader import resolve_model
+
+    src, folder = resolve_model(None).folder, tmp_path / "no-weights"
+    folder.mkdir()
+    for f in src.iterdir():
+        if f.name == "config.json" or f.name.startswith(("tokenizer", "generation_config", "special_tokens")):
+            shutil.copy(f, folder / f.name)
+    srv = Serve("--model", str(folder), "--device", "cpu", "--max-model-len", "256", "--kv-cache-memory-bytes",
+                str(16 * 1024**2), "--worker-torch-threads", "1")  # fmt: skip
+    try:
+        rc = srv.proc.wait(timeout=300)
+        srv.reader.join(timeout=10)
+        assert rc == 1, srv.output
+        errors = [line for line in srv.lines if line.startswith("cbserve: error: ")]
+        assert errors == [f"cbserve: error: engine replica 0: no safetensors weights in {folder}\n"], srv.output
+        assert "engine replicas ready" not in srv.output
+    finally:
+        srv.kill()

@@ -97,3 +97,52 @@ def test_beam_search_rejected_when_beams_cannot_fit() -> None:
     engine, _ = make_engine(block_size=4, num_blocks=10, max_model_len=64)
     with pytest.raises(RequestRejectedError, match="beam search with width 4"):
         engine.add_request(req("b", 8, max_tokens=12, n=4, use_beam_search=True, temperature=0.0))
+
+
+@pytest.mark.parametrize("policy", ["continuous", "static"])
+def test_preempted_beam_rejoins_its_waiting_siblings(policy: str) -> None:
+    """Every beam waits for all its siblings to be sampled while holding its running place. Found by
+    test_properties: width 4 under max_num_seqs 3, a beam preempted, the cap full of its waiting
+    siblings and a better-priority request waiting ahead of it: the beam never got back in."""
+    engine, ex = make_engine(max_seqs=3, policy=policy, ordering="priority", num_blocks=20, block_size=2)
+    params = {"max_tokens": 6, "n": 2, "best_of": 4, "use_beam_search": True, "temperature": 0.0}
+    prompt = [1, 2, 3, 4, 5]
+    engine.add_request(req("b", prompt, priority=1, **params))
+    engine.add_request(req("x", list(range(100, 120)), max_tokens=8, priority=0))
+    col = run(engine, max_steps=300)
+    assert any("b" in rid for c in ex.calls for rid in c.preempted_req_ids)
+    got = [(col.final[("b", i)], col.reasons[("b", i)]) for i in range(2)]
+    assert got == reference_beam_search(prompt, 4, 2, 6, None, 1.0)
+
+
+def test_beam_search_without_prefix_caching_counts_recomputed_beams() -> None:
+    """Found by test_properties: without prefix caching a preempted beam is recomputed into blocks of
+    its own, and its siblings (waiting for it, holding theirs) left too few: it preempted itself forever.
+    Admission now counts every beam's whole context in that case."""
+    kw = {"block_size": 1, "num_blocks": 51, "max_batched": 8, "max_seqs": 5}
+    beam = {"max_tokens": 6, "n": 3, "use_beam_search": True, "temperature": 0.0}
+    prompt = [7] * 9 + [178, 239, 82, 21, 184, 141, 30, 383]
+    engine, _ = make_engine(caching=False, **kw)
+    with pytest.raises(RequestRejectedError, match="width 3 needs up to 69 KV cache blocks .* only 51"):
+        engine.add_request(req("b", prompt, **beam))
+    engine, _ = make_engine(caching=True, **kw)  # recomputed beams hit their siblings' cached blocks
+    engine.add_request(req("a", [7] * 9 + [100, 17, 0, 149, 20], max_tokens=10, n=3, seed=0))
+    engine.add_request(req("b", prompt, **beam))
+    col = run(engine, max_steps=500)
+    assert {col.reasons[("b", i)] for i in range(3)} <= {"stop", "length"}
+
+
+def test_finishing_a_beam_from_outside_lets_the_others_go_on() -> None:
+    """Found by test_properties: the live beams all sampled and waited for the one finished from
+    outside (finish_request), so the selection never ran again."""
+    engine, _ = make_engine(max_seqs=1, block_size=1, max_batched=9)
+    engine.add_request(req("b", [7] * 9, max_tokens=2, n=3, best_of=4, use_beam_search=True, temperature=0.0))
+    engine.step()  # the prompt: 4 beams forked
+    engine.add_request(req("x", [7] * 9, max_tokens=1))
+    engine.finish_request("b", 0)
+    engine.step()
+    engine.step()  # beams 1 and 2 sampled (one per step: max_num_seqs 1), waiting for beam 3
+    engine.finish_request("b", 3)
+    engine.check_integrity()
+    col = run(engine, max_steps=200)
+    assert len(col.reasons) == 4 and set(col.reasons.values()) <= {"stop", "length"}

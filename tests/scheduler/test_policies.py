@@ -98,3 +98,69 @@ def test_static_with_preemption_readmits_members() -> None:
     steps = [set(sched(c)) for c in ex.calls]
     first_late = next(i for i, s in enumerate(steps) if "late" in s)
     assert all(not (s & {"r0", "r1", "r2"}) for s in steps[first_late:])
+
+
+# ---- the strategy questions, asked directly ---------------------------------------------------------
+def ask(engine: object) -> frozenset[str] | None:
+    sched_ = engine.scheduler  # type: ignore[attr-defined]
+    return sched_.policy.may_run(sched_.waiting, sched_.seqs)
+
+
+def test_continuous_and_prefill_first_answers() -> None:
+    for policy, prefill_first in (("continuous", False), ("prefill_first", True)):
+        engine, _ = make_engine(policy=policy)
+        engine.add_request(req("a", 4))
+        assert engine.scheduler.policy.prefill_first is prefill_first
+        assert ask(engine) is None  # any request may run
+
+
+def test_static_batch_membership_answers() -> None:
+    engine, _ = make_engine(policy="static", max_seqs=2)
+    assert ask(engine) == frozenset()  # nothing waits: no batch
+    for name in ("a", "b", "c"):
+        engine.add_request(req(name, 3, max_tokens=2 if name == "a" else 4))
+    assert ask(engine) == {"a", "b"}  # the first max_num_seqs waiting requests
+    assert engine.scheduler.policy.prefill_first is False
+    while "a" in engine.groups:
+        engine.step()
+    assert ask(engine) == {"b"}  # a left; c does not join
+    while "b" in engine.groups:
+        engine.step()
+    assert ask(engine) == {"c"}  # the next batch
+
+
+def test_dynamic_formation_answers() -> None:
+    clock = FakeClock(0.0)
+    engine, _ = make_engine(policy="dynamic", clock=clock, dynamic_batch_size=2, dynamic_batch_window_s=1.0)
+    engine.add_request(req("a", 3))
+    assert ask(engine) == frozenset()  # 1 < 2 waiting, window open
+    clock.advance(1.0)
+    assert ask(engine) == {"a"}  # the oldest waited the whole window
+    engine2, _ = make_engine(policy="dynamic", clock=FakeClock(0.0), dynamic_batch_size=2)
+    engine2.add_request(req("a", 3))
+    engine2.add_request(req("b", 3))
+    assert ask(engine2) == {"a", "b"}  # size reached
+
+
+class OnlyB:
+    """A stand-in strategy: the scheduler must follow its answers."""
+
+    prefill_first = False
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def may_run(self, waiting: object, unfinished: object) -> frozenset[str] | None:
+        self.asked += 1
+        return frozenset({"b"})
+
+
+def test_scheduler_follows_the_policy_answers() -> None:
+    engine, ex = make_engine()
+    policy = engine.scheduler.policy = OnlyB()  # type: ignore[assignment]
+    engine.add_request(req("a", 4, max_tokens=2))
+    engine.add_request(req("b", 4, max_tokens=2))
+    engine.step()
+    engine.step()
+    assert [set(sched(c)) for c in ex.calls] == [{"b"}, {"b"}]
+    assert policy.asked == 2 and "a" in engine.groups and "b" not in engine.groups

@@ -10,8 +10,8 @@ from types import ModuleType
 
 import pytest
 import torch
-from cbserve.worker.cpu_kernels import CpuKernels
-from cbserve.worker.cpu_native import load_cpu_kernels
+from cbserve.worker.cpu.kernels import CpuKernels
+from cbserve.worker.cpu.native import load_cpu_kernels
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -29,9 +29,9 @@ def kernels() -> CpuKernels:
 
 @pytest.fixture(scope="session")
 def triton_kernels_module() -> ModuleType:
-    """cbserve's Triton kernels module. Without CUDA it must run interpreted, which needs TRITON_INTERPRET=1
-    *before triton is first imported* in this process (triton's own tl.* helpers are decorated at import);
-    the module is re-imported if it was first imported without it."""
+    """cbserve's Triton launchers module. Without CUDA the kernels must run interpreted, which needs
+    TRITON_INTERPRET=1 *before triton is first imported* in this process (triton's own tl.* helpers are
+    decorated at import); the kernels module is re-imported if it was first imported without it."""
     pytest.importorskip("triton")
     from cbserve.worker.attention import triton_kernels
 
@@ -42,6 +42,8 @@ def triton_kernels_module() -> ModuleType:
 
     if not isinstance(tl.max, InterpretedFunction):
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process")
-    if not isinstance(triton_kernels._prefill_kernel, InterpretedFunction):
-        triton_kernels = importlib.reload(triton_kernels)  # the backend looks kernels up on the module
+    from cbserve.worker.attention import triton_jit
+
+    if not isinstance(triton_jit._prefill_kernel, InterpretedFunction):
+        importlib.reload(triton_jit)  # the launchers look kernels up on the module at each launch
     return triton_kernels

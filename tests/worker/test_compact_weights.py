@@ -10,18 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cbserve.worker import cpu_native
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.cpu_kernels import CpuKernels, is_bfloat16_exact
-from cbserve.worker.cpu_linear import NativeWeight, make_packed_weight
-from cbserve.worker.gguf_blocks import (
+from cbserve.worker.cpu import native as cpu_native
+from cbserve.worker.cpu.gguf_blocks import (
     BLOCKS_FILE,
     QuantBlocks,
     extract_gguf_blocks,
     load_gguf_blocks,
     save_gguf_blocks,
 )
-from cbserve.worker.model_loader import default_model_path, resolve_model
+from cbserve.worker.cpu.kernels import CpuKernels, is_bfloat16_exact
+from cbserve.worker.cpu.linear import NativeWeight, make_packed_weight
+from cbserve.worker.model_info import default_model_path
+from cbserve.worker.model_loader import resolve_model
 from cbserve.worker.model_runner import ModelRunner
 from safetensors.torch import load_file
 from worker_testlib import make_tiny_model

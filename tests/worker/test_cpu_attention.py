@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from cbserve.worker import cpu_native
 from cbserve.worker.attention import CpuAttentionBackend, TorchAttentionBackend, get_attention_backend
 from cbserve.worker.attention.cpu_backend import row_args
-from cbserve.worker.cpu_native import KernelLoad, load_cpu_kernels
+from cbserve.worker.cpu import native as cpu_native
+from cbserve.worker.cpu.native import KernelLoad, load_cpu_kernels
 from worker_testlib import fused_qkv, paged_metadata
 
 HAVE_CC = cpu_native._compiler() is not None
@@ -59,12 +59,12 @@ def test_long_prefill_contexts_go_to_sdpa_and_decodes_stay_on_the_kernel() -> No
     decodes of the same step by the kernel; such a step has no per-token rows, so the model's one-call
     layer driver leaves it to the modules."""
     from cbserve.worker.attention.cpu_backend import ROWS_MAX_PREFILL_CONTEXT
-    from cbserve.worker.cpu_layers import NativeLayers
+    from cbserve.worker.cpu.layers import NativeLayers
 
     ctx_q = [(40, 1), (300, 1), (ROWS_MAX_PREFILL_CONTEXT - 60, 100), (0, 12)]
     md = paged_metadata(ctx_q, 16, 80, torch.Generator().manual_seed(0))
     CpuAttentionBackend(9, 3, 64, 0.125).prepare(md)
-    assert "cpu_rows" not in md.extras and md.extras["cpu_decode_rows"].seq_lens.tolist() == [41, 301]
+    assert md.prepared.prefill is not None and md.prepared.rows.seq_lens.tolist() == [41, 301]
     assert not NativeLayers.applies(int(md.query_start_loc[-1]), md)
     out_c, out_t = _run_both(ctx_q, 9, 3, 64, 16, seed=5)
     torch.testing.assert_close(out_c, out_t, atol=2e-5, rtol=1e-5)

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker import cpu_native
 from cbserve.worker.attention.torch_backend import _GatherBuffer
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.cpu_linear import pack_weight, packed_linear, packing_supported
-from cbserve.worker.cpu_malloc import tune_malloc_for_cpu_inference
+from cbserve.worker.cpu import native as cpu_native
+from cbserve.worker.cpu.linear import onednn_bf16_supported, pack_weight, packed_linear, packing_supported
+from cbserve.worker.cpu.malloc import tune_malloc_for_cpu_inference
 from cbserve.worker.input_batch import RequestState, build_batch
 from cbserve.worker.layers import ColumnParallelLinear, RowParallelLinear
 from cbserve.worker.model_runner import ModelRunner
@@ -40,6 +40,11 @@ def test_packed_linear_matches_f_linear(rows: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     w, b = torch.randn(96, 80, dtype=dtype), torch.randn(96, dtype=dtype)
     x = torch.randn(rows, 80, dtype=dtype)
+    if dtype == torch.bfloat16 and not onednn_bf16_supported():  # e.g. an AVX2-only CPU: refused, not crashed
+        assert packing_supported(w) is False
+        with pytest.raises(ValueError, match="cannot pack"):
+            pack_weight(w)
+        return
     packed = pack_weight(w)
     assert packed.is_mkldnn
     tol = 1e-4 if dtype == torch.float32 else 0.25

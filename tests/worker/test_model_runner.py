@@ -13,7 +13,7 @@ from cbserve.worker.attention import get_attention_backend
 from cbserve.worker.attention.cpu_backend import CpuAttentionBackend
 from cbserve.worker.attention.torch_backend import TorchAttentionBackend
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.cpu_native import load_cpu_kernels
+from cbserve.worker.cpu.native import load_cpu_kernels
 from cbserve.worker.executor import LocalExecutor
 from cbserve.worker.kv_cache import copy_blocks
 from cbserve.worker.model_runner import ModelRunner

@@ -66,13 +66,12 @@ def test_padded_decode_rows_and_fixed_splits(backend_cls) -> None:
     """CUDA-graph style batch: padded rows (slot -1, seq_len 0) leave the cache alone and give zeros; a
     preset split count (as a graph runner sets it) is respected."""
     from cbserve.worker.attention import TorchAttentionBackend
-    from cbserve.worker.attention.triton_backend import NUM_SPLITS_KEY
 
     gen = torch.Generator().manual_seed(5)
     hq, hkv, d, bs = 4, 2, 64, 16
     ctx_q = [(30, 1), (0, 1), (47, 1)]
     md = _metadata(ctx_q, bs, 12, gen, pad_decodes=3)
-    md.extras[NUM_SPLITS_KEY] = 4
+    md.decode_num_splits = 4
     md_ref = _metadata(ctx_q, bs, 12, torch.Generator().manual_seed(5))
     k_cache = torch.randn(12, bs, hkv, d, generator=gen).to(DTYPE).to(DEVICE)
     v_cache = torch.randn(12, bs, hkv, d, generator=gen).to(DTYPE).to(DEVICE)
@@ -80,7 +79,7 @@ def test_padded_decode_rows_and_fixed_splits(backend_cls) -> None:
     be = backend_cls(hq, hkv, d, d ** -0.5)
     cache = (k_cache.clone(), v_cache.clone())
     out = be.forward(q, k, v, cache, md)
-    assert md.extras[NUM_SPLITS_KEY] == 4
+    assert md.prepared.num_splits == 4
     ref_cache = (k_cache.clone(), v_cache.clone())
     ref = TorchAttentionBackend(hq, hkv, d, d ** -0.5).forward(q[:3], k[:3], v[:3], ref_cache, md_ref)
     assert torch.equal(cache[0], ref_cache[0]) and torch.equal(cache[1], ref_cache[1])

@@ -55,9 +55,9 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cbserve.worker.attention import triton_kernels
+from cbserve.worker.attention import triton_jit
 for name, types, consts in json.loads(sys.argv[1]):
-    fn = getattr(triton_kernels, name)
+    fn = getattr(triton_jit, name)
     if set(types) | set(consts) != set(fn.arg_names):
         sys.exit(f"{name}: test signature out of date with the kernel {fn.arg_names}")
     sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}

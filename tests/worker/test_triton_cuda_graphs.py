@@ -43,10 +43,9 @@ class _EagerReplay:
         self.out.copy_(self.fn())
 
 
-class _CPUGraphs(DecodeCUDAGraphs):
-    def _capture_one(self, b, md, pool):
-        out = self._forward(b, md)
-        return _EagerReplay(lambda: self._forward(b, md), out), out
+def _eager_capture(forward, pool):
+    out = forward()
+    return _EagerReplay(forward, out), out
 
 
 def _tiny_model(backend):
@@ -98,9 +97,9 @@ def test_padded_replay_matches_eager(backend) -> None:
     cache = [(torch.randn(num_blocks, BS, HKV, D, generator=gen).to(DTYPE).to(DEVICE),
               torch.randn(num_blocks, BS, HKV, D, generator=gen).to(DTYPE).to(DEVICE))]
     eager_cache = [(cache[0][0].clone(), cache[0][1].clone())]
-    cls = DecodeCUDAGraphs if CUDA else _CPUGraphs
-    graphs = cls(model, cache, max_batch=8, max_model_len=max_len, block_size=BS, num_kv_heads=HKV,
-                 prepare=backend.prepare, device=DEVICE, sizes=[1, 4, 8])
+    kw = {} if CUDA else {"capture": _eager_capture}
+    graphs = DecodeCUDAGraphs(model, cache, max_batch=8, max_model_len=max_len, block_size=BS,
+                              prepare=backend.prepare, device=DEVICE, sizes=[1, 4, 8], **kw)
     graphs.capture()
     assert torch.equal(cache[0][0], eager_cache[0][0]), "capture must not write the KV cache"
     steps = [  # (seq_lens, block tables): 5 decodes (bucket 8), then 3 (bucket 4), then 6 (bucket 8)
@@ -122,7 +121,7 @@ def test_padded_replay_matches_eager(backend) -> None:
 
 def test_can_run_rejects_prefill_and_oversize(backend) -> None:
     graphs = DecodeCUDAGraphs(_tiny_model(backend), [], max_batch=4, max_model_len=64, block_size=BS,
-                              num_kv_heads=HKV, prepare=backend.prepare, device=DEVICE, sizes=[1, 4])
+                              prepare=backend.prepare, device=DEVICE, sizes=[1, 4])
     md = _decode_md([3, 4], [[0], [1]])
     assert not graphs.can_run(2, md)  # nothing captured yet
     graphs._replays[4] = (None, None)

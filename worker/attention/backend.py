@@ -1,5 +1,10 @@
 """The attention backend interface and the per-iteration metadata every backend receives.
 
+Each backend turns the metadata into what its kernels need once per step, in ``prepare()`` (the model
+runner calls it on layer 0's backend before the forward pass); the result, a small dataclass of the
+backend's own (``TorchPrepared``, ``CpuPrepared``, ``TritonPrepared``, ``FlashPrepared``, all
+``PreparedAttention``), is stored in ``metadata.prepared`` and read by every layer.
+
 The model runner orders the requests of an iteration decode-first: the first ``num_decodes`` requests
 have exactly one query token each (rows ``0..num_decodes-1`` of the flattened batch); the rest are
 prefill chunks (any number of query tokens, possibly continuing a prefix already in the cache).
@@ -9,11 +14,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+@dataclass
+class PreparedAttention:
+    """Base of the per-step data a backend's ``prepare()`` computes once for all layers."""
 
 
 @dataclass
@@ -31,8 +40,11 @@ class AttentionMetadata:
     # Host-side copies for backends that loop in Python (no device sync needed).
     query_lens_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
-    # Backend-specific precomputed tensors (filled by AttentionBackend.prepare).
-    extras: dict[str, Any] = field(default_factory=dict)
+    # The decode kernel's split count, fixed by a CUDA-graph runner for the life of a captured graph (the
+    # Triton backend's launch constant); None: the backend picks it per step.
+    decode_num_splits: int | None = None
+    # What the backend's prepare() computed for this step (its own PreparedAttention subclass).
+    prepared: PreparedAttention | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -55,8 +67,10 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = scale
 
-    def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
-        """Precompute per-iteration tensors into ``metadata.extras`` (once per step, not per layer)."""
+    @abstractmethod
+    def prepare(self, metadata: AttentionMetadata) -> PreparedAttention:
+        """Compute this step's per-iteration data (once per step, not per layer), store it in
+        ``metadata.prepared`` and return it."""
 
     @abstractmethod
     def forward(

@@ -4,7 +4,7 @@ The kernel takes one query row at a time with its own block table and context le
 context's keys and values in place: no gather, no padding, no mask. A decode request is one such row. A
 prefill chunk is one row per token: the token at position p attends to the cached keys 0..p, which is
 causal attention, the chunk's own keys having been written to the cache first. So one kernel call covers
-a whole step, decodes and prefill chunks alike (the model's one-call layer driver, ``../cpu_layers.py``,
+a whole step, decodes and prefill chunks alike (the model's one-call layer driver, ``../cpu/layers.py``,
 relies on this). On a prefill step of 14 fresh prompts (1,097 tokens, SmolLM2's 9 query and 3 kv heads of
 64) it took 2.2 ms a layer against 5.4 ms for the torch backend's per-request SDPA, on 2 cores. But each row
 reads its whole context, so long contexts favour SDPA's blocked kernel (a 1,024-token prompt: a tie; 2,048:
@@ -13,7 +13,7 @@ prefill chunks with torch and only its decodes with the kernel (and runs layer b
 
 Tensors other than float32 take the torch path, which stays the reference this one is tested against. The
 selector picks this backend for ``attention_backend="auto"`` on CPU when the kernels build (see
-``../cpu_native.py``).
+``../cpu/native.py``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cpu_kernels import CpuKernels
-from ..cpu_native import load_cpu_kernels
-from .backend import AttentionMetadata, KVCache, write_kv_cache
-from .torch_backend import TorchAttentionBackend, _prefill_chunks
+from ..cpu.kernels import CpuKernels
+from ..cpu.native import load_cpu_kernels
+from .backend import AttentionMetadata, KVCache, PreparedAttention, write_kv_cache
+from .torch_backend import TorchAttentionBackend, TorchPrepared, _prefill_chunks
 
 # Longest prefill context (tokens) attended as kernel rows; longer ones go to torch's SDPA (see above).
 ROWS_MAX_PREFILL_CONTEXT = 768
@@ -61,6 +61,18 @@ def row_args(md: AttentionMetadata) -> RowArgs:
     return RowArgs(tables.contiguous(), seq.to(torch.int32).contiguous(), md.max_seq_len)
 
 
+@dataclass
+class CpuPrepared(PreparedAttention):
+    """A step for the CPU backend: the kernel's rows, one per query token, or, when a prefill context is too
+    long for rows, the decodes' rows alone and torch's plan for the prefill chunks (``prefill``).
+    ``fallback`` is torch's plan for the whole step, made when a layer gets tensors the kernel does not take
+    (not float32)."""
+
+    rows: RowArgs
+    prefill: TorchPrepared | None = None  # None: ``rows`` cover every token of the step
+    fallback: TorchPrepared | None = None
+
+
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
@@ -68,14 +80,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self._kernels = require_cpu_kernels()
 
-    def prepare(self, metadata: AttentionMetadata) -> None:
-        md = metadata
+    def prepare(self, metadata: AttentionMetadata) -> PreparedAttention:
+        metadata.prepared = self.cpu_prepared(metadata)
+        return metadata.prepared
+
+    def cpu_prepared(self, md: AttentionMetadata) -> CpuPrepared:
         if max(md.seq_lens_cpu[md.num_decodes:], default=0) <= ROWS_MAX_PREFILL_CONTEXT:
-            md.extras["cpu_rows"] = row_args(md)
-        else:  # long prefill contexts: those chunks through torch's SDPA
-            md.extras["cpu_decode_rows"] = decode_row_args(md)
-            md.extras["torch_prefill"] = _prefill_chunks(md)
-            md.extras["torch_buffer"] = self._buffer
+            return CpuPrepared(row_args(md))
+        # long prefill contexts: those chunks through torch's SDPA
+        return CpuPrepared(decode_row_args(md), TorchPrepared([], _prefill_chunks(md), self._buffer))
 
     def forward(
         self,
@@ -86,26 +99,24 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         md = metadata
+        p = md.prepared
+        if not isinstance(p, CpuPrepared):
+            p = md.prepared = self.cpu_prepared(md)
         if q.dtype != torch.float32 or q.device.type != "cpu" or kv_cache[0].dtype != torch.float32:
-            if "torch_decode" not in md.extras:
-                TorchAttentionBackend.prepare(self, md)
-            return super().forward(q, k, v, kv_cache, md)
-        if "cpu_rows" not in md.extras and "cpu_decode_rows" not in md.extras:
-            self.prepare(md)
+            if p.fallback is None:
+                p.fallback = self.torch_prepared(md)
+            return self.attend(q, k, v, kv_cache, md, p.fallback)
         write_kv_cache(k, v, kv_cache, md.slot_mapping)
         rows = q if q.stride(1) == q.shape[2] and q.stride(2) == 1 else q.contiguous()
         out = torch.empty_like(rows)
-        args: RowArgs | None = md.extras.get("cpu_rows")
-        if args is None:  # decodes on the kernel, prefill chunks on torch
-            args = md.extras["cpu_decode_rows"]
-            for chunk in md.extras["torch_prefill"]:
-                self._prefill(q, k, v, kv_cache, chunk, out, md.extras["torch_buffer"])
+        out_rows = out
+        if p.prefill is not None:  # decodes on the kernel, prefill chunks on torch
+            for chunk in p.prefill.prefill:
+                self._prefill(q, k, v, kv_cache, chunk, out, p.prefill.buffer)
             rows, out_rows = rows[: md.num_decodes], out[: md.num_decodes]
-        else:
-            out_rows = out
         if rows.shape[0]:
-            self._kernels.paged_decode(rows, out_rows, kv_cache[0], kv_cache[1], args.block_tables, args.seq_lens,
-                                       args.max_seq_len, self.scale)
+            self._kernels.paged_decode(rows, out_rows, kv_cache[0], kv_cache[1], p.rows.block_tables,
+                                       p.rows.seq_lens, p.rows.max_seq_len, self.scale)
         return out
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .backend import AttentionBackend, AttentionMetadata, KVCache
+from .backend import AttentionBackend, AttentionMetadata, KVCache, PreparedAttention
 
 _CANDIDATES = ("vllm_flash_attn", "flash_attn")
 _PROBE_BLOCK_SIZE = 16
@@ -93,29 +93,46 @@ def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping:
                                   slot_mapping)
 
 
+@dataclass
+class FlashPrepared(PreparedAttention):
+    """The prefill chunks of a step for ``flash_attn_varlen_func`` (all None without prefill chunks): query
+    and key offsets (cumulative lengths) and the longest query and key."""
+
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+    max_q: int = 0
+    max_k: int = 0
+
+
 class FlashAttentionBackend(AttentionBackend):
     name = "flash"
     supports_cuda_graphs = True
 
-    def prepare(self, metadata: AttentionMetadata) -> None:
-        md = metadata
+    def prepare(self, metadata: AttentionMetadata) -> PreparedAttention:
+        metadata.prepared = self._prepared(metadata)
+        return metadata.prepared
+
+    @staticmethod
+    def _prepared(md: AttentionMetadata) -> FlashPrepared:
         nd = md.num_decodes
-        if md.seq_lens.shape[0] > nd:
-            seq = md.seq_lens[nd:]
-            md.extras["flash_cu_k"] = F.pad(seq.cumsum(0, dtype=torch.int32), (1, 0))
-            md.extras["flash_cu_q"] = md.query_start_loc[nd:] - nd
-            q_lens, s_lens = md.query_lens_cpu[nd:], md.seq_lens_cpu[nd:]
-            md.extras["flash_max_q"] = max(q_lens) if q_lens else md.max_query_len
-            md.extras["flash_max_k"] = max(s_lens) if s_lens else md.max_seq_len
-        md.extras["flash_prepared"] = True
+        if md.seq_lens.shape[0] <= nd:
+            return FlashPrepared()
+        q_lens, s_lens = md.query_lens_cpu[nd:], md.seq_lens_cpu[nd:]
+        return FlashPrepared(
+            cu_q=md.query_start_loc[nd:] - nd,
+            cu_k=F.pad(md.seq_lens[nd:].cumsum(0, dtype=torch.int32), (1, 0)),
+            max_q=max(q_lens) if q_lens else md.max_query_len,
+            max_k=max(s_lens) if s_lens else md.max_seq_len,
+        )
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         md = metadata
-        if "flash_prepared" not in md.extras:
-            self.prepare(md)
+        p = md.prepared
+        if not isinstance(p, FlashPrepared):
+            p = md.prepared = self._prepared(md)
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"flash-attn needs float16/bfloat16 activations, got {q.dtype}")
         _write_kv(k, v, kv_cache, md.slot_mapping)
@@ -126,10 +143,9 @@ class FlashAttentionBackend(AttentionBackend):
             o = _OPS.with_kvcache(q[:nd].unsqueeze(1), k_cache, v_cache, cache_seqlens=md.seq_lens[:nd],
                                   block_table=md.block_tables[:nd], softmax_scale=self.scale, causal=True)
             out[:nd] = _first(o).squeeze(1)
-        if "flash_cu_k" in md.extras:
-            o = _OPS.varlen(q=q[nd:], k=k_cache, v=v_cache, cu_seqlens_q=md.extras["flash_cu_q"],
-                            cu_seqlens_k=md.extras["flash_cu_k"], max_seqlen_q=md.extras["flash_max_q"],
-                            max_seqlen_k=md.extras["flash_max_k"], softmax_scale=self.scale, causal=True,
+        if p.cu_k is not None:
+            o = _OPS.varlen(q=q[nd:], k=k_cache, v=v_cache, cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k,
+                            max_seqlen_q=p.max_q, max_seqlen_k=p.max_k, softmax_scale=self.scale, causal=True,
                             block_table=md.block_tables[nd:])
             out[nd:] = _first(o)
         return out

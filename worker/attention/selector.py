@@ -1,5 +1,5 @@
 """Pick an attention backend by name. "triton" and "flash" are imported lazily, only when asked for; "cpu"
-compiles cbserve's C kernels on first use (../cpu_native.py)."""
+compiles cbserve's C kernels on first use (../cpu/native.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from ..cpu_native import load_cpu_kernels
+from ..cpu.native import load_cpu_kernels
 from .backend import AttentionBackend
 from .cpu_backend import CpuAttentionBackend
 from .torch_backend import TorchAttentionBackend
@@ -33,7 +33,7 @@ def get_attention_backend(
 ) -> type[AttentionBackend]:
     """The backend class for ``name`` ("auto" | "torch" | "cpu" | "triton" | "flash") on ``device``.
 
-    "auto" picks cpu on CPU when ``native_cpu`` (the model runs on cbserve's C kernels, see cpu_ops.py) and
+    "auto" picks cpu on CPU when ``native_cpu`` (the model runs on cbserve's C kernels, see cpu/ops.py) and
     the kernels build, else torch; on CUDA it tries triton, then flash,
     and falls back to torch. Asking for "cpu"/"triton"/"flash" explicitly raises ValueError when it cannot
     be used.

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .backend import AttentionBackend, AttentionMetadata, KVCache, write_kv_cache
+from .backend import AttentionBackend, AttentionMetadata, KVCache, PreparedAttention, write_kv_cache
 
 # Decode requests are split into groups of similar context length when that saves this much padding.
 _MIN_GROUP = 8
@@ -117,6 +117,16 @@ def _prefill_chunks(md: AttentionMetadata) -> list[_PrefillChunk]:
     return chunks
 
 
+@dataclass
+class TorchPrepared(PreparedAttention):
+    """A step for the torch backend: its decodes in groups of similar length, its prefill chunks, and the
+    scratch buffer every layer gathers cache blocks into."""
+
+    decode: list[_DecodeGroup]
+    prefill: list[_PrefillChunk]
+    buffer: _GatherBuffer
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -124,10 +134,12 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self._buffer = _GatherBuffer()  # only the instance that prepares a step (layer 0) lends its buffer
 
-    def prepare(self, metadata: AttentionMetadata) -> None:
-        metadata.extras["torch_decode"] = _decode_groups(metadata)
-        metadata.extras["torch_prefill"] = _prefill_chunks(metadata)
-        metadata.extras["torch_buffer"] = self._buffer
+    def prepare(self, metadata: AttentionMetadata) -> PreparedAttention:
+        metadata.prepared = self.torch_prepared(metadata)
+        return metadata.prepared
+
+    def torch_prepared(self, metadata: AttentionMetadata) -> TorchPrepared:
+        return TorchPrepared(_decode_groups(metadata), _prefill_chunks(metadata), self._buffer)
 
     def forward(
         self,
@@ -137,24 +149,23 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        if "torch_prefill" not in metadata.extras:
-            self.prepare(metadata)
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        out = torch.empty_like(q)
-        if metadata.num_decodes:
-            self._attend_decodes(q, kv_cache, metadata, out)
-        buffer = metadata.extras["torch_buffer"]
-        for chunk in metadata.extras["torch_prefill"]:
-            self._prefill(q, k, v, kv_cache, chunk, out, buffer)
-        return out
+        p = metadata.prepared
+        if not isinstance(p, TorchPrepared):
+            p = metadata.prepared = self.torch_prepared(metadata)
+        return self.attend(q, k, v, kv_cache, metadata, p)
 
-    def _attend_decodes(self, q: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata, out: torch.Tensor) -> None:
-        """Rows ``0..num_decodes-1`` of ``out``: one query token per request, over its cached context."""
-        groups = md.extras.get("torch_decode")
-        if groups is None:  # a subclass's prepare() left them out
-            groups = md.extras["torch_decode"] = _decode_groups(md)
-        for group in groups:
-            self._decode(q, kv_cache, group, out, md.extras["torch_buffer"])
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata,
+        p: TorchPrepared,
+    ) -> torch.Tensor:
+        """Write k/v into the cache, then attend every request of ``p`` with SDPA."""
+        write_kv_cache(k, v, kv_cache, md.slot_mapping)
+        out = torch.empty_like(q)
+        for group in p.decode:
+            self._decode(q, kv_cache, group, out, p.buffer)
+        for chunk in p.prefill:
+            self._prefill(q, k, v, kv_cache, chunk, out, p.buffer)
+        return out
 
     def _decode(
         self, q: torch.Tensor, kv_cache: KVCache, g: _DecodeGroup, out: torch.Tensor, buffer: _GatherBuffer

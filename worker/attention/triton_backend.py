@@ -6,18 +6,19 @@ prefill kernel reads query rows at absolute offsets ``query_start_loc[r]``, so t
 batch needs no re-basing: it gets views of the metadata tensors past the decodes.
 
 The split count of the decode kernel is a launch constant. A CUDA-graph runner must fix it for the life of
-a captured graph: it sets ``metadata.extras["decode_num_splits"]`` before capture (see worker/cuda_graphs.py);
+a captured graph: it sets ``metadata.decode_num_splits`` before capture (see worker/cuda_graphs.py);
 otherwise it is chosen per iteration from the batch size and the longest decode context.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import triton_kernels
-from .backend import AttentionBackend, AttentionMetadata, KVCache
+from .backend import AttentionBackend, AttentionMetadata, KVCache, PreparedAttention
 
-NUM_SPLITS_KEY = "decode_num_splits"
 _DEFAULT_NUM_SMS = 132  # H100 SXM; only used for the split heuristic off-GPU (interpreter tests)
 
 
@@ -31,23 +32,35 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+@dataclass
+class TritonPrepared(PreparedAttention):
+    """A step for the Triton kernels: the decode kernel's split count (None without decodes) and the longest
+    prefill chunk (None without prefill chunks)."""
+
+    num_splits: int | None
+    prefill_max_q: int | None
+
+
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True  # decode launches are shape-stable given a fixed split count
 
-    def prepare(self, metadata: AttentionMetadata) -> None:
-        md = metadata
+    def prepare(self, metadata: AttentionMetadata) -> PreparedAttention:
+        metadata.prepared = self._prepared(metadata)
+        return metadata.prepared
+
+    def _prepared(self, md: AttentionMetadata) -> TritonPrepared:
         nd = md.num_decodes
-        ex = md.extras
-        if nd and NUM_SPLITS_KEY not in ex:
+        splits = md.decode_num_splits
+        if nd and splits is None:
             max_decode_len = max(md.seq_lens_cpu[:nd]) if md.seq_lens_cpu else md.max_seq_len
-            ex[NUM_SPLITS_KEY] = triton_kernels.default_num_splits(
-                nd, self.num_kv_heads, max_decode_len, num_sms(md.seq_lens.device)
-            )
+            splits = triton_kernels.default_num_splits(nd, self.num_kv_heads, max_decode_len,
+                                                       num_sms(md.seq_lens.device))
+        max_q = None
         if md.seq_lens.shape[0] > nd:  # prefill chunks follow the decodes
             lens = md.query_lens_cpu[nd:]
-            ex["triton_prefill_max_q"] = max(lens) if lens else md.max_query_len
-        ex["triton_prepared"] = True
+            max_q = max(lens) if lens else md.max_query_len
+        return TritonPrepared(splits if nd else None, max_q)
 
     def forward(
         self,
@@ -58,8 +71,9 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         md = metadata
-        if "triton_prepared" not in md.extras:
-            self.prepare(md)
+        p = md.prepared
+        if not isinstance(p, TritonPrepared):
+            p = md.prepared = self._prepared(md)
         k_cache, v_cache = kv_cache
         q = _last_dim_contiguous(q)
         triton_kernels.write_kv_cache(
@@ -67,18 +81,18 @@ class TritonAttentionBackend(AttentionBackend):
         )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = md.num_decodes
-        if nd:
+        if p.num_splits is not None:
             triton_kernels.decode_attention(
                 q[:nd],
                 k_cache,
                 v_cache,
                 md.block_tables[:nd],
                 md.seq_lens[:nd],
-                md.extras[NUM_SPLITS_KEY],
+                p.num_splits,
                 self.scale,
                 out=out[:nd],
             )
-        if "triton_prefill_max_q" in md.extras:
+        if p.prefill_max_q is not None:
             triton_kernels.prefill_attention(
                 q,
                 k_cache,
@@ -86,7 +100,7 @@ class TritonAttentionBackend(AttentionBackend):
                 md.block_tables[nd:],
                 md.query_start_loc[nd:],
                 md.seq_lens[nd:],
-                md.extras["triton_prefill_max_q"],
+                p.prefill_max_q,
                 self.scale,
                 out=out,
             )

@@ -1,0 +1,95 @@
+"""Run a throw-away cbserve deployment for benchmarks and tests: ``cbserve serve`` in a child process that
+starts its own local Ray instance (``--ray-address local``, never joins another) and serves the config
+``app_args`` on a free port of 127.0.0.1; it is stopped (Ctrl-C: Serve, then Ray, shut down) on leaving.
+This module never imports Ray: the child does.
+
+    with local_deployment({"policy": "static", "max_num_seqs": 8}) as base_url:
+        ...  # send requests to base_url
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``GET /health`` until it answers 200 (or raise TimeoutError / RuntimeError if the child died)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the deployment process exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url} not healthy after {timeout_s:.0f}s")
+
+
+@contextlib.contextmanager
+def local_deployment(app_args: dict[str, Any], timeout_s: float = 600.0,
+                     log_path: str | os.PathLike[str] | None = None) -> Iterator[str]:
+    """Deploy cbserve with ``app_args`` (CBServeConfig fields) in a child process; yield its base URL.
+    The child's output goes to ``log_path`` (appended) when given."""
+    port = int(app_args.get("port") or 0) or free_port()
+    config = {k: v for k, v in app_args.items() if k not in ("host", "port")}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with tempfile.TemporaryDirectory(prefix="cbserve-deploy-") as tmp, contextlib.ExitStack() as stack:
+        config_file = Path(tmp) / "config.yaml"
+        config_file.write_text(json.dumps(config))  # JSON is YAML
+        log = stack.enter_context(open(log_path, "ab")) if log_path else subprocess.DEVNULL
+        proc = subprocess.Popen(
+            serve_command(config_file, port, timeout_s), stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, env=env,
+        )
+        try:
+            base_url = f"http://{HOST}:{port}"
+            wait_healthy(base_url, timeout_s, proc)
+            yield base_url
+        finally:
+            _stop(proc)
+
+
+def serve_command(config_file: str | os.PathLike[str], port: int, ready_timeout_s: float = 600.0) -> list[str]:
+    """The child's command line: ``cbserve serve`` on a new local Ray instance."""
+    return [
+        sys.executable, "-m", "cbserve.cluster.cli", "serve", "--ray-address", "local",
+        "--config", str(config_file), "--host", HOST, "--port", str(port),
+        "--ready-timeout", str(ready_timeout_s),
+    ]  # fmt: skip
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C (the child shuts Serve and Ray down and exits), then SIGTERM, then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    for grace_s, escalate in ((120, proc.terminate), (30, proc.kill)):
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            escalate()
+    proc.wait()

@@ -1,0 +1,204 @@
+"""Offline, in-process generation: ``from cbserve import LLM, SamplingParams``.
+
+``LLM(model=None, **engine_kwargs).generate(prompts, params)`` runs an EngineCore over a LocalExecutor in
+this process (no Ray). Prompts may be text, chat messages (a list of role/content dicts, rendered with the
+model's chat template) or token id lists, alone or in a list; outputs come back in input order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cbserve.scheduler import (
+    CacheConfig,
+    EngineConfig,
+    EngineCore,
+    SchedulerConfig,
+    tune_gc_for_serving,
+)
+from cbserve.scheduler.sampling_params import SamplingParams
+from tqdm.auto import tqdm
+
+from .model_files import read_model_files
+from .output import CompletionOutput, GenerateOutput, OutputProcessor
+from .tokenizer import apply_chat_template, load_tokenizer
+
+__all__ = ["LLM", "CompletionOutput", "GenerateOutput", "SamplingParams"]
+
+# CPU-friendly engine defaults (the offline benchmark's sweet spot on a small CPU).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
+DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_MAX_MODEL_LEN = 2048
+
+Messages = list[dict[str, Any]]
+PromptInput = str | list[int] | Messages
+
+
+class LLM:
+    """An in-process engine. Keyword arguments: ``dtype``, ``device``, ``max_model_len``, ``block_size``,
+    ``max_num_batched_tokens``, ``max_num_seqs``, ``kv_cache_memory_bytes``, ``num_kv_blocks``,
+    ``gpu_memory_utilization``, ``attention_backend``, ``enforce_eager``, ``cpu_ops``, ``cpu_compact_weights``,
+    ``seed``, ``enable_prefix_caching``, ``policy``, ``max_waiting``, ``progress``."""
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        from cbserve.worker.config import ModelConfig
+        from cbserve.worker.executor import LocalExecutor
+
+        kw = dict(engine_kwargs)
+        block_size = int(kw.pop("block_size", 16))
+        max_tokens_step = int(kw.pop("max_num_batched_tokens", None) or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        max_seqs = int(kw.pop("max_num_seqs", None) or DEFAULT_MAX_NUM_SEQS)
+        num_blocks = kw.pop("num_kv_blocks", None)
+        progress = bool(kw.pop("progress", True))
+        sched_kw = {k: kw.pop(k) for k in ("policy", "max_waiting", "ordering") if k in kw}
+        prefix_caching = bool(kw.pop("enable_prefix_caching", True))
+        model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        unknown = set(kw) - model_fields
+        if unknown:
+            raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
+        kw.setdefault("max_model_len", DEFAULT_MAX_MODEL_LEN)
+        self.model_config = ModelConfig(model=model, **kw)
+        self.executor = LocalExecutor(
+            self.model_config, block_size, max_tokens_step, max_seqs, num_blocks, progress
+        )
+        runner = self.executor.runner
+        self.tokenizer = load_tokenizer(runner.model_folder)
+        self.max_model_len = runner.max_model_len
+        self.eos_token_ids = list(read_model_files(runner.model_folder).eos_token_ids)
+        self.engine_config = EngineConfig(
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max(max_tokens_step, block_size),
+                max_num_seqs=max_seqs,
+                max_model_len=self.max_model_len,
+                **sched_kw,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=self.executor.num_blocks,
+                enable_prefix_caching=prefix_caching,
+            ),
+        )
+        self.engine = EngineCore(self.engine_config, self.executor)
+        self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self._finish_on_stop)
+        self._ids = itertools.count()
+        tune_gc_for_serving()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- public API ---------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[GenerateOutput]:
+        """Generate for one prompt or a list of prompts; returns one GenerateOutput per prompt, in order."""
+        plist = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(plist))
+        encoded = [self._encode(p) for p in plist]
+        return self._run(encoded, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[GenerateOutput]:
+        """Generate replies to one conversation or a list of conversations (chat template applied)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore
+        encoded = []
+        for conv in convs:
+            ids = apply_chat_template(self.tokenizer, conv, add_generation_prompt=add_generation_prompt)
+            encoded.append((self.tokenizer.decode(ids), ids))
+        return self._run(encoded, _as_params_list(sampling_params, len(convs)), use_tqdm)
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if prompt and isinstance(prompt[0], dict):
+            ids = apply_chat_template(self.tokenizer, prompt)  # type: ignore[arg-type]
+            return self.tokenizer.decode(ids), ids
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)  # type: ignore[arg-type]
+        raise TypeError(f"a prompt must be text, token ids or chat messages, got {type(prompt).__name__}")
+
+    def _run(
+        self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[GenerateOutput]:
+        req_ids = [f"llm-{next(self._ids)}" for _ in encoded]
+        progress = _Progress(len(encoded), use_tqdm)
+        try:
+            for req_id, (text, ids), sp in zip(req_ids, encoded, params, strict=True):
+                self.engine.add_request(self.processor.add_request(req_id, ids, sp, prompt=text))
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step().outputs:
+                    state = self.processor.requests.get(out.req_id)
+                    if state is not None and state.process(out) is not None and state.finished:
+                        progress.done(state.num_completion_tokens)
+        except BaseException:
+            for req_id in req_ids:
+                self.engine.abort_request(req_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        finally:
+            states = [self.processor.pop(r) for r in req_ids]
+            progress.close()
+        return [s.result for s in states if s is not None]
+
+    def _finish_on_stop(self, req_id: str, index: int) -> None:
+        """A stop string ended a sequence: the engine stops generating it."""
+        self.engine.finish_request(req_id, index, "stop")
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def __repr__(self) -> str:
+        return f"LLM(model={self.model_config.model!r}, max_model_len={self.max_model_len})"
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptInput]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes) or len(prompts) == 0:
+        raise TypeError("prompts must be a prompt or a non-empty list of prompts")
+    first = prompts[0]
+    if isinstance(first, (int, dict)):  # one token-id prompt or one conversation
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _as_params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams()] * n
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    sps = list(sp)
+    if len(sps) != n:
+        raise ValueError(f"got {len(sps)} sampling params for {n} prompts")
+    return sps
+
+
+class _Progress:
+    """The tqdm bar of one generate() call: finished prompts, with the output throughput."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = tqdm(total=total, desc="Generating", unit="req", disable=not enabled)
+        self.start = time.perf_counter()
+        self.num_output_tokens = 0
+
+    def done(self, num_output_tokens: int) -> None:
+        self.num_output_tokens += num_output_tokens
+        self.bar.update()
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{self.num_output_tokens / elapsed:.1f} output tok/s", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()

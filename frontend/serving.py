@@ -1,0 +1,220 @@
+"""The OpenAI request flow behind the ingress: validate and tokenize (``validation.py``), start one engine
+request per prompt through the output processor, and answer with a whole completion / chat completion or
+an SSE stream of chunks (``responses.py``). The engine is anything with ``generate`` and ``finish``
+(``cluster/engine_client.EngineClient`` in the server)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol, TypeVar
+
+from cbserve.scheduler.request import EngineRequest, RequestOutput
+from cbserve.scheduler.sampling_params import SamplingParams
+from pydantic import BaseModel
+
+from .output import OutputProcessor, RequestState, SeqDelta
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    UsageInfo,
+    new_id,
+)
+from .responses import ChatFormatter, CompletionFormatter, Formatter
+from .validation import RequestValidator, ServedModel
+
+T = TypeVar("T")
+Answer = BaseModel | AsyncIterator[str]  # a whole response, or the SSE lines of a stream
+
+
+class Engine(Protocol):
+    def generate(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
+        """Yields ``[]`` once the request is admitted (or raises APIError), then batches of outputs."""
+        ...
+
+    def finish(self, req_id: str, index: int) -> None:
+        """A stop string ended sequence ``index``: the engine stops generating it."""
+        ...
+
+
+class OpenAIServing:
+    def __init__(self, served: ServedModel, tokenizer: Any, engine: Engine, eos_token_ids: Sequence[int]) -> None:
+        self.served = served
+        self.tokenizer = tokenizer
+        self.engine = engine
+        self.validator = RequestValidator(served, tokenizer)
+        self.processor = OutputProcessor(tokenizer, eos_token_ids, engine.finish)
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest) -> Answer:
+        v = self.validator
+        v.check_model(req.model)
+        if req.logprobs is not None and req.logprobs < 0:
+            raise APIError(400, "logprobs must be >= 0", param="logprobs")
+        prompts = v.completion_prompts(req.prompt)
+        params = [v.sampling_params(req, len(p), req.max_tokens, req.logprobs) for p in prompts]
+        req_id = new_id("cmpl")
+        echo = [self.tokenizer.decode(p) if req.echo else "" for p in prompts]
+        fmt = CompletionFormatter(req_id, self.served.name, self.tokenizer, req.n, echo, req.logprobs)
+        return await self._run(req_id, prompts, params, req.stream, req.include_usage, fmt)
+
+    async def chat(self, req: ChatCompletionRequest) -> Answer:
+        v = self.validator
+        v.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prompt = v.chat_prompt(req.messages, req.add_generation_prompt)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = v.sampling_params(req, len(prompt), max_tokens, logprobs)
+        req_id = new_id("chatcmpl")
+        fmt = ChatFormatter(req_id, self.served.name, self.tokenizer, req.n, logprobs is not None)
+        return await self._run(req_id, [prompt], [params], req.stream, req.include_usage, fmt)
+
+    def models(self) -> ModelList:
+        return ModelList(data=[self.model_card()])
+
+    def model_card(self, model: str | None = None) -> ModelCard:
+        self.validator.check_model(model)
+        return ModelCard(id=self.served.name, max_model_len=self.served.max_model_len)
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.validator.check_model(req.model)
+        if req.messages is not None:
+            tokens = self.validator.chat_prompt(req.messages, req.add_generation_prompt)
+        elif req.prompt is not None:
+            tokens = list(self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        else:
+            raise APIError(400, "give 'prompt' or 'messages'", param="prompt")
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=self.served.max_model_len)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.validator.check_model(req.model)
+        vocab = len(self.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+    # ---- one request: n choices per prompt ----------------------------------------------------
+    async def _run(
+        self, req_id: str, prompts: list[list[int]], params: list[SamplingParams], stream: bool,
+        include_usage: bool, fmt: Formatter,
+    ) -> Answer:
+        gens: list[tuple[RequestState, AsyncIterator[list[RequestOutput]]]] = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+                rid = req_id if len(prompts) == 1 else f"{req_id}-{i}"
+                gens.append(await self._start(rid, prompt, sp, i * sp.n))
+        except BaseException:
+            for state, outputs in gens:
+                self.processor.pop(state.req_id)
+                await outputs.aclose()  # type: ignore[attr-defined]
+            raise
+        states = [state for state, _ in gens]
+        deltas = merge_streams([self._deltas(state, outputs) for state, outputs in gens])
+        if stream:
+            return self._sse(deltas, states, fmt, include_usage)
+        async for _ in deltas:
+            pass
+        return fmt.response([c for s in states for c in s.choices()], _usage(states))
+
+    async def _start(
+        self, req_id: str, prompt: list[int], sp: SamplingParams, choice_offset: int
+    ) -> tuple[RequestState, AsyncIterator[list[RequestOutput]]]:
+        """Send the request and wait until the engine admitted it (errors surface here, before any
+        response is committed)."""
+        request = self.processor.add_request(req_id, prompt, sp, choice_offset=choice_offset)
+        state = self.processor.requests[req_id]
+        outputs = self.engine.generate(request)
+        try:
+            await outputs.__anext__()  # admission: raises APIError (400 / 429 / 503)
+        except BaseException:
+            self.processor.pop(req_id)
+            raise
+        return state, outputs
+
+    async def _deltas(
+        self, state: RequestState, outputs: AsyncIterator[list[RequestOutput]]
+    ) -> AsyncIterator[list[SeqDelta]]:
+        """The request's outputs as per-choice deltas; ends when every sequence finished."""
+        try:
+            async for batch in outputs:
+                deltas = [d for out in batch if (d := state.process(out)) is not None]
+                if deltas:
+                    yield deltas
+                if state.finished:
+                    return
+        finally:
+            self.processor.pop(state.req_id)
+            await outputs.aclose()  # type: ignore[attr-defined]
+
+    async def _sse(
+        self, deltas: AsyncIterator[list[SeqDelta]], states: list[RequestState], fmt: Formatter,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
+        try:
+            for chunk in fmt.start_chunks():
+                yield sse_event(chunk)
+            async for batch in deltas:
+                for chunk in fmt.chunks(batch):
+                    yield sse_event(chunk)
+            if include_usage:
+                yield sse_event(fmt.usage_chunk(_usage(states)))
+        except APIError as e:
+            yield sse_event(e.body())
+        yield "data: [DONE]\n\n"
+
+
+def _usage(states: list[RequestState]) -> UsageInfo:
+    prompt = sum(s.num_prompt_tokens for s in states)
+    completion = sum(s.num_completion_tokens for s in states)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def sse_event(obj: BaseModel | dict[str, Any]) -> str:
+    data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """Items of several async iterators as they come (one iterator: passed through unchanged)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((0, item))
+            await queue.put((1, None))
+        except Exception as e:
+            await queue.put((2, e))
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            kind, value = await queue.get()
+            if kind == 2:
+                raise value
+            if kind == 1:
+                remaining -= 1
+            else:
+                yield value
+    finally:
+        for t in tasks:
+            t.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)

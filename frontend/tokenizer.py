@@ -1,0 +1,169 @@
+"""Tokenizer loading, chat templates and incremental (streaming) detokenization with stop strings."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Prompt tokens kept as left context so the first output token decodes with its leading space.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+# tokenizer_config.json classes that are plain ``tokenizer.json`` tokenizers: loaded without AutoTokenizer,
+# whose import pulls in torch (the ingress process never imports torch).
+_PLAIN_FAST_CLASSES = frozenset({None, "PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
+def load_tokenizer(model: str | Path | None = None) -> Any:
+    """The tokenizer (with its chat template) of ``model``: a folder (Path), or what ``model_folder`` takes
+    (None = bundled default, an HF folder or a GGUF file, whose tokenizer comes from its converted folder)."""
+    from .model_files import model_folder
+
+    folder = model if isinstance(model, Path) else model_folder(model)
+    if (folder / "tokenizer.json").exists() and _tokenizer_class(folder) in _PLAIN_FAST_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _tokenizer_class(folder: Path) -> str | None:
+    path = folder / "tokenizer_config.json"
+    try:
+        return json.loads(path.read_text()).get("tokenizer_class") if path.exists() else None
+    except (OSError, ValueError, AttributeError):
+        return "unknown"  # let AutoTokenizer read it (and say what is wrong)
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> list[int]:
+    """Render chat ``messages`` with the model's template and return the prompt token ids."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; send a plain prompt instead")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"chat messages need 'role' and 'content', got {m!r}")
+    text = tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class DetokenizerUpdate:
+    new_text: str  # text to emit now (may be "" while a partial character or stop string is pending)
+    stopped: bool = False  # a stop string was found; the output ends here
+    stop_str: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's output tokens into text, step by step.
+
+    Decodes a sliding window of tokens so that multi-byte characters split across tokens are emitted
+    only once complete, and watches for stop strings: text is held back while it could still be the
+    start of a stop string; when one appears the output is cut there (kept, with
+    ``include_stop_str_in_output``), and ``stopped`` is reported.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop_str_in_output
+        self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._num_context = len(self._ids)
+        self._text = ""  # decoded output text (complete characters)
+        self._emitted = 0  # chars of _text already returned
+        self.stopped = False
+        self.stop_reason: str | None = None  # the stop string that ended the output
+
+    @property
+    def text(self) -> str:
+        """All output text so far (cut at the stop string once stopped)."""
+        return self._text
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._ids[self._num_context :]
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, token_ids: Sequence[int]) -> DetokenizerUpdate:
+        """Feed newly generated token ids; returns the text that can be emitted now."""
+        if self.stopped:
+            return DetokenizerUpdate("", True)
+        self._ids.extend(token_ids)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self._text += full[len(prefix) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return self._check_stop(final=False)
+
+    def flush(self) -> str:
+        """At the end of the sequence: emit whatever is still held back (incomplete characters included)."""
+        if not self.stopped:
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
+            if len(full) > len(prefix):
+                self._text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset = len(self._ids)
+            update = self._check_stop(final=True)
+            return update.new_text
+        return ""
+
+    def _check_stop(self, final: bool) -> DetokenizerUpdate:
+        if self.stop:
+            # A new match can only start within the longest stop string's reach of the emitted text.
+            longest = max(len(s) for s in self.stop)
+            search_from = max(0, self._emitted - longest + 1)
+            hit = _find_first(self._text, self.stop, search_from)
+            if hit is not None:
+                pos, s = hit
+                self._text = self._text[: pos + len(s)] if self.include_stop else self._text[:pos]
+                self.stopped, self.stop_reason = True, s
+                new = self._text[self._emitted :]
+                self._emitted = len(self._text)
+                return DetokenizerUpdate(new, True, s)
+        end = len(self._text) if final else len(self._text) - self._pending_stop_prefix()
+        new = self._text[self._emitted : end] if end > self._emitted else ""
+        self._emitted = max(self._emitted, end)
+        return DetokenizerUpdate(new)
+
+    def _pending_stop_prefix(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self._text)), best, -1):
+                if self._text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+
+def _find_first(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    return best

@@ -1,0 +1,132 @@
+"""Request validation and prompt building for the OpenAI server: the body parsed into its protocol model,
+the model name checked, prompts turned into token ids (text, token ids within the vocabulary, chat
+messages through the chat template), lengths checked (``scheduler.limits``, the engine's own rule) and the
+request's SamplingParams built. Every problem is an APIError naming the field (HTTP 400, 404 for a model)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from cbserve.scheduler.errors import RequestRejectedError
+from cbserve.scheduler.limits import resolve_max_tokens
+from cbserve.scheduler.sampling_params import SamplingParams
+from pydantic import BaseModel, ValidationError
+
+from .protocol import APIError, ChatMessage, SamplingFields
+from .tokenizer import apply_chat_template
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What requests are checked against: the served name, the context length the engines use, the
+    largest n / best_of, and the vocabulary size (token-id prompts must stay inside it)."""
+
+    name: str
+    max_model_len: int
+    max_n: int
+    vocab_size: int
+
+
+def parse_body(model_cls: type[M], body: bytes) -> M:
+    """A JSON request body as ``model_cls``; malformed JSON or invalid fields are a 400 naming the field."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from e
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err.get("loc", ()))
+        raise APIError(400, f"{loc}: {err.get('msg')}", param=loc or None) from e
+
+
+class RequestValidator:
+    def __init__(self, served: ServedModel, tokenizer: Any) -> None:
+        self.served = served
+        self.tokenizer = tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served.name:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    # ---- prompts ------------------------------------------------------------------------------
+    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+        """A completion's ``prompt`` (text, token ids, or a list of either) as token-id prompts."""
+        if isinstance(prompt, str):
+            return [self.encode(prompt)]
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [self.checked_ids(prompt)]
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return [self.encode(p) if isinstance(p, str) else self.checked_ids(p) for p in prompt]
+
+    def checked_ids(self, ids: list[int]) -> list[int]:
+        """Token-id prompts must name tokens of the vocabulary (an out-of-range id would crash the forward)."""
+        vocab = self.served.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} in the prompt is outside the vocabulary [0, {vocab})", param="prompt")
+        return list(ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]) if text else []
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        try:
+            msgs = [{"role": m.role, "content": m.text()} for m in messages]
+            return apply_chat_template(self.tokenizer, msgs, add_generation_prompt=add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from e
+
+    # ---- sampling -----------------------------------------------------------------------------
+    def sampling_params(
+        self, req: SamplingFields, num_prompt: int, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        """The request's SamplingParams for a prompt of ``num_prompt`` tokens (an unset ``max_tokens``:
+        all the room left in the context)."""
+        try:
+            max_tokens = resolve_max_tokens(num_prompt, max_tokens, self.served.max_model_len)
+        except RequestRejectedError as e:
+            raise APIError(400, str(e), param=e.param) from e
+        if max(req.n, req.best_of or 0) > self.served.max_n:
+            raise APIError(400, f"n (and best_of) must be <= {self.served.max_n}", param="n")
+        if req.stream and req.best_of is not None and req.best_of > req.n:
+            raise APIError(400, "best_of > n cannot be streamed", param="best_of")
+        try:
+            return to_sampling_params(req, max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+
+def to_sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The OpenAI fields (None = OpenAI's default) as SamplingParams; ValueError on invalid values."""
+    stop = () if req.stop is None else ((req.stop,) if isinstance(req.stop, str) else tuple(req.stop))
+    return SamplingParams(
+        n=req.n,
+        best_of=req.best_of,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        use_beam_search=req.use_beam_search,
+        length_penalty=req.length_penalty,
+    )

@@ -1,0 +1,59 @@
+"""Tokenizer loading, chat template and incremental detokenization (bundled SmolLM2 tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+from cbserve.frontend.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():  # noqa: ANN201
+    return load_tokenizer(None)
+
+
+def _stream(tok, text: str, prompt: str = "", **kw) -> tuple[list[str], IncrementalDetokenizer]:  # noqa: ANN001
+    prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    d = IncrementalDetokenizer(tok, prompt_ids, **kw)
+    pieces = []
+    for t in ids:
+        upd = d.add_tokens([t])
+        pieces.append(upd.new_text)
+        if upd.stopped:
+            return pieces, d
+    pieces.append(d.flush())
+    return pieces, d
+
+
+@pytest.mark.parametrize(
+    "text", ["Hello world, how are you?", "naïve café — 日本語のテキスト 🤖🚀 done", " spaced  out\n\nlines"]
+)
+def test_streamed_text_equals_full_decode(tok, text: str) -> None:  # noqa: ANN001
+    pieces, d = _stream(tok, text, prompt="Say:")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert "".join(pieces) == tok.decode(ids) == d.text
+    assert all("\ufffd" not in p for p in pieces)  # partial UTF-8 is never emitted
+
+
+def test_stop_string_truncates_output(tok) -> None:  # noqa: ANN001
+    text = "One two three. STOP here and more text"
+    pieces, d = _stream(tok, text, stop=["STOP"])
+    assert d.stopped and "".join(pieces) == "One two three. " == d.text
+    pieces, d = _stream(tok, text, stop=["STOP", "two"], include_stop_str_in_output=True)
+    assert "".join(pieces) == "One two" == d.text
+
+
+def test_text_that_may_start_a_stop_string_is_held_back(tok) -> None:  # noqa: ANN001
+    ids = tok("abc xy", add_special_tokens=False)["input_ids"]
+    d = IncrementalDetokenizer(tok, [], stop=["xyz"])
+    emitted = "".join(d.add_tokens([t]).new_text for t in ids)
+    assert not emitted.endswith("xy") and not d.stopped
+    assert emitted + d.flush() == "abc xy"
+
+
+def test_chat_template_renders_a_prompt(tok) -> None:  # noqa: ANN001
+    ids = apply_chat_template(tok, [{"role": "user", "content": "Hi there"}])
+    text = tok.decode(ids)
+    assert "Hi there" in text and text.rstrip().endswith("assistant")
+    with pytest.raises(ValueError):
+        apply_chat_template(tok, [{"content": "no role"}])

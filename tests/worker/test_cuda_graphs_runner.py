@@ -1,0 +1,205 @@
+"""Decode CUDA graphs wired into ModelRunner, checked on CPU against a stand-in for the captured graph.
+
+The stand-in "capture" runs the forward once on the graph's static buffers and returns an object whose
+``replay()`` runs it again on the same buffers, as a CUDA graph would. The attention backend is the torch
+reference, made graph-safe the way the Triton kernels are: a decode-only step is read from its device
+tensors only (the host copies of a graph's static metadata hold worst-case values) and padded rows (slot
+-1, seq_len 0) write nothing and read nothing. A runner with graphs and one with ``enforce_eager`` get the
+same scheduler outputs and must sample the same tokens, with the same logprobs and KV cache contents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from cbserve.scheduler.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.worker import model_runner as model_runner_module
+from cbserve.worker.attention import AttentionMetadata, KVCache, TorchAttentionBackend
+from cbserve.worker.config import ModelConfig
+from cbserve.worker.cuda_graphs import PAD_SLOT, CaptureFn, maybe_capture_decode_graphs
+from cbserve.worker.model_runner import ModelRunner
+from worker_testlib import make_tiny_model
+
+BLOCK = 4
+BLOCKS_PER_REQ = 6
+MAX_SEQS = 8  # buckets 1, 2, 4, 8
+SP = SamplingParams(temperature=0.0, logprobs=2, max_tokens=None)
+
+
+class GraphSafeTorchBackend(TorchAttentionBackend):
+    """The torch reference backend, replayable from static buffers: see the module docstring."""
+
+    supports_cuda_graphs = True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        md = metadata
+        if md.num_decodes != md.seq_lens.shape[0]:  # prefill chunks: eager only, host fields are exact
+            return super().forward(q, k, v, kv_cache, md)
+        lens = md.seq_lens.tolist()
+        real = [i for i, n in enumerate(lens) if n > 0]
+        assert all(md.slot_mapping[i] == PAD_SLOT for i, n in enumerate(lens) if n == 0)
+        rows = torch.tensor(real, dtype=torch.long)
+        sub = AttentionMetadata(
+            slot_mapping=md.slot_mapping[rows], block_tables=md.block_tables[rows], seq_lens=md.seq_lens[rows],
+            query_start_loc=torch.arange(len(real) + 1, dtype=torch.int32), num_decodes=len(real),
+            max_query_len=1, max_seq_len=max(lens), block_size=md.block_size, query_lens_cpu=[1] * len(real),
+            seq_lens_cpu=[lens[i] for i in real],
+        )
+        out = torch.zeros_like(q)
+        out[rows] = super().forward(q[rows], k[rows], v[rows], kv_cache, sub)
+        return out
+
+
+@dataclass
+class StandInGraph:
+    """Replays ``forward`` eagerly into the output tensor captured with it; logs its bucket size."""
+
+    forward: Callable[[], torch.Tensor]
+    out: torch.Tensor
+    log: list[int]
+
+    def replay(self) -> None:
+        self.log.append(self.out.shape[0])
+        self.out.copy_(self.forward())
+
+
+def stand_in_capture(log: list[int]) -> CaptureFn:
+    def capture(forward: Callable[[], torch.Tensor], pool: object) -> tuple[StandInGraph, torch.Tensor]:
+        out = forward()
+        return StandInGraph(forward, out, log), out
+
+    return capture
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_graphs"), "llama_gqa")
+
+
+@pytest.fixture
+def graph_safe_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_runner_module, "get_attention_backend", lambda *a, **k: GraphSafeTorchBackend)
+
+
+def _runner(folder: Path, enforce_eager: bool, log: list[int]) -> ModelRunner:
+    cfg = ModelConfig(model=str(folder), cpu_ops="torch", enforce_eager=enforce_eager)
+    r = ModelRunner(cfg, BLOCK, max_num_batched_tokens=256, max_num_seqs=MAX_SEQS, progress=False)
+    r.init_kv_cache(64, capture=stand_in_capture(log))
+    return r
+
+
+@dataclass
+class Driver:
+    """Builds scheduler outputs for hand-written steps and feeds the sampled tokens back."""
+
+    prompts: dict[str, list[int]]
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    computed: dict[str, int] = field(default_factory=dict)
+    sent: dict[str, int] = field(default_factory=dict)  # tokens the worker knows
+
+    def schedule(self, rids: list[str]) -> SchedulerOutput:
+        new, cached, sched = [], [], {}
+        for rid in rids:
+            if rid not in self.tokens:
+                self.tokens[rid], self.computed[rid] = list(self.prompts[rid]), 0
+                first = (len(self.tokens) - 1) * BLOCKS_PER_REQ
+                blocks = list(range(first, first + BLOCKS_PER_REQ))
+                new.append(NewRequestData(rid, list(self.tokens[rid]), len(self.prompts[rid]), SP, blocks, 0))
+            else:
+                cached.append(CachedRequestData(rid, self.tokens[rid][self.sent[rid]:], [], self.computed[rid]))
+            self.sent[rid] = len(self.tokens[rid])
+            sched[rid] = len(self.tokens[rid]) - self.computed[rid]
+        return SchedulerOutput(new, cached, sched, sum(sched.values()))
+
+    def update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        for rid, n in so.num_scheduled_tokens.items():
+            self.computed[rid] += n
+        for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            self.tokens[rid].extend(toks)
+
+
+PROMPTS = {r: [(7 * i + 3 * j) % 300 + 5 for j in range(3 + i)] for i, r in enumerate("abcdefghi")}
+STEPS = [  # (requests scheduled, bucket replayed or None for an eager step)
+    ("abc", None),  # prefills
+    ("abc", 4),  # 3 decodes: bucket 4, one padded row
+    ("abcd", None),  # decodes + a prefill: mixed, eager
+    ("abcd", 4),
+    ("efgh", None),
+    ("abcdefgh", 8),
+    ("abefg", 8),  # 5 decodes: bucket 8, three padded rows
+    ("i", None),
+    ("abcdefghi", None),  # 9 decodes: more than the largest bucket, eager
+    ("c", 1),
+    ("ab", 2),
+]
+
+
+def _check_padding(runner: ModelRunner, n: int, bucket: int) -> None:
+    g = runner.graphs
+    assert g is not None and g.bucket(n) == bucket
+    assert g._slots[n:bucket].tolist() == [PAD_SLOT] * (bucket - n)
+    assert g._seq_lens[n:bucket].tolist() == [0] * (bucket - n)
+    assert g._input_ids[n:bucket].tolist() == [0] * (bucket - n)
+    assert g._positions[n:bucket].tolist() == [0] * (bucket - n)
+    assert (g._seq_lens[:n] > 0).all() and (g._slots[:n] >= 0).all()
+
+
+def _same_output(got: ModelRunnerOutput, want: ModelRunnerOutput) -> None:
+    assert got.req_ids == want.req_ids
+    assert got.sampled_token_ids == want.sampled_token_ids
+    for lg, lw in zip(got.logprobs, want.logprobs, strict=True):
+        assert (lg is None) == (lw is None)
+        for a, b in zip(lg or [], lw or [], strict=True):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+@pytest.mark.usefixtures("graph_safe_backend")
+def test_decode_steps_replay_padded_buckets_token_for_token(folder: Path) -> None:
+    graph_log: list[int] = []
+    eager_log: list[int] = []
+    graphed, eager = _runner(folder, False, graph_log), _runner(folder, True, eager_log)
+    assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4, 8]
+    assert eager.graphs is None  # enforce_eager: nothing captured, nothing replayed
+    assert graph_log == [] and all(torch.count_nonzero(k) == 0 for k, _ in graphed.kv_caches), \
+        "capture must not write the KV cache"
+    drive = Driver(PROMPTS)
+    for step, (rids, bucket) in enumerate(STEPS):
+        so = drive.schedule(list(rids))
+        before = len(graph_log)
+        got = graphed.execute_model(so)
+        want = eager.execute_model(so)
+        assert graph_log[before:] == ([] if bucket is None else [bucket]), f"step {step}"
+        if bucket is not None:
+            _check_padding(graphed, len(rids), bucket)
+        _same_output(got, want)
+        drive.update(so, got)
+    assert eager_log == []
+    for (kg, vg), (ke, ve) in zip(graphed.kv_caches, eager.kv_caches, strict=True):
+        torch.testing.assert_close(kg, ke, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(vg, ve, atol=1e-5, rtol=1e-5)
+    unused = len(PROMPTS) * BLOCKS_PER_REQ
+    assert all(torch.count_nonzero(k[unused:]) == 0 for k, _ in graphed.kv_caches), "padding wrote the cache"
+
+
+def test_no_graphs_without_support_or_with_enforce_eager(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[int] = []
+    plain = _runner(folder, False, log)  # the torch backend declares no graph support
+    assert plain.graphs is None
+    monkeypatch.setattr(model_runner_module, "get_attention_backend", lambda *a, **k: GraphSafeTorchBackend)
+    eager = _runner(folder, True, log)
+    assert eager.graphs is None and maybe_capture_decode_graphs(eager, stand_in_capture(log)) is None
+    graphed = _runner(folder, False, log)
+    assert graphed.graphs is not None
+    graphed.init_kv_cache(32)  # real CUDA capture requested: off on CPU, and no stale graph survives
+    assert graphed.graphs is None
+    assert maybe_capture_decode_graphs(graphed) is None
+    graphed.init_kv_cache(32, capture=stand_in_capture(log))
+    assert graphed.graphs is not None and graphed.graphs.max_batch == MAX_SEQS
+    graphed.shutdown()
+    assert graphed.graphs is None and log == []

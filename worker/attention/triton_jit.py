@@ -1,0 +1,194 @@
+"""The Triton kernels of paged attention (``@triton.jit``); the launchers are in ``triton_kernels.py``.
+
+- ``_kv_write_kernel``: one program per token; scatters its K/V heads to ``slot`` (``< 0``: skipped).
+- ``_prefill_kernel``: one program per (request, query head, tile of query rows); causal over the request's
+  cached prefix and this step's tokens, read from the paged cache.
+- ``_decode_split_kernel`` + ``_decode_merge_kernel``: one query token per request, split-KV ("flash
+  decoding"): each program covers one (request, KV head, split) and all query heads of that KV head (GQA);
+  the merge combines the splits' partial results with a log-sum-exp reduction.
+
+Both attention kernels run the same online-softmax step over one tile of keys (``_attend_tile``), in fp32
+in the exp2 domain (``qk_scale`` includes log2(e)). Page offsets are computed in int64.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) free of NaN. Globals read inside
+# @triton.jit must be tl.constexpr (the compiler rejects plain Python globals; the interpreter does not).
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _kv_write_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_c_blk, stride_c_off, stride_c_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    tok64 = tok.to(tl.int64)
+    k_src = key_ptr + tok64 * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :]
+    v_src = value_ptr + tok64 * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :]
+    k = tl.load(k_src, mask=mask)
+    v = tl.load(v_src, mask=mask)
+    dst = blk * stride_c_blk + off * stride_c_off + offs_h[:, None] * stride_c_head + offs_d[None, :]
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(
+    q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, keep, offs_d, d_mask, m_i, l_i, acc, qk_scale,
+    stride_c_blk, stride_c_off, kv_head_off, BLOCK_SIZE: tl.constexpr,
+):
+    """One online-softmax step of ``q`` (rows x head dim) over the keys ``offs_n`` of a paged sequence
+    (``n_mask``: keys that exist; ``keep``: rows x keys allowed, e.g. causal). Returns (m_i, l_i, acc)."""
+    page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    kv_off = page * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_off + kv_head_off
+    k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+    s = tl.dot(q, k) * qk_scale
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_c_blk, stride_c_off, stride_c_head,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    m_blk = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + req)
+    q_len = tl.load(cu_seqlens_q_ptr + req + 1) - q_start
+    if m_blk * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_len = seq_len - q_len  # tokens before this step's first query (cached prefix / earlier chunks)
+    kv_head = head // GROUP
+
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    q_pos = ctx_len + offs_m
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    kv_end = tl.minimum(seq_len, ctx_len + (m_blk + 1) * BLOCK_M)  # causal: last key this tile needs
+    for start in range(0, kv_end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        m_i, l_i, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, causal, offs_d, d_mask, m_i, l_i, acc, qk_scale,
+            stride_c_blk, stride_c_off, kv_head * stride_c_head, BLOCK_SIZE,
+        )
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
+        acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+    stride_q_tok, stride_q_head, stride_c_blk, stride_c_off, stride_c_head, stride_bt,
+    stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_h
+    req64 = req.to(tl.int64)
+    q = tl.load(
+        q_ptr + req64 * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_H], _NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + req64 * stride_bt
+    for kv_start in range(start, end, BLOCK_N):
+        offs_n = kv_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        m_i, l_i, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, n_mask[None, :], offs_d, d_mask, m_i, l_i, acc,
+            qk_scale, stride_c_blk, stride_c_off, kv_head * stride_c_head, BLOCK_SIZE,
+        )
+    has = l_i > 0
+    acc = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # log2 domain
+    mo = mid_o_ptr + req64 * stride_mo_req + heads[:, None] * stride_mo_head + split * stride_mo_split
+    tl.store(mo + offs_d[None, :], acc, mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(mid_lse_ptr + req64 * stride_ml_req + heads * stride_ml_head + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head, stride_o_tok, stride_o_head,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(
+        mid_lse_ptr + req * stride_ml_req + head * stride_ml_head + offs_s, mask=s_mask, other=float("-inf")
+    )
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (padded request): weights all 0
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    o = tl.load(
+        mid_o_ptr + req * stride_mo_req + head * stride_mo_head + offs_s[:, None] * stride_mo_split
+        + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    out = out_ptr + req * stride_o_tok + head * stride_o_head + offs_d
+    tl.store(out, res.to(out_ptr.dtype.element_ty), mask=d_mask)

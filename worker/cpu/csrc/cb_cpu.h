@@ -1,0 +1,103 @@
+/* The ABI of cbserve's CPU kernels: every function the library exports and every struct it takes, and
+ * nothing else. The library is built with -fvisibility=hidden, so a function is exported exactly when it
+ * is declared CB_API here; ../abi.py parses this file when it loads the library and refuses to bind
+ * unless its ctypes table (functions, structs, formats and return codes) says the same. Every .c file
+ * includes this header (through cb_simd.h), so the compiler checks each definition against it too.
+ *
+ * Everything is float32 unless a type says otherwise; a matrix is rows of contiguous values, `ld*` floats
+ * apart. Return codes of every function returning int: CB_OK or one of the errors below.
+ */
+#ifndef CB_CPU_H
+#define CB_CPU_H
+
+#include <stdint.h>
+
+#define CB_API __attribute__((visibility("default")))
+
+enum { CB_OK = 0, CB_ENOMEM = 1, CB_EINVAL = 2, CB_ERANGE = 3 };
+
+/* Packed weight formats (layouts in panels.h). */
+enum { CB_FMT_F32 = 0, CB_FMT_BF16 = 1, CB_FMT_Q8_0 = 2, CB_FMT_Q4_1 = 3, CB_FMT_COUNT = 4 };
+
+/* One packed linear layer: out [m, n] = a [m, k] W^T (+ bias). */
+typedef struct {
+    int fmt;            /* CB_FMT_* */
+    const uint8_t *w;   /* packed weight */
+    int n, k;           /* W is [n, k] */
+    const float *bias;  /* [n] or NULL */
+    int bias_in_kernel; /* 1: the product starts from the bias (column-parallel); 0: added after it */
+} cb_lin_t;
+
+/* One decoder layer's weights and KV cache. */
+typedef struct {
+    const float *in_norm, *post_norm; /* [hidden] */
+    cb_lin_t qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
+} cb_layer_t;
+
+/* The shapes every layer shares, and the rotary tables. */
+typedef struct {
+    int num_layers, hidden, heads, kv_heads, head_dim, inter;
+    int num_blocks, block_size;
+    float eps, scale;
+    const float *cos, *sin; /* [max_pos, head_dim] */
+    int64_t max_pos;
+} cb_model_t;
+
+/* ---- packed weights (panels.c) ------------------------------------------------------------------------- */
+
+/* Bytes of W [n, k] packed as fmt; -1 for an unknown format or a k the format cannot hold. */
+CB_API int64_t cb_packed_bytes(int fmt, int n, int k);
+/* Output columns per panel (48). */
+CB_API int cb_gemm_panel_width(void);
+/* w: [n, k] rows ldw floats apart -> out: cb_packed_bytes(CB_FMT_F32, n, k) bytes. */
+CB_API int cb_pack_weight_f32(const float *w, int64_t ldw, int n, int k, float *out);
+/* As cb_pack_weight_f32, keeping the upper 16 bits of each value (the caller checked the lower 16 are zero). */
+CB_API int cb_pack_weight_bf16(const float *w, int64_t ldw, int n, int k, uint16_t *out);
+/* d: [n, k / 32] scales; q: [n, k] int8 -> out: cb_packed_bytes(CB_FMT_Q8_0, n, k) bytes. */
+CB_API int cb_pack_q8_0(const float *d, const int8_t *q, int n, int k, uint8_t *out);
+/* d, m: [n, k / 32]; q: [n, k] uint8 values 0..15 -> out: cb_packed_bytes(CB_FMT_Q4_1, n, k) bytes. */
+CB_API int cb_pack_q4_1(const float *d, const float *m, const uint8_t *q, int n, int k, uint8_t *out);
+/* packed (fmt, [n, k]) -> out [n, k], rows ldo floats apart: what the linear kernel multiplies by. */
+CB_API int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float *out, int64_t ldo);
+
+/* ---- linear layers (gemm.c) ---------------------------------------------------------------------------- */
+
+/* a: [m, k] rows lda floats apart; wp: W [n, k] packed as fmt; bias: [n] or NULL; c: [m, n] rows ldc apart. */
+CB_API int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
+                     const float *bias, float *c, int64_t ldc);
+
+/* ---- elementwise (elementwise.c) ----------------------------------------------------------------------- */
+
+/* residual (optional): r = x + r is written back into residual and normalised; otherwise x is.
+ * out[i] = w * (r[i] / sqrt(mean(r^2) + eps)). All rows have h elements. */
+CB_API int cb_add_rms_norm_f32(const float *x, int64_t ldx, float *residual, int64_t ldr, const float *w,
+                               float eps, float *out, int64_t ldo, int m, int h);
+/* x: [m, 2 * inter] = [gate | up] per row -> out: [m, inter] = silu(gate) * up. */
+CB_API int cb_silu_mul_f32(const float *x, int64_t ldx, int m, int inter, float *out, int64_t ldo);
+/* In place, rotate-half convention: x holds m rows (ldx floats apart) of `heads` vectors of head_dim floats;
+ * row t is rotated by position pos[t] with cos/sin tables [max_pos, head_dim]. */
+CB_API int cb_rotary_f32(float *x, int64_t ldx, int m, int heads, int head_dim, const int64_t *pos,
+                         const float *cos_t, const float *sin_t, int64_t max_pos);
+
+/* ---- attention (attention.c) --------------------------------------------------------------------------- */
+
+/* One query token per sequence over its paged keys/values. q, out: [num_seqs, num_heads, head_dim];
+ * k/v cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, bt_stride] int32;
+ * seq_lens: [num_seqs] int32 in [1, max_seq_len] (a sequence out of range or with a block id outside the
+ * cache gives CB_ERANGE and is left unwritten). */
+CB_API int cb_paged_decode_f32(const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride,
+                               const float *k_cache, const float *v_cache, int num_blocks,
+                               const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                               int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                               float scale, int max_seq_len);
+
+/* ---- every decoder layer of a step in one call (layers.c) ---------------------------------------------- */
+
+/* x: [n, hidden] this step's token embeddings in, the final hidden states (before the last norm) out.
+ * pos, slots: [n] int64; block_tables: [n, bt_stride] int32; seq_lens: [n] int32 (the token's position + 1). */
+CB_API int cb_llama_layers(const cb_model_t *md, const cb_layer_t *layers, int n, float *x, const int64_t *pos,
+                           const int64_t *slots, const int32_t *block_tables, int64_t bt_stride,
+                           const int32_t *seq_lens, int max_seq_len);
+
+#endif

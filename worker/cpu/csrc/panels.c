@@ -1,0 +1,230 @@
+/* Packing weights into the panel layouts of panels.h, and decoding panel chunks back to float32 for the
+ * linear kernel (gemm.c) and for the load-time check that a packing is lossless (cb_unpack_panels). */
+#include "panels.h"
+
+#include "cb_simd.h"
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+typedef int32_t vi32x16 __attribute__((vector_size(64)));
+
+/* 16 integers of 8 or 16 bits widened to int32 lanes. GCC turns __builtin_convertvector from 8-bit lanes
+ * into scalar code, so these use the widening loads where the target has them. */
+#ifdef __AVX512F__
+static inline vi32x16 widen_u8(const uint8_t *p) {
+    return (vi32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vi32x16 widen_s8(const int8_t *p) {
+    return (vi32x16)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vi32x16 widen_u16(const uint16_t *p) {
+    return (vi32x16)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+}
+#elif defined(__AVX2__)
+static inline vi32x16 join(__m256i lo, __m256i hi) {
+    vi32x16 r;
+    memcpy(&r, &lo, 32);
+    memcpy((char *)&r + 32, &hi, 32);
+    return r;
+}
+static inline vi32x16 widen_u8(const uint8_t *p) {
+    return join(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+}
+static inline vi32x16 widen_s8(const int8_t *p) {
+    return join(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+}
+static inline vi32x16 widen_u16(const uint16_t *p) {
+    return join(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)),
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8))));
+}
+#else
+#define CB_WIDEN(name, type)                              \
+    static inline vi32x16 name(const type *p) {           \
+        vi32x16 r;                                        \
+        for (int i = 0; i < 16; ++i) r[i] = (int32_t)p[i]; \
+        return r;                                         \
+    }
+CB_WIDEN(widen_u8, uint8_t)
+CB_WIDEN(widen_s8, int8_t)
+CB_WIDEN(widen_u16, uint16_t)
+#endif
+
+static inline vf16 to_float(vi32x16 v) { return __builtin_convertvector(v, vf16); }
+
+#define Q8_BLOCK_BYTES (CB_NR * 4 + CB_QK * CB_NR)          /* d[48] + q[32][48] = 1728 */
+#define Q41_BLOCK_BYTES (2 * CB_NR * 4 + CB_QK / 2 * CB_NR) /* d[48] + m[48] + q[16][48] = 1152 */
+
+static int is_block_format(int fmt) { return fmt == CB_FMT_Q8_0 || fmt == CB_FMT_Q4_1; }
+
+int64_t cb_panel_bytes(int fmt, int k) {
+    if (k < 1 || (is_block_format(fmt) && k % CB_QK)) return -1;
+    switch (fmt) {
+    case CB_FMT_F32: return (int64_t)k * CB_NR * 4;
+    case CB_FMT_BF16: return (int64_t)k * CB_NR * 2;
+    case CB_FMT_Q8_0: return (int64_t)(k / CB_QK) * Q8_BLOCK_BYTES;
+    case CB_FMT_Q4_1: return (int64_t)(k / CB_QK) * Q41_BLOCK_BYTES;
+    default: return -1;
+    }
+}
+
+int64_t cb_packed_bytes(int fmt, int n, int k) {
+    const int64_t per_panel = cb_panel_bytes(fmt, k);
+    return n < 1 || per_panel < 0 ? -1 : (int64_t)((n + CB_NR - 1) / CB_NR) * per_panel;
+}
+
+int cb_gemm_panel_width(void) { return CB_NR; }
+
+/* ---- decoding --------------------------------------------------------------------------------------- */
+
+static void chunk_bf16(const uint16_t *restrict src, int kn, float *restrict dst) {
+    for (int i = 0; i < kn * CB_NR; i += 16) {
+        const vi32x16 bits = widen_u16(src + i) << 16;
+        memcpy(dst + i, &bits, sizeof bits);
+    }
+}
+
+static void chunk_q8_0(const uint8_t *restrict blocks, int kn, float *restrict dst) {
+    for (int b = 0; b < kn / CB_QK; ++b, blocks += Q8_BLOCK_BYTES) {
+        const float *d = (const float *)blocks;
+        const int8_t *q = (const int8_t *)(blocks + CB_NR * 4);
+        const vf16 d0 = cb_load16(d), d1 = cb_load16(d + 16), d2 = cb_load16(d + 32);
+        for (int j = 0; j < CB_QK; ++j) {
+            const int8_t *qj = q + j * CB_NR;
+            float *o = dst + (int64_t)(b * CB_QK + j) * CB_NR;
+            cb_store16(o, d0 * to_float(widen_s8(qj)));
+            cb_store16(o + 16, d1 * to_float(widen_s8(qj + 16)));
+            cb_store16(o + 32, d2 * to_float(widen_s8(qj + 32)));
+        }
+    }
+}
+
+static void chunk_q4_1(const uint8_t *restrict blocks, int kn, float *restrict dst) {
+    for (int b = 0; b < kn / CB_QK; ++b, blocks += Q41_BLOCK_BYTES) {
+        const float *d = (const float *)blocks, *m = d + CB_NR;
+        const uint8_t *q = blocks + 2 * CB_NR * 4;
+        for (int v = 0; v < 3; ++v) {
+            const vf16 dv = cb_load16(d + 16 * v), mv = cb_load16(m + 16 * v);
+            for (int j = 0; j < CB_QK / 2; ++j) {
+                const vi32x16 pair = widen_u8(q + j * CB_NR + 16 * v);
+                float *o = dst + (int64_t)(b * CB_QK + 2 * j) * CB_NR + 16 * v;
+                /* d * q is exact (an 11-bit float16 significand times 4 bits): one rounding, in the add */
+                cb_store16(o, dv * to_float(pair & 15) + mv);
+                cb_store16(o + CB_NR, dv * to_float(pair >> 4) + mv);
+            }
+        }
+    }
+}
+
+const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch) {
+    switch (fmt) {
+    case CB_FMT_F32: return (const float *)panel + (int64_t)k0 * CB_NR;
+    case CB_FMT_BF16: chunk_bf16((const uint16_t *)panel + (int64_t)k0 * CB_NR, kn, scratch); return scratch;
+    case CB_FMT_Q8_0: chunk_q8_0(panel + (int64_t)(k0 / CB_QK) * Q8_BLOCK_BYTES, kn, scratch); return scratch;
+    default: chunk_q4_1(panel + (int64_t)(k0 / CB_QK) * Q41_BLOCK_BYTES, kn, scratch); return scratch;
+    }
+}
+
+/* packed (fmt, [n, k]) -> out [n, k] float32, rows ldo floats apart: what the kernel multiplies by. */
+int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float *out, int64_t ldo) {
+    const int64_t pbytes = cb_panel_bytes(fmt, k);
+    if (n < 1 || pbytes < 0 || ldo < k) return CB_EINVAL;
+    const int panels = (n + CB_NR - 1) / CB_NR;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+        float scratch[CB_QK * CB_NR] __attribute__((aligned(64)));
+        for (int k0 = 0; k0 < k; k0 += CB_QK) {
+            const int kn = k - k0 < CB_QK ? k - k0 : CB_QK;
+            const float *w = cb_panel_chunk(fmt, packed + p * pbytes, k0, kn, scratch);
+            for (int j = 0; j < CB_NR && p * CB_NR + j < n; ++j)
+                for (int kk = 0; kk < kn; ++kk) out[(int64_t)(p * CB_NR + j) * ldo + k0 + kk] = w[kk * CB_NR + j];
+        }
+    }
+    return CB_OK;
+}
+
+/* ---- packing ---------------------------------------------------------------------------------------- */
+
+/* w: [n, k] rows ldw floats apart -> out: cb_packed_bytes(CB_FMT_F32, n, k) bytes. */
+int cb_pack_weight_f32(const float *w, int64_t ldw, int n, int k, float *out) {
+    if (n < 1 || k < 1 || ldw < k) return CB_EINVAL;
+    const int panels = (n + CB_NR - 1) / CB_NR;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+        float *dst = out + (int64_t)p * k * CB_NR;
+        for (int kk = 0; kk < k; ++kk)
+            for (int j = 0; j < CB_NR; ++j) {
+                const int row = p * CB_NR + j;
+                dst[(int64_t)kk * CB_NR + j] = row < n ? w[(int64_t)row * ldw + kk] : 0.0f;
+            }
+    }
+    return CB_OK;
+}
+
+/* As cb_pack_weight_f32, keeping the upper 16 bits of each value (the caller has checked that the lower
+ * 16 are zero). */
+int cb_pack_weight_bf16(const float *w, int64_t ldw, int n, int k, uint16_t *out) {
+    if (n < 1 || k < 1 || ldw < k) return CB_EINVAL;
+    const int panels = (n + CB_NR - 1) / CB_NR;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+        uint16_t *dst = out + (int64_t)p * k * CB_NR;
+        for (int kk = 0; kk < k; ++kk)
+            for (int j = 0; j < CB_NR; ++j) {
+                const int row = p * CB_NR + j;
+                uint32_t bits = 0;
+                if (row < n) memcpy(&bits, w + (int64_t)row * ldw + kk, 4);
+                dst[(int64_t)kk * CB_NR + j] = (uint16_t)(bits >> 16);
+            }
+    }
+    return CB_OK;
+}
+
+/* d: [n, k / 32] float32 scales; q: [n, k] int8 -> out: cb_packed_bytes(CB_FMT_Q8_0, n, k) bytes. */
+int cb_pack_q8_0(const float *d, const int8_t *q, int n, int k, uint8_t *out) {
+    if (n < 1 || k < CB_QK || k % CB_QK) return CB_EINVAL;
+    const int panels = (n + CB_NR - 1) / CB_NR, nb = k / CB_QK;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; ++p)
+        for (int b = 0; b < nb; ++b) {
+            uint8_t *blk = out + ((int64_t)p * nb + b) * Q8_BLOCK_BYTES;
+            float *bd = (float *)blk;
+            int8_t *bq = (int8_t *)(blk + CB_NR * 4);
+            for (int j = 0; j < CB_NR; ++j) {
+                const int row = p * CB_NR + j;
+                bd[j] = row < n ? d[(int64_t)row * nb + b] : 0.0f;
+                for (int kk = 0; kk < CB_QK; ++kk)
+                    bq[kk * CB_NR + j] = row < n ? q[(int64_t)row * k + b * CB_QK + kk] : 0;
+            }
+        }
+    return CB_OK;
+}
+
+/* d, m: [n, k / 32] float32; q: [n, k] uint8 values 0..15 -> out: cb_packed_bytes(CB_FMT_Q4_1, n, k) bytes. */
+int cb_pack_q4_1(const float *d, const float *m, const uint8_t *q, int n, int k, uint8_t *out) {
+    if (n < 1 || k < CB_QK || k % CB_QK) return CB_EINVAL;
+    const int panels = (n + CB_NR - 1) / CB_NR, nb = k / CB_QK;
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
+    for (int p = 0; p < panels; ++p)
+        for (int b = 0; b < nb; ++b) {
+            uint8_t *blk = out + ((int64_t)p * nb + b) * Q41_BLOCK_BYTES;
+            float *bd = (float *)blk, *bm = bd + CB_NR;
+            uint8_t *bq = blk + 2 * CB_NR * 4;
+            for (int j = 0; j < CB_NR; ++j) {
+                const int row = p * CB_NR + j;
+                const uint8_t *qr = q + (int64_t)row * k + b * CB_QK;
+                bd[j] = row < n ? d[(int64_t)row * nb + b] : 0.0f;
+                bm[j] = row < n ? m[(int64_t)row * nb + b] : 0.0f;
+                for (int jj = 0; jj < CB_QK / 2; ++jj) {
+                    const uint8_t lo = row < n ? qr[2 * jj] : 0, hi = row < n ? qr[2 * jj + 1] : 0;
+                    bad |= (lo | hi) > 15;
+                    bq[jj * CB_NR + j] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+                }
+            }
+        }
+    return bad ? CB_ERANGE : CB_OK;
+}

@@ -1,0 +1,37 @@
+/* Packed weight layouts of cbserve's linear kernel (gemm.c), shared with their packers (panels.c). Internal:
+ * the formats' numbers and the exported packers are in cb_cpu.h.
+ *
+ * Every layout cuts W [n, k] into panels of CB_NR = 48 output columns (the last one zero-padded); a panel
+ * holds, for each k, the 48 weights W[48p .. 48p+47, k]. The formats differ in how those weights are stored:
+ *
+ *   CB_FMT_F32   4 bytes a weight:   [k][48] float.
+ *   CB_FMT_BF16  2 bytes a weight:   [k][48] the upper halves of float32 values whose lower halves are zero
+ *                                    (what a bfloat16 checkpoint loaded as float32 holds).
+ *   CB_FMT_Q8_0  1.125 bytes:        blocks of CB_QK = 32 k values: float d[48], int8 q[32][48];
+ *                                    w = d * q (GGUF Q8_0).
+ *   CB_FMT_Q4_1  0.75 bytes:         blocks of 32 k values: float d[48], float m[48], uint8 q[16][48] where
+ *                                    byte [j][c] holds k = 2j in its low nibble and k = 2j + 1 in its high
+ *                                    one; w = d * q + m (GGUF Q4_1; Q4_0 is m = -8d).
+ *
+ * Every format decodes to the float32 values the dense checkpoint holds: the GGUF scales are float16
+ * values, so d * q is exact in float32 and d * q + m is rounded once, as gguf-py's dequantization (and so
+ * transformers) rounds it; bit for bit, but for Q4_0's zeros, which gguf-py may give as -0. The Python side
+ * checks this for every weight before it uses a packing.
+ */
+#ifndef CB_PANELS_H
+#define CB_PANELS_H
+
+#include "cb_cpu.h"
+
+#define CB_NR 48
+#define CB_QK 32
+
+/* Bytes of one panel of k rows in format fmt; -1 for an unknown format or a k the format cannot hold. */
+int64_t cb_panel_bytes(int fmt, int k);
+
+/* The weights of k values [k0, k0 + kn) of one panel as float32 [kn][48]: a pointer into the panel itself
+ * (CB_FMT_F32) or into scratch, which must hold kn * 48 floats. k0 and kn are multiples of CB_QK for the
+ * block formats (kn may end at k). */
+const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch);
+
+#endif

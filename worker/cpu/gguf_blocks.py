@@ -1,0 +1,175 @@
+"""GGUF weights kept in their quantized blocks for the CPU linear kernel (``csrc/panels.h``).
+
+A GGUF file's Q8_0, Q4_0 and Q4_1 tensors decode to float32 values that need far fewer bytes than float32:
+w = d * q (+ m) with float16 scales per 32 values. transformers dequantizes them into the dense float32
+checkpoint cbserve converts GGUF files to (``model_loader.convert_gguf``); this module keeps, next to it, the
+raw blocks of every such weight, in the row order of the HF tensor, after checking that they dequantize to
+exactly the checkpoint's values. The native CPU kernels then stream the blocks instead of the float32
+weights and compute the same float32 products (``linear.py`` checks the packing once more, value for value,
+against the weight it replaces).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+BLOCKS_FILE = Path("cbserve-gguf-blocks") / "blocks.safetensors"
+BLOCK_K = 32
+# GGUF block layouts: bytes of one block of 32 values.
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+@dataclass(frozen=True)
+class QuantBlocks:
+    """A [n, k] weight as GGUF blocks: ``raw`` is uint8 [n, k / 32 * BLOCK_BYTES[qtype]], rows in HF order."""
+
+    qtype: str
+    raw: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.qtype not in BLOCK_BYTES:
+            raise ValueError(f"unsupported GGUF block type {self.qtype!r} (supported: {sorted(BLOCK_BYTES)})")
+        if self.raw.dtype != torch.uint8 or self.raw.dim() != 2 or self.raw.shape[1] % BLOCK_BYTES[self.qtype]:
+            raise ValueError(f"{self.qtype} blocks must be a uint8 matrix of whole blocks, got "
+                             f"{self.raw.dtype} {tuple(self.raw.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.raw.shape[0], self.raw.shape[1] // BLOCK_BYTES[self.qtype] * BLOCK_K
+
+    def _blocks(self) -> torch.Tensor:
+        n = self.raw.shape[0]
+        return self.raw.contiguous().view(n, -1, BLOCK_BYTES[self.qtype])
+
+    def _scale(self, blocks: torch.Tensor, offset: int) -> torch.Tensor:
+        return blocks[:, :, offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).float()
+
+    def q8_0(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d [n, k / 32] float32, q [n, k] int8) with w = d * q."""
+        if self.qtype != "Q8_0":
+            raise ValueError(f"{self.qtype} blocks are not Q8_0")
+        b = self._blocks()
+        return self._scale(b, 0).contiguous(), b[:, :, 2:].contiguous().view(torch.int8).reshape(b.shape[0], -1)
+
+    def q4_1(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(d, m [n, k / 32] float32, q [n, k] uint8 in 0..15) with w = d * q + m; Q4_0 (w = d * (q - 8)) as
+        m = -8d, which gives the same float32 values: d * q - 8d = d * (q - 8) is exact."""
+        if self.qtype not in ("Q4_0", "Q4_1"):
+            raise ValueError(f"{self.qtype} blocks are not Q4_0 or Q4_1")
+        b = self._blocks()
+        d = self._scale(b, 0)
+        m = -8.0 * d if self.qtype == "Q4_0" else self._scale(b, 2)
+        qs = b[:, :, 2:] if self.qtype == "Q4_0" else b[:, :, 4:]
+        # byte j of a block holds value j in its low nibble and value j + 16 in its high one
+        q = torch.cat([qs & 15, qs >> 4], dim=2).reshape(b.shape[0], -1)
+        return d.contiguous(), m.contiguous(), q.contiguous()
+
+
+def _dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return dequantize(raw, GGMLQuantizationType[qtype])
+
+
+def _row_orders(gguf_name: str, n: int, cfg: Any) -> list[np.ndarray]:
+    """Candidate row orders of a GGUF tensor: as stored, and for q/k projections llama.cpp's rotary
+    permutation undone (what transformers does for the Llama family); the checked one is kept."""
+    orders = [np.arange(n)]
+    heads = {"attn_q": getattr(cfg, "num_attention_heads", None),
+             "attn_k": getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", None)}
+    for part, h in heads.items():
+        if f".{part}." in gguf_name and h and n % (2 * h) == 0:
+            orders.append(np.arange(n).reshape(h, n // h // 2, 2).swapaxes(1, 2).reshape(n))
+    return orders
+
+
+def _name_mapper(reader: Any, cfg: Any) -> Callable[[str], str | None]:
+    import gguf
+
+    field = reader.fields.get("general.architecture")
+    arch_name = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name), None)
+    if arch is None:
+        return lambda _name: None
+    name_map = gguf.get_tensor_name_map(arch, int(cfg.num_hidden_layers))
+    return lambda base: name_map.get_name(base)
+
+
+def extract_gguf_blocks(gguf_path: Path, cfg: Any, state: dict[str, torch.Tensor]) -> dict[str, QuantBlocks]:
+    """The blocks of every 2-D weight of ``state`` (the dequantized checkpoint) that a GGUF tensor of a
+    supported type holds exactly; weights that do not check out are left out (they stay dense)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    to_gguf = _name_mapper(reader, cfg)
+    tensors = {t.name: t for t in reader.tensors}
+    out: dict[str, QuantBlocks] = {}
+    for hf_name, ref in state.items():
+        if ref.dim() != 2 or not hf_name.endswith(".weight") or ref.dtype != torch.float32:
+            continue
+        gguf_name = to_gguf(hf_name.removesuffix(".weight"))
+        tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
+        if tensor is None or tensor.tensor_type.name not in BLOCK_BYTES:
+            continue
+        try:
+            blocks = _matching_blocks(tensor, ref, cfg)
+        except (ValueError, TypeError, NotImplementedError) as e:  # an unexpected layout: this weight stays dense
+            logger.info("GGUF tensor %s not kept as blocks (%s)", tensor.name, e)
+            continue
+        if blocks is None:
+            logger.info("GGUF tensor %s does not dequantize to %s exactly: kept dense", tensor.name, hf_name)
+        else:
+            out[hf_name] = blocks
+    return out
+
+
+def _matching_blocks(tensor: Any, ref: torch.Tensor, cfg: Any) -> QuantBlocks | None:
+    """The tensor's blocks in the row order that dequantizes to ``ref`` exactly, or None."""
+    raw = np.asarray(tensor.data).reshape(ref.shape[0], -1)
+    want = ref.contiguous().numpy().view(np.uint32)
+    for order in _row_orders(tensor.name, ref.shape[0], cfg):
+        rows = raw[order]
+        got = _dequantize(rows, tensor.tensor_type.name)
+        if got.shape == want.shape and np.array_equal(got.astype(np.float32).view(np.uint32), want):
+            return QuantBlocks(tensor.tensor_type.name, torch.from_numpy(np.ascontiguousarray(rows)))
+    return None
+
+
+def save_gguf_blocks(folder: Path, blocks: dict[str, QuantBlocks]) -> None:
+    """Save ``blocks`` next to a converted checkpoint (nothing when there are none: safetensors writes an
+    unreadable file for an empty dict with metadata)."""
+    if not blocks:
+        return
+    from safetensors.torch import save_file
+
+    path = folder / BLOCKS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({name: b.raw for name, b in blocks.items()}, str(path),
+              metadata={name: b.qtype for name, b in blocks.items()})
+
+
+def load_gguf_blocks(folder: Path) -> dict[str, QuantBlocks]:
+    """The blocks saved next to a converted GGUF checkpoint ({} for any other folder, and, with a warning,
+    for a file that cannot be read: the blocks are an optimisation, the dense checkpoint is the model)."""
+    path = folder / BLOCKS_FILE
+    if not path.exists():
+        return {}
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            return {name: QuantBlocks(meta[name], f.get_tensor(name)) for name in f.keys()}  # noqa: SIM118
+    except Exception as e:  # noqa: BLE001 (safetensors raises its own error types; any means: not usable)
+        logger.warning("GGUF blocks in %s not used (%s: %s); the weights stay float32", path, type(e).__name__, e)
+        return {}

@@ -1,0 +1,273 @@
+"""Python wrappers of cbserve's CPU kernels (``csrc/``; built and loaded by ``native.py``, the ctypes
+signatures bound and checked against ``csrc/cb_cpu.h`` by ``abi.py``).
+
+Every method checks what the C code relies on (float32 CPU tensors, unit stride along rows, shapes that
+agree) and raises ValueError otherwise, so a wrong call is an exception, never a stray memory access.
+Outputs are new tensors unless a method says it works in place. ctypes releases the GIL during each call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import abi
+from .abi import PANEL_FORMATS, ModelArgs
+
+_ERRORS = {abi.RETURN_CODES["CB_ENOMEM"]: "out of memory for the kernel's scratch buffers",
+           abi.RETURN_CODES["CB_EINVAL"]: "invalid shapes",
+           abi.RETURN_CODES["CB_ERANGE"]: "an index (sequence length, block id or position) outside its table"}
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"CPU kernel {what} failed: {_ERRORS.get(rc, f'error {rc}')}")
+
+
+def _rows(t: torch.Tensor, name: str, cols: int | None = None) -> int:
+    """The row stride of a float32 CPU matrix whose rows are contiguous (ValueError otherwise)."""
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or (t.stride(1) != 1 and t.shape[1] > 1):
+        raise ValueError(f"{name} must be a float32 CPU matrix with contiguous rows, got {t.dtype} "
+                         f"{tuple(t.shape)} strides {t.stride()} on {t.device}")
+    if cols is not None and t.shape[1] != cols:
+        raise ValueError(f"{name} has {t.shape[1]} columns, expected {cols}")
+    return max(t.stride(0), t.shape[1])
+
+
+def _vector(t: torch.Tensor, name: str, n: int, dtype: torch.dtype = torch.float32) -> None:
+    if t.dtype != dtype or t.device.type != "cpu" or t.shape != (n,) or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dtype} CPU vector of {n}, got {t.dtype} {tuple(t.shape)}")
+
+
+# The k block of the quantized panel formats (PANEL_FORMATS: name -> the C enum, in abi.py).
+BLOCK_FORMATS = ("q8_0", "q4_1")
+BLOCK_K = 32
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A [n, k] weight packed for ``CpuKernels.linear`` in one of the formats of csrc/cb_cpu.h (layouts in
+    csrc/panels.h)."""
+
+    fmt: str
+    data: torch.Tensor  # uint8, the packed bytes
+    n: int
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def is_bfloat16_exact(weight: torch.Tensor) -> bool:
+    """True when every float32 value of ``weight`` is a bfloat16 (its lower 16 bits are zero)."""
+    return weight.dtype == torch.float32 and not bool(
+        (weight.contiguous().view(torch.int32) & 0xFFFF).any()
+    )
+
+
+def _block_shape(q: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor, fmt: str) -> tuple[int, int]:
+    if q.dtype != dtype or q.dim() != 2 or not q.is_contiguous() or q.device.type != "cpu":
+        raise ValueError(f"{fmt} values must be a contiguous {dtype} CPU matrix, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    if k % BLOCK_K or k == 0:
+        raise ValueError(f"{fmt} needs k to be a multiple of {BLOCK_K}, got {k}")
+    if scales.dtype != torch.float32 or scales.shape != (n, k // BLOCK_K) or not scales.is_contiguous():
+        raise ValueError(f"{fmt} scales must be a contiguous float32 [{n}, {k // BLOCK_K}] matrix, "
+                         f"got {scales.dtype} {tuple(scales.shape)}")
+    return n, k
+
+
+class CpuKernels:
+    """The loaded library's kernels (``abi.AbiMismatch`` when its header and the ctypes table disagree)."""
+
+    def __init__(self, path: Path, header: Path = abi.HEADER) -> None:
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        abi.bind(self._lib, header)
+        self.panel_width = int(self._lib.cb_gemm_panel_width())
+
+    # ---- linear layers ----------------------------------------------------------------------------
+    def _panels_out(self, fmt: str, n: int, k: int) -> torch.Tensor:
+        size = int(self._lib.cb_packed_bytes(PANEL_FORMATS[fmt], n, k))
+        if size < 0:
+            raise ValueError(f"a [{n}, {k}] weight cannot be packed as {fmt}"
+                             + (f" (k must be a multiple of {BLOCK_K})" if fmt in BLOCK_FORMATS else ""))
+        return torch.empty(size, dtype=torch.uint8)
+
+    def pack_weight(self, weight: torch.Tensor, fmt: str = "f32") -> Panels:
+        """A [n, k] float32 weight packed as "f32", or as "bf16" when every value is a bfloat16 (its lower 16
+        bits zero: ValueError otherwise)."""
+        n, k = weight.shape if weight.dim() == 2 else (0, 0)
+        ldw = _rows(weight, "weight")
+        if fmt not in ("f32", "bf16"):
+            raise ValueError(f"pack_weight packs 'f32' or 'bf16', not {fmt!r}")
+        if fmt == "bf16" and not is_bfloat16_exact(weight):
+            raise ValueError("the weight has values that are not bfloat16: packing it as bf16 would round them")
+        out = self._panels_out(fmt, n, k)
+        fn = self._lib.cb_pack_weight_f32 if fmt == "f32" else self._lib.cb_pack_weight_bf16
+        _check(fn(weight.data_ptr(), ldw, n, k, out.data_ptr()), "pack_weight")
+        return Panels(fmt, out, n, k)
+
+    def pack_q8_0(self, d: torch.Tensor, q: torch.Tensor) -> Panels:
+        """W = d * q in blocks of 32 along k: d [n, k / 32] float32, q [n, k] int8."""
+        n, k = _block_shape(q, torch.int8, d, "q8_0")
+        out = self._panels_out("q8_0", n, k)
+        _check(self._lib.cb_pack_q8_0(d.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q8_0")
+        return Panels("q8_0", out, n, k)
+
+    def pack_q4_1(self, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> Panels:
+        """W = d * q + m in blocks of 32 along k: d, m [n, k / 32] float32, q [n, k] uint8 in 0..15."""
+        n, k = _block_shape(q, torch.uint8, d, "q4_1")
+        _block_shape(q, torch.uint8, m, "q4_1")
+        if q.numel() and int(q.max()) > 15:
+            raise ValueError(f"q4_1 values must be in 0..15, got {int(q.max())}")
+        out = self._panels_out("q4_1", n, k)
+        _check(self._lib.cb_pack_q4_1(d.data_ptr(), m.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q4_1")
+        return Panels("q4_1", out, n, k)
+
+    def unpack(self, panels: Panels) -> torch.Tensor:
+        """The [n, k] float32 weight the kernel multiplies by (for checks and tests)."""
+        self._check_panels(panels)
+        out = torch.empty(panels.n, panels.k, dtype=torch.float32)
+        _check(self._lib.cb_unpack_panels(PANEL_FORMATS[panels.fmt], panels.data.data_ptr(), panels.n, panels.k,
+                                          out.data_ptr(), panels.k), "unpack")
+        return out
+
+    def linear(self, x: torch.Tensor, panels: Panels, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` for x [m, k], with W [n, k] packed as ``panels``."""
+        m, k = x.shape if x.dim() == 2 else (0, 0)
+        lda = _rows(x, "x")
+        self._check_panels(panels)
+        if k != panels.k:
+            raise ValueError(f"x has {k} columns but the packed weight does not fit: it is [{panels.n}, {panels.k}]")
+        if bias is not None:
+            _vector(bias, "bias", panels.n)
+        out = torch.empty(m, panels.n, dtype=torch.float32)
+        bias_ptr = None if bias is None else bias.data_ptr()
+        _check(self._lib.cb_linear(PANEL_FORMATS[panels.fmt], x.data_ptr(), lda, m, k, panels.data.data_ptr(),
+                                   panels.n, bias_ptr, out.data_ptr(), panels.n), "linear")
+        return out
+
+    def _check_panels(self, panels: Panels) -> None:
+        size = self._lib.cb_packed_bytes(PANEL_FORMATS.get(panels.fmt, -1), panels.n, panels.k)
+        if panels.data.dtype != torch.uint8 or panels.data.numel() != size or not panels.data.is_contiguous():
+            raise ValueError(f"packed weight of {panels.data.numel()} {panels.data.dtype} does not fit a "
+                             f"{panels.fmt} [{panels.n}, {panels.k}] packing")
+
+    # ---- elementwise ------------------------------------------------------------------------------
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual) * weight, x + residual); the sum is written into ``residual`` in place.
+        Without a residual: (RMSNorm(x) * weight, x)."""
+        m, h = x.shape if x.dim() == 2 else (0, 0)
+        ldx = _rows(x, "x")
+        _vector(weight, "weight", h)
+        ldr, r_ptr = 0, None
+        if residual is not None:
+            if residual.shape != x.shape:
+                raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+            ldr, r_ptr = _rows(residual, "residual"), residual.data_ptr()
+        out = torch.empty(m, h, dtype=torch.float32)
+        _check(self._lib.cb_add_rms_norm_f32(x.data_ptr(), ldx, r_ptr, ldr, weight.data_ptr(), eps, out.data_ptr(),
+                                             h, m, h), "add_rms_norm")
+        return out, (x if residual is None else residual)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, 2 * inter] = [gate | up] -> silu(gate) * up [m, inter]."""
+        ldx = _rows(x, "x")
+        m, two_i = x.shape
+        if two_i % 2:
+            raise ValueError(f"silu_and_mul needs an even number of columns, got {two_i}")
+        out = torch.empty(m, two_i // 2, dtype=torch.float32)
+        _check(self._lib.cb_silu_mul_f32(x.data_ptr(), ldx, m, two_i // 2, out.data_ptr(), two_i // 2), "silu_mul")
+        return out
+
+    def rotary_(self, x: torch.Tensor, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> None:
+        """Rotate x [m, heads * head_dim] in place (rotate-half convention) by ``positions`` [m] (int64),
+        with cos/sin tables [max_positions, head_dim]."""
+        ldx = _rows(x, "x")
+        m, width = x.shape
+        if head_dim < 2 or width % head_dim:
+            raise ValueError(f"{width} columns are not whole heads of {head_dim}")
+        _vector(positions, "positions", m, torch.int64)
+        for name, table in (("cos", cos), ("sin", sin)):
+            if _rows(table, name, head_dim) != head_dim or table.shape != cos.shape:
+                raise ValueError(f"{name} must be a contiguous [max_positions, {head_dim}] table")
+        _check(self._lib.cb_rotary_f32(x.data_ptr(), ldx, m, width // head_dim, head_dim, positions.data_ptr(),
+                                       cos.data_ptr(), sin.data_ptr(), cos.shape[0]), "rotary")
+
+    # ---- attention --------------------------------------------------------------------------------
+    def paged_decode(
+        self,
+        q: torch.Tensor,  # [n, num_heads, head_dim] float32, heads contiguous within a row
+        out: torch.Tensor,  # [n, num_heads, head_dim] float32, heads contiguous within a row
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32, contiguous
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [n, max_blocks] int32, rows contiguous
+        seq_lens: torch.Tensor,  # [n] int32, contiguous
+        max_seq_len: int,
+        scale: float,
+    ) -> None:
+        """Attention of one query token per sequence over its cached keys/values; writes ``out``."""
+        n, heads, dim = q.shape
+        num_blocks, block_size, kv_heads, _ = k_cache.shape
+        _check_heads(q, "q")
+        _check_heads(out, "out")
+        if out.shape != q.shape or k_cache.shape != v_cache.shape or k_cache.shape[3] != dim:
+            raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, "
+                             f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the KV cache must be contiguous")
+        if any(t.dtype != torch.float32 for t in (q, out, k_cache, v_cache)):
+            raise ValueError("the CPU decode kernel takes float32 tensors")
+        if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+            raise ValueError("block_tables and seq_lens must be int32 (seq_lens contiguous)")
+        if block_tables.shape[0] != n or seq_lens.shape != (n,) or block_tables.stride(1) != 1:
+            raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} "
+                             f"do not match {n} sequences")
+        if max_seq_len > block_tables.shape[1] * block_size:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the block table ({block_tables.shape[1]} blocks)")
+        if n == 0:
+            return
+        rc = self._lib.cb_paged_decode_f32(
+            q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            num_blocks, block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), n, heads, kv_heads,
+            dim, block_size, scale, max_seq_len,
+        )
+        _check(rc, "paged decode")
+
+    def llama_layers(
+        self, model: ModelArgs, layers: ctypes.Array, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+        block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+    ) -> None:
+        """Every decoder layer for one step (csrc/layers.c), in place: x [n, hidden] holds the token
+        embeddings on entry and the final hidden states on return; one row of ``block_tables`` / ``seq_lens``
+        per token. The caller (layers.py) built ``model`` and ``layers`` from live tensors and keeps them
+        alive."""
+        n = x.shape[0] if x.dim() == 2 else -1
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape != (n, model.hidden):
+            raise ValueError(f"x must be a contiguous float32 [n, {model.hidden}] tensor, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        _vector(positions, "positions", n, torch.int64)
+        _vector(slots, "slot_mapping", n, torch.int64)
+        _vector(seq_lens, "seq_lens", n, torch.int32)
+        if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != n \
+                or block_tables.stride(1) != 1 or block_tables.device.type != "cpu":
+            raise ValueError(f"block_tables must be int32 [{n}, max_blocks] with contiguous rows")
+        if max_seq_len > block_tables.shape[1] * model.block_size:
+            raise ValueError(f"max_seq_len {max_seq_len} exceeds the block table ({block_tables.shape[1]} blocks)")
+        if len(layers) != model.num_layers:
+            raise ValueError(f"{len(layers)} layers given for a model of {model.num_layers}")
+        _check(self._lib.cb_llama_layers(ctypes.byref(model), layers, n, x.data_ptr(), positions.data_ptr(),
+                                          slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+                                          seq_lens.data_ptr(), max_seq_len), "llama layers")
+
+
+def _check_heads(t: torch.Tensor, name: str) -> None:
+    if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU [n, heads, dim] tensor with each row's heads contiguous")
