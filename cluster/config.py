@@ -60,10 +60,17 @@ class CBServeConfig(BaseModel):
     policy: Literal["continuous", "prefill_first", "static", "dynamic"] = "continuous"
     enable_prefix_caching: bool = True
     max_waiting: int = Field(4096, ge=0)
+    # schedule the next step while the current one runs (the hop and the scheduler's work overlap the forward)
+    async_scheduling: bool = True
     # Ray placement and execution
     worker_num_cpus: float = Field(1.0, gt=0.0)  # CPUs per worker actor (one bundle per TP rank)
-    worker_torch_threads: int | None = Field(None, ge=1)  # torch.set_num_threads in each worker
-    use_compiled_graph: bool = True  # Ray compiled graph for the scheduler -> workers hop
+    # torch / C-kernel threads in each worker; unset: on CPU, the node's cores shared by its ranks (Ray would
+    # otherwise give an actor with num_cpus=1 one thread); on CUDA, torch's default
+    worker_torch_threads: int | None = Field(None, ge=1)
+    # the scheduler -> workers hop: a Ray compiled graph (~0.2 ms, but its reader busy-polls a core while a
+    # step runs) or plain actor calls; "auto": the compiled graph on CUDA only, where no core is taken from
+    # the model's compute
+    use_compiled_graph: bool | Literal["auto"] = "auto"
     max_restarts: int = Field(3, ge=-1)  # Ray restarts of a scheduler actor
     # routing between replicas
     prefix_affinity_tokens: int = Field(64, ge=0)  # tokens hashed for prefix affinity (block aligned)
@@ -134,6 +141,21 @@ class CBServeConfig(BaseModel):
         except ImportError:  # pragma: no cover - torch is a hard dependency of the workers
             return "cpu"
 
+    @property
+    def compiled_graph(self) -> bool:
+        """Whether the scheduler reaches its workers through a Ray compiled graph (``use_compiled_graph``)."""
+        if self.use_compiled_graph == "auto":
+            return self.resolved_device == "cuda"
+        return self.use_compiled_graph
+
+    def worker_threads(self, num_cores: int) -> int | None:
+        """Threads for one worker rank on a node of ``num_cores`` cores (None: leave torch's default)."""
+        if self.worker_torch_threads is not None:
+            return self.worker_torch_threads
+        if self.resolved_device == "cuda":
+            return None
+        return max(1, num_cores // self.tensor_parallel_size)
+
     def engine_config(self, num_blocks: int) -> EngineConfig:
         return EngineConfig(
             scheduler=SchedulerConfig(
@@ -142,6 +164,7 @@ class CBServeConfig(BaseModel):
                 max_model_len=self.max_model_len,
                 policy=self.policy,
                 max_waiting=self.max_waiting,
+                async_scheduling=self.async_scheduling,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

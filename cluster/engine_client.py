@@ -15,8 +15,9 @@ from typing import Any
 
 import ray
 from cbserve.cluster.config import CBServeConfig
+from cbserve.cluster.output_channel import ChannelReader, EngineFailure
 from cbserve.cluster.router import NoHealthyReplicaError, Router
-from cbserve.cluster.scheduler_actor import EngineFailure, SchedulerActor
+from cbserve.cluster.scheduler_actor import SchedulerActor
 from cbserve.frontend.protocol import APIError
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -83,6 +84,7 @@ class EngineClient:
             ).remote(config.model_dump(), str(i), name)
             for i, name in enumerate(names)
         ]
+        self.channels = [ChannelReader(engine, owner) for engine in self.engines]
         self.health: list[dict[str, Any]] = [{"state": "starting"} for _ in self.engines]
         self._routes: dict[str, int] = {}  # req_id -> replica index, while in flight
         self._watcher: asyncio.Task[None] | None = None
@@ -187,33 +189,50 @@ class EngineClient:
         return any(i not in tried for i in self.router.healthy_replicas())
 
     async def _attempt(self, idx: int, request: EngineRequest) -> AsyncIterator[list[RequestOutput] | EngineFailure]:
-        """The stream of one replica; ends with an EngineFailure item when it fails or refuses."""
+        """The outputs of one replica (``[]`` once admitted); ends with an EngineFailure item when it fails or
+        refuses. The outputs arrive on the replica's output channel (cluster/output_channel.py)."""
         sp = request.sampling_params
         cost = len(request.prompt_token_ids) + sp.num_sequences * (sp.max_tokens or 0)
-        engine = self.engines[idx]
+        engine, channel, req_id = self.engines[idx], self.channels[idx], request.req_id
         self.router.add(idx, cost)
-        self._routes[request.req_id] = idx
+        self._routes[req_id] = idx
+        queue = channel.register(req_id)
         finished = False
         try:
-            async for ref in engine.generate.remote(request):
-                item = await ref
-                if isinstance(item, EngineFailure):  # the engine has ended the request itself
-                    finished = True
-                    if item.kind == "unavailable":
-                        self.router.set_healthy(idx, False)
-                    yield item
-                    return
-                yield item
+            try:
+                refused = await engine.add.remote(request, channel.open())
+            except ray.exceptions.RayActorError:
+                refused = EngineFailure("unavailable", f"engine replica {idx} is unavailable; retry later")
+            if refused is not None:
+                finished = True
+                if refused.kind == "unavailable":
+                    self.router.set_healthy(idx, False)
+                yield refused
+                return
+            yield []
+            remaining = sp.n  # sequences not yet finished (best_of: the n kept)
+            while remaining > 0:
+                outputs: list[RequestOutput] = []
+                for item in await queue.get():
+                    if isinstance(item, EngineFailure):  # the engine has ended the request itself
+                        finished = True
+                        if item.kind == "unavailable":
+                            self.router.set_healthy(idx, False)
+                        if outputs:
+                            yield outputs
+                        yield item
+                        return
+                    outputs.append(item)
+                    remaining -= int(item.finished)
+                yield outputs
             finished = True
-        except ray.exceptions.RayActorError:
-            self.router.set_healthy(idx, False)
-            yield EngineFailure("unavailable", f"engine replica {idx} is unavailable; retry later")
         finally:
+            channel.unregister(req_id)
             self.router.done(idx, cost)
-            self._routes.pop(request.req_id, None)
+            self._routes.pop(req_id, None)
             if not finished:
                 with contextlib.suppress(Exception):
-                    engine.abort.remote(request.req_id)
+                    engine.abort.remote(req_id)
 
     def finish(self, req_id: str, index: int) -> None:
         """A stop string ended sequence ``index``: tell its engine (fire and forget)."""
@@ -225,6 +244,8 @@ class EngineClient:
         """Release every replica's workers and placement group, then end the actors (blocking)."""
         if self._watcher is not None:
             self._watcher.cancel()
+        for channel in self.channels:
+            channel.close()
         with contextlib.suppress(Exception):
             ray.get([e.shutdown.remote() for e in self.engines], timeout=timeout_s)
         for engine in self.engines:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -36,6 +36,7 @@ class DispatchStats:
     num_calls: int = 0
     total_overhead_s: float = 0.0
     last_overhead_s: float = 0.0
+    torch_threads: list[int] = field(default_factory=list)  # per rank, as the workers report them
 
     def observe(self, overhead_s: float) -> None:
         self.num_calls += 1
@@ -58,6 +59,7 @@ class RayExecutor:
         self._pings: dict[int, Any] = {}  # rank -> an outstanding liveness ping
         self.stats = DispatchStats()
         self._cgraph: Any = None
+        self._last_done = 0.0  # perf_counter() when the last step's output came back
 
     @classmethod
     async def create(cls, config: CBServeConfig, replica: str, pg_name: str) -> RayExecutor:
@@ -88,12 +90,13 @@ class RayExecutor:
             blocks = await asyncio.gather(*[w.load_model.remote() for w in workers])
             num_blocks = min(int(b) for b in blocks)
             await asyncio.gather(*[w.init_kv_cache.remote(num_blocks) for w in workers])
-            node_ids = {p["node_id"] for p in await asyncio.gather(*[w.ping.remote() for w in workers])}
+            pings = await asyncio.gather(*[w.ping.remote() for w in workers])
         except BaseException:
             remove_placement_group(pg)
             raise
-        executor = cls(workers, pg, num_blocks, node_ids)
-        if config.use_compiled_graph:
+        executor = cls(workers, pg, num_blocks, {p["node_id"] for p in pings})
+        executor.stats.torch_threads = [p["torch_threads"] for p in pings]
+        if config.compiled_graph:
             executor.compile()
         return executor
 
@@ -174,9 +177,13 @@ class RayExecutor:
         return [w.execute_model.remote(arg) for w in self.workers]
 
     def _finish(self, out: ModelRunnerOutput | None, start: float) -> ModelRunnerOutput:
+        """The hop's cost: wall time minus the worker's forward, from the later of the call and the end of
+        the previous step (with async scheduling a call waits at the worker behind the one before)."""
         if out is None:
             raise WorkerGroupError("rank 0 returned no output")
-        self.stats.observe(max(0.0, time.perf_counter() - start - out.forward_time_s))
+        end = time.perf_counter()
+        self.stats.observe(max(0.0, end - max(start, self._last_done) - out.forward_time_s))
+        self._last_done = end
         return out
 
     def shutdown(self) -> None:

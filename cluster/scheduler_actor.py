@@ -1,5 +1,6 @@
 """SchedulerActor: one engine replica. An async Ray actor that owns an EngineCore and the RayExecutor over
-its worker group, runs the iteration loop as an asyncio task and streams each request's new tokens back.
+its worker group, runs the iteration loop as an asyncio task and sends each step's new tokens back to the
+ingress replicas, one message per step on each one's output channel (cluster/output_channel.py).
 
 All engine state is touched from the actor's event loop only: ``schedule()`` and ``update_from_output()``
 run on the loop (they are cheap), and the loop awaits the workers in between, which is when new requests,
@@ -20,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +29,11 @@ from typing import Any
 import ray
 from cbserve.cluster.config import CBServeConfig, check_kv_capacity
 from cbserve.cluster.metrics import EngineMetrics
+from cbserve.cluster.output_channel import Batch, ChannelBuffer, EngineFailure
 from cbserve.cluster.ray_executor import RayExecutor
 from cbserve.scheduler.engine_core import EngineCore, tune_gc_for_serving
 from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
-from cbserve.scheduler.outputs import ModelRunnerOutput
+from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from cbserve.scheduler.stats import EngineTotals
 
@@ -44,20 +47,11 @@ _CONFIG_ERRORS = (ValueError, FileNotFoundError, NotImplementedError)
 
 
 @dataclass
-class EngineFailure:
-    """Sent instead of outputs when a request cannot run or stops abnormally.
-    kind: "rejected" (400), "queue_full" (429), "duplicate" (400), "unavailable" (503), "aborted" (503),
-    "timeout" (504: request_timeout_s passed; the ingress side sets it)."""
-
-    kind: str
-    message: str
-
-
-@dataclass
 class _InFlight:
-    queue: asyncio.Queue[RequestOutput | EngineFailure]
+    channel: str  # the output channel its outputs go to
     generation: int
     outstanding_tokens: int
+    remaining: int  # sequences not yet reported finished (best_of: the n kept)
 
 
 @ray.remote
@@ -72,6 +66,7 @@ class SchedulerActor:
         self.engine: EngineCore | None = None
         self.executor: RayExecutor | None = None
         self.requests: dict[str, _InFlight] = {}
+        self._channels: dict[str, ChannelBuffer] = {}  # channel id -> outputs waiting for its reader
         self.totals = EngineTotals()  # every engine this replica builds counts on from here
         self.metrics = EngineMetrics(self.config.model_name, replica)
         self._wakeup: asyncio.Event | None = None
@@ -83,37 +78,27 @@ class SchedulerActor:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     # ---- requests ---------------------------------------------------------------------------
-    @ray.method(num_returns="streaming")
-    async def generate(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput] | EngineFailure]:
-        """Streams ``[]`` once admitted, then lists of RequestOutputs (all new ones since the last yield)
-        until every sequence finished; or one EngineFailure. Closing the stream early aborts the request."""
+    async def add(self, request: EngineRequest, channel: str) -> EngineFailure | None:
+        """Admit a request whose outputs go to ``channel`` (cluster/output_channel.py); None once admitted,
+        else why it was refused."""
         self._ensure_started()
-        failure = self._admit(request)
-        if failure is not None:
-            yield failure
-            return
-        entry = self.requests[request.req_id]
-        remaining = request.sampling_params.n  # finished sequences reported (best_of: the n kept)
-        try:
-            yield []  # admitted: lets the caller answer errors before committing to a streaming response
-            while remaining > 0:
-                batch = [await entry.queue.get()]
-                while not entry.queue.empty():
-                    batch.append(entry.queue.get_nowait())
-                outputs: list[RequestOutput] = []
-                for item in batch:
-                    if isinstance(item, EngineFailure):
-                        yield item
-                        return
-                    outputs.append(item)
-                    remaining -= int(item.finished)
-                yield outputs
-        finally:
-            self.requests.pop(request.req_id, None)
-            if remaining > 0:  # the stream was closed early (client gone, cancelled, timed out)
-                self._abort(request.req_id, entry.generation)
+        return self._admit(request, channel)
 
-    def _admit(self, request: EngineRequest) -> EngineFailure | None:
+    @ray.method(num_returns="streaming")
+    async def output_channel(self, channel: str) -> AsyncIterator[Batch]:
+        """Streams, per step, the new outputs of every request sent with ``channel``. When the reader goes
+        away (its ingress died or closed it), the requests it was reading for are aborted."""
+        self._ensure_started()
+        buffer = self._channels.setdefault(channel, ChannelBuffer())
+        try:
+            while True:
+                yield await buffer.take()
+        finally:
+            self._channels.pop(channel, None)
+            for req_id in [r for r, e in self.requests.items() if e.channel == channel]:
+                self._abort(req_id, self.requests.pop(req_id).generation)
+
+    def _admit(self, request: EngineRequest, channel: str) -> EngineFailure | None:
         if self.state != "ready" or self.engine is None:
             why = f": {self.error}" if self.error else ""
             return EngineFailure("unavailable", f"engine replica {self.replica} is {self.state}{why}")
@@ -130,19 +115,24 @@ class SchedulerActor:
             return EngineFailure("rejected", str(e))
         sp = request.sampling_params
         max_tokens = sp.max_tokens or self.config.max_model_len - len(request.prompt_token_ids)
-        self.requests[request.req_id] = _InFlight(
-            asyncio.Queue(), self.generation, len(request.prompt_token_ids) + sp.num_sequences * max_tokens
-        )
+        outstanding = len(request.prompt_token_ids) + sp.num_sequences * max_tokens
+        self.requests[request.req_id] = _InFlight(channel, self.generation, outstanding, sp.n)
         assert self._wakeup is not None
         self._wakeup.set()
         return None
+
+    def _send(self, req_id: str, entry: _InFlight, item: RequestOutput | EngineFailure) -> None:
+        buffer = self._channels.get(entry.channel)
+        if buffer is None:  # its reader has not connected yet
+            buffer = self._channels[entry.channel] = ChannelBuffer()
+        buffer.put(req_id, item)
 
     async def abort(self, req_id: str) -> None:
         """Idempotent: frees the request's blocks; its stream ends."""
         self._abort(req_id, self.generation)
         entry = self.requests.pop(req_id, None)
         if entry is not None:
-            entry.queue.put_nowait(EngineFailure("aborted", "request aborted"))
+            self._send(req_id, entry, EngineFailure("aborted", "request aborted"))
 
     def _abort(self, req_id: str, generation: int) -> None:
         if self.engine is not None and generation == self.generation:
@@ -206,40 +196,61 @@ class SchedulerActor:
         logger.info("engine replica %s ready (%d KV blocks)", self.replica, self.executor.num_blocks)
 
     async def _loop(self) -> None:
-        """schedule -> await the workers -> update_from_output; the engine times each part."""
+        """schedule -> the workers -> update_from_output; the engine times each part. With async scheduling
+        the next step is scheduled and sent before the current one's output is back (two in flight), so the
+        hop, the update and the streaming overlap the worker's forward."""
         assert self.engine is not None and self.executor is not None and self._wakeup is not None
         engine, executor = self.engine, self.executor
-        while True:
-            if not engine.has_unfinished_requests():
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), IDLE_METRICS_PERIOD_S)
-                except asyncio.TimeoutError:
-                    self.metrics.observe_idle(engine.current_stats())
-                continue
-            so = engine.schedule()
-            if so.is_empty:  # as EngineCore.step(): nothing to run (e.g. only aborts, or a batching
-                result = engine.update_from_output(so, ModelRunnerOutput())  # window is open)
+        depth = 2 if engine.config.scheduler.async_scheduling else 1
+        in_flight: deque[tuple[SchedulerOutput, asyncio.Future[ModelRunnerOutput] | None]] = deque()
+        try:
+            while True:
+                if not in_flight and not engine.has_unfinished_requests():
+                    await self._idle(engine)
+                    continue
+                while len(in_flight) < depth and engine.has_unfinished_requests():
+                    so = engine.schedule()
+                    if so.is_empty:  # nothing to run (only aborts, or a batching window is open)
+                        in_flight.append((so, None))
+                        break
+                    in_flight.append((so, asyncio.ensure_future(executor.execute_model_async(so))))
+                so, step = in_flight.popleft()
+                if step is None and not in_flight:
+                    await asyncio.sleep(0.002)
+                out = ModelRunnerOutput() if step is None else await step
+                result = engine.update_from_output(so, out)
                 self._dispatch(result.outputs)
-                self.metrics.observe_step(result, 0.0)
-                await asyncio.sleep(0.002)
-                continue
-            out = await executor.execute_model_async(so)
-            result = engine.update_from_output(so, out)
-            self._dispatch(result.outputs)
-            self.metrics.observe_step(result, executor.stats.last_overhead_s)
-            await asyncio.sleep(0)  # let add_request / abort / finish in
+                self.metrics.observe_step(result, 0.0 if step is None else executor.stats.last_overhead_s)
+                await asyncio.sleep(0)  # let add / abort / finish in
+        finally:
+            for _, step in in_flight:
+                if step is not None:
+                    step.cancel()
+
+    async def _idle(self, engine: EngineCore) -> None:
+        assert self._wakeup is not None
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), IDLE_METRICS_PERIOD_S)
+        except asyncio.TimeoutError:
+            self.metrics.observe_idle(engine.current_stats())
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        requests = self.requests
         for out in outputs:
-            entry = self.requests.get(out.req_id)
-            if entry is not None:
-                entry.queue.put_nowait(out)
+            entry = requests.get(out.req_id)
+            if entry is None:
+                continue
+            self._send(out.req_id, entry, out)
+            if out.finished:
+                entry.remaining -= 1
+                if entry.remaining <= 0:
+                    del requests[out.req_id]
 
     def _fail_all(self, message: str) -> None:
         self.metrics.observe_failed(len(self.requests))
-        for entry in self.requests.values():
-            entry.queue.put_nowait(EngineFailure("unavailable", message))
+        for req_id, entry in self.requests.items():
+            self._send(req_id, entry, EngineFailure("unavailable", message))
         self.requests.clear()
 
     def _teardown(self) -> None:
@@ -279,6 +290,7 @@ class SchedulerActor:
             d["has_unfinished_requests"] = self.engine.has_unfinished_requests()
             ds = self.executor.stats
             d["compiled_graph"] = ds.compiled_graph
+            d["worker_torch_threads"] = ds.torch_threads
             d["dispatch_calls"] = ds.num_calls
             d["dispatch_overhead_ms_mean"] = 1000 * ds.mean_overhead_s
         return d

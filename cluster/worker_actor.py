@@ -28,10 +28,12 @@ class WorkerActor:
         self.rank = rank
         self.replica = replica
         self.runner: Any = None
-        if self.config.worker_torch_threads:
+        threads = self.config.worker_threads(len(os.sched_getaffinity(0)))
+        if threads is not None:  # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1): undo that on CPU
             import torch
 
-            torch.set_num_threads(self.config.worker_torch_threads)
+            torch.set_num_threads(threads)
+            os.environ["OMP_NUM_THREADS"] = str(threads)
         self.metrics = WorkerMetrics(self.config.model_name, replica, rank)
 
     # ---- set-up ---------------------------------------------------------------------------

@@ -31,6 +31,10 @@ class SchedulerConfig:
     max_waiting: int = 4096  # bounded waiting queue; past it, add_request raises QueueFullError
     dynamic_batch_window_s: float = 0.05  # "dynamic" policy: collect for this long...
     dynamic_batch_size: int = 32  # ...or until this many requests wait, then run them like static
+    # Schedule step N+1 before step N's sampled tokens are back (the driver overlaps the hop and its own
+    # work with the forward): a sequence sampled in a step still in flight gets one more decode token,
+    # whose id the worker fills in from its own sample. See Scheduler._commit.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:

@@ -12,7 +12,9 @@ Step timing is the engine's own, so that ``step()`` and an async driver (``sched
 executor, ``update_from_output()``) report the same stats: ``schedule_time_s`` is the time spent in
 ``schedule()`` plus ``update_from_output()``, ``execute_time_s`` the time from the end of ``schedule()``
 to the start of ``update_from_output()`` (the executor hop, whatever it is; 0 for an empty output) and
-``forward_time_s`` the worker's own. ``totals`` holds the engine's cumulative counters.
+``forward_time_s`` the worker's own. With async scheduling (two steps in flight) the execute time starts at
+the later of the step's schedule() and the previous update, so overlapped steps are not counted twice.
+``totals`` holds the engine's cumulative counters.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,9 +78,10 @@ class EngineCore:
         self._counter = 0
         self._pending_outputs: list[RequestOutput] = []
         self._pending_iter = IterationStats()
-        self._step_state: StepState | None = None
-        self._schedule_time = 0.0  # seconds spent in the last schedule()
-        self._scheduled_at: float | None = None  # perf_counter() when the last schedule() returned
+        # One entry per schedule() not yet updated, oldest first (two with async scheduling): its StepState,
+        # seconds spent in schedule() and perf_counter() when schedule() returned.
+        self._in_flight: deque[tuple[StepState, float, float]] = deque()
+        self._updated_at = 0.0  # perf_counter() when the last update_from_output() returned
         self.totals = totals if totals is not None else EngineTotals()
 
     # ---- requests in and out ----------------------------------------------------------------------
@@ -180,19 +184,23 @@ class EngineCore:
                 if times.first_scheduled is None:
                     times.first_scheduled = now
                     times.num_cached_tokens = new.num_computed_tokens
-        self._step_state = st
-        self._scheduled_at = t1 = time.perf_counter()
-        self._schedule_time = t1 - t0
+        t1 = time.perf_counter()
+        self._in_flight.append((st, t1 - t0, t1))
         return so
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> StepResult:
+        """Apply the output of the oldest scheduled step not yet updated (``so``)."""
         t0 = time.perf_counter()
-        scheduled_at, self._scheduled_at = self._scheduled_at, None
-        execute_time = 0.0 if so.is_empty or scheduled_at is None else t0 - scheduled_at
+        st, schedule_time, scheduled_at = self._in_flight.popleft() if self._in_flight else (None, 0.0, None)
+        # from the later of its schedule() and the previous update (overlapped steps queue at the worker)
+        execute_time = 0.0 if so.is_empty or scheduled_at is None else t0 - max(scheduled_at, self._updated_at)
         now = self.clock()
         it, self._pending_iter = self._pending_iter, IterationStats()
         outputs, self._pending_outputs = self._pending_outputs, []
-        self.scheduler.update_after_step(so)
+        if self.config.scheduler.async_scheduling:  # computed at schedule(): cache the blocks now known
+            self.scheduler.cache_computed_blocks(so)
+        else:
+            self.scheduler.update_after_step(so)
         seqs = self.scheduler.seqs
         running = RequestStatus.RUNNING
         all_logprobs = out.logprobs
@@ -201,20 +209,25 @@ class EngineCore:
         append = self.processor.append_token
         for i, (seq_id, sampled) in enumerate(zip(out.req_ids, out.sampled_token_ids, strict=True)):
             seq = seqs.get(seq_id)
-            if seq is None or seq.status is not running or seq.num_computed_tokens != len(seq.token_ids):
-                continue  # finished/aborted meanwhile, or not at a sampling position
+            if seq is None or seq.status is not running:
+                continue  # finished/aborted/preempted meanwhile
+            if seq.num_pending:
+                seq.num_pending -= 1  # this is the oldest of the tokens computed ahead
+            elif seq.num_computed_tokens != len(seq.token_ids):
+                continue  # not at a sampling position
+            if len(sampled) == 1 and seq.group.mode != "beam":
+                seq.num_sent_tokens += 1  # the worker keeps its own sample (ModelRunner._keep_samples)
             logprobs = all_logprobs[i] if i < num_logprobs else None
             if len(sampled) == 1 and seq.group.forked and seq.group.stream:
                 append(seq, sampled[0], logprobs[0] if logprobs else None, now, outputs, it)
             else:
                 process(seq, sampled, logprobs, now, outputs, it)
-        st, self._step_state = self._step_state, None
         self._count(st)
         stats = self._stats(st)
-        stats.schedule_time_s = self._schedule_time + time.perf_counter() - t0
+        stats.schedule_time_s = schedule_time + time.perf_counter() - t0
         stats.execute_time_s = execute_time
         stats.forward_time_s = out.forward_time_s
-        self._schedule_time = 0.0
+        self._updated_at = time.perf_counter()
         return StepResult(outputs=outputs, scheduler_stats=stats, iteration_stats=it)
 
     def step(self) -> StepResult:

@@ -6,8 +6,12 @@ Protocol (the scheduler is the single source of truth for token ids):
   ``NewRequestData`` with all its token ids, its whole block table and ``num_computed_tokens`` (tokens
   whose KV is already in the cache, e.g. prefix-cache hits).
 - A request the worker already holds comes as ``CachedRequestData``: the token ids appended since the
-  worker last saw it (normally the one token sampled last iteration), the block ids appended to its
-  table, and its ``num_computed_tokens`` before this iteration.
+  worker last saw it that it does not already have, the block ids appended to its table, and its
+  ``num_computed_tokens`` before this iteration. The worker appends the one token it samples for a
+  sequence itself (not at an n > 1 fork point, where it samples several, nor under beam search, where
+  the scheduler picks the tokens): the scheduler never sends such a token back. That is what lets
+  async scheduling (``SchedulerConfig.async_scheduling``) schedule a sequence's next token before the
+  sample it takes as input is back: the worker runs the steps in order and fills it in.
 - ``num_scheduled_tokens[req_id]`` tokens are computed this iteration, starting at
   ``num_computed_tokens``; a request is sampled only when this reaches the end of its known tokens.
 - ``block_copies`` (src, dst) are carried out before the forward pass (copy-on-write after a fork).

@@ -128,7 +128,38 @@ class Scheduler:
             else:
                 self._schedule_running(st, select)
                 self._admit_waiting(st, select)
-        return self._build_output(st), st
+        so = self._build_output(st)
+        if self.config.async_scheduling:
+            self._commit(st)
+        return so, st
+
+    def _commit(self, st: StepState) -> None:
+        """Async scheduling: the scheduled tokens count as computed now (the worker runs steps in order), so
+        the next step can be scheduled before this one's output is back. A sequence this step samples gets
+        a pending token that the next step may compute (the worker fills its id in), unless its sample is
+        special (n > 1 fork point, beam search: the scheduler decides the tokens) or will be its last."""
+        for seq, num in st.scheduled:
+            seq.num_computed_tokens += num
+            pending = seq.num_pending
+            if seq.num_computed_tokens == len(seq.token_ids) + pending and seq.num_samples == 1:
+                group = seq.group
+                if group.mode != "beam" and len(seq.token_ids) + pending + 1 < group.stop.max_len:
+                    seq.num_pending = pending + 1
+
+    def cache_computed_blocks(self, so: SchedulerOutput) -> None:
+        """Async scheduling: register the full blocks of ``so``'s sequences in the prefix cache, as far as
+        their token ids are known (a block filled by a token still pending is registered a step later)."""
+        kv = self.kv
+        if not kv.enable_caching:
+            return
+        seqs, bs = self.seqs, self.block_size
+        for seq_id in so.num_scheduled_tokens:
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status is not _RUNNING:
+                continue
+            computed = min(seq.num_computed_tokens, len(seq.token_ids))
+            if computed // bs > len(kv.hashes[seq_id]):
+                kv.cache_full_blocks(seq_id, seq.token_ids, computed, seq.group.extra_keys)
 
     def _schedule_running(self, st: StepState, select: Callable[[Sequence], bool] | None = None) -> None:
         """Give running sequences (optionally only those ``select`` accepts) their next tokens, in
@@ -147,7 +178,7 @@ class Scheduler:
             if select is not None and not select(seq):
                 continue
             pos = seq.num_computed_tokens
-            num_new = len(seq.token_ids) - pos
+            num_new = len(seq.token_ids) + seq.num_pending - pos
             if num_new > budget:
                 num_new = budget
             elif num_new <= 0:  # nothing to compute until a token is appended
@@ -272,7 +303,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, st: StepState) -> None:
         self._remove_running(seq)
         self.kv.free(seq.seq_id)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_pending = 0  # an in-flight sample of it is dropped: recomputed
         seq.status = RequestStatus.PREEMPTED
         if seq.sent:
             self._preempted_ids.add(seq.seq_id)
@@ -352,7 +383,8 @@ class Scheduler:
         assert running_ids == set(self.kv.tables), "only running sequences hold blocks"
         for seq in self.running:
             assert seq.status is _RUNNING, f"{seq} in running"
-            assert seq.num_computed_tokens <= seq.num_tokens
+            assert seq.num_computed_tokens <= seq.num_tokens + seq.num_pending
+            assert seq.num_pending == 0 or self.config.async_scheduling, f"{seq} runs ahead in sync mode"
             need = self.kv.num_required_blocks(seq.num_computed_tokens)
             assert len(self.kv.tables[seq.seq_id]) >= need, f"{seq} lacks blocks for its computed tokens"
         preempted = [s for s in self.waiting.ordered() if s.status is RequestStatus.PREEMPTED]

@@ -28,7 +28,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "group", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
         "seed", "sort_key", "sent", "num_sent_tokens", "num_sent_blocks", "cumulative_logprob",
-        "logprobs", "last_token_time",
+        "logprobs", "last_token_time", "num_pending",
     )  # fmt: skip
 
     def __init__(self, group: SequenceGroup, index: int, token_ids: list[int], seed: int | None) -> None:
@@ -48,6 +48,8 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.logprobs: list | None = [] if group.keep_logprobs else None
         self.last_token_time: float | None = None
+        # async scheduling: tokens sampled by steps still in flight (computed ahead, not yet appended)
+        self.num_pending = 0
 
     @property
     def num_tokens(self) -> int:

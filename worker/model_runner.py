@@ -23,7 +23,7 @@ from .kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, num_block
 from .model import LlamaForCausalLM
 from .model_info import head_dim_of, num_kv_heads_of, read_eos_token_ids
 from .model_loader import hide_triton_from_torch, iter_weights, load_hf_config, resolve_model
-from .parallel import divide, tp_rank, tp_world_size
+from .parallel import broadcast_from_rank0, divide, tp_rank, tp_world_size
 from .profiling import profile_cuda_kv_budget
 from .sampler import Sampler
 
@@ -153,6 +153,7 @@ class ModelRunner:
         out = self._sample(batch, logits) if tp_rank() == 0 else ModelRunnerOutput()
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
+        self._keep_samples(batch, out)
         out.forward_time_s = time.perf_counter() - t0
         return out
 
@@ -185,6 +186,16 @@ class ModelRunner:
         out.sampled_token_ids = sampled
         out.logprobs = lps
         return out
+
+    def _keep_samples(self, batch: PreparedBatch, out: ModelRunnerOutput) -> None:
+        """Append each sequence's one sampled token to the worker's own copy: the scheduler never sends a
+        sample back (with async scheduling it schedules the next token before it knows it). Not for n > 1
+        fork points and beam search, whose tokens the scheduler decides. Every rank appends rank 0's."""
+        sampled = broadcast_from_rank0(out.sampled_token_ids)
+        for req_id, tokens in zip(batch.sampled_req_ids, sampled, strict=True):
+            state = self.requests[req_id]
+            if len(tokens) == 1 and not state.sampling_params.use_beam_search:
+                state.token_ids.append(tokens[0])
 
     def shutdown(self) -> None:
         self.graphs = None

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def tp_world_size() -> int:
@@ -29,6 +33,15 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def broadcast_from_rank0(obj: T) -> T:
+    """Rank 0's ``obj`` on every rank (a small picklable object, e.g. the sampled token ids)."""
+    if tp_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

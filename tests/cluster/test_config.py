@@ -227,6 +227,8 @@ def test_the_engine_config_is_derived_from_the_engine_fields() -> None:
     assert (sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len, sc.policy, sc.max_waiting) == (
         64, 3, 99, "static", 7
     )
+    assert sc.async_scheduling is True  # the served engine overlaps by default
+    assert CBServeConfig(async_scheduling=False).engine_config(num_blocks=4).scheduler.async_scheduling is False
 
 
 @pytest.mark.parametrize("bad", [{"request_timeout_s": 0}, {"request_timeout_s": -1}, {"attention_backend": "x"}])
@@ -263,3 +265,16 @@ def test_cbserve_serve_deploys_with_host_port_route_prefix_and_app_name(
     deployed = CBServeConfig.model_validate(calls["app"]._bound_deployment.init_args[0])  # type: ignore[attr-defined]
     assert deployed.max_model_len == 256 and deployed.app_name == "my-app"
     assert "http://127.0.0.2:8123/llm/v1" in capsys.readouterr().out
+
+
+def test_the_hop_and_the_worker_threads_follow_the_device() -> None:
+    cpu = CBServeConfig(device="cpu")
+    assert cpu.use_compiled_graph == "auto" and cpu.compiled_graph is False  # its reader would spin a core
+    assert CBServeConfig(device="cuda").compiled_graph is True
+    assert CBServeConfig(device="cpu", use_compiled_graph=True).compiled_graph is True
+    assert CBServeConfig(device="cuda", use_compiled_graph=False).compiled_graph is False
+    assert cpu.worker_threads(8) == 8  # not the one thread Ray's num_cpus=1 would leave
+    assert CBServeConfig(device="cpu", tensor_parallel_size=2).worker_threads(8) == 4
+    assert CBServeConfig(device="cpu", tensor_parallel_size=4).worker_threads(2) == 1
+    assert CBServeConfig(device="cpu", worker_torch_threads=3).worker_threads(8) == 3
+    assert CBServeConfig(device="cuda").worker_threads(8) is None

@@ -2,8 +2,9 @@
 gone) is skipped for the next healthy one; failures after admission and bad requests are not retried; a
 request past request_timeout_s is aborted in its engine and ends with HTTP 504.
 
-The engines are fakes with the SchedulerActor's streaming shape (``generate.remote`` yields awaitables);
-the real actors' 429 path is crossed end to end in tests/e2e/openai_server/test_tp2.py."""
+The engines are fakes with the SchedulerActor's shape (``add.remote`` answers admission, ``output_channel``
+streams awaitable batches); the real actors' 429 path is crossed end to end in
+tests/e2e/openai_server/test_tp2.py."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from typing import Any
 import pytest
 from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.engine_client import EngineClient
+from cbserve.cluster.output_channel import ChannelReader, EngineFailure
 from cbserve.cluster.router import Router
-from cbserve.cluster.scheduler_actor import EngineFailure
 from cbserve.frontend.protocol import APIError
-from cbserve.scheduler.request import EngineRequest
+from cbserve.scheduler.request import EngineRequest, RequestOutput
 from cbserve.scheduler.sampling_params import SamplingParams
 
 
@@ -26,25 +27,43 @@ class _Remote:
         self.remote = fn
 
 
+def _out(token: int, finished: bool = False) -> RequestOutput:
+    return RequestOutput("r1", 0, [token], None, finished=finished, finish_reason="length" if finished else None)
+
+
 class FakeEngine:
-    """Yields ``items``; with ``hang``, then waits forever (a long generation)."""
+    """Admits (or refuses with ``items[0]``, an EngineFailure), then sends each later item as one channel
+    batch for the request; with ``hang``, then sends nothing more (a long generation)."""
 
     def __init__(self, items: list[Any], hang: bool = False) -> None:
         self.items = items
         self.hang = hang
         self.calls = 0
         self.aborted: list[str] = []
-        self.generate = _Remote(self._generate)
+        self.add = _Remote(self._add)
+        self.output_channel = _Remote(self._channel)
         self.abort = _Remote(self.aborted.append)
+        self._admitted: asyncio.Queue[str] | None = None
 
-    async def _generate(self, request: EngineRequest) -> Any:
+    async def _add(self, request: EngineRequest, channel: str) -> EngineFailure | None:
         self.calls += 1
-        for item in self.items:
+        if isinstance(self.items[0], EngineFailure):
+            return self.items[0]
+        self._queue().put_nowait(request.req_id)
+        return None
+
+    def _queue(self) -> asyncio.Queue[str]:
+        if self._admitted is None:
+            self._admitted = asyncio.Queue()
+        return self._admitted
+
+    async def _channel(self, channel: str) -> Any:
+        req_id = await self._queue().get()
+        for item in self.items[1:]:
             fut = asyncio.get_running_loop().create_future()
-            fut.set_result(item)
+            fut.set_result({req_id: item if isinstance(item, list) else [item]})
             yield fut
-        if self.hang:
-            yield asyncio.get_running_loop().create_future()  # never resolved
+        await asyncio.Event().wait()  # the channel stays open
 
 
 def _client(*engines: FakeEngine, request_timeout_s: float | None = None) -> EngineClient:
@@ -54,6 +73,7 @@ def _client(*engines: FakeEngine, request_timeout_s: float | None = None) -> Eng
     for i in range(len(engines)):
         client.router.set_healthy(i, True)
     client.engines = list(engines)
+    client.channels = [ChannelReader(e, "owner") for e in engines]
     client._routes = {}
     return client
 
@@ -71,10 +91,10 @@ FULL = EngineFailure("queue_full", "waiting queue is full")
 
 
 def test_a_full_replica_is_skipped_for_the_next() -> None:
-    full, ok = FakeEngine([FULL]), FakeEngine([[], ["tokens"]])
+    full, ok = FakeEngine([FULL]), FakeEngine([[], [_out(7, True)]])
     client = _client(full, ok)
     client.router.add(1, 1000)  # make the full replica the first choice (least loaded)
-    assert _run(client) == [[], ["tokens"]]
+    assert _run(client) == [[], [_out(7, True)]]
     assert (full.calls, ok.calls) == (1, 1)
     assert full.aborted == [] and ok.aborted == []  # both streams ended on the engines' side
     assert [r.outstanding_tokens for r in client.router.replicas] == [0, 1000]  # nothing leaked
@@ -90,15 +110,15 @@ def test_every_replica_full_gives_429() -> None:
 
 
 def test_a_gone_replica_is_marked_down_and_skipped() -> None:
-    gone, ok = FakeEngine([EngineFailure("unavailable", "engine is restarting")]), FakeEngine([[], ["x"]])
+    gone, ok = FakeEngine([EngineFailure("unavailable", "engine is restarting")]), FakeEngine([[], [_out(8, True)]])
     client = _client(gone, ok)
     client.router.add(1, 1000)
-    assert _run(client) == [[], ["x"]]
+    assert _run(client) == [[], [_out(8, True)]]
     assert client.router.healthy_replicas() == [1]
 
 
 def test_failure_after_admission_is_not_retried() -> None:
-    dying, other = FakeEngine([[], ["a"], EngineFailure("unavailable", "lost")]), FakeEngine([[], ["b"]])
+    dying, other = FakeEngine([[], [_out(1)], EngineFailure("unavailable", "lost")]), FakeEngine([[], [_out(2, True)]])
     client = _client(dying, other)
     client.router.add(1, 1000)
     with pytest.raises(APIError) as info:
@@ -108,7 +128,7 @@ def test_failure_after_admission_is_not_retried() -> None:
 
 
 def test_bad_request_is_not_retried() -> None:
-    bad, other = FakeEngine([EngineFailure("rejected", "prompt too long")]), FakeEngine([[]])
+    bad, other = FakeEngine([EngineFailure("rejected", "prompt too long")]), FakeEngine([[], [_out(1, True)]])
     client = _client(bad, other)
     client.router.add(1, 1000)
     with pytest.raises(APIError) as info:
@@ -117,7 +137,7 @@ def test_bad_request_is_not_retried() -> None:
 
 
 def test_a_request_past_its_timeout_is_aborted_with_504() -> None:
-    slow = FakeEngine([[], ["a"]], hang=True)
+    slow = FakeEngine([[], [_out(1)]], hang=True)
     client = _client(slow, request_timeout_s=0.3)
     got: list[Any] = []
 
@@ -136,15 +156,15 @@ def test_a_request_past_its_timeout_is_aborted_with_504() -> None:
     assert info.value.status == 504 and "request_timeout_s" in str(info.value.body())
     assert info.value.body()["error"]["type"] == "timeout"
     assert 0.3 <= elapsed < 5
-    assert got == [[], ["a"]]  # what came before the deadline was passed on
+    assert got == [[], [_out(1)]]  # what came before the deadline was passed on
     assert slow.aborted == ["r1"]  # the engine was told to abort (and free) it
     assert client._routes == {} and client.router.replicas[0].outstanding_tokens == 0
 
 
 def test_no_timeout_by_default_and_a_fast_request_is_untouched() -> None:
-    assert _run(_client(FakeEngine([[], ["a"]]))) == [[], ["a"]]
-    fast = FakeEngine([[], ["a"]])
-    assert _run(_client(fast, request_timeout_s=30)) == [[], ["a"]]
+    assert _run(_client(FakeEngine([[], [_out(1, True)]]))) == [[], [_out(1, True)]]
+    fast = FakeEngine([[], [_out(1, True)]])
+    assert _run(_client(fast, request_timeout_s=30)) == [[], [_out(1, True)]]
     assert fast.aborted == []
 
 

@@ -73,8 +73,8 @@ def _engine_idle(srv: Serve) -> dict[str, Any] | None:
 
 def test_cbserve_serve_with_config_file_serves_times_out_and_stops_on_ctrl_c() -> None:
     srv = Serve("--config", str(ROOT / "deploy" / "serve-local.yaml"), "--max-model-len", "8192",
-                "--kv-cache-memory-bytes", str(384 * 1024**2), "--worker-torch-threads", "1",
-                "--request-timeout-s", str(TIMEOUT_S), "--use-compiled-graph", "false")  # fmt: skip
+                "--kv-cache-memory-bytes", str(384 * 1024**2),
+                "--request-timeout-s", str(TIMEOUT_S))  # fmt: skip
     try:
         assert srv.ready.wait(300), "cbserve serve did not get ready:\n" + "".join(srv.lines[-40:])
         assert f"http://127.0.0.1:{srv.port}/v1" in srv.output  # it says where it listens
@@ -84,8 +84,9 @@ def test_cbserve_serve_with_config_file_serves_times_out_and_stops_on_ctrl_c() -
         r = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
                                            messages=[{"role": "user", "content": "Say hello."}])  # fmt: skip
         assert r.choices[0].message.content and r.usage.completion_tokens > 0
-        (stats,) = srv.get("/stats")["replicas"]  # plain actor calls (the compiled graph: openai_server/test_tp2)
-        assert stats["compiled_graph"] is False and stats["dispatch_calls"] > 0
+        (stats,) = srv.get("/stats")["replicas"]  # on CPU by default: plain actor calls (the compiled graph:
+        assert stats["compiled_graph"] is False and stats["dispatch_calls"] > 0  # openai_server/test_tp2)
+        assert stats["worker_torch_threads"] == [len(os.sched_getaffinity(0))]  # every core, not Ray's one
         _check_request_timeout(srv, client)
         srv.proc.send_signal(signal.SIGINT)
         assert srv.proc.wait(timeout=90) == 0

@@ -5,6 +5,7 @@ on the context (like a greedy model), with EOS on cue."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from cbserve.scheduler import (
@@ -18,6 +19,7 @@ from cbserve.scheduler import (
     SchedulerOutput,
     TokenLogprob,
 )
+from cbserve.scheduler.engine_core import StepResult
 
 VOCAB = 1000
 EOS = 999
@@ -54,6 +56,7 @@ class WorkerReq:
     num_samples: int
     want_logprobs: int | None
     seed: int | None
+    beam: bool = False
 
 
 @dataclass
@@ -82,7 +85,7 @@ class FakeExecutor:
             assert new.req_id not in self.reqs, f"{new.req_id} sent as new twice"
             self.reqs[new.req_id] = WorkerReq(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.num_prompt_tokens,
-                new.num_samples, new.sampling_params.logprobs, new.seed,
+                new.num_samples, new.sampling_params.logprobs, new.seed, new.sampling_params.use_beam_search,
             )  # fmt: skip
         for cached in so.scheduled_cached_reqs:
             req = self.reqs[cached.req_id]
@@ -136,6 +139,8 @@ class FakeExecutor:
                 out.logprobs.append([TokenLogprob(top[0][0], top[0][1], 1, top)])
             else:
                 out.logprobs.append([TokenLogprob(t, logprob_of(t), 1, [(t, logprob_of(t))]) for t in toks])
+            if len(out.sampled_token_ids[-1]) == 1 and not req.beam:  # as ModelRunner._keep_samples
+                req.tokens.append(out.sampled_token_ids[-1][0])
         return out
 
     def _eos_candidate(self, rid: str, req: WorkerReq) -> bool:
@@ -216,16 +221,41 @@ class Collected:
     results: list = field(default_factory=list)
 
 
+class Overlapped:
+    """Drives an engine as the SchedulerActor does with async scheduling: step N+1 is scheduled, and run by
+    the in-order worker, before step N's output is applied (``engine.step()`` never overlaps)."""
+
+    def __init__(self, engine: EngineCore) -> None:
+        self.engine = engine
+        self.in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+
+    def step(self) -> list[StepResult]:
+        engine = self.engine
+        so = engine.schedule()
+        out = ModelRunnerOutput() if so.is_empty else engine.executor.execute_model(so)
+        self.in_flight.append((so, out))
+        results = []
+        while len(self.in_flight) > 1 or (self.in_flight and so.is_empty):
+            results.append(engine.update_from_output(*self.in_flight.popleft()))
+        return results
+
+    @property
+    def busy(self) -> bool:
+        return self.engine.has_unfinished_requests() or bool(self.in_flight)
+
+
 def run(
-    engine: EngineCore, max_steps: int = 10_000, check: bool = True, into: Collected | None = None
+    engine: EngineCore, max_steps: int = 10_000, check: bool = True, into: Collected | None = None,
+    driver: Overlapped | None = None,
 ) -> Collected:
+    """Step until every request finished (``driver``: overlapped, else ``engine.step()``)."""
     col = into or Collected()
     for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
+        if not (engine.has_unfinished_requests() if driver is None else driver.busy):
             break
-        res = engine.step()
-        col.results.append(res)
-        collect(res, col)
+        for res in [engine.step()] if driver is None else driver.step():
+            col.results.append(res)
+            collect(res, col)
         if check:
             engine.check_integrity()
     else:

@@ -9,7 +9,7 @@ import pytest
 from cbserve.scheduler import QueueFullError, RequestRejectedError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from sched_fakes import Collected, collect, make_engine, req, run
+from sched_fakes import Collected, Overlapped, collect, make_engine, req, run
 
 PREFIXES = [[7, 7, 7, 7, 7, 7, 7, 7, 7], [1, 2, 3, 4, 5, 6], []]
 
@@ -79,10 +79,14 @@ def build(i: int, spec: dict) -> object:
     )
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs, operations=ops)
-def test_random_operations_keep_invariants(config: dict, operations: list) -> None:
-    engine, ex = make_engine(dynamic_batch_window_s=0.0, **_sized(config))
+def test_random_operations_keep_invariants(overlap: bool, config: dict, operations: list) -> None:
+    """With async scheduling the next step is scheduled (and run by the in-order fake worker, which checks
+    every KV slot it reads) before the previous step's output is applied."""
+    engine, ex = make_engine(dynamic_batch_window_s=0.0, async_scheduling=overlap, **_sized(config))
+    driver = Overlapped(engine) if overlap else None
     col = Collected()
     accepted: dict[str, int] = {}
     for i, op in enumerate(operations):
@@ -97,14 +101,15 @@ def test_random_operations_keep_invariants(config: dict, operations: list) -> No
                 pass
         elif op[0] == "step":
             for _ in range(op[1]):
-                collect(engine.step(), col)
+                for res in [engine.step()] if driver is None else driver.step():
+                    collect(res, col)
                 engine.check_integrity()
         elif op[0] == "abort" and accepted:
             engine.abort_request(sorted(accepted)[op[1] % len(accepted)])
         elif op[0] == "finish" and accepted:
             engine.finish_request(sorted(accepted)[op[1] % len(accepted)], op[2], "stop")
         engine.check_integrity()
-    run(engine, max_steps=5000, into=col)
+    run(engine, max_steps=5000, into=col, driver=driver)
     _events(ex)
     for req_id, n in accepted.items():
         for index in range(n):
@@ -122,11 +127,12 @@ def test_random_operations_keep_invariants(config: dict, operations: list) -> No
     specs=st.lists(requests, min_size=1, max_size=8),
 )
 def test_small_cache_gives_same_tokens_as_big_cache(config: dict, specs: list) -> None:
-    """Preemption, recompute, prefix hits and copy-on-write never change what is generated."""
+    """Preemption, recompute, prefix hits and copy-on-write never change what is generated; nor does async
+    scheduling (the small cache runs overlapped, the big one step by step)."""
     results = []
-    for kv_tokens in (config["kv_tokens"], 1000):
+    for kv_tokens, overlap in ((config["kv_tokens"], False), (1000, False), (config["kv_tokens"], True)):
         cfg = _sized(dict(config, kv_tokens=kv_tokens, max_waiting=100))
-        engine, ex = make_engine(dynamic_batch_window_s=0.0, **cfg)
+        engine, ex = make_engine(dynamic_batch_window_s=0.0, async_scheduling=overlap, **cfg)
         accepted = set()
         for i, spec in enumerate(specs):
             r = build(i, spec)
@@ -137,14 +143,15 @@ def test_small_cache_gives_same_tokens_as_big_cache(config: dict, specs: list) -
                 accepted.add(r.req_id)
             except RequestRejectedError:
                 pass
-        col = run(engine, max_steps=5000)
+        col = run(engine, max_steps=5000, driver=Overlapped(engine) if overlap else None)
         _events(ex)
         results.append((accepted, col.tokens, col.reasons))
-    small, big = results
-    assert small[0] <= big[0]
+    small, big, overlapped = results
+    assert small[0] <= big[0] and overlapped[0] == small[0]
     for key, toks in small[1].items():
         assert big[1][key] == toks, key
         assert big[2][key] == small[2][key]
+    assert overlapped[1] == small[1] and overlapped[2] == small[2]
 
 
 def _events(ex: object) -> None:

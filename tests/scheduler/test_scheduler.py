@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cbserve.scheduler import RequestStatus
-from sched_fakes import expected_tokens, make_engine, req, run
+from sched_fakes import Collected, Overlapped, collect, expected_tokens, make_engine, req, run
 
 
 def scheduled(so: object) -> dict[str, int]:
@@ -21,7 +21,8 @@ def test_single_request_tokens_and_protocol() -> None:
     assert [n.req_id for n in first.scheduled_new_reqs] == ["a"] and scheduled(first) == {"a": 6}
     assert first.scheduled_new_reqs[0].block_ids == [0, 1]
     (cached,) = second.scheduled_cached_reqs
-    assert cached.new_token_ids == [col.tokens[("a", 0)][0]] and cached.num_computed_tokens == 6
+    # the worker keeps the token it sampled: the scheduler sends back none (ModelRunner._keep_samples)
+    assert cached.new_token_ids == [] and cached.num_computed_tokens == 6
     assert cached.new_block_ids == [] and scheduled(second) == {"a": 1}
     assert ex.calls[2].scheduled_cached_reqs[0].new_block_ids == []
     assert ex.calls[3].scheduled_cached_reqs[0].new_block_ids == [2]  # position 8 opens block 2
@@ -179,3 +180,42 @@ def test_num_preempted_and_stats_fields() -> None:
     assert s.forward_time_s == 0.001 and s.schedule_time_s > 0
     res = engine.step()
     assert res.scheduler_stats.num_decode_tokens == 1
+
+
+def test_async_scheduling_schedules_the_next_token_before_the_sample_is_back() -> None:
+    engine, ex = make_engine(async_scheduling=True)
+    r = req("a", 6, max_tokens=5)
+    engine.add_request(r)
+    first = engine.schedule()  # the prompt: its last row is sampled
+    out1 = ex.execute_model(first)
+    second = engine.schedule()  # scheduled before out1 is applied: one token, whose id the worker has
+    assert scheduled(second) == {"a": 1}
+    (cached,) = second.scheduled_cached_reqs
+    assert cached.new_token_ids == [] and cached.num_computed_tokens == 6
+    seq = engine.scheduler.seqs["a"]
+    assert (seq.num_pending, seq.num_computed_tokens, seq.num_tokens) == (2, 7, 6)
+    engine.check_integrity()
+    out2 = ex.execute_model(second)
+    col = Collected()
+    collect(engine.update_from_output(first, out1), col)
+    collect(engine.update_from_output(second, out2), col)
+    assert col.tokens[("a", 0)] == expected_tokens(r.prompt_token_ids, 5)[:2]
+    assert seq.num_pending == 0 and seq.num_tokens == 8
+    driver = Overlapped(engine)
+    run(engine, driver=driver, into=col)
+    assert col.tokens[("a", 0)] == expected_tokens(r.prompt_token_ids, 5) and col.reasons[("a", 0)] == "length"
+    # the last token is never computed ahead: no step past max_tokens was scheduled
+    assert sum(scheduled(c).get("a", 0) for c in ex.calls) == 6 + 4
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+
+
+def test_async_scheduling_caches_the_prompt_of_a_request_that_ends_on_its_first_token() -> None:
+    hits = []
+    for overlap in (False, True):
+        engine, _ = make_engine(async_scheduling=overlap, block_size=4, eos_after={"r0": 1})
+        prefix = list(range(100, 118))
+        for i in range(3):
+            engine.add_request(req(f"r{i}", [*prefix, i], max_tokens=2))
+            run(engine, driver=Overlapped(engine) if overlap else None)
+        hits.append(engine.totals.prefix_cache_hits)
+    assert hits == [32, 32]  # r1 and r2 each reuse the 4 full prefix blocks r0 left behind

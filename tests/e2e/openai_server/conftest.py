@@ -39,7 +39,7 @@ COMMON = {
 MAIN_ARGS = dict(COMMON, num_replicas=2, max_num_seqs=32, kv_cache_memory_bytes=48 * 1024**2, api_key=API_KEY)
 TP2_ARGS = dict(
     COMMON, tensor_parallel_size=2, served_model_name=TP2_MODEL, max_num_seqs=1, max_waiting=1,
-    kv_cache_memory_bytes=16 * 1024**2,
+    kv_cache_memory_bytes=16 * 1024**2, use_compiled_graph=True,  # "auto" would pick actor calls on CPU
 )
 READY_TIMEOUT_S = 420
 
