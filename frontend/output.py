@@ -44,6 +44,8 @@ class GenerateOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # With ``prompt_logprobs``: one entry per prompt token, the first None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -102,6 +104,8 @@ class RequestState:
 
     def process(self, o: RequestOutput) -> SeqDelta | None:
         """Apply one engine output; None when it changes nothing (an ended sequence, an unknown index)."""
+        if o.prompt_logprobs is not None and self.result.prompt_logprobs is None:
+            self.result.prompt_logprobs = list(o.prompt_logprobs)
         if not 0 <= o.index < len(self.seqs) or self.seqs[o.index].out.finish_reason is not None:
             return None
         if o.final_token_ids is not None:  # best_of / beam search: the whole output at once
@@ -184,7 +188,7 @@ class OutputProcessor:
         """The state of one sequence: the only place a detokenizer is built."""
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
-            params.include_stop_str_in_output,
+            params.include_stop_str_in_output, params.min_tokens,
         )
         logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         return _Seq(CompletionOutput(index, "", [], None, logprobs), detok)
