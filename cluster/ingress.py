@@ -76,6 +76,21 @@ def _doc(body: type[BaseModel] | None = None, stream: type[BaseModel] | None = N
     return {"responses": responses, "openapi_extra": {"requestBody": {"required": True, "content": content}}}
 
 
+def _request_id(request: Request, body_id: str | None) -> str:
+    """The id a client gave the request (the body's ``request_id``, else the X-Request-Id header), else a new
+    one; kept on the request's state so the response carries it back in X-Request-Id."""
+    rid = body_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+    request.state.request_id = rid
+    return rid
+
+
+def _with_request_id(response: Response, request: Request) -> Response:
+    rid = getattr(request.state, "request_id", None) or request.headers.get("x-request-id")
+    if rid:
+        response.headers["X-Request-Id"] = rid
+    return response
+
+
 api = OpenAIApp(title="cbserve", description="OpenAI-compatible LLM serving with continuous batching")
 
 Handler = Callable[[Request], Awaitable[Any]]
@@ -107,7 +122,9 @@ class OpenAIIngress:
             app_name, owner = self.config.app_name, uuid.uuid4().hex[:8]
         self.client = EngineClient(self.config, app_name, owner)
         cfg = self.config
-        served = ServedModel(cfg.model_name, cfg.max_model_len, cfg.max_n, files.vocab_size or len(tokenizer))
+        served = ServedModel(
+            cfg.model_name, cfg.max_model_len, cfg.max_n, files.vocab_size or len(tokenizer), cfg.ordering == "priority"
+        )
         self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids)
         self.metrics = IngressMetrics(cfg.model_name)
 
@@ -136,9 +153,9 @@ class OpenAIIngress:
             self.metrics.in_flight(-1)
             raise
         if isinstance(result, AsyncIterator):
-            return self._to_response(self._accounted(route, start, result))
+            return _with_request_id(self._to_response(self._accounted(route, start, result)), request)
         self.metrics.in_flight(-1)
-        response = self._to_response(result)
+        response = _with_request_id(self._to_response(result), request)
         self.metrics.observe_http(route, response.status_code, time.perf_counter() - start)
         return response
 
@@ -175,7 +192,8 @@ class OpenAIIngress:
     @api.post("/v1/completions", response_model=CompletionResponse, **_doc(CompletionRequest, CompletionResponse))
     async def completions(self, request: Request) -> Response:
         async def run(r: Request) -> Any:
-            return await self.serving.completions(parse_body(CompletionRequest, await r.body()))
+            body = parse_body(CompletionRequest, await r.body())
+            return await self.serving.completions(body, _request_id(r, body.request_id))
 
         return await self._handle("/v1/completions", request, run)
 
@@ -185,7 +203,8 @@ class OpenAIIngress:
     )
     async def chat_completions(self, request: Request) -> Response:
         async def run(r: Request) -> Any:
-            return await self.serving.chat(parse_body(ChatCompletionRequest, await r.body()))
+            body = parse_body(ChatCompletionRequest, await r.body())
+            return await self.serving.chat(body, _request_id(r, body.request_id))
 
         return await self._handle("/v1/chat/completions", request, run)
 

@@ -61,6 +61,7 @@ class SeqDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the request's, once the engine sent them
 
 
 @dataclass
@@ -98,9 +99,9 @@ class RequestState:
     def num_completion_tokens(self) -> int:
         return sum(len(s.out.token_ids) for s in self.seqs)
 
-    def choices(self) -> list[tuple[int, CompletionOutput]]:
-        """(choice index, output) of every sequence."""
-        return [(self.choice_offset + s.out.index, s.out) for s in self.seqs]
+    def choices(self) -> list[tuple[int, CompletionOutput, list[TokenLogprob | None] | None]]:
+        """(choice index, output, the prompt's logprobs) of every sequence."""
+        return [(self.choice_offset + s.out.index, s.out, self.result.prompt_logprobs) for s in self.seqs]
 
     def process(self, o: RequestOutput) -> SeqDelta | None:
         """Apply one engine output; None when it changes nothing (an ended sequence, an unknown index)."""
@@ -131,7 +132,8 @@ class RequestState:
         if finish is not None:
             out.finish_reason, out.stop_reason = finish, detok.stop_reason
             self.result.num_cached_tokens = max(self.result.num_cached_tokens, o.num_cached_tokens)
-        return SeqDelta(self.choice_offset + o.index, text, list(o.new_token_ids), o.new_logprobs, finish)
+        index = self.choice_offset + o.index
+        return SeqDelta(index, text, list(o.new_token_ids), o.new_logprobs, finish, self.result.prompt_logprobs)
 
 
 class OutputProcessor:

@@ -44,10 +44,11 @@ def apply_chat_template(
     tokenizer: Any,
     messages: Sequence[dict[str, Any]],
     add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
     **template_kwargs: Any,
 ) -> list[int]:
     """Render chat ``messages`` with the model's template and return the prompt token ids."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None) and not template_kwargs.get("chat_template"):
         raise ValueError("this model has no chat template; send a plain prompt instead")
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
@@ -55,7 +56,7 @@ def apply_chat_template(
     text = tokenizer.apply_chat_template(
         list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 @dataclass
