@@ -76,19 +76,11 @@ def _doc(body: type[BaseModel] | None = None, stream: type[BaseModel] | None = N
     return {"responses": responses, "openapi_extra": {"requestBody": {"required": True, "content": content}}}
 
 
-def _request_id(request: Request, body_id: str | None) -> str:
-    """The id a client gave the request (the body's ``request_id``, else the X-Request-Id header), else a new
-    one; kept on the request's state so the response carries it back in X-Request-Id."""
-    rid = body_id or request.headers.get("x-request-id") or uuid.uuid4().hex
-    request.state.request_id = rid
-    return rid
-
-
-def _with_request_id(response: Response, request: Request) -> Response:
-    rid = getattr(request.state, "request_id", None) or request.headers.get("x-request-id")
-    if rid:
-        response.headers["X-Request-Id"] = rid
-    return response
+def _request_id(request: Request, body_id: str | None) -> str | None:
+    """The request's id: the body's ``request_id``, else the X-Request-Id header. Serve's proxy puts one in
+    every request that lacks it and sends it back in the response's X-Request-Id, so the response id
+    (``cmpl-<id>``) and that header agree unless the body names its own id."""
+    return body_id or request.headers.get("x-request-id")
 
 
 api = OpenAIApp(title="cbserve", description="OpenAI-compatible LLM serving with continuous batching")
@@ -153,9 +145,9 @@ class OpenAIIngress:
             self.metrics.in_flight(-1)
             raise
         if isinstance(result, AsyncIterator):
-            return _with_request_id(self._to_response(self._accounted(route, start, result)), request)
+            return self._to_response(self._accounted(route, start, result))
         self.metrics.in_flight(-1)
-        response = _with_request_id(self._to_response(result), request)
+        response = self._to_response(result)
         self.metrics.observe_http(route, response.status_code, time.perf_counter() - start)
         return response
 

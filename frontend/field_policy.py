@@ -45,7 +45,7 @@ REFUSED: dict[str, tuple[str, Harmless]] = {
     "prediction": ("(predicted outputs) is not supported", _falsy),
     "reasoning_effort": ("is not supported (no reasoning models)", _falsy),
     "verbosity": ("is not supported", _falsy),
-    "web_search_options": ("is not supported", _falsy),
+    "web_search_options": ("is not supported", lambda v: v is None),  # {} turns web search on
     "functions": ("(deprecated) is not supported; use tools", _falsy),
     "function_call": ("(deprecated) is not supported; use tool_choice", _falsy),
     # structured output and tool calling: their own change lands these
