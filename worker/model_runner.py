@@ -153,8 +153,9 @@ class ModelRunner:
         hidden = self._hidden(batch)
         logits = self._logits(batch, hidden)
         out = self._sample(batch, logits) if tp_rank() == 0 else ModelRunnerOutput()
-        if batch.prompt_lp and tp_rank() == 0:
-            out.prompt_logprobs = compute_prompt_logprobs(hidden, batch.prompt_lp, self.model.compute_logits)
+        if batch.prompt_lp:  # every rank: the LM head is a collective under tensor parallelism
+            lps = compute_prompt_logprobs(hidden, batch.prompt_lp, self.model.compute_logits, tp_rank() == 0)
+            out.prompt_logprobs = lps
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
         out.forward_time_s = time.perf_counter() - t0

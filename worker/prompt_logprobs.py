@@ -15,18 +15,24 @@ ROWS_PER_CHUNK = 256
 
 
 def compute_prompt_logprobs(
-    hidden: torch.Tensor, requests: Sequence[PromptLogprobRows], logits_fn: Callable[[torch.Tensor], torch.Tensor]
+    hidden: torch.Tensor, requests: Sequence[PromptLogprobRows], logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    score: bool = True,
 ) -> dict[str, tuple[int, list[TokenLogprob]]]:
     """req id -> (first scored prompt position, one TokenLogprob per scored token), from ``hidden`` (the
-    batch's final hidden states) through ``logits_fn`` (the model's final norm and LM head)."""
+    batch's final hidden states) through ``logits_fn`` (the model's final norm and LM head). Under tensor
+    parallelism every rank must call this (the LM head gathers the vocabulary shards); only the rank with
+    ``score`` turns the logits into logprobs (the others get {})."""
     out: dict[str, tuple[int, list[TokenLogprob]]] = {}
     for req in requests:
         entries: list[TokenLogprob] = []
         for lo in range(0, len(req.targets), ROWS_PER_CHUNK):
             targets = req.targets[lo : lo + ROWS_PER_CHUNK]
             rows = hidden[req.first_row + lo : req.first_row + lo + len(targets)]
-            entries.extend(_score(logits_fn(rows), targets, req.num_top))
-        out[req.req_id] = (req.start + 1, entries)
+            logits = logits_fn(rows)
+            if score:
+                entries.extend(_score(logits, targets, req.num_top))
+        if score:
+            out[req.req_id] = (req.start + 1, entries)
     return out
 
 
