@@ -131,21 +131,53 @@ HONOURED: dict[str, tuple[dict[str, Any], Check]] = {
                                lambda s, r: r.usage.prompt_tokens == 2 or pytest.fail()),
     "add_special_tokens": ({"extra_body": {"add_special_tokens": False}}, _same_as_greedy),
     "skip_special_tokens": ({"extra_body": {"skip_special_tokens": False}}, _same_as_greedy),
-    "stream": ({"stream": True}, None),  # checked by test_api's streamed cases
+    "safety_identifier": ({"extra_body": {"safety_identifier": "someone"}}, _same_as_greedy),  # an identifier too
+    "use_beam_search": ({"n": 2, "extra_body": {"use_beam_search": True}},
+                        lambda s, r: len({c.text for c in r.choices}) == 2 or pytest.fail()),
+}
+# honoured, their effect asserted by another test
+ELSEWHERE = {
+    "model": "test_api.py::test_bad_inputs_get_openai_errors (404 for another model)",
+    "prompt": "everywhere", "messages": "everywhere",
+    "stream": "test_api.py::test_completion_equals_offline_llm", "stream_options": "test_api.py (include_usage)",
+    "max_completion_tokens": "test_api.py::test_max_completion_tokens_and_length",
+    "top_logprobs": "test_api.py::test_n_logprobs_and_seed",
+    "length_penalty": "tests/scheduler/test_beam_search.py (the ranking of finished beams)",
+    "logit_bias": "test_logit_bias_forces_and_bans_tokens",
+    "prompt_logprobs": "test_echo_with_logprobs_and_prompt_logprobs",
+    "cache_salt": "test_cache_salt_separates_prefix_cache_entries",
+    "continue_final_message": "test_chat_fields_continue_final_message_and_template_kwargs",
+    "add_generation_prompt": "test_chat_fields_continue_final_message_and_template_kwargs",
+    "chat_template": "test_chat_fields_continue_final_message_and_template_kwargs",
+    "chat_template_kwargs": "tests/frontend/test_request_fields.py::test_chat_template_options",
+    "priority": "refused here (ordering fcfs); tests/frontend/test_request_fields.py and the scheduler's tests",
 }
 
 REFUSED: dict[str, Any] = {
     "suffix": "x", "priority": 1, "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True,
-    "logits_processors": ["x"], "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
-    "prompt_cache_key": "k", "response_format": {"type": "json_object"}, "guided_regex": "a+",
-    "structured_outputs": {"regex": "a+"}, "prompt_embeds": "AAAA", "vllm_xargs": {"a": 1},
+    "return_token_ids": True, "logits_processors": ["x"], "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
+    "prompt_embeds": "AAAA", "store": True, "metadata": {"a": "b"}, "service_tier": "flex", "prompt_cache_key": "k",
+    "prompt_cache_retention": "24h", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"},
+    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
+    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
 }
 CHAT_REFUSED: dict[str, Any] = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
     "parallel_tool_calls": False, "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["audio"],
     "reasoning_effort": "low", "prediction": {"type": "content", "content": "x"}, "echo": True,
-    "web_search_options": {}, "functions": [{"name": "f"}], "verbosity": "low", "documents": [{"a": "b"}],
+    "web_search_options": {}, "functions": [{"name": "f"}], "function_call": "auto", "verbosity": "low",
+    "documents": [{"a": "b"}], "mm_processor_kwargs": {"a": 1},
 }
+
+
+def test_the_table_covers_every_request_field() -> None:
+    from cbserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+
+    fields = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    listed = [set(HONOURED), set(REFUSED), set(CHAT_REFUSED), set(ELSEWHERE)]
+    assert set().union(*listed) == fields
+    assert not HONOURED.keys() & (REFUSED.keys() | ELSEWHERE.keys())
+    assert HONOURED.keys() & CHAT_REFUSED.keys() == {"echo"}  # completions' echo; chat's is refused
 
 
 @pytest.mark.parametrize("field", sorted(HONOURED))
