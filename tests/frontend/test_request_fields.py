@@ -136,3 +136,28 @@ def test_min_tokens_holds_back_stop_strings() -> None:
     assert detok.add_tokens(ids("ax")).new_text == "ax" and not detok.stopped  # 2 tokens: not more than 2
     update = detok.add_tokens(ids("bxc"))
     assert update.stopped and detok.text == "axb"
+
+
+def test_streamed_echo_with_logprobs_sends_the_prompt_with_the_first_delta() -> None:
+    from cbserve.scheduler.outputs import TokenLogprob
+
+    def script(req: EngineRequest) -> list[list[Any]]:
+        prompt_lp = [None] + [TokenLogprob(t, -1.0, 1, [(t, -1.0)]) for t in req.prompt_token_ids[1:]]
+        first = out(req.req_id, "o", new_logprobs=[TokenLogprob(ord("o"), -0.5, 1, [])], prompt_logprobs=prompt_lp)
+        return [[first], [out(req.req_id, "k", finished=True, reason="length",
+                              new_logprobs=[TokenLogprob(ord("k"), -0.25, 1, [])])]]
+
+    serving, _ = _serving(script)
+
+    async def collect() -> list[str]:
+        stream = await serving.completions(CompletionRequest(prompt="abc", echo=True, logprobs=0, stream=True))
+        return [line async for line in stream]
+
+    import json
+
+    chunks = [json.loads(line.removeprefix("data: ")) for line in asyncio.run(collect())[:-1]]
+    first, second = chunks[0]["choices"][0], chunks[1]["choices"][0]
+    assert first["text"] == "abco" and first["logprobs"]["tokens"] == ["a", "b", "c", "o"]
+    assert first["logprobs"]["token_logprobs"] == [None, -1.0, -1.0, -0.5]
+    assert first["logprobs"]["text_offset"] == [0, 1, 2, 3]
+    assert second["text"] == "k" and second["logprobs"]["text_offset"] == [4]
