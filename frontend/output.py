@@ -164,12 +164,17 @@ class OutputProcessor:
         params: SamplingParams,
         prompt: str | None = None,
         choice_offset: int = 0,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> EngineRequest:
         """Track a new request and return what to send to the engine."""
         ids = list(prompt_token_ids)
         result = GenerateOutput(req_id, prompt, ids)
         self.requests[req_id] = RequestState(self, result, params, choice_offset)
-        return EngineRequest(req_id, ids, self.engine_params(params), eos_token_id=self.eos_token_id)
+        return EngineRequest(
+            req_id, ids, self.engine_params(params), eos_token_id=self.eos_token_id, priority=priority,
+            cache_salt=cache_salt,
+        )
 
     def engine_params(self, params: SamplingParams) -> SamplingParams:
         """Models with several EOS ids: the others stop a sequence too (unless ``ignore_eos``)."""

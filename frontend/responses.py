@@ -134,7 +134,13 @@ class CompletionFormatter(_Base):
             choice = CompletionChoice(index=index, text=echo + text, logprobs=lp, finish_reason=finish,
                                       prompt_logprobs=self.vllm_prompt_logprobs(prompt_lps))
             body.append(choice)
-        return self._envelope(body, usage)
+        return self._envelope(body, self._usage(usage))
+
+    def _usage(self, usage: UsageInfo) -> UsageInfo:
+        """``max_tokens=0``: the one token generated behind the scenes is not part of the answer."""
+        if not self.echo_only:
+            return usage
+        return UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens)
 
     def start_chunks(self) -> list[CompletionResponse]:
         if self.echo_logprobs:
@@ -165,7 +171,7 @@ class CompletionFormatter(_Base):
         return self._envelope([CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish)], None)
 
     def usage_chunk(self, usage: UsageInfo) -> CompletionResponse:
-        return self._envelope([], usage)
+        return self._envelope([], self._usage(usage))
 
 
 class ChatFormatter(_Base):

@@ -154,8 +154,9 @@ class OpenAIServing:
         response is committed)."""
         if req_id in self.processor.requests:
             raise APIError(400, f"request id {req_id!r} is already in use", param="request_id")
-        request = self.processor.add_request(req_id, prompt, sp, choice_offset=choice_offset)
-        request.priority, request.cache_salt = priority, cache_salt
+        request = self.processor.add_request(
+            req_id, prompt, sp, choice_offset=choice_offset, priority=priority, cache_salt=cache_salt
+        )
         state = self.processor.requests[req_id]
         outputs = self.engine.generate(request)
         try:

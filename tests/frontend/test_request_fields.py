@@ -115,6 +115,7 @@ def test_echo_with_max_tokens_zero_returns_the_prompt_alone() -> None:
     r = _completion(serving, echo=True, max_tokens=0, logprobs=0)
     assert r.choices[0].text == "abc" and r.choices[0].finish_reason == "length"
     assert r.choices[0].logprobs.tokens == ["a", "b", "c"]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (3, 0, 3)
     assert engine.requests[0].sampling_params.max_tokens == 1
 
 
