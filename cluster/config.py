@@ -58,6 +58,7 @@ class CBServeConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     num_kv_blocks: int | None = Field(None, ge=1)  # force the block count (skips memory profiling)
     policy: Literal["continuous", "prefill_first", "static", "dynamic"] = "continuous"
+    ordering: Literal["fcfs", "priority"] = "fcfs"  # "priority": requests' ``priority`` orders them (lower first)
     enable_prefix_caching: bool = True
     max_waiting: int = Field(4096, ge=0)
     # schedule the next step while the current one runs (the hop and the scheduler's work overlap the forward)
@@ -163,6 +164,7 @@ class CBServeConfig(BaseModel):
                 max_num_seqs=self.max_num_seqs,
                 max_model_len=self.max_model_len,
                 policy=self.policy,
+                ordering=self.ordering,
                 max_waiting=self.max_waiting,
                 async_scheduling=self.async_scheduling,
             ),

@@ -76,6 +76,13 @@ def _doc(body: type[BaseModel] | None = None, stream: type[BaseModel] | None = N
     return {"responses": responses, "openapi_extra": {"requestBody": {"required": True, "content": content}}}
 
 
+def _request_id(request: Request, body_id: str | None) -> str | None:
+    """The request's id: the body's ``request_id``, else the X-Request-Id header. Serve's proxy puts one in
+    every request that lacks it and sends it back in the response's X-Request-Id, so the response id
+    (``cmpl-<id>``) and that header agree unless the body names its own id."""
+    return body_id or request.headers.get("x-request-id")
+
+
 api = OpenAIApp(title="cbserve", description="OpenAI-compatible LLM serving with continuous batching")
 
 Handler = Callable[[Request], Awaitable[Any]]
@@ -107,7 +114,9 @@ class OpenAIIngress:
             app_name, owner = self.config.app_name, uuid.uuid4().hex[:8]
         self.client = EngineClient(self.config, app_name, owner)
         cfg = self.config
-        served = ServedModel(cfg.model_name, cfg.max_model_len, cfg.max_n, files.vocab_size or len(tokenizer))
+        served = ServedModel(
+            cfg.model_name, cfg.max_model_len, cfg.max_n, files.vocab_size or len(tokenizer), cfg.ordering == "priority"
+        )
         self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids)
         self.metrics = IngressMetrics(cfg.model_name)
 
@@ -175,7 +184,8 @@ class OpenAIIngress:
     @api.post("/v1/completions", response_model=CompletionResponse, **_doc(CompletionRequest, CompletionResponse))
     async def completions(self, request: Request) -> Response:
         async def run(r: Request) -> Any:
-            return await self.serving.completions(parse_body(CompletionRequest, await r.body()))
+            body = parse_body(CompletionRequest, await r.body())
+            return await self.serving.completions(body, _request_id(r, body.request_id))
 
         return await self._handle("/v1/completions", request, run)
 
@@ -185,7 +195,8 @@ class OpenAIIngress:
     )
     async def chat_completions(self, request: Request) -> Response:
         async def run(r: Request) -> Any:
-            return await self.serving.chat(parse_body(ChatCompletionRequest, await r.body()))
+            body = parse_body(ChatCompletionRequest, await r.body())
+            return await self.serving.chat(body, _request_id(r, body.request_id))
 
         return await self._handle("/v1/chat/completions", request, run)
 

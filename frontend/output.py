@@ -44,6 +44,8 @@ class GenerateOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # With ``prompt_logprobs``: one entry per prompt token, the first None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -59,6 +61,7 @@ class SeqDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the request's, once the engine sent them
 
 
 @dataclass
@@ -96,12 +99,14 @@ class RequestState:
     def num_completion_tokens(self) -> int:
         return sum(len(s.out.token_ids) for s in self.seqs)
 
-    def choices(self) -> list[tuple[int, CompletionOutput]]:
-        """(choice index, output) of every sequence."""
-        return [(self.choice_offset + s.out.index, s.out) for s in self.seqs]
+    def choices(self) -> list[tuple[int, CompletionOutput, list[TokenLogprob | None] | None]]:
+        """(choice index, output, the prompt's logprobs) of every sequence."""
+        return [(self.choice_offset + s.out.index, s.out, self.result.prompt_logprobs) for s in self.seqs]
 
     def process(self, o: RequestOutput) -> SeqDelta | None:
         """Apply one engine output; None when it changes nothing (an ended sequence, an unknown index)."""
+        if o.prompt_logprobs is not None and self.result.prompt_logprobs is None:
+            self.result.prompt_logprobs = list(o.prompt_logprobs)
         if not 0 <= o.index < len(self.seqs) or self.seqs[o.index].out.finish_reason is not None:
             return None
         if o.final_token_ids is not None:  # best_of / beam search: the whole output at once
@@ -127,7 +132,8 @@ class RequestState:
         if finish is not None:
             out.finish_reason, out.stop_reason = finish, detok.stop_reason
             self.result.num_cached_tokens = max(self.result.num_cached_tokens, o.num_cached_tokens)
-        return SeqDelta(self.choice_offset + o.index, text, list(o.new_token_ids), o.new_logprobs, finish)
+        index = self.choice_offset + o.index
+        return SeqDelta(index, text, list(o.new_token_ids), o.new_logprobs, finish, self.result.prompt_logprobs)
 
 
 class OutputProcessor:
@@ -158,12 +164,17 @@ class OutputProcessor:
         params: SamplingParams,
         prompt: str | None = None,
         choice_offset: int = 0,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> EngineRequest:
         """Track a new request and return what to send to the engine."""
         ids = list(prompt_token_ids)
         result = GenerateOutput(req_id, prompt, ids)
         self.requests[req_id] = RequestState(self, result, params, choice_offset)
-        return EngineRequest(req_id, ids, self.engine_params(params), eos_token_id=self.eos_token_id)
+        return EngineRequest(
+            req_id, ids, self.engine_params(params), eos_token_id=self.eos_token_id, priority=priority,
+            cache_salt=cache_salt,
+        )
 
     def engine_params(self, params: SamplingParams) -> SamplingParams:
         """Models with several EOS ids: the others stop a sequence too (unless ``ignore_eos``)."""
@@ -184,7 +195,7 @@ class OutputProcessor:
         """The state of one sequence: the only place a detokenizer is built."""
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
-            params.include_stop_str_in_output,
+            params.include_stop_str_in_output, params.min_tokens,
         )
         logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         return _Seq(CompletionOutput(index, "", [], None, logprobs), detok)

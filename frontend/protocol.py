@@ -1,7 +1,8 @@
 """Pydantic models of the OpenAI-compatible API (the subset cbserve serves): requests are parsed into them
 (and mapped to SamplingParams), responses and stream chunks are built from them, and the ingress declares
-them on its routes so that ``/openapi.json`` documents the real bodies. Unknown request fields are ignored,
-as OpenAI-compatible servers do."""
+them on its routes so that ``/openapi.json`` documents the real bodies. Every field of OpenAI's API (and
+vLLM's extras) is declared: honoured, or refused with a 400 naming it when set (``field_policy.py``).
+Unknown extra fields are kept aside (``model_extra``), logged once per name and otherwise ignored."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 
 class APIError(Exception):
@@ -45,12 +46,14 @@ class ErrorResponse(BaseModel):
 # ---- requests -------------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # nothing to obfuscate against: accepted, no effect
+    continuous_usage_stats: bool = False  # vLLM's; refused when true (field_policy.py)
 
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (vLLM-style extras included)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     n: int = 1
@@ -74,6 +77,38 @@ class SamplingFields(BaseModel):
     best_of: int | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # token constraints, prompt logprobs and routing (issue 18)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    priority: int = 0  # lower runs first (needs the "priority" ordering)
+    cache_salt: str | None = None  # prefix-cache entries are shared only between requests of one salt
+    request_id: str | None = None  # echoed in the response id and the X-Request-Id header
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens (-1: max_model_len)
+    # declared so they are documented; field_policy.py refuses (or accepts only the harmless values of) them
+    spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    logits_processors: list[Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    prompt_embeds: Any = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    # structured output: declared, refused "not supported yet" (field_policy.py) until it lands
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -82,17 +117,11 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 only with echo: the prompt (and its logprobs) alone
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:  # insertion (fill-in-the-middle) is not supported: say so rather than ignore it
-            raise ValueError("suffix (insertion) is not supported")
-        return v
+    add_special_tokens: bool = True
 
 
 class ChatMessage(BaseModel):
@@ -119,6 +148,26 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
+    add_special_tokens: bool = False  # the template adds them
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # declared so they are documented; field_policy.py refuses them when set
+    echo: bool = False
+    documents: list[dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    # tool calling: declared, refused "not supported yet" (field_policy.py) until it lands
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -160,11 +209,23 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry: one per token id (the prompt token and the top alternatives)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -209,6 +270,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -21,12 +21,14 @@ from .protocol import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogprob,
     UsageInfo,
     now,
 )
 
-Choices = Sequence[tuple[int, CompletionOutput]]  # (choice index, output)
+Choices = Sequence[tuple[int, CompletionOutput, list[TokenLogprob | None] | None]]  # (index, output, prompt lps)
 
 
 class Formatter(Protocol):
@@ -43,6 +45,7 @@ class _Base:
         self.tokenizer = tokenizer
         self.created = now()
         self._token_text: dict[int, str] = {}
+        self.want_prompt_logprobs = False
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text.get(token_id)
@@ -50,28 +53,55 @@ class _Base:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def vllm_prompt_logprobs(self, prompt_lps: list[TokenLogprob | None] | None) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (the first None), {token id: logprob, rank, text}
+        for the top alternatives and the prompt token itself."""
+        if not self.want_prompt_logprobs or prompt_lps is None:
+            return None
+        out: PromptLogprobs = []
+        for e in prompt_lps:
+            if e is None:
+                out.append(None)
+                continue
+            d = {t: PromptLogprob(logprob=v, rank=r, decoded_token=self.token_text(t)) for r, (t, v) in
+                 enumerate(e.top, 1)}
+            d[e.token_id] = PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=self.token_text(e.token_id))
+            out.append(d)
+        return out
+
 
 class CompletionFormatter(_Base):
-    """``echo``: per prompt, the text that precedes its choices' outputs ("" without echo)."""
+    """``prompts``: the token ids of each prompt. ``echo``: each choice's text starts with its prompt's text,
+    and with ``logprobs`` its logprobs start with the prompt tokens' (the first None, as OpenAI gives them);
+    ``echo_only`` (``max_tokens=0``): the prompt is all there is. ``prompt_logprobs``: vLLM's field, per
+    choice."""
 
     def __init__(
-        self, req_id: str, model: str, tokenizer: Any, n: int, echo: list[str], logprobs: int | None
+        self, req_id: str, model: str, tokenizer: Any, n: int, prompts: list[list[int]], echo: bool,
+        logprobs: int | None, echo_only: bool = False, prompt_logprobs: bool = False,
     ) -> None:
         super().__init__(req_id, model, tokenizer)
         self.n = n
-        self.echo = echo
-        self.want_logprobs = logprobs is not None
-        self.offsets = [len(echo[i // n]) for i in range(n * len(echo))]  # streamed text offsets
+        self.prompts = prompts
+        self.echo = [tokenizer.decode(p) if echo else "" for p in prompts]
+        self.logprobs = logprobs
+        self.echo_logprobs = echo and logprobs is not None  # the prompt's logprobs come with its first delta
+        self.echo_only = echo_only
+        self.want_prompt_logprobs = prompt_logprobs
+        n_choices = n * len(prompts)
+        self.offsets = [0 if self.echo_logprobs else len(self.echo[i // n]) for i in range(n_choices)]
+        self.started = [not self.echo_logprobs] * n_choices  # the echo went out (or goes with no logprobs)
 
     def _envelope(self, choices: list[CompletionChoice], usage: UsageInfo | None) -> CompletionResponse:
         return CompletionResponse(id=self.req_id, created=self.created, model=self.model, choices=choices, usage=usage)
 
     def _logprobs(
-        self, token_ids: list[int], entries: Sequence[TokenLogprob] | None, offset: int
+        self, token_ids: list[int], entries: Sequence[TokenLogprob | None] | None, offset: int,
+        lp: CompletionLogprobs | None = None,
     ) -> CompletionLogprobs | None:
-        if not self.want_logprobs:
+        if self.logprobs is None:
             return None
-        lp = CompletionLogprobs()
+        lp = lp if lp is not None else CompletionLogprobs()
         for tok, entry in zip(token_ids, entries or [None] * len(token_ids), strict=False):
             text = self.token_text(tok)
             lp.tokens.append(text)
@@ -82,44 +112,76 @@ class CompletionFormatter(_Base):
         return lp
 
     def _top(self, entry: TokenLogprob) -> dict[str, float]:
-        top = {self.token_text(t): lp for t, lp in entry.top}
+        top = {self.token_text(t): lp for t, lp in entry.top[: self.logprobs]}
         top.setdefault(self.token_text(entry.token_id), entry.logprob)
         return top
 
+    def _prompt_part(self, index: int, prompt_lps: list[TokenLogprob | None] | None) -> CompletionLogprobs | None:
+        """The prompt tokens' logprobs that start an echoed choice's logprobs."""
+        if not self.echo_logprobs:
+            return None
+        prompt = self.prompts[index // self.n]
+        return self._logprobs(prompt, prompt_lps or [None] * len(prompt), 0)
+
     def response(self, choices: Choices, usage: UsageInfo) -> CompletionResponse:
         body = []
-        for index, out in sorted(choices, key=lambda c: c[0]):
+        for index, out, prompt_lps in sorted(choices, key=lambda c: c[0]):
             echo = self.echo[index // self.n]
-            lp = self._logprobs(out.token_ids, out.logprobs, len(echo))
-            choice = CompletionChoice(index=index, text=echo + out.text, logprobs=lp, finish_reason=out.finish_reason)
+            gen_ids, gen_lps, text = (([], [], "") if self.echo_only else (out.token_ids, out.logprobs, out.text))
+            lp = self._prompt_part(index, prompt_lps)
+            lp = self._logprobs(gen_ids, gen_lps, len(echo), lp)
+            finish = "length" if self.echo_only else out.finish_reason
+            choice = CompletionChoice(index=index, text=echo + text, logprobs=lp, finish_reason=finish,
+                                      prompt_logprobs=self.vllm_prompt_logprobs(prompt_lps))
             body.append(choice)
-        return self._envelope(body, usage)
+        return self._envelope(body, self._usage(usage))
+
+    def _usage(self, usage: UsageInfo) -> UsageInfo:
+        """``max_tokens=0``: the one token generated behind the scenes is not part of the answer."""
+        if not self.echo_only:
+            return usage
+        return UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens)
 
     def start_chunks(self) -> list[CompletionResponse]:
+        if self.echo_logprobs:
+            return []
         echoes = [self.echo[i // self.n] for i in range(len(self.offsets))]
         return [self._chunk(i, text, None, None) for i, text in enumerate(echoes) if text]
 
     def chunks(self, deltas: list[SeqDelta]) -> list[CompletionResponse]:
         out = []
         for d in deltas:
-            lp = self._logprobs(d.token_ids, d.logprobs, self.offsets[d.index])
+            text, ids, lps = ("", [], []) if self.echo_only else (d.text, d.token_ids, d.logprobs)
+            lp = None
+            if not self.started[d.index]:  # echo with logprobs: the prompt goes with the first delta
+                self.started[d.index] = True
+                text = self.echo[d.index // self.n] + text
+                lp = self._prompt_part(d.index, d.prompt_logprobs)
+                self.offsets[d.index] = len(self.echo[d.index // self.n])
+            lp = self._logprobs(ids, lps, self.offsets[d.index], lp)
             if lp is not None:
-                self.offsets[d.index] += sum(len(t) for t in lp.tokens)
-            out.append(self._chunk(d.index, d.text, lp, d.finish_reason))
+                self.offsets[d.index] += sum(len(self.token_text(t)) for t in ids)
+            finish = ("length" if d.finish_reason else None) if self.echo_only else d.finish_reason
+            if self.echo_only and not text and finish is None:
+                continue
+            out.append(self._chunk(d.index, text, lp, finish))
         return out
 
     def _chunk(self, index: int, text: str, lp: CompletionLogprobs | None, finish: str | None) -> CompletionResponse:
         return self._envelope([CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish)], None)
 
     def usage_chunk(self, usage: UsageInfo) -> CompletionResponse:
-        return self._envelope([], usage)
+        return self._envelope([], self._usage(usage))
 
 
 class ChatFormatter(_Base):
-    def __init__(self, req_id: str, model: str, tokenizer: Any, n: int, logprobs: bool) -> None:
+    def __init__(
+        self, req_id: str, model: str, tokenizer: Any, n: int, logprobs: bool, prompt_logprobs: bool = False
+    ) -> None:
         super().__init__(req_id, model, tokenizer)
         self.n = n
         self.want_logprobs = logprobs
+        self.want_prompt_logprobs = prompt_logprobs
 
     def _entry(self, token_id: int, logprob: float) -> TopLogprob:
         text = self.token_text(token_id)
@@ -142,9 +204,12 @@ class ChatFormatter(_Base):
                 logprobs=self._logprobs(out.logprobs),
                 finish_reason=out.finish_reason,
             )
-            for index, out in sorted(choices, key=lambda c: c[0])
+            for index, out, _ in sorted(choices, key=lambda c: c[0])
         ]
-        return ChatCompletionResponse(id=self.req_id, created=self.created, model=self.model, choices=body, usage=usage)
+        prompt_lp = self.vllm_prompt_logprobs(choices[0][2]) if choices else None
+        return ChatCompletionResponse(
+            id=self.req_id, created=self.created, model=self.model, choices=body, usage=usage, prompt_logprobs=prompt_lp
+        )
 
     def start_chunks(self) -> list[ChatCompletionChunk]:
         return [self._chunk(i, DeltaMessage(role="assistant", content=""), None, None) for i in range(self.n)]

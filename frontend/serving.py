@@ -24,6 +24,7 @@ from .protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    SamplingFields,
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
@@ -55,30 +56,46 @@ class OpenAIServing:
         self.processor = OutputProcessor(tokenizer, eos_token_ids, engine.finish)
 
     # ---- endpoints ----------------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest) -> Answer:
+    async def completions(self, req: CompletionRequest, request_id: str | None = None) -> Answer:
+        """``request_id``: the client's id (body ``request_id`` or the X-Request-Id header): the response id
+        is ``cmpl-<id>``."""
         v = self.validator
-        v.check_model(req.model)
+        v.check_request(req)
         if req.logprobs is not None and req.logprobs < 0:
             raise APIError(400, "logprobs must be >= 0", param="logprobs")
-        prompts = v.completion_prompts(req.prompt)
-        params = [v.sampling_params(req, len(p), req.max_tokens, req.logprobs) for p in prompts]
-        req_id = new_id("cmpl")
-        echo = [self.tokenizer.decode(p) if req.echo else "" for p in prompts]
-        fmt = CompletionFormatter(req_id, self.served.name, self.tokenizer, req.n, echo, req.logprobs)
-        return await self._run(req_id, prompts, params, req.stream, req.include_usage, fmt)
+        _check_prompt_logprobs(req.prompt_logprobs, req.stream)
+        echo_only = req.max_tokens == 0
+        if echo_only and not req.echo:
+            raise APIError(400, "max_tokens=0 needs echo=true (the prompt alone)", param="max_tokens")
+        prompts = [v.truncated(p, req.truncate_prompt_tokens)
+                   for p in v.completion_prompts(req.prompt, req.add_special_tokens)]
+        prompt_lp = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:  # the prompt tokens' logprobs start each choice's
+            prompt_lp = max(prompt_lp or 0, req.logprobs)
+        max_tokens = 1 if echo_only else req.max_tokens
+        params = [v.sampling_params(req, len(p), max_tokens, req.logprobs, prompt_lp) for p in prompts]
+        req_id = _response_id("cmpl", request_id or req.request_id)
+        fmt = CompletionFormatter(
+            req_id, self.served.name, self.tokenizer, req.n, prompts, req.echo, req.logprobs, echo_only,
+            req.prompt_logprobs is not None,
+        )
+        return await self._run(req_id, prompts, params, req, fmt)
 
-    async def chat(self, req: ChatCompletionRequest) -> Answer:
+    async def chat(self, req: ChatCompletionRequest, request_id: str | None = None) -> Answer:
         v = self.validator
-        v.check_model(req.model)
+        v.check_request(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        _check_prompt_logprobs(req.prompt_logprobs, req.stream)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        prompt = v.chat_prompt(req.messages, req.add_generation_prompt)
+        prompt = v.chat_request_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = v.sampling_params(req, len(prompt), max_tokens, logprobs)
-        req_id = new_id("chatcmpl")
-        fmt = ChatFormatter(req_id, self.served.name, self.tokenizer, req.n, logprobs is not None)
-        return await self._run(req_id, [prompt], [params], req.stream, req.include_usage, fmt)
+        params = v.sampling_params(req, len(prompt), max_tokens, logprobs, req.prompt_logprobs)
+        req_id = _response_id("chatcmpl", request_id or req.request_id)
+        fmt = ChatFormatter(
+            req_id, self.served.name, self.tokenizer, req.n, logprobs is not None, req.prompt_logprobs is not None
+        )
+        return await self._run(req_id, [prompt], [params], req, fmt)
 
     def models(self) -> ModelList:
         return ModelList(data=[self.model_card()])
@@ -107,14 +124,15 @@ class OpenAIServing:
 
     # ---- one request: n choices per prompt ----------------------------------------------------
     async def _run(
-        self, req_id: str, prompts: list[list[int]], params: list[SamplingParams], stream: bool,
-        include_usage: bool, fmt: Formatter,
+        self, req_id: str, prompts: list[list[int]], params: list[SamplingParams], req: SamplingFields,
+        fmt: Formatter,
     ) -> Answer:
+        stream, include_usage = req.stream, req.include_usage
         gens: list[tuple[RequestState, AsyncIterator[list[RequestOutput]]]] = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 rid = req_id if len(prompts) == 1 else f"{req_id}-{i}"
-                gens.append(await self._start(rid, prompt, sp, i * sp.n))
+                gens.append(await self._start(rid, prompt, sp, i * sp.n, req.priority, req.cache_salt))
         except BaseException:
             for state, outputs in gens:
                 self.processor.pop(state.req_id)
@@ -129,11 +147,16 @@ class OpenAIServing:
         return fmt.response([c for s in states for c in s.choices()], _usage(states))
 
     async def _start(
-        self, req_id: str, prompt: list[int], sp: SamplingParams, choice_offset: int
+        self, req_id: str, prompt: list[int], sp: SamplingParams, choice_offset: int, priority: int = 0,
+        cache_salt: str | None = None,
     ) -> tuple[RequestState, AsyncIterator[list[RequestOutput]]]:
         """Send the request and wait until the engine admitted it (errors surface here, before any
         response is committed)."""
-        request = self.processor.add_request(req_id, prompt, sp, choice_offset=choice_offset)
+        if req_id in self.processor.requests:
+            raise APIError(400, f"request id {req_id!r} is already in use", param="request_id")
+        request = self.processor.add_request(
+            req_id, prompt, sp, choice_offset=choice_offset, priority=priority, cache_salt=cache_salt
+        )
         state = self.processor.requests[req_id]
         outputs = self.engine.generate(request)
         try:
@@ -173,6 +196,15 @@ class OpenAIServing:
         except APIError as e:
             yield sse_event(e.body())
         yield "data: [DONE]\n\n"
+
+
+def _response_id(prefix: str, request_id: str | None) -> str:
+    return new_id(prefix) if not request_id else f"{prefix}-{request_id}"
+
+
+def _check_prompt_logprobs(prompt_logprobs: int | None, stream: bool) -> None:
+    if prompt_logprobs is not None and stream:  # as vLLM: they would need a place in the chunks
+        raise APIError(400, "prompt_logprobs are not available with stream=true", param="prompt_logprobs")
 
 
 def _usage(states: list[RequestState]) -> UsageInfo:

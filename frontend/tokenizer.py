@@ -44,10 +44,11 @@ def apply_chat_template(
     tokenizer: Any,
     messages: Sequence[dict[str, Any]],
     add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
     **template_kwargs: Any,
 ) -> list[int]:
     """Render chat ``messages`` with the model's template and return the prompt token ids."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None) and not template_kwargs.get("chat_template"):
         raise ValueError("this model has no chat template; send a plain prompt instead")
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
@@ -55,7 +56,7 @@ def apply_chat_template(
     text = tokenizer.apply_chat_template(
         list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 @dataclass
@@ -71,7 +72,8 @@ class IncrementalDetokenizer:
     Decodes a sliding window of tokens so that multi-byte characters split across tokens are emitted
     only once complete, and watches for stop strings: text is held back while it could still be the
     start of a stop string; when one appears the output is cut there (kept, with
-    ``include_stop_str_in_output``), and ``stopped`` is reported.
+    ``include_stop_str_in_output``), and ``stopped`` is reported. Until more than ``min_tokens`` tokens
+    were generated no stop string counts (as in vLLM): that text is emitted and never searched again.
     """
 
     def __init__(
@@ -81,8 +83,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop_str_in_output
@@ -92,6 +96,7 @@ class IncrementalDetokenizer:
         self._num_context = len(self._ids)
         self._text = ""  # decoded output text (complete characters)
         self._emitted = 0  # chars of _text already returned
+        self._searched = 0  # text before this is never searched for stop strings (min_tokens)
         self.stopped = False
         self.stop_reason: str | None = None  # the stop string that ended the output
 
@@ -132,10 +137,14 @@ class IncrementalDetokenizer:
         return ""
 
     def _check_stop(self, final: bool) -> DetokenizerUpdate:
+        if self.stop and len(self.output_token_ids) <= self.min_tokens:
+            new, self._emitted = self._text[self._emitted :], len(self._text)
+            self._searched = len(self._text)
+            return DetokenizerUpdate(new)
         if self.stop:
             # A new match can only start within the longest stop string's reach of the emitted text.
             longest = max(len(s) for s in self.stop)
-            search_from = max(0, self._emitted - longest + 1)
+            search_from = max(self._searched, self._emitted - longest + 1)
             hit = _find_first(self._text, self.stop, search_from)
             if hit is not None:
                 pos, s = hit

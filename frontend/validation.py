@@ -14,7 +14,8 @@ from cbserve.scheduler.limits import resolve_max_tokens
 from cbserve.scheduler.sampling_params import SamplingParams
 from pydantic import BaseModel, ValidationError
 
-from .protocol import APIError, ChatMessage, SamplingFields
+from .field_policy import FieldPolicy
+from .protocol import APIError, ChatCompletionRequest, ChatMessage, SamplingFields
 from .tokenizer import apply_chat_template
 
 M = TypeVar("M", bound=BaseModel)
@@ -29,6 +30,7 @@ class ServedModel:
     max_model_len: int
     max_n: int
     vocab_size: int
+    priority_ordering: bool = False  # the engines order by request priority (else ``priority`` is refused)
 
 
 def parse_body(model_cls: type[M], body: bytes) -> M:
@@ -51,21 +53,29 @@ class RequestValidator:
     def __init__(self, served: ServedModel, tokenizer: Any) -> None:
         self.served = served
         self.tokenizer = tokenizer
+        self.fields = FieldPolicy()
+
+    def check_request(self, req: SamplingFields) -> None:
+        """The model name, refused fields (400 naming them), unknown fields (logged once), priority."""
+        self.check_model(req.model)
+        self.fields.check(req)
+        if req.priority != 0 and not self.served.priority_ordering:
+            raise APIError(400, "priority needs a server started with ordering='priority'", param="priority")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served.name:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
     # ---- prompts ------------------------------------------------------------------------------
-    def completion_prompts(self, prompt: Any) -> list[list[int]]:
+    def completion_prompts(self, prompt: Any, add_special_tokens: bool = True) -> list[list[int]]:
         """A completion's ``prompt`` (text, token ids, or a list of either) as token-id prompts."""
         if isinstance(prompt, str):
-            return [self.encode(prompt)]
+            return [self.encode(prompt, add_special_tokens)]
         if prompt and all(isinstance(p, int) for p in prompt):
             return [self.checked_ids(prompt)]
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
-        return [self.encode(p) if isinstance(p, str) else self.checked_ids(p) for p in prompt]
+        return [self.encode(p, add_special_tokens) if isinstance(p, str) else self.checked_ids(p) for p in prompt]
 
     def checked_ids(self, ids: list[int]) -> list[int]:
         """Token-id prompts must name tokens of the vocabulary (an out-of-range id would crash the forward)."""
@@ -85,9 +95,42 @@ class RequestValidator:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
 
+    def chat_request_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """A chat request's prompt: its messages through the chat template (``chat_template`` replaces the
+        model's; ``chat_template_kwargs`` reach it; ``continue_final_message`` leaves the last message open)."""
+        if req.continue_final_message and req.add_generation_prompt:
+            msg = "continue_final_message needs add_generation_prompt=false"
+            raise APIError(400, msg, param="continue_final_message")
+        kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
+        for key in ("tokenize", "messages", "conversation", "add_generation_prompt", "continue_final_message"):
+            if key in kwargs:
+                raise APIError(400, f"chat_template_kwargs may not set {key!r}", param="chat_template_kwargs")
+        if req.continue_final_message:
+            kwargs["continue_final_message"] = True
+        if req.chat_template is not None:
+            kwargs["chat_template"] = req.chat_template
+        try:
+            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = apply_chat_template(self.tokenizer, msgs, req.add_generation_prompt, req.add_special_tokens,
+                                      **kwargs)
+        except Exception as e:  # the template's own errors (jinja, a missing variable, a bad message)
+            raise APIError(400, f"the chat template failed: {e}", param="messages") from e
+        return self.truncated(ids, req.truncate_prompt_tokens)
+
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """``truncate_prompt_tokens``: the last ``keep`` tokens (-1: max_model_len) of a prompt."""
+        if keep is None:
+            return ids
+        limit = self.served.max_model_len
+        if keep > limit:
+            raise APIError(400, f"truncate_prompt_tokens must be <= {limit}", param="truncate_prompt_tokens")
+        keep = limit if keep == -1 else keep
+        return ids[-keep:] if keep else []
+
     # ---- sampling -----------------------------------------------------------------------------
     def sampling_params(
-        self, req: SamplingFields, num_prompt: int, max_tokens: int | None, logprobs: int | None
+        self, req: SamplingFields, num_prompt: int, max_tokens: int | None, logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams for a prompt of ``num_prompt`` tokens (an unset ``max_tokens``:
         all the room left in the context)."""
@@ -99,14 +142,47 @@ class RequestValidator:
             raise APIError(400, f"n (and best_of) must be <= {self.served.max_n}", param="n")
         if req.stream and req.best_of is not None and req.best_of > req.n:
             raise APIError(400, "best_of > n cannot be streamed", param="best_of")
+        constraints = self.token_constraints(req)
         try:
-            return to_sampling_params(req, max_tokens, logprobs)
+            return to_sampling_params(req, max_tokens, logprobs, prompt_logprobs, **constraints)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
+    def token_constraints(self, req: SamplingFields) -> dict[str, Any]:
+        """logit_bias, allowed_token_ids and bad_words as SamplingParams fields (token ids in the vocabulary;
+        a bad word is banned as written and with a leading space, as vLLM does)."""
+        out: dict[str, Any] = {}
+        if req.logit_bias:
+            try:
+                out["logit_bias"] = tuple((int(t), float(b)) for t, b in req.logit_bias.items())
+            except ValueError as e:
+                raise APIError(400, f"logit_bias keys must be token ids: {e}", param="logit_bias") from e
+            self._check_vocab([t for t, _ in out["logit_bias"]], "logit_bias")
+        if req.allowed_token_ids is not None:
+            self._check_vocab(req.allowed_token_ids, "allowed_token_ids")
+            out["allowed_token_ids"] = tuple(req.allowed_token_ids)
+        if req.bad_words:
+            words: list[tuple[int, ...]] = []
+            for word in req.bad_words:
+                plain = tuple(self.encode(word.lstrip(), add_special_tokens=False))
+                spaced = tuple(self.encode(" " + word.lstrip(), add_special_tokens=False))
+                words += [w for w in dict.fromkeys((plain, spaced)) if w]
+            out["bad_words_token_ids"] = tuple(words)
+        return out
 
-def to_sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The OpenAI fields (None = OpenAI's default) as SamplingParams; ValueError on invalid values."""
+    def _check_vocab(self, ids: list[int], param: str) -> None:
+        vocab = self.served.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+
+def to_sampling_params(
+    req: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+    **constraints: Any,
+) -> SamplingParams:
+    """The OpenAI fields (None = OpenAI's default) as SamplingParams; ValueError on invalid values.
+    ``constraints``: the token-constraint fields (``RequestValidator.token_constraints``)."""
     stop = () if req.stop is None else ((req.stop,) if isinstance(req.stop, str) else tuple(req.stop))
     return SamplingParams(
         n=req.n,
@@ -129,4 +205,6 @@ def to_sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | Non
         skip_special_tokens=req.skip_special_tokens,
         use_beam_search=req.use_beam_search,
         length_penalty=req.length_penalty,
+        prompt_logprobs=prompt_logprobs,
+        **constraints,
     )

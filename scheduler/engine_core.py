@@ -30,7 +30,7 @@ from .config import EngineConfig
 from .errors import DuplicateRequestError, QueueFullError, RequestRejectedError
 from .limits import resolve_max_tokens
 from .output_processor import OutputProcessor
-from .outputs import Executor, ModelRunnerOutput, SchedulerOutput
+from .outputs import Executor, ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from .request import EngineRequest, RequestOutput, RequestStatus
 from .scheduler import Scheduler, StepState
 from .sequence import SequenceGroup, child_seq_id
@@ -52,6 +52,19 @@ def tune_gc_for_serving(young_threshold: int = 50_000) -> None:
     its p99 more (benchmarks/bench_scheduler.py --default-gc compares)."""
     gc.freeze()
     gc.set_threshold(young_threshold, 50, 50)
+
+def _store_prompt_logprobs(seqs: dict, computed: dict[str, tuple[int, list[TokenLogprob]]]) -> None:
+    """Keep the prompt logprobs a step computed (the first computation of a position wins: a preempted
+    request recomputes its prompt)."""
+    for seq_id, (start, entries) in computed.items():
+        seq = seqs.get(seq_id)
+        store = None if seq is None else seq.group.prompt_logprobs
+        if store is None:
+            continue
+        for pos, entry in enumerate(entries, start):
+            if pos < len(store) and store[pos] is None:
+                store[pos] = entry
+
 
 @dataclass
 class StepResult:
@@ -202,6 +215,8 @@ class EngineCore:
         else:
             self.scheduler.update_after_step(so)
         seqs = self.scheduler.seqs
+        if out.prompt_logprobs:
+            _store_prompt_logprobs(seqs, out.prompt_logprobs)
         running = RequestStatus.RUNNING
         all_logprobs = out.logprobs
         num_logprobs = len(all_logprobs)

@@ -111,6 +111,8 @@ class OutputProcessor:
                     group.num_prompt_tokens,
                     times.num_cached_tokens,
                     seq.cumulative_logprob if logprob is not None else None,
+                    None,
+                    take_prompt_logprobs(group),
                 )
             )
         if status is not None:
@@ -205,6 +207,14 @@ class OutputProcessor:
             )
 
 
+def take_prompt_logprobs(group: SequenceGroup) -> list | None:
+    """The request's prompt logprobs, on its first streamed output only."""
+    if group.prompt_logprobs is None or group.prompt_logprobs_sent:
+        return None
+    group.prompt_logprobs_sent = True
+    return group.prompt_logprobs
+
+
 def final_outputs(group: SequenceGroup) -> list[RequestOutput]:
     """best_of / beam search: the ``n`` best candidates (by cumulative logprob; for beams with the length
     penalty), reported once at the end (``final_token_ids`` and ``new_token_ids`` both hold the whole
@@ -230,6 +240,7 @@ def final_outputs(group: SequenceGroup) -> list[RequestOutput]:
                 num_cached_tokens=group.times.num_cached_tokens,
                 cumulative_logprob=None if hyp is None else hyp.cumulative_logprob,
                 final_token_ids=list(tokens),
+                prompt_logprobs=group.prompt_logprobs,
             )
         )
     return outs

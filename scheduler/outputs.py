@@ -84,6 +84,9 @@ class ModelRunnerOutput:
     # Parallel to sampled_token_ids when the request asked for logprobs, else None per request.
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
     forward_time_s: float = 0.0  # worker-side wall time of the forward pass + sampling
+    # Requests asking for prompt logprobs: req id -> (prompt position of the first entry, one entry per
+    # prompt token scored this step: the logits at position p - 1 scoring prompt token p).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 class Executor(Protocol):

@@ -67,3 +67,5 @@ class RequestOutput:
     cumulative_logprob: float | None = None
     # For best_of / beam search only: the final token ids of this sequence (replaces the stream).
     final_token_ids: list[int] | None = None
+    # With ``prompt_logprobs``: on the request's first output, one entry per prompt token (the first None).
+    prompt_logprobs: list | None = None

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 MAX_N = 64
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,12 @@ class SamplingParams:
     and the n with the highest cumulative logprob are kept. With ``use_beam_search`` the beam width is
     ``best_of`` (or ``n`` when unset). ``logprobs`` asks for the sampled token's logprob plus the top
     ``logprobs`` alternatives at every step (0 = the sampled token only, None = none).
+
+    Token constraints (applied by the worker after penalties, before temperature): ``logit_bias``
+    ((token id, bias in [-100, 100]) pairs added to the logits), ``allowed_token_ids`` (only these may be
+    sampled), ``bad_words_token_ids`` (token sequences that may not be generated: a one-token word is never
+    sampled, a longer one's last token is banned right after its other tokens). ``prompt_logprobs``: the
+    logprob of every prompt token after the first (plus that many alternatives), computed at prefill.
     """
 
     n: int = 1
@@ -41,6 +48,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    prompt_logprobs: int | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -51,6 +62,11 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((t, b) for t, b in bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids))
         self._validate()
 
     # ---- validation -------------------------------------------------------------------------
@@ -82,11 +98,29 @@ class SamplingParams:
             _check_int("stop_token_ids", t, lo=0, hi=None)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
+        self._validate_token_constraints()
         if self.use_beam_search:
             if self.temperature != 0.0 and self.extra.get("beam_allow_temperature") is None:
                 raise ValueError("use_beam_search requires temperature=0")
             if self.beam_width < 2:
                 raise ValueError("use_beam_search needs a beam width (best_of or n) of at least 2")
+
+    def _validate_token_constraints(self) -> None:
+        for token, bias in self.logit_bias:
+            _check_int("logit_bias token id", token, lo=0, hi=None)
+            _check_number("logit_bias value", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, lo=0, hi=None)
+        for word in self.bad_words_token_ids:
+            if not word:
+                raise ValueError("bad_words must not contain an empty word")
+            for t in word:
+                _check_int("bad_words token id", t, lo=0, hi=None)
 
     # ---- derived ------------------------------------------------------------------------------
     @property
@@ -101,6 +135,10 @@ class SamplingParams:
     def num_sequences(self) -> int:
         """Sequences the engine generates for this request (best_of >= n of them)."""
         return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def has_token_constraints(self) -> bool:
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     @property
     def needs_penalties(self) -> bool:

@@ -244,7 +244,7 @@ class Scheduler:
         """Allocate blocks for a waiting sequence (taking prefix-cache hits) and mark it running. Does
         not remove it from the waiting queue."""
         computed = NO_HITS
-        if self.kv.enable_caching:
+        if self.kv.enable_caching and seq.group.prompt_logprobs is None:
             computed = self.kv.get_computed_blocks(seq.token_ids, seq.group.extra_keys)
         num_cached = len(computed[0]) * self.block_size
         num_new = seq.num_tokens - num_cached

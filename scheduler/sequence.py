@@ -114,6 +114,10 @@ class SequenceGroup:
         self.stream_logprobs = sp.logprobs is not None
         self.worker_params = _worker_params(sp, self.mode)
         self.extra_keys: tuple = (request.cache_salt,) if request.cache_salt is not None else ()
+        # Prompt logprobs, filled by position as prefill chunks come back (the first token has none); the
+        # prompt is then computed, never taken from the prefix cache (a hit has no logits).
+        self.prompt_logprobs: list | None = None if sp.prompt_logprobs is None else [None] * self.num_prompt_tokens
+        self.prompt_logprobs_sent = False
         self.forked = sp.num_sequences == 1 and self.mode != "beam"
         self.seqs: list[Sequence] = []
         self.num_unfinished = 0

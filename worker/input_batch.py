@@ -54,6 +54,30 @@ class PreparedBatch:
     # One entry per sampled sequence row: index into sampled_req_ids / logits_rows, and the row itself.
     sample_owner: list[int] = field(default_factory=list)
     sample_rows: list[SamplingRow] = field(default_factory=list)
+    # Prompt logprobs: per request asking for them, the prompt positions computed this step.
+    prompt_lp: list[PromptLogprobRows] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Rows ``first_row ..`` of the flattened batch hold prompt positions ``start ..`` of ``req_id``; the
+    logits at position p score prompt token p + 1 (``targets``), with ``num_top`` alternatives."""
+
+    req_id: str
+    start: int
+    first_row: int
+    targets: list[int]
+    num_top: int
+
+
+def prompt_logprob_rows(s: RequestState, start: int, end: int, first_row: int) -> PromptLogprobRows | None:
+    """The prompt positions in [start, end) whose next token is a prompt token, for a request that asked
+    for prompt logprobs (None when there are none this step)."""
+    k = s.sampling_params.prompt_logprobs
+    stop = min(end, s.num_prompt_tokens - 1)
+    if k is None or start >= stop:
+        return None
+    return PromptLogprobRows(s.req_id, start, first_row, s.token_ids[start + 1 : stop + 1], k)
 
 
 def order_decode_first(states: list[RequestState], num_scheduled: Mapping[str, int]) -> list[RequestState]:
@@ -93,6 +117,7 @@ def build_batch(
     query_lens: list[int] = []
     seq_lens: list[int] = []
     samples = _Samples()
+    prompt_lp: list[PromptLogprobRows] = []
     num_decodes = 0
     for s in states:
         n = num_scheduled[s.req_id]
@@ -105,6 +130,9 @@ def build_batch(
             raise ValueError(f"request {s.req_id}: {end} tokens but only {len(s.block_ids)} blocks")
         if n == 1 and num_decodes == len(query_lens):  # leading run of one-token requests
             num_decodes += 1
+        lp_rows = prompt_logprob_rows(s, start, end, len(ids))
+        if lp_rows is not None:
+            prompt_lp.append(lp_rows)
         ids.extend(s.token_ids[start:end])
         pos.extend(range(start, end))
         blocks = s.block_ids
@@ -135,4 +163,5 @@ def build_batch(
         sampled_req_ids=samples.req_ids,
         sample_owner=samples.owner,
         sample_rows=samples.rows,
+        prompt_lp=prompt_lp,
     )

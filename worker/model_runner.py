@@ -25,6 +25,7 @@ from .model_info import head_dim_of, num_kv_heads_of, read_eos_token_ids
 from .model_loader import hide_triton_from_torch, iter_weights, load_hf_config, resolve_model
 from .parallel import broadcast_from_rank0, divide, tp_rank, tp_world_size
 from .profiling import profile_cuda_kv_budget
+from .prompt_logprobs import compute_prompt_logprobs
 from .sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -149,8 +150,12 @@ class ModelRunner:
         states = [self.requests[r] for r in so.num_scheduled_tokens]
         states = order_decode_first(states, so.num_scheduled_tokens)
         batch = build_batch(states, so.num_scheduled_tokens, self.block_size, self.device)
-        logits = self._forward(batch)
+        hidden = self._hidden(batch)
+        logits = self._logits(batch, hidden)
         out = self._sample(batch, logits) if tp_rank() == 0 else ModelRunnerOutput()
+        if batch.prompt_lp:  # every rank: the LM head is a collective under tensor parallelism
+            lps = compute_prompt_logprobs(hidden, batch.prompt_lp, self.model.compute_logits, tp_rank() == 0)
+            out.prompt_logprobs = lps
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
         self._keep_samples(batch, out)
@@ -158,17 +163,24 @@ class ModelRunner:
         return out
 
     def _forward(self, batch: PreparedBatch) -> torch.Tensor | None:
-        """Logits of the batch's ``logits_rows`` (None when there are none). A decode-only batch that fits a
-        captured CUDA graph replays it; anything else runs eagerly."""
+        """Logits of the batch's ``logits_rows`` (None when there are none)."""
+        return self._logits(batch, self._hidden(batch))
+
+    def _logits(self, batch: PreparedBatch, hidden: torch.Tensor) -> torch.Tensor | None:
+        if batch.logits_rows.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
+
+    def _hidden(self, batch: PreparedBatch) -> torch.Tensor:
+        """The final hidden states of every token of the batch. A decode-only batch that fits a captured
+        CUDA graph replays it; anything else runs eagerly."""
         md = batch.metadata
         if self.graphs is not None and self.graphs.can_run(batch.input_ids.shape[0], md):
             hidden = self.graphs.run(batch.input_ids, batch.positions, md)
         else:
             self.model.model.layers[0].self_attn.attn.prepare(md)  # once per step, for every layer
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, md)
-        if batch.logits_rows.numel() == 0:
-            return None
-        return self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
+        return hidden
 
     def _sample(self, batch: PreparedBatch, logits: torch.Tensor | None) -> ModelRunnerOutput:
         out = ModelRunnerOutput(req_ids=list(batch.sampled_req_ids))

@@ -1,7 +1,8 @@
 """One batched sampler over all rows sampled in an iteration.
 
 Per row: penalties (repetition over prompt + output, presence/frequency over output), min_tokens (EOS and
-stop ids masked until reached), then greedy argmax or temperature / top-k / top-p / min-p sampling by an
+stop ids masked until reached), token constraints (logit_bias, allowed_token_ids, bad words:
+``token_constraints.py``), then greedy argmax or temperature / top-k / top-p / min-p sampling by an
 exponential race (argmax of p / Exp(1) noise), which lets every seeded row draw its noise from its own
 generator. A seeded row's generator is re-seeded from (seed, position) at each step, so its output
 depends only on its seed and tokens, never on batch companions, preemption or timing.
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from cbserve.scheduler.outputs import TokenLogprob
 from cbserve.scheduler.sampling_params import SamplingParams
+
+from .token_constraints import apply_token_constraints
 
 _MASK64 = (1 << 64) - 1
 
@@ -56,6 +59,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = self._apply_penalties(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
+        logits = apply_token_constraints(logits, rows)
         tokens = self._pick(logits, rows)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(rows)

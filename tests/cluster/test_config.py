@@ -220,12 +220,12 @@ def test_the_worker_config_is_derived_from_every_matching_field() -> None:
 
 def test_the_engine_config_is_derived_from_the_engine_fields() -> None:
     config = CBServeConfig(block_size=8, max_num_batched_tokens=64, max_num_seqs=3, max_model_len=99,
-                           policy="static", enable_prefix_caching=False, max_waiting=7)  # fmt: skip
+                           policy="static", enable_prefix_caching=False, max_waiting=7, ordering="priority")
     ec = config.engine_config(num_blocks=42)
     assert (ec.cache.block_size, ec.cache.num_blocks, ec.cache.enable_prefix_caching) == (8, 42, False)
     sc = ec.scheduler
-    assert (sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len, sc.policy, sc.max_waiting) == (
-        64, 3, 99, "static", 7
+    assert (sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len, sc.policy, sc.max_waiting, sc.ordering) == (
+        64, 3, 99, "static", 7, "priority"
     )
     assert sc.async_scheduling is True  # the served engine overlaps by default
     assert CBServeConfig(async_scheduling=False).engine_config(num_blocks=4).scheduler.async_scheduling is False

@@ -21,8 +21,11 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == EOS))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool, add_generation_prompt: bool) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+    def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool, add_generation_prompt: bool,
+                            continue_final_message: bool = False, **kw: Any) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "".join(f"[{k}={v}]" for k, v in kw.items())
+        if not continue_final_message:
+            text += "</>"
         return text + ("<assistant>" if add_generation_prompt else "")
 
     def __len__(self) -> int:

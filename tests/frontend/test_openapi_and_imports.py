@@ -59,6 +59,9 @@ def test_openapi_documents_request_and_response_bodies() -> None:
         body = _resolve(doc, op["requestBody"]["content"]["application/json"]["schema"]["$ref"])
         assert field in body["properties"] and field in body["required"]
         assert {"n", "temperature", "stop", "stream", "max_tokens"} <= set(body["properties"])
+        # issue 18's fields, honoured or refused, are all documented
+        assert {"logit_bias", "prompt_logprobs", "bad_words", "allowed_token_ids", "priority", "cache_salt",
+                "request_id", "response_format", "structured_outputs"} <= set(body["properties"])
         ok = op["responses"]["200"]["content"]
         assert ok["text/event-stream"]["schema"]["$ref"].endswith("/" + chunk)
         assert "choices" in _resolve(doc, ok["application/json"]["schema"]["$ref"])["properties"]

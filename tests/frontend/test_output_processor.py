@@ -59,8 +59,8 @@ def test_choice_indices_and_usage_for_n_over_several_prompts() -> None:
     assert [d.index for d in deltas[:6]] == [1, 2, 3, 0, 1, 2] and deltas[6] is None  # index past n: dropped
     a, b = proc.requests["a"], proc.requests["b"]
     assert a.finished and b.finished
-    assert [i for i, _ in a.choices() + b.choices()] == [0, 1, 2, 3]
-    assert [o.text for _, o in b.choices()] == ["yu", "zz"]
+    assert [i for i, _, _ in a.choices() + b.choices()] == [0, 1, 2, 3]
+    assert [o.text for _, o, _ in b.choices()] == ["yu", "zz"]
     assert (a.num_prompt_tokens, a.num_completion_tokens) == (2, 3)
     assert (b.num_prompt_tokens, b.num_completion_tokens) == (3, 4)
 

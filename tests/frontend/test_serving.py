@@ -37,7 +37,9 @@ def _echo_script(req: EngineRequest) -> list[list[Any]]:
 def test_completion_of_two_prompts_with_n_echo_and_logprobs() -> None:
     def script(req: EngineRequest) -> list[list[Any]]:
         lp = [TokenLogprob(ord("o"), -0.1, 1, [(ord("o"), -0.1), (ord("a"), -2.0)])]
-        return [[out(req.req_id, "o", index=i, new_logprobs=lp) for i in range(2)],
+        prompt_lp = [None] + [TokenLogprob(t, -1.5, 2, [(ord("z"), -0.5), (t, -1.5)]) for t in req.prompt_token_ids[1:]]
+        return [[out(req.req_id, "o", index=i, new_logprobs=lp, prompt_logprobs=prompt_lp if i == 0 else None)
+                 for i in range(2)],
                 [out(req.req_id, "k", index=i, finished=True, reason="length", new_logprobs=[
                     TokenLogprob(ord("k"), -0.2, 1, [])]) for i in range(2)]]
 
@@ -46,9 +48,12 @@ def test_completion_of_two_prompts_with_n_echo_and_logprobs() -> None:
     r = _run(serving.completions(req)).model_dump()
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in r["choices"]] == ["abok", "abok", "cdeok", "cdeok"]
-    lp = r["choices"][2]["logprobs"]
-    assert lp["tokens"] == ["o", "k"] and lp["text_offset"] == [3, 4] and lp["token_logprobs"] == [-0.1, -0.2]
-    assert lp["top_logprobs"][0] == {"o": -0.1, "a": -2.0}
+    lp = r["choices"][2]["logprobs"]  # echo: the prompt tokens' logprobs first (the first None)
+    assert lp["tokens"] == ["c", "d", "e", "o", "k"] and lp["text_offset"] == [0, 1, 2, 3, 4]
+    assert lp["token_logprobs"] == [None, -1.5, -1.5, -0.1, -0.2]
+    assert lp["top_logprobs"][:2] == [None, {"z": -0.5, "d": -1.5}]  # top 1 + the prompt token itself
+    assert lp["top_logprobs"][3] == {"o": -0.1}
+    assert all(q.sampling_params.prompt_logprobs == 1 for q in engine.requests)
     assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
     assert r["object"] == "text_completion" and r["model"] == "m"
     assert [q.sampling_params.stop_token_ids for q in engine.requests] == [(5,), (5,)]  # the extra EOS id
@@ -124,7 +129,7 @@ def test_an_unset_max_tokens_gets_the_room_left_and_chat_messages_are_checked() 
     serving, engine = _serving(_echo_script)
     _run(serving.chat(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])))
     prompt = engine.requests[0].prompt_token_ids
-    assert "".join(map(chr, prompt)) == "<user>hi<assistant>"
+    assert "".join(map(chr, prompt)) == "<user>hi</><assistant>"
     assert engine.requests[0].sampling_params.max_tokens == SERVED.max_model_len - len(prompt)
     with pytest.raises(APIError) as info:
         bad = [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]

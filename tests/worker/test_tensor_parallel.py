@@ -1,4 +1,5 @@
-"""TP=2 on CPU (two spawned processes, gloo) gives the same greedy tokens as TP=1 on the tiny model."""
+"""TP=2 on CPU (two spawned processes, gloo) gives the same greedy tokens (and prompt logprobs: every rank runs
+the vocabulary-gathering LM head over the prompt rows) as TP=1 on the tiny model."""
 
 from __future__ import annotations
 
@@ -36,7 +37,12 @@ class _BroadcastExecutor:
 
 def _requests() -> list:
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    return [(f"r{i}", p, sp) for i, p in enumerate(PROMPTS)]
+    with_prompt_lps = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    return [(f"r{i}", p, with_prompt_lps if i == 2 else sp) for i, p in enumerate(PROMPTS)]
+
+
+def _prompt_lps(run: object) -> list[float]:
+    return [e.logprob for e in run.prompt_logprobs["r2"][1:]]  # type: ignore[attr-defined]
 
 
 def _worker(rank: int, folder: str, port: int, result_file: str) -> None:
@@ -50,7 +56,7 @@ def _worker(rank: int, folder: str, port: int, result_file: str) -> None:
             run = run_engine(executor, _requests(), block_size=BLOCK, num_blocks=NUM_BLOCKS,
                              max_num_batched_tokens=16, max_num_seqs=4)
             executor.shutdown()
-            torch.save({k: v[0] for k, v in run.tokens.items()}, result_file)
+            torch.save(({k: v[0] for k, v in run.tokens.items()}, _prompt_lps(run)), result_file)
         else:
             while True:
                 box: list = [None]
@@ -77,8 +83,11 @@ def test_tp2_matches_tp1(tmp_path: Path) -> None:
                      max_num_seqs=4)
     result_file = str(tmp_path / "tp2.pt")
     mp.spawn(_worker, args=(str(folder), _free_port(), result_file), nprocs=2, join=True)
-    tp2 = torch.load(result_file)
+    tp2, tp2_lps = torch.load(result_file)
     assert tp2 == {k: v[0] for k, v in tp1.tokens.items()}
+    tp1_lps = _prompt_lps(tp1)
+    assert len(tp2_lps) == len(tp1_lps) == len(PROMPTS[2]) - 1
+    assert max(abs(a - b) for a, b in zip(tp1_lps, tp2_lps, strict=True)) < 1e-4
 
 
 def test_tp_size_must_match_the_process_group(tmp_path: Path) -> None:

@@ -65,6 +65,7 @@ class EngineRun:
     tokens: dict[str, dict[int, list[int]]] = field(default_factory=lambda: defaultdict(dict))
     logprobs: dict[str, dict[int, list]] = field(default_factory=lambda: defaultdict(dict))
     finish: dict[str, dict[int, str | None]] = field(default_factory=lambda: defaultdict(dict))
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
     num_preemptions: int = 0
     prefix_hits: int = 0
     max_batch: int = 0
@@ -104,6 +105,9 @@ def run_engine(
             run.tokens[o.req_id].setdefault(o.index, []).extend(o.new_token_ids)
             if o.new_logprobs:
                 run.logprobs[o.req_id].setdefault(o.index, []).extend(o.new_logprobs)
+            if o.prompt_logprobs is not None:
+                assert o.req_id not in run.prompt_logprobs, "prompt logprobs are reported once"
+                run.prompt_logprobs[o.req_id] = list(o.prompt_logprobs)
             if o.final_token_ids is not None:
                 run.tokens[o.req_id][o.index] = list(o.final_token_ids)
             if o.finished:
