@@ -1,9 +1,11 @@
 """Scheduler-only step time: N running decode requests, a fake executor, no model.
 
 Prints microseconds per step (mean, p50, p99) for EngineCore.schedule() and update_from_output().
-Goal: < 1 ms per step in total with 256 running decode requests.
+Goal: < 1 ms per step in total with 256 running decode requests. ``--async-scheduling`` measures the
+served engine's mode: each step is scheduled before the previous step's output is applied.
 
     python benchmarks/bench_scheduler.py --num-requests 256 --steps 1000
+    python benchmarks/bench_scheduler.py --num-requests 256 --steps 1000 --async-scheduling
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from cbserve.scheduler import (
 
 
 class FakeExecutor:
-    """Samples one token for every request whose known tokens are all computed. No model."""
+    """Samples one token for every request whose known tokens are all computed, and keeps it (as the worker
+    does: the scheduler does not send samples back). No model."""
 
     def __init__(self) -> None:
         self.state: dict[str, list[int]] = {}  # req id -> [num known tokens, num computed]
@@ -49,6 +52,7 @@ class FakeExecutor:
                 out.req_ids.append(rid)
                 out.sampled_token_ids.append([(st[0] * 7919) % 32000])
                 out.logprobs.append(None)
+                st[0] += 1
         return out
 
     def shutdown(self) -> None:
@@ -76,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--json", action="store_true", help="also print the numbers as one JSON line")
     p.add_argument("--default-gc", action="store_true", help="keep CPython's GC thresholds (engines tune them)")
+    p.add_argument("--async-scheduling", action="store_true", help="schedule each step before the previous update")
     args = p.parse_args(argv)
 
     max_len = args.prompt_len + args.steps + 16
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(
         scheduler=SchedulerConfig(
             max_num_batched_tokens=max(8192, args.num_requests), max_num_seqs=args.num_requests,
-            max_model_len=max_len,
+            max_model_len=max_len, async_scheduling=args.async_scheduling,
         ),
         cache=CacheConfig(
             block_size=args.block_size, num_blocks=blocks_per_req * args.num_requests + 1,
@@ -102,13 +107,19 @@ def main(argv: list[str] | None = None) -> int:
         tune_gc_for_serving()  # as LLM and SchedulerActor do
 
     sched_t, update_t, total_t = [], [], []
+    previous = None  # async scheduling: the step whose output is applied after the next one is scheduled
     for _ in range(args.steps):
         t0 = time.perf_counter()
         so = engine.schedule()
         t1 = time.perf_counter()
         out = executor.execute_model(so)
         t2 = time.perf_counter()
-        engine.update_from_output(so, out)
+        if args.async_scheduling:
+            if previous is not None:
+                engine.update_from_output(*previous)
+            previous = (so, out)
+        else:
+            engine.update_from_output(so, out)
         t3 = time.perf_counter()
         if len(so.num_scheduled_tokens) != args.num_requests:
             print("error: not every request was scheduled", file=sys.stderr)
@@ -117,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         update_t.append(t3 - t2)
         total_t.append((t1 - t0) + (t3 - t2))
     gc_mode = "default GC" if args.default_gc else "tuned GC"
-    print(f"{args.num_requests} running decode requests, {args.steps} steps, block size {args.block_size}, {gc_mode}")
+    mode = "async scheduling" if args.async_scheduling else "sync"
+    print(f"{args.num_requests} running decode requests, {args.steps} steps, block size {args.block_size}, {gc_mode}, "
+          f"{mode}")  # fmt: skip
     rows = {
         "schedule": summarize("schedule()", sched_t),
         "update_from_output": summarize("update_from_output()", update_t),
