@@ -52,8 +52,12 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
     def norm_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """The norm over the last dimension of x [num_tokens, heads, head_dim] (q/k norms), no residual."""
-        return self._norm(x)
+        """The norm over the last dimension of x [num_tokens, heads, head_dim] (q/k norms), no residual; a
+        new contiguous tensor (one C pass over the rows with ``kernels``)."""
+        if self.kernels is not None and x.dtype == torch.float32:
+            n, heads, dim = x.shape
+            return self.kernels.add_rms_norm(x.reshape(n * heads, dim), None, self.weight, self.eps)[0].view(x.shape)
+        return self._norm(x).contiguous()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
