@@ -199,9 +199,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class GeluTanhAndMul(nn.Module):
-    """gelu(gate, tanh approximation) * up of a fused [gate | up] projection (Gemma's GeGLU)."""
+    """gelu(gate, tanh approximation) * up of a fused [gate | up] projection (Gemma's GeGLU); one C pass with
+    ``kernels`` (float32)."""
+
+    def __init__(self, kernels: CpuKernels | None = None) -> None:
+        super().__init__()
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dtype == torch.float32:
+            return self.kernels.gelu_tanh_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 

@@ -1,6 +1,6 @@
 """The one-call C layer driver (worker/cpu/layers.py, cpu/csrc/layers.c) against the per-module path it replaces:
 the same hidden states and the same KV cache, bit for bit, on prefill, mixed and decode steps, with q/k/v,
-o_proj and MLP biases, sliding windows (Mistral, Qwen3) and per-head q/k norms (Qwen3). Greedy equality
+o_proj and MLP biases, sliding windows, per-head q/k norms (Qwen3, Gemma 3) and Gemma's layer. Greedy equality
 with HF on the driver is covered by test_model_equivalence.py, test_model_families.py and
 test_gguf_smollm2.py (the driver is on by default on CPU)."""
 
@@ -39,12 +39,13 @@ def _llama_all_biases(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module", params=["qwen2_bias", "llama_all_biases", "mistral", "qwen3"])
+@pytest.fixture(scope="module", params=["qwen2_bias", "llama_all_biases", "mistral", "qwen3", "gemma2", "gemma3"])
 def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     folder = tmp_path_factory.mktemp(request.param)
     if request.param == "llama_all_biases":
         folder = _llama_all_biases(folder)
-    elif request.param in ("mistral", "qwen3"):  # a sliding window of 8; Qwen3's per-head q/k norms
+    elif request.param in ("mistral", "qwen3", "gemma2", "gemma3"):  # a sliding window of 8 (all), q/k norms
+        # (Qwen3, Gemma 3), Gemma's norms and GeGLU, soft-capping (Gemma 2), a local rope (Gemma 3)
         folder = make_family_model(folder, request.param)
     else:
         folder = make_tiny_model(folder, request.param)

@@ -186,6 +186,17 @@ class CpuKernels:
         _check(self._lib.cb_silu_mul_f32(x.data_ptr(), ldx, m, two_i // 2, out.data_ptr(), two_i // 2), "silu_mul")
         return out
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, 2 * inter] = [gate | up] -> gelu(gate, tanh approximation) * up [m, inter]."""
+        ldx = _rows(x, "x")
+        m, two_i = x.shape
+        if two_i % 2:
+            raise ValueError(f"gelu_tanh_and_mul needs an even number of columns, got {two_i}")
+        out = torch.empty(m, two_i // 2, dtype=torch.float32)
+        _check(self._lib.cb_gelu_tanh_mul_f32(x.data_ptr(), ldx, m, two_i // 2, out.data_ptr(), two_i // 2),
+               "gelu_tanh_mul")
+        return out
+
     def rotary_(self, x: torch.Tensor, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> None:
         """Rotate x [m, heads * head_dim] in place (rotate-half convention) by ``positions`` [m] (int64),

@@ -55,15 +55,9 @@ class DecoderSpec:
         return bool(self.local_rope) and self.local_rope[layer]
 
     def driver_blocker(self) -> str | None:
-        """Why the one-call C layer driver (cpu/layers.py: Llama's layer math) cannot run these layers."""
-        for reason, departs in (
-            (f"{self.act} MLP", self.act != "silu"),
-            ("pre/post feed-forward norms", self.sandwich_norms), ("attention logit soft-capping",
-                                                                    self.attn_softcap is not None),
-            ("a second rotary embedding for local layers", any(self.local_rope)),
-        ):
-            if departs:
-                return reason
+        """Why the one-call C layer driver (cpu/layers.py) cannot run these layers: it runs Llama's layer and
+        every departure above (q/k norms, GeGLU, Gemma's norms, soft-capping, windows, a local rope), so
+        nothing here stops it; a family adding one it lacks says so."""
         return None
 
 
@@ -136,7 +130,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, spec.mlp_bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, spec.mlp_bias)
-        self.act = SiluAndMul(kernels) if spec.act == "silu" else GeluTanhAndMul()
+        self.act = SiluAndMul(kernels) if spec.act == "silu" else GeluTanhAndMul(kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))

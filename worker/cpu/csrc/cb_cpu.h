@@ -35,6 +35,10 @@ typedef struct {
     float *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
     int window;               /* > 0: the layer's sliding window (the last `window` keys); 0: none */
     const float *q_norm, *k_norm; /* [head_dim]: RMSNorm of each q and k head before the rotary (Qwen3); or NULL */
+    const float *pre_ff_norm, *post_ff_norm; /* [hidden], Gemma: post_norm then norms the attention output alone,
+                                                 these the MLP's input and output; both NULL: Llama's layer */
+    float softcap;          /* > 0: attention logits capped to softcap * tanh(s / softcap) */
+    const float *cos, *sin; /* this layer's rotary tables [max_pos, head_dim]; NULL: the model's */
 } cb_layer_t;
 
 /* The shapes every layer shares, and the rotary tables. */
@@ -44,6 +48,7 @@ typedef struct {
     float eps, scale;
     const float *cos, *sin; /* [max_pos, head_dim] */
     int64_t max_pos;
+    int act; /* the gated MLP's activation: 0 SiLU, 1 GELU (tanh approximation) */
 } cb_model_t;
 
 /* ---- packed weights (panels.c) ------------------------------------------------------------------------- */
@@ -77,6 +82,9 @@ CB_API int cb_add_rms_norm_f32(const float *x, int64_t ldx, float *residual, int
                                float eps, float *out, int64_t ldo, int m, int h);
 /* x: [m, 2 * inter] = [gate | up] per row -> out: [m, inter] = silu(gate) * up. */
 CB_API int cb_silu_mul_f32(const float *x, int64_t ldx, int m, int inter, float *out, int64_t ldo);
+/* x: [m, 2 * inter] = [gate | up] per row -> out: [m, inter] = gelu(gate) * up, GELU's tanh approximation
+ * 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (Gemma's GeGLU). */
+CB_API int cb_gelu_tanh_mul_f32(const float *x, int64_t ldx, int m, int inter, float *out, int64_t ldo);
 /* In place, rotate-half convention: x holds m rows (ldx floats apart) of `heads` vectors of head_dim floats;
  * row t is rotated by position pos[t] with cos/sin tables [max_pos, head_dim]. */
 CB_API int cb_rotary_f32(float *x, int64_t ldx, int m, int heads, int head_dim, const int64_t *pos,
