@@ -136,3 +136,20 @@ def test_driver_is_used_only_where_it_applies(tmp_path: Path) -> None:
     assert ModelRunner(ModelConfig(model=str(folder)), BS, progress=False).model.native_layers is not None
     for kw in ({"cpu_ops": "torch"}, {"cpu_ops": "onednn"}, {"attention_backend": "torch"}):
         assert ModelRunner(ModelConfig(model=str(folder), **kw), BS, progress=False).model.native_layers is None, kw
+
+
+def test_layers_the_driver_lacks_run_module_by_module_with_one_log_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from cbserve.worker.models.causal_lm import CausalLM
+
+    monkeypatch.setattr(CausalLM, "driver_blocker", lambda self: "a block the driver lacks")
+    folder = make_tiny_model(tmp_path, "llama_gqa")
+    with caplog.at_level(logging.INFO, logger="cbserve.worker.cpu.layers"):
+        runner = ModelRunner(ModelConfig(model=str(folder)), BS, progress=False)
+    assert runner.model.native_layers is None
+    lines = [r.getMessage() for r in caplog.records if "module by module" in r.getMessage()]
+    assert lines == ["decoder layers run module by module (no C layer driver: llama layers have a block the driver "
+                     "lacks)"]

@@ -1,7 +1,7 @@
 """Every architecture family equals HF transformers: a tiny random model of each (sharded safetensors, with a
 tokenizer) gives HF generate()'s greedy tokens and its logprobs within 1e-4, on prompts of mixed lengths
 longer than the sliding window, through chunked prefill, prefix-cache hits, preemption and requests joining
-mid-batch; on the CPU C kernels (native ops, C attention, the layer driver where it applies) and on the torch
+mid-batch; on the CPU C kernels (native ops, C attention, the one-call layer driver) and on the torch
 reference path."""
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from worker_testlib import hf_greedy, run_engine
 MAX_NEW = 16
 PATHS = {"native": dict(cpu_ops="native", attention_backend="cpu"),
          "torch": dict(cpu_ops="torch", attention_backend="torch")}
-# why the one-call C layer driver does not run a family's layers (None: it does)
-DRIVER: dict[str, str | None] = dict.fromkeys(FAMILIES)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -52,12 +50,9 @@ def test_family_matches_hf(tiny: tuple, path: str, caplog: pytest.LogCaptureFixt
     with caplog.at_level(logging.INFO, logger="cbserve.worker.cpu.layers"):
         executor = LocalExecutor(cfg, block_size=4, num_blocks=36, progress=False)
     runner = executor.runner
-    if path == "native":  # the driver runs the layers, or one log line says why not
-        assert (runner.model.native_layers is None) == (DRIVER[family] is not None)
-        lines = [r.getMessage() for r in caplog.records if "module by module" in r.getMessage()]
-        assert len(lines) == (DRIVER[family] is not None), lines
-        if DRIVER[family]:
-            assert DRIVER[family] in lines[0]
+    if path == "native":  # the one-call C layer driver runs every family's layers
+        assert runner.model.native_layers is not None
+        assert not [r for r in caplog.records if "module by module" in r.getMessage()]
     run = run_engine(executor, reqs, block_size=4, num_blocks=36, max_num_batched_tokens=16, max_num_seqs=4,
                      max_model_len=MAX_MODEL_LEN.get(family, 256), join_at_step={"r2": 5, "r5": 9})
     assert run.num_preemptions > 0 and run.prefix_hits > 0
