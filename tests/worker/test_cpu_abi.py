@@ -24,7 +24,7 @@ def _mutated(old: str, new: str) -> str:
 
 def test_header_declares_what_the_ctypes_table_binds() -> None:
     header = abi.parse_header(HEADER_TEXT)
-    assert set(header.functions) == set(abi.FUNCTIONS) and len(header.functions) == 13
+    assert set(header.functions) == set(abi.FUNCTIONS) and len(header.functions) == 14
     assert header.functions["cb_packed_bytes"] == abi.FUNCTIONS["cb_packed_bytes"]
     assert set(header.structs) == {"cb_lin_t", "cb_layer_t", "cb_model_t"}
     abi.check(HEADER_TEXT)  # no difference
@@ -37,7 +37,7 @@ def test_header_declares_what_the_ctypes_table_binds() -> None:
         ("cb_pack_weight_f32(const float *w, int64_t ldw,", "cb_pack_weight_f32(const float *w, int ldw,",
          r"cb_pack_weight_f32: cb_cpu\.h has c_int\(c_void_p, c_int, "),
         # an argument is added
-        ("int max_seq_len);\n\n/* ---- every", "int max_seq_len, int extra);\n\n/* ---- every",
+        ("int window, float softcap);\n\n/* ---- every", "int window, float softcap, int extra);\n\n/* ---- every",
          "cb_paged_decode_f32: cb_cpu.h has"),
         # the return type changes
         ("CB_API int cb_gemm_panel_width(void);", "CB_API int64_t cb_gemm_panel_width(void);",
@@ -67,7 +67,8 @@ def test_loading_against_a_drifted_header_or_table_fails(
     kernels: CpuKernels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     header = tmp_path / "cb_cpu.h"
-    header.write_text(_mutated("int m, int inter, float *out", "int m, float inter, float *out"))
+    header.write_text(_mutated("cb_silu_mul_f32(const float *x, int64_t ldx, int m, int inter,",
+                               "cb_silu_mul_f32(const float *x, int64_t ldx, int m, float inter,"))
     with pytest.raises(abi.AbiMismatch, match="cb_silu_mul_f32"):
         CpuKernels(kernels.path, header)
     # the other side: the Python table drifts from the (unchanged) header

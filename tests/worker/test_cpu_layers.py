@@ -1,6 +1,7 @@
 """The one-call C layer driver (worker/cpu/layers.py, cpu/csrc/layers.c) against the per-module path it replaces:
 the same hidden states and the same KV cache, bit for bit, on prefill, mixed and decode steps, with q/k/v,
-o_proj and MLP biases. Greedy equality with HF on the driver is covered by test_model_equivalence.py and
+o_proj and MLP biases, sliding windows, per-head q/k norms (Qwen3, Gemma 3) and Gemma's layer. Greedy equality
+with HF on the driver is covered by test_model_equivalence.py, test_model_families.py and
 test_gguf_smollm2.py (the driver is on by default on CPU)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.layers import NativeLayers
 from cbserve.worker.input_batch import RequestState, build_batch
 from cbserve.worker.model_runner import ModelRunner
+from family_testlib import make_family_model
 from worker_testlib import make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
@@ -37,11 +39,14 @@ def _llama_all_biases(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module", params=["qwen2_bias", "llama_all_biases"])
+@pytest.fixture(scope="module", params=["qwen2_bias", "llama_all_biases", "mistral", "qwen3", "gemma2", "gemma3"])
 def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     folder = tmp_path_factory.mktemp(request.param)
     if request.param == "llama_all_biases":
         folder = _llama_all_biases(folder)
+    elif request.param in ("mistral", "qwen3", "gemma2", "gemma3"):  # a sliding window of 8 (all), q/k norms
+        # (Qwen3, Gemma 3), Gemma's norms and GeGLU, soft-capping (Gemma 2), a local rope (Gemma 3)
+        folder = make_family_model(folder, request.param)
     else:
         folder = make_tiny_model(folder, request.param)
     r = ModelRunner(ModelConfig(model=str(folder)), BS, progress=False)
@@ -131,3 +136,20 @@ def test_driver_is_used_only_where_it_applies(tmp_path: Path) -> None:
     assert ModelRunner(ModelConfig(model=str(folder)), BS, progress=False).model.native_layers is not None
     for kw in ({"cpu_ops": "torch"}, {"cpu_ops": "onednn"}, {"attention_backend": "torch"}):
         assert ModelRunner(ModelConfig(model=str(folder), **kw), BS, progress=False).model.native_layers is None, kw
+
+
+def test_layers_the_driver_lacks_run_module_by_module_with_one_log_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from cbserve.worker.models.causal_lm import CausalLM
+
+    monkeypatch.setattr(CausalLM, "driver_blocker", lambda self: "a block the driver lacks")
+    folder = make_tiny_model(tmp_path, "llama_gqa")
+    with caplog.at_level(logging.INFO, logger="cbserve.worker.cpu.layers"):
+        runner = ModelRunner(ModelConfig(model=str(folder)), BS, progress=False)
+    assert runner.model.native_layers is None
+    lines = [r.getMessage() for r in caplog.records if "module by module" in r.getMessage()]
+    assert lines == ["decoder layers run module by module (no C layer driver: llama layers have a block the driver "
+                     "lacks)"]

@@ -31,7 +31,9 @@ class LayerArgs(ctypes.Structure):
     """cb_layer_t: one decoder layer's weights and KV cache."""
 
     _fields_ = [("in_norm", _P), ("post_norm", _P), ("qkv", LinearArgs), ("o", LinearArgs),
-                ("gate_up", LinearArgs), ("down", LinearArgs), ("k_cache", _P), ("v_cache", _P)]
+                ("gate_up", LinearArgs), ("down", LinearArgs), ("k_cache", _P), ("v_cache", _P),
+                ("window", _I32), ("q_norm", _P), ("k_norm", _P), ("pre_ff_norm", _P), ("post_ff_norm", _P),
+                ("softcap", _F32), ("cos", _P), ("sin", _P)]
 
 
 class ModelArgs(ctypes.Structure):
@@ -39,7 +41,7 @@ class ModelArgs(ctypes.Structure):
 
     _fields_ = [("num_layers", _I32), ("hidden", _I32), ("heads", _I32), ("kv_heads", _I32), ("head_dim", _I32),
                 ("inter", _I32), ("num_blocks", _I32), ("block_size", _I32), ("eps", _F32), ("scale", _F32),
-                ("cos", _P), ("sin", _P), ("max_pos", _I64)]
+                ("cos", _P), ("sin", _P), ("max_pos", _I64), ("act", _I32)]
 
 
 STRUCTS: dict[str, type[ctypes.Structure]] = {"cb_lin_t": LinearArgs, "cb_layer_t": LayerArgs, "cb_model_t": ModelArgs}
@@ -56,9 +58,10 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
     "cb_linear": (_I32, [_I32, _P, _I64, _I32, _I32, _P, _I32, _P, _P, _I64]),
     "cb_add_rms_norm_f32": (_I32, [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _I32, _I32]),
     "cb_silu_mul_f32": (_I32, [_P, _I64, _I32, _I32, _P, _I64]),
+    "cb_gelu_tanh_mul_f32": (_I32, [_P, _I64, _I32, _I32, _P, _I64]),
     "cb_rotary_f32": (_I32, [_P, _I64, _I32, _I32, _I32, _P, _P, _P, _I64]),
     "cb_paged_decode_f32": (_I32, [_P, _I64, _P, _I64, _P, _P, _I32, _P, _I64, _P, _I32, _I32, _I32, _I32, _I32,
-                                   _F32, _I32]),
+                                   _F32, _I32, _I32, _F32]),
     "cb_llama_layers": (_I32, [_P, _P, _I32, _P, _P, _P, _P, _I64, _P, _I32]),
 }
 

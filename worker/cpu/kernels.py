@@ -186,6 +186,17 @@ class CpuKernels:
         _check(self._lib.cb_silu_mul_f32(x.data_ptr(), ldx, m, two_i // 2, out.data_ptr(), two_i // 2), "silu_mul")
         return out
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, 2 * inter] = [gate | up] -> gelu(gate, tanh approximation) * up [m, inter]."""
+        ldx = _rows(x, "x")
+        m, two_i = x.shape
+        if two_i % 2:
+            raise ValueError(f"gelu_tanh_and_mul needs an even number of columns, got {two_i}")
+        out = torch.empty(m, two_i // 2, dtype=torch.float32)
+        _check(self._lib.cb_gelu_tanh_mul_f32(x.data_ptr(), ldx, m, two_i // 2, out.data_ptr(), two_i // 2),
+               "gelu_tanh_mul")
+        return out
+
     def rotary_(self, x: torch.Tensor, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> None:
         """Rotate x [m, heads * head_dim] in place (rotate-half convention) by ``positions`` [m] (int64),
@@ -212,8 +223,13 @@ class CpuKernels:
         seq_lens: torch.Tensor,  # [n] int32, contiguous
         max_seq_len: int,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
-        """Attention of one query token per sequence over its cached keys/values; writes ``out``."""
+        """Attention of one query token per sequence over its cached keys/values (its last ``window`` ones with
+        a sliding window; logits capped to ``softcap * tanh(s / softcap)`` with ``softcap``); writes ``out``."""
+        if (window is not None and window < 1) or (softcap is not None and not softcap > 0):
+            raise ValueError(f"window must be positive or None and softcap positive or None: {window}, {softcap}")
         n, heads, dim = q.shape
         num_blocks, block_size, kv_heads, _ = k_cache.shape
         _check_heads(q, "q")
@@ -237,7 +253,7 @@ class CpuKernels:
         rc = self._lib.cb_paged_decode_f32(
             q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             num_blocks, block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), n, heads, kv_heads,
-            dim, block_size, scale, max_seq_len,
+            dim, block_size, scale, max_seq_len, window or 0, softcap or 0.0,
         )
         _check(rc, "paged decode")
 

@@ -5,7 +5,10 @@ The C driver runs the very kernels the modules run, in the same order, so its hi
 path's bit for bit (tests/worker/test_cpu_layers.py checks it); it only removes the Python between them:
 argument checks, tensor allocation and module dispatch, 5.6-8.5 ms of a 34-112 ms SmolLM2 decode step with
 12-64 running requests on the 2-core benchmark machine. Models the driver does not cover keep the module
-path: tensor parallelism, weights not packed for the C kernels, an attention backend other than the C one.
+path, with one log line saying why: tensor parallelism, weights not packed for the C kernels, an attention
+backend other than the C one, and families whose layer math is not Llama's (``CausalLM.driver_blocker``:
+q/k norms, GeGLU, Gemma's extra norms, soft-capping, mixture-of-experts). Sliding windows are covered (each
+layer's window is its own argument of the attention kernel).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ def _ineligible(model: Any) -> str | None:
     """Why ``model`` cannot use the C layer driver, or None when it can."""
     if tp_world_size() > 1:
         return "tensor parallelism"
+    family = model.driver_blocker()
+    if family is not None:
+        return f"{model.config.model_type} layers have {family}"
     layers = model.model.layers
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -45,14 +51,27 @@ def _ineligible(model: Any) -> str | None:
             return "linear weights not packed for the C kernels"
         if not isinstance(attn.attn, CpuAttentionBackend):
             return f"attention backend {attn.attn.name!r}"
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm,
+                 *(n for n in (attn.q_norm, attn.k_norm, *_ff_norms(layer)) if n is not None))
         if any(n.kernels is None or n.eps != layers[0].input_layernorm.eps for n in norms):
             return "norms not on the C kernels"
         if any(b is not None and b.dtype != torch.float32 for m in linears for b in [m.bias]):
             return "non-float32 biases"
-    if model.model.rotary.kernels is None:
+        if getattr(mlp.act, "kernels", None) is None:
+            return "MLP activation not on the C kernels"
+    local = model.model.rotary_local
+    if model.model.rotary.kernels is None or (local is not None and local.kernels is None):
         return "rotary embedding not on the C kernels"
     return None
+
+
+def _ff_norms(layer: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """Gemma's norms before and after the MLP (None, None for Llama's layer)."""
+    return getattr(layer, "pre_feedforward_layernorm", None), getattr(layer, "post_feedforward_layernorm", None)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def _addresses(kv_caches: list[KVCache]) -> tuple[int, ...]:
@@ -73,15 +92,24 @@ class NativeLayers:
             inter=layers[0].mlp.gate_up_proj.packed.panels.n // 2, num_blocks=0, block_size=0,
             eps=layers[0].input_layernorm.eps, scale=attn0.attn.scale, cos=rotary.cos.data_ptr(),
             sin=rotary.sin.data_ptr(), max_pos=rotary.cos.shape[0],
+            act=0 if model.spec.act == "silu" else 1,
         )
+        local = model.model.rotary_local
         self.layers = (LayerArgs * len(layers))()
+        uses_local = model.spec.uses_local_rope
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
+            pre, post = _ff_norms(layer)
             self.layers[i] = LayerArgs(
                 in_norm=layer.input_layernorm.weight.data_ptr(),
                 post_norm=layer.post_attention_layernorm.weight.data_ptr(),
                 qkv=_linear_args(attn.qkv_proj, True), o=_linear_args(attn.o_proj, False),
                 gate_up=_linear_args(mlp.gate_up_proj, True), down=_linear_args(mlp.down_proj, False),
+                window=attn.attn.sliding_window or 0,
+                q_norm=_ptr(attn.q_norm and attn.q_norm.weight), k_norm=_ptr(attn.k_norm and attn.k_norm.weight),
+                pre_ff_norm=_ptr(pre and pre.weight), post_ff_norm=_ptr(post and post.weight),
+                softcap=attn.attn.softcap or 0.0,
+                cos=_ptr(local.cos if uses_local(i) else None), sin=_ptr(local.sin if uses_local(i) else None),
             )
         self._bound: tuple[int, ...] = ()  # addresses of the KV caches the structs point at (no reference held)
 

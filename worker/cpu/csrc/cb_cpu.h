@@ -33,6 +33,12 @@ typedef struct {
     const float *in_norm, *post_norm; /* [hidden] */
     cb_lin_t qkv, o, gate_up, down;
     float *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
+    int window;               /* > 0: the layer's sliding window (the last `window` keys); 0: none */
+    const float *q_norm, *k_norm; /* [head_dim]: RMSNorm of each q and k head before the rotary (Qwen3); or NULL */
+    const float *pre_ff_norm, *post_ff_norm; /* [hidden], Gemma: post_norm then norms the attention output alone,
+                                                 these the MLP's input and output; both NULL: Llama's layer */
+    float softcap;          /* > 0: attention logits capped to softcap * tanh(s / softcap) */
+    const float *cos, *sin; /* this layer's rotary tables [max_pos, head_dim]; NULL: the model's */
 } cb_layer_t;
 
 /* The shapes every layer shares, and the rotary tables. */
@@ -42,6 +48,7 @@ typedef struct {
     float eps, scale;
     const float *cos, *sin; /* [max_pos, head_dim] */
     int64_t max_pos;
+    int act; /* the gated MLP's activation: 0 SiLU, 1 GELU (tanh approximation) */
 } cb_model_t;
 
 /* ---- packed weights (panels.c) ------------------------------------------------------------------------- */
@@ -75,6 +82,9 @@ CB_API int cb_add_rms_norm_f32(const float *x, int64_t ldx, float *residual, int
                                float eps, float *out, int64_t ldo, int m, int h);
 /* x: [m, 2 * inter] = [gate | up] per row -> out: [m, inter] = silu(gate) * up. */
 CB_API int cb_silu_mul_f32(const float *x, int64_t ldx, int m, int inter, float *out, int64_t ldo);
+/* x: [m, 2 * inter] = [gate | up] per row -> out: [m, inter] = gelu(gate) * up, GELU's tanh approximation
+ * 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (Gemma's GeGLU). */
+CB_API int cb_gelu_tanh_mul_f32(const float *x, int64_t ldx, int m, int inter, float *out, int64_t ldo);
 /* In place, rotate-half convention: x holds m rows (ldx floats apart) of `heads` vectors of head_dim floats;
  * row t is rotated by position pos[t] with cos/sin tables [max_pos, head_dim]. */
 CB_API int cb_rotary_f32(float *x, int64_t ldx, int m, int heads, int head_dim, const int64_t *pos,
@@ -85,12 +95,13 @@ CB_API int cb_rotary_f32(float *x, int64_t ldx, int m, int heads, int head_dim, 
 /* One query token per sequence over its paged keys/values. q, out: [num_seqs, num_heads, head_dim];
  * k/v cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, bt_stride] int32;
  * seq_lens: [num_seqs] int32 in [1, max_seq_len] (a sequence out of range or with a block id outside the
- * cache gives CB_ERANGE and is left unwritten). */
+ * cache gives CB_ERANGE and is left unwritten). window > 0: each row attends to its last `window` keys only;
+ * softcap > 0: scores are capped to softcap * tanh(s / softcap) before the softmax; 0 turns either off. */
 CB_API int cb_paged_decode_f32(const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride,
                                const float *k_cache, const float *v_cache, int num_blocks,
                                const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                                int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                               float scale, int max_seq_len);
+                               float scale, int max_seq_len, int window, float softcap);
 
 /* ---- every decoder layer of a step in one call (layers.c) ---------------------------------------------- */
 

@@ -61,6 +61,22 @@ int cb_silu_mul_f32(const float *x, int64_t ldx, int m, int inter, float *out, i
     return CB_OK;
 }
 
+/* x: [m, 2 * inter] = [gate | up] per row -> out: [m, inter] = gelu_tanh(gate) * up. */
+int cb_gelu_tanh_mul_f32(const float *x, int64_t ldx, int m, int inter, float *out, int64_t ldo) {
+    if (m < 0 || inter < 1 || ldx < 2 * (int64_t)inter || ldo < inter) return CB_EINVAL;
+    const float k0 = 0.7978845608028654f, k1 = 0.044715f; /* sqrt(2 / pi), as torch's kBeta */
+#pragma omp parallel for schedule(static) if ((int64_t)m * inter >= CB_PARALLEL_MIN)
+    for (int row = 0; row < m; ++row) {
+        const float *g = x + (int64_t)row * ldx, *u = g + inter;
+        float *o = out + (int64_t)row * ldo;
+        for (int i = 0; i < inter; ++i) {
+            const float v = g[i];
+            o[i] = 0.5f * v * (1.0f + tanhf(k0 * (v + k1 * v * v * v))) * u[i];
+        }
+    }
+    return CB_OK;
+}
+
 /* In place, rotate-half convention: x holds m rows (ldx floats apart) of `heads` vectors of head_dim floats;
  * row t is rotated by position pos[t] with cos/sin tables [max_pos, head_dim]. */
 int cb_rotary_f32(float *x, int64_t ldx, int m, int heads, int head_dim, const int64_t *pos, const float *cos_t,

@@ -2,15 +2,21 @@
  * a request's one new token or a token of a prefill chunk, is a row with its own block table and context
  * length (../../attention/cpu_backend.py builds them), attended by the paged kernel of attention.c.
  *
- * It runs the same kernels as the per-module path of ../../model.py, in the same order and on the same
- * values, so the result is bit for bit what that path gives; what it saves is the Python around ~9 kernel
+ * It runs the same kernels as the per-module path of ../../models/decoder.py, in the same order and on the
+ * same values, so the result is bit for bit what that path gives; what it saves is the Python around ~9 kernel
  * calls a layer (argument checks, tensor allocation, module dispatch): 5.6-8.5 ms of a 34-112 ms SmolLM2
  * decode step with 12-64 requests on the 2-core benchmark machine. Per layer:
  *
  *   residual += x; h = rmsnorm(residual)                 (residual starts at 0: layer 0 gets x + 0 = x)
- *   qkv = h W_qkv^T (+ b_qkv);  rotary on q and k;  k, v -> cache slots
- *   a = paged decode attention(q);  x = a W_o^T (+ b_o, added after the product, as the module does)
+ *   qkv = h W_qkv^T (+ b_qkv);  (per-head RMSNorm of q and k, where the layer has them: Qwen3)
+ *   rotary on q and k;  k, v -> cache slots
+ *   a = paged decode attention(q), over the layer's sliding window if it has one
+ *   x = a W_o^T (+ b_o, added after the product, as the module does)
  *   residual += x; h = rmsnorm(residual);  x = silu(h W_gate^T) * (h W_up^T);  x = x W_down^T (+ b_down)
+ *
+ * Gemma's layer (pre_ff_norm and post_ff_norm set) norms the attention output before adding it, and the MLP's
+ * output likewise; its MLP is GeGLU (model act 1), its attention logits may be soft-capped, and its sliding
+ * layers may have rotary tables of their own (Gemma 3's local base).
  *
  * and at the end x += residual. Tensor parallelism is not handled here (no all-reduce): the model uses
  * this path only for a single rank.
@@ -41,22 +47,43 @@ static int write_kv(const cb_model_t *md, const cb_layer_t *ly, const float *qkv
     return CB_OK;
 }
 
+/* In place: each of the n rows' `heads` vectors of head_dim floats (starting at x, rows ldx apart) RMS-normed
+ * with weight w: the per-head q/k norms (the same kernel, row by row, that the module path runs). */
+static int norm_heads(float *x, int64_t ldx, int n, int heads, int head_dim, const float *w, float eps) {
+    int rc = CB_OK;
+    for (int t = 0; t < n && !rc; ++t)
+        rc = cb_add_rms_norm_f32(x + t * ldx, head_dim, NULL, 0, w, eps, x + t * ldx, head_dim, heads, head_dim);
+    return rc;
+}
+
 static int layer(const cb_model_t *md, const cb_layer_t *ly, int n, float *x, float *residual, float *h, float *qkv,
                  float *att, float *gu, float *act, const int64_t *pos, const int64_t *slots, const int32_t *bt,
                  int64_t bt_stride, const int32_t *seq_lens, int max_seq_len) {
     const int hid = md->hidden, hd = md->head_dim, qn = ly->qkv.n, an = md->heads * hd;
     int rc = cb_add_rms_norm_f32(x, hid, residual, hid, ly->in_norm, md->eps, h, hid, n, hid);
     if (!rc) rc = linear(&ly->qkv, h, n, qkv);
-    if (!rc) rc = cb_rotary_f32(qkv, qn, n, md->heads + md->kv_heads, hd, pos, md->cos, md->sin, md->max_pos);
+    if (!rc && ly->q_norm) rc = norm_heads(qkv, qn, n, md->heads, hd, ly->q_norm, md->eps);
+    if (!rc && ly->k_norm) rc = norm_heads(qkv + an, qn, n, md->kv_heads, hd, ly->k_norm, md->eps);
+    const float *cos_t = ly->cos ? ly->cos : md->cos, *sin_t = ly->sin ? ly->sin : md->sin;
+    if (!rc) rc = cb_rotary_f32(qkv, qn, n, md->heads + md->kv_heads, hd, pos, cos_t, sin_t, md->max_pos);
     if (!rc) rc = write_kv(md, ly, qkv, qn, n, slots);
     if (!rc)
         rc = cb_paged_decode_f32(qkv, qn, att, an, ly->k_cache, ly->v_cache, md->num_blocks, bt, bt_stride, seq_lens, n,
-                                 md->heads, md->kv_heads, hd, md->block_size, md->scale, max_seq_len);
+                                 md->heads, md->kv_heads, hd, md->block_size, md->scale, max_seq_len, ly->window,
+                                 ly->softcap);
     if (!rc) rc = linear(&ly->o, att, n, x);
-    if (!rc) rc = cb_add_rms_norm_f32(x, hid, residual, hid, ly->post_norm, md->eps, h, hid, n, hid);
+    if (ly->pre_ff_norm) { /* Gemma: the attention output normed alone, then added; the MLP's input normed */
+        if (!rc) rc = cb_add_rms_norm_f32(x, hid, NULL, 0, ly->post_norm, md->eps, x, hid, n, hid);
+        if (!rc) rc = cb_add_rms_norm_f32(x, hid, residual, hid, ly->pre_ff_norm, md->eps, h, hid, n, hid);
+    } else if (!rc) {
+        rc = cb_add_rms_norm_f32(x, hid, residual, hid, ly->post_norm, md->eps, h, hid, n, hid);
+    }
     if (!rc) rc = linear(&ly->gate_up, h, n, gu);
-    if (!rc) rc = cb_silu_mul_f32(gu, 2 * (int64_t)md->inter, n, md->inter, act, md->inter);
+    if (!rc)
+        rc = (md->act ? cb_gelu_tanh_mul_f32 : cb_silu_mul_f32)(gu, 2 * (int64_t)md->inter, n, md->inter, act,
+                                                               md->inter);
     if (!rc) rc = linear(&ly->down, act, n, x);
+    if (!rc && ly->post_ff_norm) rc = cb_add_rms_norm_f32(x, hid, NULL, 0, ly->post_ff_norm, md->eps, x, hid, n, hid);
     return rc;
 }
 
@@ -76,7 +103,8 @@ static int shapes_ok(const cb_model_t *md, const cb_layer_t *ly) {
     const int hid = md->hidden, an = md->heads * md->head_dim;
     return ly->qkv.k == hid && ly->qkv.n == an + 2 * md->kv_heads * md->head_dim && ly->o.k == an &&
            ly->o.n == hid && ly->gate_up.k == hid && ly->gate_up.n == 2 * md->inter && ly->down.k == md->inter &&
-           ly->down.n == hid && ly->k_cache && ly->v_cache && ly->in_norm && ly->post_norm;
+           ly->down.n == hid && ly->k_cache && ly->v_cache && ly->in_norm && ly->post_norm && ly->window >= 0 &&
+           ly->softcap >= 0.0f && !ly->pre_ff_norm == !ly->post_ff_norm && !ly->cos == !ly->sin;
 }
 
 /* x: [n, hidden] this step's token embeddings in, the final hidden states (before the last norm) out.
@@ -84,7 +112,8 @@ static int shapes_ok(const cb_model_t *md, const cb_layer_t *ly) {
 int cb_llama_layers(const cb_model_t *md, const cb_layer_t *layers, int n, float *x, const int64_t *pos,
                      const int64_t *slots, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                      int max_seq_len) {
-    if (n < 0 || md->num_layers < 1 || md->kv_heads < 1 || md->heads % md->kv_heads) return CB_EINVAL;
+    if (n < 0 || md->num_layers < 1 || md->kv_heads < 1 || md->heads % md->kv_heads || md->act < 0 || md->act > 1)
+        return CB_EINVAL;
     for (int l = 0; l < md->num_layers; ++l)
         if (!shapes_ok(md, &layers[l])) return CB_EINVAL;
     if (n == 0) return CB_OK;
