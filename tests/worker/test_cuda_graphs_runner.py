@@ -96,7 +96,8 @@ def _runner(folder: Path, enforce_eager: bool, log: list[int]) -> ModelRunner:
 
 @dataclass
 class Driver:
-    """Builds scheduler outputs for hand-written steps and feeds the sampled tokens back."""
+    """Builds scheduler outputs for hand-written steps; the worker keeps the tokens it samples (they are never
+    sent back), as the scheduler's protocol says."""
 
     prompts: dict[str, list[int]]
     tokens: dict[str, list[int]] = field(default_factory=dict)
@@ -122,6 +123,7 @@ class Driver:
             self.computed[rid] += n
         for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
             self.tokens[rid].extend(toks)
+            self.sent[rid] += len(toks)  # the worker appended its own sample
 
 
 PROMPTS = {r: [(7 * i + 3 * j) % 300 + 5 for j in range(3 + i)] for i, r in enumerate("abcdefghi")}

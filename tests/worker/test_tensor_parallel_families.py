@@ -26,6 +26,6 @@ def test_tp2_matches_tp1(tmp_path: Path, family: str) -> None:
                      max_num_seqs=4)
     result_file = str(tmp_path / "tp2.pt")
     mp.spawn(_worker, args=(str(folder), _free_port(), result_file), nprocs=2, join=True)
-    tp2 = torch.load(result_file)
+    tp2, _ = torch.load(result_file)  # (tokens, prompt logprobs): test_tensor_parallel's worker
     assert tp2 == {k: v[0] for k, v in tp1.tokens.items()}
     assert all(len(v[0]) == 12 for v in tp1.tokens.values())
