@@ -8,7 +8,8 @@ oneDNN, compact bfloat16) apply to the experts as to any linear weight.
 
 The fused expert path touches only the experts the batch routes to: the (token, expert) pairs are sorted by
 expert, the routed tokens gathered once, and every routed expert runs one matmul pair over its contiguous run
-of rows; the weighted rows are summed back into their tokens with one ``index_add_``. Experts no token chose
+of rows; the rows are put back in token order and each token's k rows weighted and summed in one batched
+product. Experts no token chose
 are never read, which is what makes a decode step of a sparse model cheap.
 
 Tensor parallelism splits every expert's intermediate dimension across ranks (gate/up column-parallel, down
@@ -145,8 +146,10 @@ def fused_experts(
     ys = torch.empty_like(xs)
     for e, end, c in zip(routed.tolist(), ends[routed].tolist(), counts[routed].tolist(), strict=True):
         ys[end - c : end] = experts[e](xs[end - c : end])
-    ys.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(1))
-    return torch.zeros_like(x).index_add_(0, token, ys)
+    # back to (token, slot) order, then each token's k rows weighted and summed in one batched product
+    # (index_add_ would do it in place, but CPU scatter-add runs orders of magnitude slower)
+    ys = ys.index_select(0, torch.argsort(order)).view(n, k, -1)
+    return torch.bmm(weights.unsqueeze(1).to(ys.dtype), ys).squeeze(1)
 
 
 # ---- checkpoint names ---------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-MOE_VARIANTS = ("mixtral", "qwen3_moe", "qwen3_moe_sparse_step")
+MOE_VARIANTS = ("mixtral", "mixtral_window", "qwen3_moe", "qwen3_moe_sparse_step")
 
 
 def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
@@ -31,9 +31,10 @@ def make_tiny_moe(folder: Path, variant: str) -> Path:
         vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
     )
-    if variant == "mixtral":
+    if variant in ("mixtral", "mixtral_window"):  # the window is shorter than most prompts of the tests
+        window = 12 if variant == "mixtral_window" else None
         cfg = MixtralConfig(intermediate_size=96, num_hidden_layers=2, num_local_experts=6, num_experts_per_tok=2,
-                            sliding_window=None, **common)
+                            sliding_window=window, **common)
         model = MixtralForCausalLM(cfg)
     elif variant == "qwen3_moe":  # unnormalised top-k, a dense layer among the sparse ones
         cfg = Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=48, num_hidden_layers=3, num_experts=8,
