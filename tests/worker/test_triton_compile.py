@@ -27,11 +27,13 @@ _KV_WRITE = dict(key_ptr=_PTR, value_ptr=_PTR, k_cache_ptr=_PTR, v_cache_ptr=_PT
                  stride_k_tok="i32", stride_k_head="i32", stride_v_tok="i32", stride_v_head="i32",
                  stride_c_blk="i64", stride_c_off="i32", stride_c_head="i32")
 _PREFILL = dict(q_ptr=_PTR, k_cache_ptr=_PTR, v_cache_ptr=_PTR, out_ptr=_PTR, block_tables_ptr="*i32",
-                cu_seqlens_q_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32", stride_q_tok="i32",
+                cu_seqlens_q_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32", softcap="fp32", window="i32",
+                stride_q_tok="i32",
                 stride_q_head="i32", stride_o_tok="i32", stride_o_head="i32", stride_c_blk="i64",
                 stride_c_off="i32", stride_c_head="i32", stride_bt="i32")
 _DECODE = dict(q_ptr=_PTR, k_cache_ptr=_PTR, v_cache_ptr=_PTR, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-               mid_o_ptr="*fp32", mid_lse_ptr="*fp32", qk_scale="fp32", stride_q_tok="i32",
+               mid_o_ptr="*fp32", mid_lse_ptr="*fp32", qk_scale="fp32", softcap="fp32", window="i32",
+               stride_q_tok="i32",
                stride_q_head="i32", stride_c_blk="i64", stride_c_off="i32", stride_c_head="i32",
                stride_bt="i32", stride_mo_req="i32", stride_mo_head="i32", stride_mo_split="i32",
                stride_ml_req="i32", stride_ml_head="i32")
@@ -43,9 +45,14 @@ CASES = [  # (kernel name, arg types, constexprs) at Llama-3-8B shapes (GQA 4, h
     ("_kv_write_kernel", _KV_WRITE, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8,
                                          BLOCK_D=128)),
     ("_prefill_kernel", _PREFILL, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
-                                       BLOCK_D=128)),
+                                       BLOCK_D=128, SOFTCAP=False)),
     ("_decode_split_kernel", _DECODE, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, NUM_SPLITS=8, BLOCK_H=16,
-                                           BLOCK_N=64, BLOCK_D=128)),
+                                           BLOCK_N=64, BLOCK_D=128, SOFTCAP=False)),
+    # Gemma 2 shapes with logit soft-capping (GQA 2, head_dim 256 at 9B; 128 here for the shared memory)
+    ("_prefill_kernel", _PREFILL, dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
+                                       BLOCK_D=128, SOFTCAP=True)),
+    ("_decode_split_kernel", _DECODE, dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, NUM_SPLITS=8, BLOCK_H=16,
+                                           BLOCK_N=64, BLOCK_D=128, SOFTCAP=True)),
     ("_decode_merge_kernel", _MERGE, dict(NUM_SPLITS=8, HEAD_DIM=128, BLOCK_S=8, BLOCK_D=128)),
 ]
 

@@ -61,11 +61,23 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be positive or None, got {softcap}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # This layer's query at position p attends to keys max(0, p - sliding_window + 1)..p (the last
+        # ``sliding_window`` tokens, as HF's sliding-window mask); None: to every earlier key.
+        self.sliding_window = sliding_window
+        # Attention logits are soft-capped before the softmax (Gemma 2): s -> softcap * tanh(s / softcap).
+        self.softcap = softcap
 
     @abstractmethod
     def prepare(self, metadata: AttentionMetadata) -> PreparedAttention:

@@ -11,6 +11,9 @@ reads its whole context, so long contexts favour SDPA's blocked kernel (a 1,024-
 68.6 vs 47.2 ms): a step with a prefill chunk whose context exceeds ``ROWS_MAX_PREFILL_CONTEXT`` attends its
 prefill chunks with torch and only its decodes with the kernel (and runs layer by layer).
 
+Sliding windows and logit soft-capping (per layer, see ``backend.AttentionBackend``) are the kernel's own
+arguments: a row reads only the blocks of its window.
+
 Tensors other than float32 take the torch path, which stays the reference this one is tested against. The
 selector picks this backend for ``attention_backend="auto"`` on CPU when the kernels build (see
 ``../cpu/native.py``).
@@ -76,8 +79,11 @@ class CpuPrepared(PreparedAttention):
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap)
         self._kernels = require_cpu_kernels()
 
     def prepare(self, metadata: AttentionMetadata) -> PreparedAttention:
@@ -116,7 +122,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             rows, out_rows = rows[: md.num_decodes], out[: md.num_decodes]
         if rows.shape[0]:
             self._kernels.paged_decode(rows, out_rows, kv_cache[0], kv_cache[1], p.rows.block_tables,
-                                       p.rows.seq_lens, p.rows.max_seq_len, self.scale)
+                                       p.rows.seq_lens, p.rows.max_seq_len, self.scale, self.sliding_window,
+                                       self.softcap)
         return out
 
 

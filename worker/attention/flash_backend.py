@@ -125,6 +125,16 @@ class FlashAttentionBackend(AttentionBackend):
             max_k=max(s_lens) if s_lens else md.max_seq_len,
         )
 
+    def _window_softcap(self) -> dict[str, object]:
+        """flash-attn's own arguments for this layer's sliding window (keys p - (W - 1)..p: ``window_size``
+        (W - 1, 0)) and logit soft-cap; none without them (older versions lack ``softcap``)."""
+        kw: dict[str, object] = {}
+        if self.sliding_window is not None:
+            kw["window_size"] = (self.sliding_window - 1, 0)
+        if self.softcap is not None:
+            kw["softcap"] = self.softcap
+        return kw
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
         metadata: AttentionMetadata,
@@ -141,11 +151,12 @@ class FlashAttentionBackend(AttentionBackend):
         nd = md.num_decodes
         if nd:
             o = _OPS.with_kvcache(q[:nd].unsqueeze(1), k_cache, v_cache, cache_seqlens=md.seq_lens[:nd],
-                                  block_table=md.block_tables[:nd], softmax_scale=self.scale, causal=True)
+                                  block_table=md.block_tables[:nd], softmax_scale=self.scale, causal=True,
+                                  **self._window_softcap())
             out[:nd] = _first(o).squeeze(1)
         if p.cu_k is not None:
             o = _OPS.varlen(q=q[nd:], k=k_cache, v=v_cache, cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k,
                             max_seqlen_q=p.max_q, max_seqlen_k=p.max_k, softmax_scale=self.scale, causal=True,
-                            block_table=md.block_tables[nd:])
+                            block_table=md.block_tables[nd:], **self._window_softcap())
             out[nd:] = _first(o)
         return out

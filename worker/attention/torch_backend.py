@@ -12,7 +12,7 @@ requests with 300-token contexts: 10.6 ms per layer with ``cache[block_table]``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,20 @@ class _DecodeGroup:
     rows: slice | torch.Tensor  # rows of the flattened batch (a slice when contiguous)
     block_table: torch.Tensor  # [n, max_blocks] int64
     mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool, None when no padding
+    seq_lens: torch.Tensor  # [n] context lengths
+    padded_len: int  # max_blocks * block_size: the keys gathered per request
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask (made once)
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer attending to the last ``window`` keys (None: all of them)."""
+        if window is None or window >= self.padded_len:
+            return self.mask
+        if window not in self.windowed:
+            pos = torch.arange(self.padded_len, device=self.seq_lens.device)[None, :]
+            seq = self.seq_lens[:, None]
+            keep = (pos < seq) & (pos >= seq - window)
+            self.windowed[window] = keep.view(len(self.seq_lens), 1, 1, -1)
+        return self.windowed[window]
 
 
 @dataclass
@@ -65,6 +79,18 @@ class _PrefillChunk:
     blocks: torch.Tensor | None  # int64 block ids to gather the context from; None: use this step's k/v
     seq_len: int
     mask: torch.Tensor | None  # [q_len, seq_len] bool; None means plain causal
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask (made once)
+
+    def mask_for(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """The mask of a layer whose query at position p sees keys p - window + 1..p (None: causal)."""
+        q_len = self.end - self.start
+        if window is None or window >= self.seq_len:  # no query reaches back further than the window
+            return self.mask
+        if window not in self.windowed:
+            qpos = torch.arange(self.seq_len - q_len, self.seq_len, device=device)[:, None]
+            kpos = torch.arange(self.seq_len, device=device)[None, :]
+            self.windowed[window] = (kpos <= qpos) & (kpos > qpos - window)
+        return self.windowed[window]
 
 
 def _decode_groups(md: AttentionMetadata) -> list[_DecodeGroup]:
@@ -96,7 +122,7 @@ def _decode_groups(md: AttentionMetadata) -> list[_DecodeGroup]:
         if any(lens[i] != nblocks * md.block_size for i in g):
             pos = torch.arange(nblocks * md.block_size, device=bt.device)
             mask = (pos[None, :] < seq[:, None]).view(len(g), 1, 1, -1)
-        out.append(_DecodeGroup(rows, bt, mask))
+        out.append(_DecodeGroup(rows, bt, mask, seq, nblocks * md.block_size))
     return out
 
 
@@ -130,8 +156,11 @@ class TorchPrepared(PreparedAttention):
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap)
         self._buffer = _GatherBuffer()  # only the instance that prepares a step (layer 0) lends its buffer
 
     def prepare(self, metadata: AttentionMetadata) -> PreparedAttention:
@@ -176,9 +205,7 @@ class TorchAttentionBackend(AttentionBackend):
         keys = k_blocks.view(shape).transpose(1, 2)
         values = v_blocks.view(shape).transpose(1, 2)
         qg = q[g.rows].unsqueeze(2)  # [n, heads, 1, dim]
-        o = F.scaled_dot_product_attention(
-            qg, keys, values, attn_mask=g.mask, scale=self.scale, enable_gqa=self._gqa
-        ).squeeze(2)
+        o = self._sdpa(qg, keys, values, g.mask_for(self.sliding_window), False).squeeze(2)
         if isinstance(g.rows, slice):
             out[g.rows] = o
         else:
@@ -203,17 +230,39 @@ class TorchAttentionBackend(AttentionBackend):
             values = v_blocks.flatten(0, 1)[: c.seq_len]
         keys = keys.transpose(0, 1).unsqueeze(0)
         values = values.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            qc,
-            keys,
-            values,
-            attn_mask=c.mask,
-            is_causal=c.mask is None and c.end - c.start > 1,
-            scale=self.scale,
-            enable_gqa=self._gqa,
-        )
+        mask = c.mask_for(self.sliding_window, q.device)
+        o = self._sdpa(qc, keys, values, mask, mask is None and c.end - c.start > 1)
         out[c.start : c.end] = o.squeeze(0).transpose(0, 1)
 
     @property
     def _gqa(self) -> bool:
         return self.num_heads != self.num_kv_heads
+
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+    ) -> torch.Tensor:
+        """SDPA of q [b, heads, m, d] over k/v [b, kv_heads, n, d] (``mask``: [.., m, n] bool, True = attend);
+        with soft-capping, the eager form HF Gemma 2 runs (the logits capped, then the float32 softmax)."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                                  enable_gqa=self._gqa)
+        return softcapped_attention(q, k, v, mask, causal, self.scale, self.softcap)
+
+
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention whose logits are soft-capped, ``softcap * tanh(s / softcap)``, before the mask and the softmax."""
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        m, n = s.shape[-2:]
+        mask = torch.ones(m, n, dtype=torch.bool, device=s.device).tril(n - m)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v)

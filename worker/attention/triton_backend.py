@@ -91,6 +91,8 @@ class TritonAttentionBackend(AttentionBackend):
                 p.num_splits,
                 self.scale,
                 out=out[:nd],
+                window=self.sliding_window,
+                softcap=self.softcap,
             )
         if p.prefill_max_q is not None:
             triton_kernels.prefill_attention(
@@ -103,5 +105,7 @@ class TritonAttentionBackend(AttentionBackend):
                 p.prefill_max_q,
                 self.scale,
                 out=out,
+                window=self.sliding_window,
+                softcap=self.softcap,
             )
         return out

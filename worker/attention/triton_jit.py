@@ -7,7 +7,8 @@
   decoding"): each program covers one (request, KV head, split) and all query heads of that KV head (GQA);
   the merge combines the splits' partial results with a log-sum-exp reduction.
 
-Both attention kernels run the same online-softmax step over one tile of keys (``_attend_tile``), in fp32
+Both attention kernels take a sliding window (the keys before it are skipped, tile by tile, and masked) and
+an optional logit soft-cap. Both run the same online-softmax step over one tile of keys (``_attend_tile``), in fp32
 in the exp2 domain (``qk_scale`` includes log2(e)). Page offsets are computed in int64.
 """
 
@@ -19,6 +20,7 @@ import triton.language as tl
 # Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) free of NaN. Globals read inside
 # @triton.jit must be tl.constexpr (the compiler rejects plain Python globals; the interpreter does not).
 _NEG_BIG = tl.constexpr(-1.0e30)
+_LOG2E_C = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -49,15 +51,19 @@ def _kv_write_kernel(
 
 @triton.jit
 def _attend_tile(
-    q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, keep, offs_d, d_mask, m_i, l_i, acc, qk_scale,
-    stride_c_blk, stride_c_off, kv_head_off, BLOCK_SIZE: tl.constexpr,
+    q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, keep, offs_d, d_mask, m_i, l_i, acc, qk_scale, softcap,
+    stride_c_blk, stride_c_off, kv_head_off, BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step of ``q`` (rows x head dim) over the keys ``offs_n`` of a paged sequence
-    (``n_mask``: keys that exist; ``keep``: rows x keys allowed, e.g. causal). Returns (m_i, l_i, acc)."""
+    (``n_mask``: keys that exist; ``keep``: rows x keys allowed, e.g. causal). Returns (m_i, l_i, acc).
+    ``SOFTCAP``: the logits are capped to softcap * tanh(s / softcap) first (``softcap`` in the exp2 domain,
+    i.e. times log2(e), like ``qk_scale``)."""
     page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     kv_off = page * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_off + kv_head_off
     k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
     s = tl.dot(q, k) * qk_scale
+    if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), x = s / softcap (both scaled by log2(e): exp(2x) = exp2(2x log2 e))
+        s = softcap * (1.0 - 2.0 / (tl.exp2(2.0 * _LOG2E_C * s / softcap) + 1.0))
     s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -72,10 +78,12 @@ def _attend_tile(
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
     qk_scale,  # softmax scale * log2(e)
+    softcap,  # logit soft-cap * log2(e) (read when SOFTCAP)
+    window,  # sliding window: a query at position p sees keys p - window + 1..p (a huge number: no window)
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_c_blk, stride_c_off, stride_c_head,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -104,13 +112,15 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     kv_end = tl.minimum(seq_len, ctx_len + (m_blk + 1) * BLOCK_M)  # causal: last key this tile needs
-    for start in range(0, kv_end, BLOCK_N):
+    # sliding window: the first key this tile's first query sees, rounded down to a tile of keys
+    kv_start = tl.maximum(ctx_len + m_blk * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_start, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        causal = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        keep = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window) & n_mask[None, :]
         m_i, l_i, acc = _attend_tile(
-            q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, causal, offs_d, d_mask, m_i, l_i, acc, qk_scale,
-            stride_c_blk, stride_c_off, kv_head * stride_c_head, BLOCK_SIZE,
+            q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, keep, offs_d, d_mask, m_i, l_i, acc, qk_scale,
+            softcap, stride_c_blk, stride_c_off, kv_head * stride_c_head, BLOCK_SIZE, SOFTCAP,
         )
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -121,18 +131,19 @@ def _prefill_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
-    stride_q_tok, stride_q_head, stride_c_blk, stride_c_off, stride_c_head, stride_bt,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, softcap,
+    window, stride_q_tok, stride_q_head, stride_c_blk, stride_c_off, stride_c_head, stride_bt,
     stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
+    lo = tl.maximum(seq_len - window, 0)  # the first key of the sliding window (0 without one)
+    split_len = tl.cdiv(seq_len - lo, NUM_SPLITS)
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -155,7 +166,7 @@ def _decode_split_kernel(
         n_mask = offs_n < end
         m_i, l_i, acc = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, n_mask[None, :], offs_d, d_mask, m_i, l_i, acc,
-            qk_scale, stride_c_blk, stride_c_off, kv_head * stride_c_head, BLOCK_SIZE,
+            qk_scale, softcap, stride_c_blk, stride_c_off, kv_head * stride_c_head, BLOCK_SIZE, SOFTCAP,
         )
     has = l_i > 0
     acc = acc / tl.where(has, l_i, 1.0)[:, None]

@@ -69,6 +69,15 @@ def _on_cuda(x: torch.Tensor) -> bool:
     return x.is_cuda and not _interpreting()
 
 
+_NO_WINDOW = 1 << 30  # a window no sequence reaches: the kernels' "no sliding window"
+
+
+def _window(window: int | None) -> int:
+    if window is not None and window < 1:
+        raise ValueError(f"window must be positive or None, got {window}")
+    return _NO_WINDOW if window is None else min(window, _NO_WINDOW)
+
+
 def _cache_strides(k_cache: torch.Tensor) -> tuple[int, int, int]:
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
 
@@ -110,8 +119,12 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Varlen causal paged attention. ``q``: ``[num_tokens, num_q_heads, head_dim]``; returns the same shape.
+    ``window``: the query at position p sees keys p - window + 1..p only; ``softcap``: logits capped to
+    softcap * tanh(s / softcap) before the softmax.
 
     ``cu_seqlens_q`` int32 ``[num_reqs + 1]``; ``seq_lens`` int32 ``[num_reqs]`` (context after this step,
     this step's K/V already in the cache); ``max_query_len`` is a host int (sizes the grid, no device sync).
@@ -127,10 +140,11 @@ def prefill_attention(
     grid = (num_reqs, num_q_heads, triton.cdiv(max_query_len, bm))
     triton_jit._prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
-        (head_dim**-0.5 if scale is None else scale) * _LOG2E,
+        (head_dim**-0.5 if scale is None else scale) * _LOG2E, (softcap or 0.0) * _LOG2E, _window(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
         GROUP=num_q_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=bm,
         BLOCK_N=block_n or (64 if on_cuda else 32), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        SOFTCAP=softcap is not None,
         **({"num_warps": 4, "num_stages": 2} if on_cuda else {}),
     )
     return out
@@ -160,8 +174,11 @@ def decode_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Split-KV paged decode. ``q``: ``[num_reqs, num_q_heads, head_dim]`` (one token per request).
+    """Split-KV paged decode (``window``, ``softcap``: as :func:`prefill_attention`; the splits share the
+    window's keys). ``q``: ``[num_reqs, num_q_heads, head_dim]`` (one token per request).
 
     Each request attends to keys ``0..seq_lens[r]-1``; a request with ``seq_len == 0`` (CUDA-graph padding)
     gets a zero output. ``num_splits`` is fixed per launch (see :func:`default_num_splits`).
@@ -176,7 +193,7 @@ def decode_attention(
     mid_o = torch.empty((num_reqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((num_reqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     scale = head_dim**-0.5 if scale is None else scale
-    _decode_split(q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale, block_n)
+    _decode_split(q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale, block_n, window, softcap)
     block_d = max(16, triton.next_power_of_2(head_dim))
     triton_jit._decode_merge_kernel[(num_reqs, num_q_heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
@@ -190,6 +207,7 @@ def decode_attention(
 def _decode_split(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor, scale: float, block_n: int | None,
+    window: int | None = None, softcap: float | None = None,
 ) -> None:
     """The split pass of :func:`decode_attention`: partial outputs and log-sum-exps into ``mid_o``/``mid_lse``."""
     num_reqs, num_q_heads, head_dim = q.shape
@@ -198,10 +216,10 @@ def _decode_split(
     on_cuda = _on_cuda(q)
     launch: dict[str, Any] = {"num_warps": 4, "num_stages": 2} if on_cuda else {}
     triton_jit._decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale * _LOG2E,
-        q.stride(0), q.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale * _LOG2E, (softcap or 0.0) * _LOG2E,
+        _window(window), q.stride(0), q.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n or (64 if on_cuda else 32),
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), **launch,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SOFTCAP=softcap is not None, **launch,
     )

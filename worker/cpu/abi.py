@@ -31,7 +31,8 @@ class LayerArgs(ctypes.Structure):
     """cb_layer_t: one decoder layer's weights and KV cache."""
 
     _fields_ = [("in_norm", _P), ("post_norm", _P), ("qkv", LinearArgs), ("o", LinearArgs),
-                ("gate_up", LinearArgs), ("down", LinearArgs), ("k_cache", _P), ("v_cache", _P)]
+                ("gate_up", LinearArgs), ("down", LinearArgs), ("k_cache", _P), ("v_cache", _P),
+                ("window", _I32)]
 
 
 class ModelArgs(ctypes.Structure):
@@ -58,7 +59,7 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
     "cb_silu_mul_f32": (_I32, [_P, _I64, _I32, _I32, _P, _I64]),
     "cb_rotary_f32": (_I32, [_P, _I64, _I32, _I32, _I32, _P, _P, _P, _I64]),
     "cb_paged_decode_f32": (_I32, [_P, _I64, _P, _I64, _P, _P, _I32, _P, _I64, _P, _I32, _I32, _I32, _I32, _I32,
-                                   _F32, _I32]),
+                                   _F32, _I32, _I32, _F32]),
     "cb_llama_layers": (_I32, [_P, _P, _I32, _P, _P, _P, _P, _I64, _P, _I32]),
 }
 

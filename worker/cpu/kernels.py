@@ -212,8 +212,13 @@ class CpuKernels:
         seq_lens: torch.Tensor,  # [n] int32, contiguous
         max_seq_len: int,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
-        """Attention of one query token per sequence over its cached keys/values; writes ``out``."""
+        """Attention of one query token per sequence over its cached keys/values (its last ``window`` ones with
+        a sliding window; logits capped to ``softcap * tanh(s / softcap)`` with ``softcap``); writes ``out``."""
+        if (window is not None and window < 1) or (softcap is not None and not softcap > 0):
+            raise ValueError(f"window must be positive or None and softcap positive or None: {window}, {softcap}")
         n, heads, dim = q.shape
         num_blocks, block_size, kv_heads, _ = k_cache.shape
         _check_heads(q, "q")
@@ -237,7 +242,7 @@ class CpuKernels:
         rc = self._lib.cb_paged_decode_f32(
             q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             num_blocks, block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), n, heads, kv_heads,
-            dim, block_size, scale, max_seq_len,
+            dim, block_size, scale, max_seq_len, window or 0, softcap or 0.0,
         )
         _check(rc, "paged decode")
 

@@ -5,7 +5,10 @@ The C driver runs the very kernels the modules run, in the same order, so its hi
 path's bit for bit (tests/worker/test_cpu_layers.py checks it); it only removes the Python between them:
 argument checks, tensor allocation and module dispatch, 5.6-8.5 ms of a 34-112 ms SmolLM2 decode step with
 12-64 running requests on the 2-core benchmark machine. Models the driver does not cover keep the module
-path: tensor parallelism, weights not packed for the C kernels, an attention backend other than the C one.
+path, with one log line saying why: tensor parallelism, weights not packed for the C kernels, an attention
+backend other than the C one, and families whose layer math is not Llama's (``CausalLM.driver_blocker``:
+q/k norms, GeGLU, Gemma's extra norms, soft-capping, mixture-of-experts). Sliding windows are covered (each
+layer's window is its own argument of the attention kernel).
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ def _ineligible(model: Any) -> str | None:
     """Why ``model`` cannot use the C layer driver, or None when it can."""
     if tp_world_size() > 1:
         return "tensor parallelism"
+    family = model.driver_blocker()
+    if family is not None:
+        return f"{model.config.model_type} layers have {family}"
     layers = model.model.layers
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -82,6 +88,7 @@ class NativeLayers:
                 post_norm=layer.post_attention_layernorm.weight.data_ptr(),
                 qkv=_linear_args(attn.qkv_proj, True), o=_linear_args(attn.o_proj, False),
                 gate_up=_linear_args(mlp.gate_up_proj, True), down=_linear_args(mlp.down_proj, False),
+                window=attn.attn.sliding_window or 0,
             )
         self._bound: tuple[int, ...] = ()  # addresses of the KV caches the structs point at (no reference held)
 

@@ -10,7 +10,7 @@ to its constructor as a ``CpuOps``.
 - "auto": native when the kernels build and the model is float32, else onednn, else torch.
 
 The modules take ``CpuOps.kernels`` when they are constructed; the weights, which exist only once loaded,
-are packed by ``pack_weights`` from the model's own post-load step (``LlamaForCausalLM.finish_loading``).
+are packed by ``pack_weights`` from the model's own post-load step (``models.causal_lm.CausalLM.finish_loading``).
 """
 
 from __future__ import annotations

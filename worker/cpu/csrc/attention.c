@@ -7,12 +7,16 @@
  *   k/v cache    [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables [num_seqs, bt_stride] int32;  seq_lens [num_seqs] int32 (>= 1)
  *
+ * A sliding window (window > 0) limits each row to its last `window` keys; softcap > 0 caps the scores
+ * (softcap * tanh(s / softcap), Gemma 2) before the softmax. 0 turns either off.
+ *
  * Sequences are spread over OpenMP threads (the same libgomp torch uses, so the same thread pool). Per
  * sequence: scores of every head against every cached token, block by block; a softmax per head; then the
  * probability-weighted sum of the values, block by block. For head_dim 64 and 128 (vectorised paths) each
  * cache block is read once per pass as one contiguous run of memory (all kv heads of its tokens); other
  * head sizes go head by head.
  */
+#include <math.h>
 #include <stdlib.h>
 
 #include "cb_simd.h"
@@ -21,6 +25,8 @@ typedef struct {
     int num_heads, num_kv_heads, head_dim, block_size;
     int64_t tok, blk; /* floats between consecutive tokens of a block, and between blocks */
     float scale;
+    int window;    /* > 0: attend to the last `window` keys only */
+    float softcap; /* > 0: scores -> softcap * tanh(score / softcap) before the softmax */
 } geom_t;
 
 /* Any head_dim: sc[t] = scale * (q . k_t) for the keys of kv head kvh, t < len. */
@@ -206,12 +212,26 @@ static void softmax_inplace(float *restrict sc, int len) {
     for (int t = 0; t < len; ++t) sc[t] *= inv;
 }
 
-/* One sequence, the query heads of kv heads [kv0, kv1): scores, a softmax per head, the weighted values. */
+/* One sequence, the query heads of kv heads [kv0, kv1): scores, a softmax per head, the weighted values.
+ * With a sliding window (geo->window > 0) only the last `window` keys count: the passes start at the block
+ * holding the first of them, and the keys of that block before it get probability 0. */
 static void decode_sequence(const float *q, float *o, const float *k_cache, const float *v_cache, const int32_t *bt,
                             int len, const geom_t *geo, int kv0, int kv1, qk_fn qk, pv_fn pv, float *scores) {
     const int group = geo->num_heads / geo->num_kv_heads;
+    const int lo = geo->window > 0 && len > geo->window ? len - geo->window : 0, b0 = lo / geo->block_size;
+    const int skip = lo - b0 * geo->block_size;
+    bt += b0;
+    len -= b0 * geo->block_size;
     qk(q, k_cache, bt, len, geo, kv0, kv1, scores);
-    for (int h = kv0 * group; h < kv1 * group; ++h) softmax_inplace(scores + (int64_t)h * len, len);
+    for (int h = kv0 * group; h < kv1 * group; ++h) {
+        float *sc = scores + (int64_t)h * len;
+        if (geo->softcap > 0.0f) {
+            const float cap = geo->softcap, inv = 1.0f / geo->softcap;
+            for (int t = skip; t < len; ++t) sc[t] = cap * tanhf(sc[t] * inv);
+        }
+        softmax_inplace(sc + skip, len - skip);
+        memset(sc, 0, sizeof(float) * (size_t)skip);
+    }
     pv(scores, v_cache, bt, len, geo, kv0, kv1, o);
 }
 
@@ -227,12 +247,12 @@ static int blocks_in_range(const int32_t *bt, int len, int block_size, int num_b
 int cb_paged_decode_f32(const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride,
                         const float *k_cache, const float *v_cache, int num_blocks, const int32_t *block_tables,
                         int64_t bt_stride, const int32_t *seq_lens, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int block_size, float scale, int max_seq_len) {
+                        int head_dim, int block_size, float scale, int max_seq_len, int window, float softcap) {
     if (num_seqs < 0 || num_kv_heads < 1 || num_heads % num_kv_heads != 0 || head_dim < 1 || block_size < 1 ||
-        max_seq_len < 1 || num_blocks < 1)
+        max_seq_len < 1 || num_blocks < 1 || window < 0 || softcap < 0.0f)
         return CB_EINVAL;
     const int64_t tok = (int64_t)num_kv_heads * head_dim;
-    const geom_t geo = {num_heads, num_kv_heads, head_dim, block_size, tok, tok * block_size, scale};
+    const geom_t geo = {num_heads, num_kv_heads, head_dim, block_size, tok, tok * block_size, scale, window, softcap};
     qk_fn qk = qk_seq_any;
     pv_fn pv = pv_seq_any;
     if (head_dim == 64) {

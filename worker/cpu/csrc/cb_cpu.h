@@ -33,6 +33,7 @@ typedef struct {
     const float *in_norm, *post_norm; /* [hidden] */
     cb_lin_t qkv, o, gate_up, down;
     float *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
+    int window;               /* > 0: the layer's sliding window (the last `window` keys); 0: none */
 } cb_layer_t;
 
 /* The shapes every layer shares, and the rotary tables. */
@@ -85,12 +86,13 @@ CB_API int cb_rotary_f32(float *x, int64_t ldx, int m, int heads, int head_dim, 
 /* One query token per sequence over its paged keys/values. q, out: [num_seqs, num_heads, head_dim];
  * k/v cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [num_seqs, bt_stride] int32;
  * seq_lens: [num_seqs] int32 in [1, max_seq_len] (a sequence out of range or with a block id outside the
- * cache gives CB_ERANGE and is left unwritten). */
+ * cache gives CB_ERANGE and is left unwritten). window > 0: each row attends to its last `window` keys only;
+ * softcap > 0: scores are capped to softcap * tanh(s / softcap) before the softmax; 0 turns either off. */
 CB_API int cb_paged_decode_f32(const float *q, int64_t q_row_stride, float *out, int64_t out_row_stride,
                                const float *k_cache, const float *v_cache, int num_blocks,
                                const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                                int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                               float scale, int max_seq_len);
+                               float scale, int max_seq_len, int window, float softcap);
 
 /* ---- every decoder layer of a step in one call (layers.c) ---------------------------------------------- */
 

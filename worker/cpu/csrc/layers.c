@@ -2,14 +2,15 @@
  * a request's one new token or a token of a prefill chunk, is a row with its own block table and context
  * length (../../attention/cpu_backend.py builds them), attended by the paged kernel of attention.c.
  *
- * It runs the same kernels as the per-module path of ../../model.py, in the same order and on the same
- * values, so the result is bit for bit what that path gives; what it saves is the Python around ~9 kernel
+ * It runs the same kernels as the per-module path of ../../models/decoder.py, in the same order and on the
+ * same values, so the result is bit for bit what that path gives; what it saves is the Python around ~9 kernel
  * calls a layer (argument checks, tensor allocation, module dispatch): 5.6-8.5 ms of a 34-112 ms SmolLM2
  * decode step with 12-64 requests on the 2-core benchmark machine. Per layer:
  *
  *   residual += x; h = rmsnorm(residual)                 (residual starts at 0: layer 0 gets x + 0 = x)
  *   qkv = h W_qkv^T (+ b_qkv);  rotary on q and k;  k, v -> cache slots
- *   a = paged decode attention(q);  x = a W_o^T (+ b_o, added after the product, as the module does)
+ *   a = paged decode attention(q), over the layer's sliding window if it has one
+ *   x = a W_o^T (+ b_o, added after the product, as the module does)
  *   residual += x; h = rmsnorm(residual);  x = silu(h W_gate^T) * (h W_up^T);  x = x W_down^T (+ b_down)
  *
  * and at the end x += residual. Tensor parallelism is not handled here (no all-reduce): the model uses
@@ -51,7 +52,7 @@ static int layer(const cb_model_t *md, const cb_layer_t *ly, int n, float *x, fl
     if (!rc) rc = write_kv(md, ly, qkv, qn, n, slots);
     if (!rc)
         rc = cb_paged_decode_f32(qkv, qn, att, an, ly->k_cache, ly->v_cache, md->num_blocks, bt, bt_stride, seq_lens, n,
-                                 md->heads, md->kv_heads, hd, md->block_size, md->scale, max_seq_len);
+                                 md->heads, md->kv_heads, hd, md->block_size, md->scale, max_seq_len, ly->window, 0.0f);
     if (!rc) rc = linear(&ly->o, att, n, x);
     if (!rc) rc = cb_add_rms_norm_f32(x, hid, residual, hid, ly->post_norm, md->eps, h, hid, n, hid);
     if (!rc) rc = linear(&ly->gate_up, h, n, gu);
@@ -76,7 +77,7 @@ static int shapes_ok(const cb_model_t *md, const cb_layer_t *ly) {
     const int hid = md->hidden, an = md->heads * md->head_dim;
     return ly->qkv.k == hid && ly->qkv.n == an + 2 * md->kv_heads * md->head_dim && ly->o.k == an &&
            ly->o.n == hid && ly->gate_up.k == hid && ly->gate_up.n == 2 * md->inter && ly->down.k == md->inter &&
-           ly->down.n == hid && ly->k_cache && ly->v_cache && ly->in_norm && ly->post_norm;
+           ly->down.n == hid && ly->k_cache && ly->v_cache && ly->in_norm && ly->post_norm && ly->window >= 0;
 }
 
 /* x: [n, hidden] this step's token embeddings in, the final hidden states (before the last norm) out.
