@@ -1,29 +1,18 @@
-"""Tiny random mixture-of-experts models (Mixtral, Qwen3-MoE) saved with transformers, with a tokenizer."""
+"""Tiny random mixture-of-experts models (Mixtral, Qwen3-MoE) saved with transformers as sharded safetensors
+folders (per-expert checkpoint names) with a word-level tokenizer."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from family_testlib import save_tokenizer
 
 MOE_VARIANTS = ("mixtral", "mixtral_window", "qwen3_moe", "qwen3_moe_sparse_step")
 
 
-def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
-    """A word-level tokenizer of ``vocab_size`` ids (0 unk, 1 bos, 2 eos, then ``w3`` ...) saved into
-    ``folder``, so the model folder loads like a real one (``LLM``, the server)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(folder)
-
-
 def make_tiny_moe(folder: Path, variant: str) -> Path:
-    """Save a tiny random MoE model (seeded, safetensors, per-expert checkpoint names) and its tokenizer."""
+    """Save a tiny random MoE model (seeded, safetensors in small shards) and a tokenizer."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(4321)
@@ -52,6 +41,6 @@ def make_tiny_moe(folder: Path, variant: str) -> Path:
             if name.endswith(("mlp.gate.weight", "q_norm.weight", "k_norm.weight")):
                 p.normal_(1.0 if "norm" in name else 0.0, 0.5)
     model.eval()
-    model.save_pretrained(folder)
-    save_word_tokenizer(folder, cfg.vocab_size)
+    model.save_pretrained(folder, max_shard_size="100KB")
+    save_tokenizer(folder)
     return folder
