@@ -13,6 +13,9 @@ same batch of random prompts (mixed lengths), greedy, ``--max-new`` tokens each 
 Prints generated tokens per second of each and the ratio, and how many requests' greedy tokens agree
 (HF's padded batch is not bit-identical to unpadded runs, so a few may part ways after a near-tie).
 
+``--bf16-values`` rounds the random weights to bfloat16 values first, like a bf16 checkpoint served in fp32:
+cbserve then stores the experts as bfloat16 panels (the same float32 values, half the bytes to read).
+
     python benchmarks/bench_moe.py                        # a few minutes on 2 cores
     python benchmarks/bench_moe.py --layers 2 --num-prompts 4 --max-new 8     # smoke test
 """
@@ -47,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--hf-experts", nargs="+", default=["grouped_mm", "eager"],
                    help="HF experts implementations to time (set_experts_implementation)")
+    p.add_argument("--bf16-values", action="store_true",
+                   help="round the random weights to bfloat16 values, as a bf16 checkpoint served in fp32 (cbserve "
+                        "then keeps them as bf16 panels: the same float32 arithmetic, half the bytes read)")
     p.add_argument("--cpu-ops", default="auto", choices=["auto", "native", "onednn", "torch"])
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
@@ -72,6 +78,8 @@ def build_model(args: argparse.Namespace, folder: Path) -> Any:
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
+            if args.bf16_values:
+                p.copy_(p.bfloat16().float())
     model.save_pretrained(folder)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, args.vocab)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -139,7 +147,8 @@ def main() -> int:
         print(f"Qwen3-MoE random model: {total / 1e6:.0f}M parameters ({active / 1e6:.0f}M active per token), "
               f"{args.layers} layers, {args.experts} experts top-{args.top_k}, hidden {args.hidden}; "
               f"{args.num_prompts} prompts of {args.min_prompt}-{args.max_prompt} tokens, {args.max_new} new "
-              f"tokens each, greedy, fp32, {torch.get_num_threads()} torch threads")
+              f"tokens each, greedy, fp32{' (bf16 values)' if args.bf16_values else ''}, "
+              f"{torch.get_num_threads()} torch threads")
         hf = {impl: run_hf(model, prompts, args.max_new, impl) for impl in args.hf_experts}
         del model
         ours = run_cbserve(folder, prompts, args.max_new, args.cpu_ops)

@@ -113,21 +113,30 @@ class SparseMoeBlock(nn.Module):
         return all_reduce(fused_experts(x, weights, ids, self.experts))
 
     def load_stacked(self, kind: str, tensor: torch.Tensor) -> None:
-        """Load the experts from HF's stacked 3-D form: ``gate_up_proj`` [E, 2 * inter, hidden] ([gate; up]
-        per expert) or ``down_proj`` [E, hidden, inter]."""
-        e, inter = self.moe.num_experts, self.moe.intermediate_size
-        if tensor.dim() != 3 or tensor.shape[0] != e:
-            raise ValueError(f"stacked expert weight {kind} has shape {tuple(tensor.shape)}; want {e} experts")
-        for i, expert in enumerate(self.experts):
-            if kind == "gate_up_proj":
-                w = expert.gate_up_proj.weight
-                w.weight_loader(w, tensor[i, :inter], 0)
-                w.weight_loader(w, tensor[i, inter:], 1)
-            elif kind == "down_proj":
-                w = expert.down_proj.weight
-                w.weight_loader(w, tensor[i])
+        """Load the experts from HF's stacked 3-D form (see ``split_stacked``)."""
+        for i, shard, piece in split_stacked(kind, tensor, self.moe.num_experts, self.moe.intermediate_size):
+            proj = getattr(self.experts[i], kind)
+            if shard is None:
+                proj.weight.weight_loader(proj.weight, piece)
             else:
-                raise ValueError(f"unknown stacked expert weight {kind!r}")
+                proj.weight.weight_loader(proj.weight, piece, shard)
+
+
+def split_stacked(
+    kind: str, tensor: torch.Tensor, num_experts: int, inter: int
+) -> list[tuple[int, int | None, torch.Tensor]]:
+    """(expert, shard of its fused weight, tensor) of one stacked 3-D expert weight, as transformers 5 holds
+    them in memory: ``gate_up_proj`` [E, 2 * inter, hidden] ([gate; up] per expert) or ``down_proj``
+    [E, hidden, inter]."""
+    if kind not in ("gate_up_proj", "down_proj"):
+        raise ValueError(f"unknown stacked expert weight {kind!r}")
+    rows = 2 * inter if kind == "gate_up_proj" else None
+    if tensor.dim() != 3 or tensor.shape[0] != num_experts or (rows is not None and tensor.shape[1] != rows):
+        raise ValueError(f"stacked expert weight {kind} has shape {tuple(tensor.shape)}; want {num_experts} "
+                         f"experts{'' if rows is None else f' of {rows} rows'}")
+    if kind == "down_proj":
+        return [(i, None, tensor[i]) for i in range(num_experts)]
+    return [(i, s, tensor[i, s * inter : (s + 1) * inter]) for i in range(num_experts) for s in (0, 1)]
 
 
 def fused_experts(

@@ -82,6 +82,30 @@ def test_sparse_and_dense_layers_follow_the_config(tmp_path: Path) -> None:
     assert runner.model.model.layers[0].mlp.moe.renormalize is False  # norm_topk_prob=false
 
 
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
+def test_stacked_expert_checkpoint_loads_like_per_expert(tmp_path: Path, variant: str) -> None:
+    """transformers 5 holds the experts stacked ([E, 2 * inter, hidden] gate_up, [E, hidden, inter] down); a
+    checkpoint saved from its state_dict loads to the same parameters as the per-expert one."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_moe(tmp_path / "per_expert", variant)
+    state = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert any(k.endswith("experts.gate_up_proj") and v.dim() == 3 for k, v in state.items())
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    for f in folder.iterdir():
+        if not f.name.startswith("model"):
+            shutil.copy(f, stacked / f.name)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(stacked / "model.safetensors"))
+    a, b = (ModelRunner(ModelConfig(model=str(f), cpu_ops="torch"), 4, progress=False).model for f in (folder, stacked))
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
 def test_llm_with_the_saved_tokenizer(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -9,29 +9,22 @@ from typing import Any
 from torch import nn
 
 from ..cpu.kernels import CpuKernels
-from ..moe import MoEConfig, SparseMoeBlock, map_expert_name
+from ..moe import MoEConfig, SparseMoeBlock
 from .causal_lm import CausalLM
 from .decoder import DecoderSpec, layer_windows
+from .moe_lm import MoEWeights
 
 MODEL_TYPES = ("mixtral",)
 ARCHITECTURES = ("MixtralForCausalLM",)
 
 
-class MixtralForCausalLM(CausalLM):
+class MixtralForCausalLM(MoEWeights, CausalLM):
     @classmethod
     def decoder_spec(cls, cfg: Any) -> DecoderSpec:
         return DecoderSpec(windows=layer_windows(cfg))
 
     def build_mlp(self, cfg: Any, layer: int, kernels: CpuKernels | None) -> nn.Module:
         return SparseMoeBlock(MoEConfig.mixtral(cfg), kernels)
-
-    def map_name(self, name: str) -> tuple[str, int | None]:
-        return map_expert_name(name) or super().map_name(name)
-
-    def driver_blocker(self) -> str | None:
-        if any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers):
-            return "mixture-of-experts blocks (the driver runs dense MLPs only)"
-        return super().driver_blocker()
 
 
 MODEL = MixtralForCausalLM

@@ -10,7 +10,8 @@ from typing import Any
 from torch import nn
 
 from ..cpu.kernels import CpuKernels
-from ..moe import MoEConfig, SparseMoeBlock, map_expert_name
+from ..moe import MoEConfig, SparseMoeBlock
+from .moe_lm import MoEWeights
 from .qwen3 import Qwen3ForCausalLM
 
 MODEL_TYPES = ("qwen3_moe",)
@@ -24,19 +25,11 @@ def is_sparse_layer(cfg: Any, layer: int) -> bool:
     return layer not in only_dense and int(cfg.num_experts) > 0 and (layer + 1) % step == 0
 
 
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+class Qwen3MoeForCausalLM(MoEWeights, Qwen3ForCausalLM):
     def build_mlp(self, cfg: Any, layer: int, kernels: CpuKernels | None) -> nn.Module:
         if is_sparse_layer(cfg, layer):
             return SparseMoeBlock(MoEConfig.qwen3_moe(cfg), kernels)
         return super().build_mlp(cfg, layer, kernels)
-
-    def map_name(self, name: str) -> tuple[str, int | None]:
-        return map_expert_name(name) or super().map_name(name)
-
-    def driver_blocker(self) -> str | None:
-        if any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers):
-            return "mixture-of-experts blocks (the driver runs dense MLPs only)"
-        return super().driver_blocker()
 
 
 MODEL = Qwen3MoeForCausalLM
