@@ -106,6 +106,23 @@ def test_stacked_expert_checkpoint_loads_like_per_expert(tmp_path: Path, variant
     assert all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
+def test_no_cuda_graphs_for_moe_one_log_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    from cbserve.worker import model_runner as model_runner_module
+    from test_cuda_graphs_runner import GraphSafeTorchBackend, stand_in_capture
+
+    monkeypatch.setattr(model_runner_module, "get_attention_backend", lambda *a, **k: GraphSafeTorchBackend)
+    folder = make_tiny_moe(tmp_path / "m", "qwen3_moe")
+    runner = ModelRunner(ModelConfig(model=str(folder), cpu_ops="torch"), 4, max_num_seqs=4, progress=False)
+    log: list[int] = []
+    with caplog.at_level(logging.INFO, logger="cbserve.worker.cuda_graphs"):
+        runner.init_kv_cache(32, capture=stand_in_capture(log))
+    assert runner.graphs is None and log == []
+    assert [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()] == [
+        "decode steps run eagerly (no CUDA graphs: mixture-of-experts blocks run only the routed experts, "
+        "chosen on the host each step)"]
+
+
 def test_llm_with_the_saved_tokenizer(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -33,6 +33,13 @@ class MoEWeights:
         for i, shard, piece in split_stacked(kind, tensor, block.moe.num_experts, block.moe.intermediate_size):
             yield f"{prefix}.experts.{i}.{kind}.weight", shard, piece
 
+    @property
+    def cuda_graphs_blocker(self) -> str | None:
+        """Why decode steps cannot be captured as CUDA graphs (see cuda_graphs.py), None when they can."""
+        if any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers):
+            return "mixture-of-experts blocks run only the routed experts, chosen on the host each step"
+        return None
+
     def driver_blocker(self) -> str | None:
         if any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers):
             return "mixture-of-experts blocks (the driver runs dense MLPs only)"
