@@ -157,7 +157,7 @@ def fused_experts(
         ys[end - c : end] = experts[e](xs[end - c : end])
     # back to (token, slot) order, then each token's k rows weighted and summed in one batched product
     # (index_add_ would do it in place, but CPU scatter-add runs orders of magnitude slower)
-    ys = ys.index_select(0, torch.argsort(order)).view(n, k, -1)
+    ys = ys.index_select(0, torch.argsort(order)).view(n, k, x.shape[1])
     return torch.bmm(weights.unsqueeze(1).to(ys.dtype), ys).squeeze(1)
 
 

@@ -63,7 +63,7 @@ def test_block_matches_hf(family: str, norm: bool, native: bool) -> None:
         assert pack_linear_weights(ours, kernels) == 2 * EXPERTS
         assert isinstance(ours.experts[0].gate_up_proj.packed, NativeWeight)
     gen = torch.Generator().manual_seed(3)
-    for n in (1, 5, 64):
+    for n in (0, 1, 5, 64):
         x = torch.randn(1, n, HIDDEN, generator=gen)
         with torch.inference_mode():
             want = hf(x)[0]
