@@ -2,6 +2,16 @@
 hashes, fork by reference counting and copy-on-write of a shared, partly filled block.
 
 The manager knows sequences only by id; callers pass the token ids and counts it needs.
+
+Sliding-window models (Mistral, Gemma 2/3, Qwen with ``use_sliding_window``, Phi-3): a sequence keeps every
+block of its context, including those that fell out of every layer's window. They are not freed, because:
+one block table serves all layers, and the families that interleave global layers with windowed ones (Gemma
+2/3, Qwen) read every block again in the global layers, so only an all-windowed model (Mistral, Phi-3) could
+drop any; a freed block in the middle of a table would break the prefix cache, whose chained hashes make a
+block reusable only together with all blocks before it; and a preempted sequence is recomputed from its whole
+prompt anyway. The scheduler, which sees no model, would also need each layer's window. The cost is memory:
+such a sequence holds its whole context's blocks, as a global-attention model's does. The C and Triton attention
+kernels read only the blocks inside each layer's window (see ``cbserve.worker.attention``).
 """
 
 from __future__ import annotations

@@ -30,14 +30,15 @@ class RMSNorm(nn.Module):
     written into ``residual`` in place.
 
     ``gemma``: Gemma's form, ``(1 + w) * x_normed`` with the product taken in float32 before the cast. The
-    checkpoint's w is stored as 1 + w when it is loaded (the same float32 sum HF computes at every call), so
-    both forms share the arithmetic (and the C kernel) in float32."""
+    checkpoint's w is stored as 1 + w (float32) when it is loaded (the same float32 sum HF computes at every
+    call), so both forms share the arithmetic (and the C kernel) in float32."""
 
     def __init__(self, hidden_size: int, eps: float, kernels: CpuKernels | None = None, gemma: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.gemma = gemma
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        # Gemma's 1 + w stays float32 in every dtype: HF adds the 1 in float32 at each call
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32 if gemma else None))
         self.weight.weight_loader = _gemma_norm_loader if gemma else _default_loader
         self.kernels = kernels
 
@@ -52,8 +53,12 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
     def norm_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """The norm over the last dimension of x [num_tokens, heads, head_dim] (q/k norms), no residual."""
-        return self._norm(x)
+        """The norm over the last dimension of x [num_tokens, heads, head_dim] (q/k norms), no residual; a
+        new contiguous tensor (one C pass over the rows with ``kernels``)."""
+        if self.kernels is not None and x.dtype == torch.float32:
+            n, heads, dim = x.shape
+            return self.kernels.add_rms_norm(x.reshape(n * heads, dim), None, self.weight, self.eps)[0].view(x.shape)
+        return self._norm(x).contiguous()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -1,6 +1,7 @@
 """The one-call C layer driver (worker/cpu/layers.py, cpu/csrc/layers.c) against the per-module path it replaces:
 the same hidden states and the same KV cache, bit for bit, on prefill, mixed and decode steps, with q/k/v,
-o_proj and MLP biases. Greedy equality with HF on the driver is covered by test_model_equivalence.py and
+o_proj and MLP biases, sliding windows (Mistral, Qwen3) and per-head q/k norms (Qwen3). Greedy equality
+with HF on the driver is covered by test_model_equivalence.py, test_model_families.py and
 test_gguf_smollm2.py (the driver is on by default on CPU)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.layers import NativeLayers
 from cbserve.worker.input_batch import RequestState, build_batch
 from cbserve.worker.model_runner import ModelRunner
+from family_testlib import make_family_model
 from worker_testlib import make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
@@ -37,11 +39,13 @@ def _llama_all_biases(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module", params=["qwen2_bias", "llama_all_biases"])
+@pytest.fixture(scope="module", params=["qwen2_bias", "llama_all_biases", "mistral", "qwen3"])
 def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ModelRunner:
     folder = tmp_path_factory.mktemp(request.param)
     if request.param == "llama_all_biases":
         folder = _llama_all_biases(folder)
+    elif request.param in ("mistral", "qwen3"):  # a sliding window of 8; Qwen3's per-head q/k norms
+        folder = make_family_model(folder, request.param)
     else:
         folder = make_tiny_model(folder, request.param)
     r = ModelRunner(ModelConfig(model=str(folder)), BS, progress=False)

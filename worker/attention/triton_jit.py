@@ -20,7 +20,6 @@ import triton.language as tl
 # Finite "minus infinity" for running maxima: keeps exp2(m_old - m_new) free of NaN. Globals read inside
 # @triton.jit must be tl.constexpr (the compiler rejects plain Python globals; the interpreter does not).
 _NEG_BIG = tl.constexpr(-1.0e30)
-_LOG2E_C = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -62,8 +61,9 @@ def _attend_tile(
     kv_off = page * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_off + kv_head_off
     k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
     s = tl.dot(q, k) * qk_scale
-    if SOFTCAP:  # tanh(x) = 1 - 2 / (exp(2x) + 1), x = s / softcap (both scaled by log2(e): exp(2x) = exp2(2x log2 e))
-        s = softcap * (1.0 - 2.0 / (tl.exp2(2.0 * _LOG2E_C * s / softcap) + 1.0))
+    if SOFTCAP:  # cap * tanh(s / cap) = cap - 2 cap / (exp(2 s / cap) + 1); s and cap both carry log2(e)
+        e = tl.exp2(s * (2.0 * 1.4426950408889634 / softcap))
+        s = softcap - (2.0 * softcap) / (e + 1.0)
     s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)

@@ -32,7 +32,7 @@ class LayerArgs(ctypes.Structure):
 
     _fields_ = [("in_norm", _P), ("post_norm", _P), ("qkv", LinearArgs), ("o", LinearArgs),
                 ("gate_up", LinearArgs), ("down", LinearArgs), ("k_cache", _P), ("v_cache", _P),
-                ("window", _I32)]
+                ("window", _I32), ("q_norm", _P), ("k_norm", _P)]
 
 
 class ModelArgs(ctypes.Structure):

@@ -51,7 +51,8 @@ def _ineligible(model: Any) -> str | None:
             return "linear weights not packed for the C kernels"
         if not isinstance(attn.attn, CpuAttentionBackend):
             return f"attention backend {attn.attn.name!r}"
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm,
+                 *(n for n in (attn.q_norm, attn.k_norm) if n is not None))
         if any(n.kernels is None or n.eps != layers[0].input_layernorm.eps for n in norms):
             return "norms not on the C kernels"
         if any(b is not None and b.dtype != torch.float32 for m in linears for b in [m.bias]):
@@ -89,6 +90,8 @@ class NativeLayers:
                 qkv=_linear_args(attn.qkv_proj, True), o=_linear_args(attn.o_proj, False),
                 gate_up=_linear_args(mlp.gate_up_proj, True), down=_linear_args(mlp.down_proj, False),
                 window=attn.attn.sliding_window or 0,
+                q_norm=0 if attn.q_norm is None else attn.q_norm.weight.data_ptr(),
+                k_norm=0 if attn.k_norm is None else attn.k_norm.weight.data_ptr(),
             )
         self._bound: tuple[int, ...] = ()  # addresses of the KV caches the structs point at (no reference held)
 

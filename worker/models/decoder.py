@@ -57,7 +57,7 @@ class DecoderSpec:
     def driver_blocker(self) -> str | None:
         """Why the one-call C layer driver (cpu/layers.py: Llama's layer math) cannot run these layers."""
         for reason, departs in (
-            ("per-head q/k norms", self.qk_norm), (f"{self.act} MLP", self.act != "silu"),
+            (f"{self.act} MLP", self.act != "silu"),
             ("pre/post feed-forward norms", self.sandwich_norms), ("attention logit soft-capping",
                                                                     self.attn_softcap is not None),
             ("a second rotary embedding for local layers", any(self.local_rope)),
@@ -105,8 +105,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.q_norm = self.k_norm = None
         if spec.qk_norm:  # per head: the same weight for every head, no tensor-parallel split
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, gemma=spec.gemma_norms)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, gemma=spec.gemma_norms)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels, spec.gemma_norms)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels, spec.gemma_norms)
         scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim**-0.5
         self.attn = backend_cls(self.num_heads, self.num_kv_heads, self.head_dim, scale, spec.window(layer),
                                 spec.attn_softcap)

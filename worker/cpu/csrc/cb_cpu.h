@@ -34,6 +34,7 @@ typedef struct {
     cb_lin_t qkv, o, gate_up, down;
     float *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] */
     int window;               /* > 0: the layer's sliding window (the last `window` keys); 0: none */
+    const float *q_norm, *k_norm; /* [head_dim]: RMSNorm of each q and k head before the rotary (Qwen3); or NULL */
 } cb_layer_t;
 
 /* The shapes every layer shares, and the rotary tables. */

@@ -8,7 +8,8 @@
  * decode step with 12-64 requests on the 2-core benchmark machine. Per layer:
  *
  *   residual += x; h = rmsnorm(residual)                 (residual starts at 0: layer 0 gets x + 0 = x)
- *   qkv = h W_qkv^T (+ b_qkv);  rotary on q and k;  k, v -> cache slots
+ *   qkv = h W_qkv^T (+ b_qkv);  (per-head RMSNorm of q and k, where the layer has them: Qwen3)
+ *   rotary on q and k;  k, v -> cache slots
  *   a = paged decode attention(q), over the layer's sliding window if it has one
  *   x = a W_o^T (+ b_o, added after the product, as the module does)
  *   residual += x; h = rmsnorm(residual);  x = silu(h W_gate^T) * (h W_up^T);  x = x W_down^T (+ b_down)
@@ -42,12 +43,23 @@ static int write_kv(const cb_model_t *md, const cb_layer_t *ly, const float *qkv
     return CB_OK;
 }
 
+/* In place: each of the n rows' `heads` vectors of head_dim floats (starting at x, rows ldx apart) RMS-normed
+ * with weight w: the per-head q/k norms (the same kernel, row by row, that the module path runs). */
+static int norm_heads(float *x, int64_t ldx, int n, int heads, int head_dim, const float *w, float eps) {
+    int rc = CB_OK;
+    for (int t = 0; t < n && !rc; ++t)
+        rc = cb_add_rms_norm_f32(x + t * ldx, head_dim, NULL, 0, w, eps, x + t * ldx, head_dim, heads, head_dim);
+    return rc;
+}
+
 static int layer(const cb_model_t *md, const cb_layer_t *ly, int n, float *x, float *residual, float *h, float *qkv,
                  float *att, float *gu, float *act, const int64_t *pos, const int64_t *slots, const int32_t *bt,
                  int64_t bt_stride, const int32_t *seq_lens, int max_seq_len) {
     const int hid = md->hidden, hd = md->head_dim, qn = ly->qkv.n, an = md->heads * hd;
     int rc = cb_add_rms_norm_f32(x, hid, residual, hid, ly->in_norm, md->eps, h, hid, n, hid);
     if (!rc) rc = linear(&ly->qkv, h, n, qkv);
+    if (!rc && ly->q_norm) rc = norm_heads(qkv, qn, n, md->heads, hd, ly->q_norm, md->eps);
+    if (!rc && ly->k_norm) rc = norm_heads(qkv + an, qn, n, md->kv_heads, hd, ly->k_norm, md->eps);
     if (!rc) rc = cb_rotary_f32(qkv, qn, n, md->heads + md->kv_heads, hd, pos, md->cos, md->sin, md->max_pos);
     if (!rc) rc = write_kv(md, ly, qkv, qn, n, slots);
     if (!rc)

@@ -1,0 +1,31 @@
+"""TP=2 on CPU (two spawned processes, gloo) gives TP=1's greedy tokens for the layers the newer families add:
+per-head q/k norms (Qwen3, Gemma 3), Gemma's norms, GeGLU and soft-capping (Gemma 2), a second rotary table
+for local layers (Gemma 3) and checkpoint-fused q/k/v and gate/up weights cut per rank (Phi-3); every one of
+them with sliding-window layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from cbserve.worker.config import ModelConfig
+from cbserve.worker.executor import LocalExecutor
+from family_testlib import make_family_model
+from test_tensor_parallel import BLOCK, NUM_BLOCKS, _free_port, _requests, _worker
+from worker_testlib import run_engine
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "phi3_short"])
+def test_tp2_matches_tp1(tmp_path: Path, family: str) -> None:
+    folder = make_family_model(tmp_path / "model", family)
+    executor = LocalExecutor(ModelConfig(model=str(folder)), BLOCK, num_blocks=NUM_BLOCKS, progress=False)
+    tp1 = run_engine(executor, _requests(), block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
+                     max_num_seqs=4)
+    result_file = str(tmp_path / "tp2.pt")
+    mp.spawn(_worker, args=(str(folder), _free_port(), result_file), nprocs=2, join=True)
+    tp2 = torch.load(result_file)
+    assert tp2 == {k: v[0] for k, v in tp1.tokens.items()}
+    assert all(len(v[0]) == 12 for v in tp1.tokens.values())
