@@ -30,9 +30,10 @@ def make_tiny_moe(folder: Path, variant: str) -> Path:
                              num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1], head_dim=32,
                              **common)
         model = Qwen3MoeForCausalLM(cfg)
-    elif variant == "qwen3_moe_sparse_step":  # every second layer sparse, normalised top-k
+    elif variant == "qwen3_moe_sparse_step":  # every second layer sparse, normalised top-k, a sliding window
         cfg = Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=48, num_hidden_layers=4, num_experts=8,
-                             num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2, **common)
+                             num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=2,
+                             use_sliding_window=True, sliding_window=12, **common)
         model = Qwen3MoeForCausalLM(cfg)
     else:
         raise ValueError(variant)

@@ -76,10 +76,12 @@ def test_sparse_and_dense_layers_follow_the_config(tmp_path: Path) -> None:
     runner = ModelRunner(ModelConfig(model=str(folder), cpu_ops="torch"), 4, progress=False)
     kinds = [isinstance(layer.mlp, SparseMoeBlock) for layer in runner.model.model.layers]
     assert kinds == [False, True, False, True]
+    assert [runner.model.spec.window(i) for i in range(4)] == [12] * 4  # use_sliding_window: every layer
     folder = make_tiny_moe(tmp_path / "q", "qwen3_moe")  # mlp_only_layers=[1]
     runner = ModelRunner(ModelConfig(model=str(folder), cpu_ops="torch"), 4, progress=False)
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in runner.model.model.layers] == [True, False, True]
     assert runner.model.model.layers[0].mlp.moe.renormalize is False  # norm_topk_prob=false
+    assert runner.model.spec.window(0) is None  # use_sliding_window false: sliding_window is ignored
 
 
 @pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
