@@ -1,5 +1,5 @@
-"""The sparse mixture-of-experts feed-forward block of top-k softmax routers (Mixtral, Qwen3-MoE, Qwen2-MoE
-style without the shared expert), tensor-parallel aware.
+"""The sparse mixture-of-experts feed-forward block of top-k softmax routers (Mixtral, Qwen3-MoE; no shared
+expert), tensor-parallel aware. The families using it: ``models/mixtral.py``, ``models/qwen3_moe.py``.
 
 Routing is HF's: ``softmax(x @ router^T)`` in float32, the top ``k`` probabilities, divided by their sum when
 the model renormalises (Mixtral always; Qwen3-MoE when ``norm_topk_prob``). Each expert is a SiLU-gated MLP
@@ -9,8 +9,7 @@ oneDNN, compact bfloat16) apply to the experts as to any linear weight.
 The fused expert path touches only the experts the batch routes to: the (token, expert) pairs are sorted by
 expert, the routed tokens gathered once, and every routed expert runs one matmul pair over its contiguous run
 of rows; the rows are put back in token order and each token's k rows weighted and summed in one batched
-product. Experts no token chose
-are never read, which is what makes a decode step of a sparse model cheap.
+product. Experts no token chose are never read, which is what makes a decode step of a sparse model cheap.
 
 Tensor parallelism splits every expert's intermediate dimension across ranks (gate/up column-parallel, down
 row-parallel); the router is replicated, so every rank routes identically, and the partial sums of all experts
@@ -169,7 +168,7 @@ def map_expert_name(name: str) -> tuple[str, int | None] | None:
     """A checkpoint name of a sparse block -> (this model's parameter, shard of a fused weight), or None when
     the name is no expert/router weight. Mixtral's ``block_sparse_moe.{gate, experts.N.w1/w2/w3}`` and
     Qwen-MoE's ``mlp.{gate, experts.N.gate_proj/up_proj/down_proj}`` both land on
-    ``mlp.{gate, experts.N.gate_up_proj/down_proj}``. Stacked 3-D names are left to ``SparseMoeBlock``."""
+    ``mlp.{gate, experts.N.gate_up_proj/down_proj}``. Stacked 3-D names are cut by ``split_stacked``."""
     name = name.replace(".block_sparse_moe.", ".mlp.")
     parts = name.split(".")
     if "mlp" not in parts:
