@@ -23,6 +23,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW,
                                                        max_window_layers=1, num_hidden_layers=3,
                                                        tie_word_embeddings=False)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_hidden_layers=2, hidden_act="gelu_pytorch_tanh")),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         sliding_window=WINDOW, num_hidden_layers=3, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
         final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh")),

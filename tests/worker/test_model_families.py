@@ -21,8 +21,8 @@ MAX_NEW = 16
 PATHS = {"native": dict(cpu_ops="native", attention_backend="cpu"),
          "torch": dict(cpu_ops="torch", attention_backend="torch")}
 # families whose layers the one-call C driver runs (Llama's layer math), and why the others do not
-DRIVER = {"mistral": None, "phi3_short": None, "phi3_long": None, "qwen3": None, "gemma2": "gelu_tanh MLP",
-          "gemma3": "gelu_tanh MLP"}
+DRIVER = {"mistral": None, "phi3_short": None, "phi3_long": None, "qwen3": None, "gemma": "gelu_tanh MLP",
+          "gemma2": "gelu_tanh MLP", "gemma3": "gelu_tanh MLP"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

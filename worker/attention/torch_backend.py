@@ -5,6 +5,10 @@ padded [num_decodes, max_len, kv_heads, head_dim] tensor and a single masked SDP
 (grouped by context length so little padding is gathered). Prefill chunks are attended one request at a
 time, straight from this step's keys when the chunk starts the sequence, else from the cache.
 
+A layer with a sliding window masks the keys before its window (per step and window, the masks are made once
+and shared by the layers with that window); one with logit soft-capping runs the eager form HF Gemma 2 runs
+(``softcapped_attention``) instead of SDPA.
+
 Blocks are gathered with ``index_select`` into one scratch buffer reused by every layer and every step:
 a fresh gather result per layer cost more in allocation and page faults than the copy itself (B=64 decode
 requests with 300-token contexts: 10.6 ms per layer with ``cache[block_table]``, 7.0 ms with the buffer).
