@@ -221,7 +221,7 @@ def check_servable(config: CBServeConfig, info: ModelInfo, device: str | None = 
     if info.model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"model_type {info.model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
     tp = config.tensor_parallel_size
-    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"):
         if (n := getattr(info, what)) is not None and n % tp:
             raise ConfigError(f"{what} ({n}) is not divisible by the tensor-parallel size ({tp})")
     model_max = info.max_position_embeddings

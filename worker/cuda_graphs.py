@@ -190,6 +190,10 @@ def maybe_capture_decode_graphs(runner: GraphedRunner, capture: CaptureFn | None
         return None
     if not runner.kv_caches:
         raise RuntimeError("init_kv_cache() must run before capturing CUDA graphs")
+    blocker = getattr(runner.model, "cuda_graphs_blocker", None)
+    if blocker:  # the model's forward cannot be captured (a host sync or data-dependent shapes)
+        logger.info("decode steps run eagerly (no CUDA graphs: %s)", blocker)
+        return None
     graphs = DecodeCUDAGraphs(
         runner.model, runner.kv_caches,
         max_batch=min(runner.max_num_seqs, runner.max_num_batched_tokens),

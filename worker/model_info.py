@@ -150,6 +150,7 @@ class ModelInfo:
     num_hidden_layers: int
     max_position_embeddings: int | None  # None: the config does not say
     intermediate_size: int | None = None  # the MLP width
+    moe_intermediate_size: int | None = None  # one expert's width, where it differs (Qwen-MoE)
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelInfo:
@@ -162,6 +163,7 @@ class ModelInfo:
         try:
             ns = SimpleNamespace(**{"head_dim": None, "num_key_value_heads": None, **cfg})
             max_pos, mlp = cfg.get("max_position_embeddings"), cfg.get("intermediate_size")
+            expert = cfg.get("moe_intermediate_size")
             return cls(
                 model_type=str(cfg["model_type"]),
                 num_attention_heads=int(ns.num_attention_heads),
@@ -170,6 +172,7 @@ class ModelInfo:
                 num_hidden_layers=int(ns.num_hidden_layers),
                 max_position_embeddings=None if max_pos is None else int(max_pos),
                 intermediate_size=None if mlp is None else int(mlp),
+                moe_intermediate_size=None if expert is None else int(expert),
             )
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ValueError(f"the model config has a malformed value ({e})") from e

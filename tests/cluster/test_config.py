@@ -127,6 +127,8 @@ def test_cbserve_serve_refuses_a_config_that_can_never_serve(
          "num_key_value_heads (2) is not divisible by the tensor-parallel size (4)"),
         ({"num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 1530}, None,
          "intermediate_size (1530) is not divisible by the tensor-parallel size (4)"),
+        ({"num_attention_heads": 8, "num_key_value_heads": 4, "model_type": "qwen3_moe", "moe_intermediate_size": 90},
+         None, "moe_intermediate_size (90) is not divisible by the tensor-parallel size (4)"),
         ({"model_type": "gpt2"}, None, "model_type 'gpt2' is not supported"),
         ({"num_hidden_layers": None}, None, "the model config lacks num_hidden_layers"),
         ({}, "{not json", "is not a readable JSON file"),
