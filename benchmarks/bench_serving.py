@@ -184,6 +184,7 @@ def run_vllm(workloads: list[Workload], state: dict[str, Any], args: argparse.Na
            *shlex.split(args.vllm_args)]
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "RAY_ADDRESS")}
     env["PATH"] = f"{exe.parent}:{env.get('PATH', '')}"
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     return _run_peer("vllm", cmd, env, port, workloads, state, args)
 
 
@@ -279,7 +280,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offline-kwargs", default="{}", help="JSON of cbserve.LLM keyword arguments")
     p.add_argument("--vllm-venv", default="/work/peers/vllm-venv")
     p.add_argument("--vllm-model", default="/work/peers/smollm2-hf")
-    p.add_argument("--vllm-args", default="", help="extra `vllm serve` flags, one string")
+    p.add_argument("--vllm-args", default="--gpu-memory-utilization 0.15",
+                   help="extra `vllm serve` flags, one string (on CPU --gpu-memory-utilization is the share of "
+                        "RAM vLLM reserves, 0.92 by default: more than a shared 24 GiB machine has free)")
     p.add_argument("--llama-server", default="/work/peers/llama/llama-server")
     p.add_argument("--llama-parallel", type=int, default=64)
     p.add_argument("--llama-args", default="", help="extra llama-server flags, one string")

