@@ -22,7 +22,10 @@ The peers live outside the repo; ``bash benchmarks/peers/setup_peers.sh`` instal
     .venv/bin/python benchmarks/bench_serving.py --cpu-breakdown   # full run, ~15 min on 2 cores
     .venv/bin/python benchmarks/bench_serving.py --servers cbserve offline --cbserve-args \\
         "--use-compiled-graph false --worker-torch-threads 2"   # cbserve only, other flags
+    .venv/bin/python benchmarks/bench_serving.py --servers cbserve llama --workloads single   # vs llama.cpp
     .venv/bin/python benchmarks/bench_serving.py --quick --servers cbserve offline   # smoke test, ~1 min
+
+Results go to benchmarks/results/serving.json (and serving.png); server logs to benchmarks/results/logs/.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from serving_report import format_report, goal_ratios, plot_serving  # noqa: E40
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS = ("cbserve", "vllm", "offline", "llama")
+WORKLOADS = ("burst", "poisson", "single")
 
 
 @dataclass(frozen=True)
@@ -68,12 +72,13 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
     single = 32 if args.quick else 128
     single_out = 16 if args.quick else 128
     burst = sample_random(n, io[0], io[1], seed=args.seed)
-    return [
+    all_workloads = [
         Workload("burst", burst),
         Workload("poisson", burst, poisson=True),
         Workload("single", sample_random(n1, (single, single), (single_out, single_out), seed=args.seed + 1),
                  max_concurrency=1),
     ]
+    return [w for w in all_workloads if w.name in args.workloads]
 
 
 def run_workloads(name: str, base_url: str, workloads: list[Workload], state: dict[str, Any],
@@ -221,7 +226,7 @@ def _run_peer(name: str, cmd: list[str], env: dict[str, str], port: int, workloa
 
 def run_offline(workloads: list[Workload], args: argparse.Namespace) -> dict[str, Any]:
     """cbserve.LLM on the burst's requests, in a child process (its own threads and memory)."""
-    reqs = workloads[0].requests
+    reqs = build_workloads(argparse.Namespace(**{**vars(args), "workloads": ["burst"]}))[0].requests
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         req_file, out_file = Path(tmp) / "requests.json", Path(tmp) / "offline.json"
         req_file.write_text(json.dumps([asdict(r) for r in reqs]))
@@ -270,6 +275,8 @@ def _get_json(url: str) -> Any:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                   help="poisson without burst needs --poisson-rate; offline always runs the burst's requests")
     p.add_argument("--quick", action="store_true", help="8 short requests, 4 single ones (tests)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--single-requests", type=int, default=16)
