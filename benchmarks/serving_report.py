@@ -144,9 +144,9 @@ def plot_serving(doc: dict[str, Any], out: str | Path) -> None:
         ax = fig.add_subplot(grid[1, 2 * col:2 * col + 2])
         width = 0.8 / max(1, len(results))
         for i, (name, res) in enumerate(results.items()):
-            xs = [j + i * width for j in range(len(WORKLOADS))]
-            ys = [(res.get(w, {}).get("summary") or {}).get(key) or 0.0 for w in WORKLOADS]
-            bars = ax.bar(xs, ys, width, label=name)
+            pts = [(j + i * width, (res.get(w, {}).get("summary") or {}).get(key)) for j, w in enumerate(WORKLOADS)]
+            pts = [(x, y) for x, y in pts if y]  # offline has no TPOT; a workload may not have run
+            bars = ax.bar([x for x, _ in pts], [y for _, y in pts], width, label=name)
             ax.bar_label(bars, fmt="%.0f" if key == "output_throughput" else "%.1f", fontsize=7)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(WORKLOADS))], WORKLOADS)
         ax.set_ylabel(ylabel)
