@@ -32,14 +32,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
-    """Poll ``GET /health`` until it answers 200 (or raise TimeoutError / RuntimeError if the child died)."""
+def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                 health_path: str = "/health") -> None:
+    """Poll ``GET {health_path}`` until it answers 200 (or raise TimeoutError / RuntimeError if the child died)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the deployment process exited with code {proc.returncode}")
         try:
-            with urllib.request.urlopen(base_url + "/health", timeout=5) as r:
+            with urllib.request.urlopen(base_url + health_path, timeout=5) as r:
                 if r.status == 200:
                     return
         except OSError:
@@ -50,26 +51,49 @@ def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None 
 
 @contextlib.contextmanager
 def local_deployment(app_args: dict[str, Any], timeout_s: float = 600.0,
-                     log_path: str | os.PathLike[str] | None = None) -> Iterator[str]:
+                     log_path: str | os.PathLike[str] | None = None,
+                     extra_args: list[str] | None = None) -> Iterator[str]:
     """Deploy cbserve with ``app_args`` (CBServeConfig fields) in a child process; yield its base URL.
+    ``extra_args`` are more ``cbserve serve`` flags (e.g. ``["--use-compiled-graph", "false"]``).
     The child's output goes to ``log_path`` (appended) when given."""
+    with local_deployment_process(app_args, timeout_s, log_path, extra_args) as (base_url, _):
+        yield base_url
+
+
+@contextlib.contextmanager
+def local_deployment_process(app_args: dict[str, Any], timeout_s: float = 600.0,
+                             log_path: str | os.PathLike[str] | None = None,
+                             extra_args: list[str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """:func:`local_deployment` that also yields the ``cbserve serve`` child (its process tree is the
+    deployment's Ray instance: GCS, raylet, actors)."""
     port = int(app_args.get("port") or 0) or free_port()
     config = {k: v for k, v in app_args.items() if k not in ("host", "port")}
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    with tempfile.TemporaryDirectory(prefix="cbserve-deploy-") as tmp, contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory(prefix="cbserve-deploy-") as tmp:
         config_file = Path(tmp) / "config.yaml"
         config_file.write_text(json.dumps(config))  # JSON is YAML
+        cmd = serve_command(config_file, port, timeout_s) + list(extra_args or [])
+        base_url = f"http://{HOST}:{port}"
+        with server_process(cmd, base_url, timeout_s, log_path, env) as proc:
+            yield base_url, proc
+
+
+@contextlib.contextmanager
+def server_process(cmd: list[str], base_url: str, timeout_s: float = 600.0,
+                   log_path: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None,
+                   health_path: str = "/health") -> Iterator[subprocess.Popen]:
+    """Start any HTTP server ``cmd`` (cbserve, vLLM, llama.cpp...) listening at ``base_url``, wait for
+    ``GET {health_path}`` to answer 200, yield the process; on leaving stop it (Ctrl-C, then SIGTERM, then
+    SIGKILL) and kill whatever of its process tree is left."""
+    with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(log_path, "ab")) if log_path else subprocess.DEVNULL
-        proc = subprocess.Popen(
-            serve_command(config_file, port, timeout_s), stdin=subprocess.DEVNULL, stdout=log,
-            stderr=subprocess.STDOUT, env=env,
-        )
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
         try:
-            base_url = f"http://{HOST}:{port}"
-            wait_healthy(base_url, timeout_s, proc)
-            yield base_url
+            wait_healthy(base_url, timeout_s, proc, health_path)
+            yield proc
         finally:
-            _stop(proc)
+            stop_process(proc)
 
 
 def serve_command(config_file: str | os.PathLike[str], port: int, ready_timeout_s: float = 600.0) -> list[str]:
@@ -81,15 +105,17 @@ def serve_command(config_file: str | os.PathLike[str], port: int, ready_timeout_
     ]  # fmt: skip
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """Ctrl-C (the child shuts Serve and Ray down and exits), then SIGTERM, then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGINT)
-    for grace_s, escalate in ((120, proc.terminate), (30, proc.kill)):
-        try:
-            proc.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            escalate()
-    proc.wait()
+def stop_process(proc: subprocess.Popen) -> None:
+    """Ctrl-C (a server shuts down and exits), then SIGTERM, then SIGKILL; then SIGKILL to whatever is left
+    of its process group (the child is started in a session of its own, so that is its tree only)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        for grace_s, escalate in ((120, proc.terminate), (30, proc.kill)):
+            try:
+                proc.wait(timeout=grace_s)
+                break
+            except subprocess.TimeoutExpired:
+                escalate()
+        proc.wait()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)

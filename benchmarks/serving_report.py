@@ -1,0 +1,162 @@
+"""Report of benchmarks/bench_serving.py: the goal ratios of issue 17, the printed table and the PNG figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+WORKLOADS = ("burst", "poisson", "single")
+METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"))
+
+
+def _summary(results: dict[str, Any], server: str, workload: str) -> dict[str, Any] | None:
+    s = results.get(server, {}).get(workload, {}).get("summary")
+    return s if s and s.get("completed") else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def goal_ratios(results: dict[str, Any]) -> dict[str, Any]:
+    """The numbers issue 17's goals are stated in (None where a side is missing), with each goal."""
+    cb, vl = _summary(results, "cbserve", "burst"), _summary(results, "vllm", "burst")
+    off = _summary(results, "offline", "burst")
+    cb1, ll1 = _summary(results, "cbserve", "single"), _summary(results, "llama", "single")
+
+    def get(s: dict[str, Any] | None, key: str) -> float | None:
+        return s.get(key) if s else None
+
+    out: dict[str, Any] = {
+        "burst_output_tput_cbserve_over_vllm": {
+            "value": _ratio(get(cb, "output_throughput"), get(vl, "output_throughput")), "goal": ">= 1.25"},
+        "burst_median_ttft_cbserve_over_vllm": {
+            "value": _ratio(get(cb, "median_ttft_ms"), get(vl, "median_ttft_ms")), "goal": "< 1"},
+        "burst_median_tpot_cbserve_over_vllm": {
+            "value": _ratio(get(cb, "median_tpot_ms"), get(vl, "median_tpot_ms")), "goal": "< 1"},
+        "burst_served_over_offline": {
+            "value": _ratio(get(cb, "output_throughput"), get(off, "output_throughput")), "goal": ">= 0.85"},
+        "single_median_tpot_cbserve_over_llama": {
+            "value": _ratio(get(cb1, "median_tpot_ms"), get(ll1, "median_tpot_ms")), "goal": "<= 1"},
+    }
+    for k, v in out.items():
+        val, goal = v["value"], v["goal"]
+        if val is None:
+            v["met"] = None
+            continue
+        op, _, num = goal.partition(" ")
+        bound = float(num)
+        v["met"] = {">=": val >= bound, "<": val < bound, "<=": val <= bound}[op]
+        out[k] = v
+    out["cbserve_burst_dispatch"] = dispatch_overhead(results.get("cbserve", {}).get("burst", {}))
+    return out
+
+
+def dispatch_overhead(burst: dict[str, Any]) -> dict[str, Any] | None:
+    """Mean Ray dispatch overhead per step over the burst, from /stats before and after (replica 0)."""
+    before, after = burst.get("stats_before"), burst.get("stats_after")
+    try:
+        b, a = before["replicas"][0], after["replicas"][0]
+        calls = a["dispatch_calls"] - b["dispatch_calls"]
+        total_ms = a["dispatch_calls"] * a["dispatch_overhead_ms_mean"] - \
+            b["dispatch_calls"] * b["dispatch_overhead_ms_mean"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    duration_ms = burst["summary"]["duration_s"] * 1000.0
+    return {"steps": calls, "mean_overhead_ms": total_ms / calls if calls else None,
+            "mean_step_ms": duration_ms / calls if calls else None,
+            "overhead_share": total_ms / duration_ms if duration_ms else None,
+            "compiled_graph": a.get("compiled_graph")}
+
+
+def format_report(doc: dict[str, Any]) -> str:
+    results = doc["results"]
+    head = (f"{'server':<9}{'workload':<9}{'ok':>6}{'out tok/s':>10}" +
+            "".join(f"{n + ' med':>10}{n + ' p99':>10}" for _, n in METRICS) + "  (ms)")
+    lines = [f"Serving benchmark on {doc['config'].get('cpu')} ({doc['config'].get('cores')} cores), "
+             f"commit {doc['config'].get('commit')}, poisson rate {doc['config'].get('poisson_rate')}",
+             "NOTE: a shared machine gives noisy numbers.", head, "-" * len(head)]
+    for server, res in results.items():
+        if "skipped" in res:
+            lines.append(f"{server:<9}SKIPPED: {res['skipped']}")
+            continue
+        for wl in WORKLOADS:
+            s = res.get(wl, {}).get("summary")
+            if not s:
+                continue
+            row = f"{server:<9}{wl:<9}{str(s['completed']) + '/' + str(s['num_requests']):>6}"
+            row += f"{s['output_throughput']:>10.1f}"
+            for key, _ in METRICS:
+                med, p99 = s.get(f"median_{key}_ms"), s.get(f"p99_{key}_ms")
+                row += f"{med:>10.1f}{p99:>10.1f}" if med is not None else f"{'-':>10}{'-':>10}"
+            lines.append(row)
+    lines.append("")
+    lines.append("Goals (issue 17):")
+    for k, v in doc["ratios"].items():
+        if k == "cbserve_burst_dispatch":
+            continue
+        val = "n/a" if v["value"] is None else f"{v['value']:.3f}"
+        met = {None: "", True: "met", False: "NOT met"}[v["met"]]
+        lines.append(f"  {k:<42}{val:>8}  goal {v['goal']:<7} {met}")
+    d = doc["ratios"].get("cbserve_burst_dispatch")
+    if d and d.get("mean_overhead_ms") is not None:
+        lines.append(f"  cbserve burst: {d['steps']} steps, mean step {d['mean_step_ms']:.1f} ms, Ray dispatch "
+                     f"overhead {d['mean_overhead_ms']:.2f} ms/step ({100 * d['overhead_share']:.1f}% of the "
+                     f"burst), compiled graph {d['compiled_graph']}")
+    lines += _cpu_lines(results.get("cbserve", {}).get("burst", {}))
+    return "\n".join(lines)
+
+
+def _cpu_lines(burst: dict[str, Any]) -> list[str]:
+    from cbserve.bench.cpu_profile import format_cpu_table
+
+    lines: list[str] = []
+    if "cpu_breakdown" in burst:
+        lines += ["", "cbserve burst, " + format_cpu_table(burst["cpu_breakdown"])]
+    spy = burst.get("py_spy")
+    if spy:
+        if "error" in spy:
+            lines.append(f"py-spy: {spy['error']}")
+        else:
+            lines.append(f"py-spy record of the SchedulerActor (pid {spy['pid']}, {spy['file']}), hottest frames:")
+            lines += [f"  {share * 100:5.1f}%  {frame}" for frame, share in spy["top_frames"]]
+    return lines
+
+
+def plot_serving(doc: dict[str, Any], out: str | Path) -> None:
+    """Top row: CDFs of the burst's TTFT, TPOT, ITL and e2e latency per server; bottom row: output tok/s and
+    median TPOT per workload and server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from cbserve.bench.plots import draw_cdfs
+
+    results = {k: v for k, v in doc["results"].items() if "skipped" not in v}
+    fig = plt.figure(figsize=(16, 8.6))
+    grid = fig.add_gridspec(2, 4)
+    runs = [{**res["burst"], "label": name} for name, res in results.items()
+            if "requests" in res.get("burst", {})]
+    if runs:
+        draw_cdfs([fig.add_subplot(grid[0, i]) for i in range(4)], runs)
+    for col, (key, ylabel) in enumerate((("output_throughput", "output tok/s"),
+                                         ("median_tpot_ms", "median TPOT (ms)"))):
+        ax = fig.add_subplot(grid[1, 2 * col:2 * col + 2])
+        width = 0.8 / max(1, len(results))
+        for i, (name, res) in enumerate(results.items()):
+            pts = [(j + i * width, (res.get(w, {}).get("summary") or {}).get(key)) for j, w in enumerate(WORKLOADS)]
+            pts = [(x, y) for x, y in pts if y]  # offline has no TPOT; a workload may not have run
+            bars = ax.bar([x for x, _ in pts], [y for _, y in pts], width, label=name)
+            ax.bar_label(bars, fmt="%.0f" if key == "output_throughput" else "%.1f", fontsize=7)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(WORKLOADS))], WORKLOADS)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, axis="y")
+        if results:
+            ax.legend(fontsize=8)
+    cfg = doc["config"]
+    fig.suptitle(f"Serving benchmark, {cfg.get('cpu')} ({cfg.get('cores')} cores), commit {cfg.get('commit')}; "
+                 f"burst CDFs on top", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100, format="png")
+    plt.close(fig)
