@@ -26,6 +26,7 @@ from .outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from .policies import make_policy
 from .request import RequestStatus
 from .sequence import Sequence
+from .spec_decode import NgramProposer
 from .waiting_queue import make_waiting_queue
 
 _RUNNING = RequestStatus.RUNNING
@@ -51,6 +52,8 @@ class StepState:
     num_decode_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec: dict[str, list[int]] = field(default_factory=dict)  # draft tokens by seq id
+    num_draft_tokens: int = 0
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.scheduled.append((seq, num_tokens))
@@ -75,6 +78,8 @@ class Scheduler:
         self._preempted_beams: dict[str, Sequence] = {}
         self._finished_ids: set[str] = set()  # to tell the worker (sequences it holds state for)
         self._preempted_ids: set[str] = set()
+        spec = config.speculative
+        self.proposer = NgramProposer(spec) if spec is not None else None
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
@@ -183,6 +188,12 @@ class Scheduler:
                 num_new = budget
             elif num_new <= 0:  # nothing to compute until a token is appended
                 continue
+            if num_new == 1 and self.proposer is not None and seq.sent and self._propose(seq, st, budget):
+                num_new = len(st.spec[seq.seq_id]) + 1
+                st.num_decode_tokens += num_new
+                scheduled.append((seq, num_new))
+                budget -= num_new
+                continue
             table = tables.get(seq.seq_id)
             if table is None or pos + num_new > len(table) * bs or table[pos // bs].ref_cnt != 1:
                 while not self._try_allocate(seq, num_new):
@@ -198,6 +209,32 @@ class Scheduler:
             else:
                 st.num_prefill_tokens += num_new
         st.budget = budget
+
+    def _propose(self, seq: Sequence, st: StepState, budget: int) -> bool:
+        """Speculative decoding: draft tokens for a decoding sequence, their KV slots reserved with its
+        next one. False (nothing reserved) when there are none or no blocks for them: it then decodes
+        one token the usual way (never preempting for drafts)."""
+        group = seq.group
+        room = min(budget - 1, group.stop.max_len - len(seq.token_ids) - 1)
+        if room <= 0 or seq.num_samples != 1 or group.mode == "beam" or self.proposer is None:
+            return False
+        drafts = self.proposer.propose(seq.token_ids, room)
+        if not drafts or not self._try_allocate(seq, 1 + len(drafts)):
+            return False
+        st.spec[seq.seq_id] = drafts
+        st.num_draft_tokens += len(drafts)
+        return True
+
+    def rollback_drafts(self, seq: Sequence) -> None:
+        """After a step that verified ``seq``'s drafts and appended the accepted ones plus one token: all
+        but its last token are computed; blocks past the ones its tokens need are freed (only ever
+        drafts' slots: fresh blocks, never in the prefix cache). The worker trims its table the same way."""
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        kv = self.kv
+        if kv.enable_caching and seq.num_computed_tokens // self.block_size > len(kv.hashes[seq.seq_id]):
+            kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.group.extra_keys)
+        kv.truncate(seq.seq_id, kv.num_required_blocks(len(seq.token_ids)))
+        seq.num_sent_blocks = min(seq.num_sent_blocks, len(kv.tables[seq.seq_id]))
 
     def _admit_waiting(self, st: StepState, accept: Callable[[Sequence], bool] | None = None) -> None:
         """Admit waiting sequences in queue order while budget, sequence cap and blocks last. With
@@ -351,14 +388,18 @@ class Scheduler:
             total += num
         so.total_num_scheduled_tokens = total
         so.block_copies = self.kv.take_block_copies()
+        if st.spec:
+            so.scheduled_spec_decode_tokens = st.spec
         if total:  # an empty output may be skipped by the caller: keep the ids for the next one
             so.finished_req_ids, self._finished_ids = self._finished_ids, set()
             so.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
         return so
 
     def update_after_step(self, so: SchedulerOutput) -> None:
-        """The scheduled tokens were computed: advance, and register newly full blocks in the cache."""
+        """The scheduled tokens were computed: advance, and register newly full blocks in the cache. Draft
+        tokens are not counted here: ``rollback_drafts`` counts the accepted ones once they are appended."""
         seqs = self.seqs
+        spec = so.scheduled_spec_decode_tokens
         kv = self.kv
         bs = self.block_size
         caching = kv.enable_caching
@@ -366,7 +407,7 @@ class Scheduler:
             seq = seqs.get(seq_id)
             if seq is None or seq.status is not _RUNNING:
                 continue  # finished or aborted meanwhile
-            seq.num_computed_tokens += num
+            seq.num_computed_tokens += num - len(spec[seq_id]) if spec and seq_id in spec else num
             if caching and seq.num_computed_tokens // bs > len(kv.hashes[seq_id]):
                 kv.cache_full_blocks(seq_id, seq.token_ids, seq.num_computed_tokens, seq.group.extra_keys)
 
