@@ -34,6 +34,7 @@ from .outputs import Executor, ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from .request import EngineRequest, RequestOutput, RequestStatus
 from .scheduler import Scheduler, StepState
 from .sequence import Sequence, SequenceGroup, child_seq_id
+from .spec_decode import rollback
 from .stats import EngineTotals, IterationStats, SchedulerStats, SpecDecodeStats
 
 _REASON_STATUS = {
@@ -262,7 +263,7 @@ class EngineCore:
             self.processor.append_token(seq, token, lp, now, outputs, it)
             if seq.status is not RequestStatus.RUNNING:
                 return  # stopped (its blocks are freed): the rest is dropped
-        self.scheduler.rollback_drafts(seq)
+        rollback(self.scheduler.kv, seq)
 
     def step(self) -> StepResult:
         so = self.schedule()

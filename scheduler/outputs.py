@@ -19,7 +19,7 @@ Protocol (the scheduler is the single source of truth for token ids):
   The worker verifies them in the same forward pass and returns the accepted drafts plus one token (the
   target's own at the first mismatch, or a bonus token), keeps those like a sample and rolls its
   ``num_computed_tokens`` back to ``len(token_ids) - 1`` and its block table to the blocks those tokens
-  need; the scheduler does the same (``Scheduler.rollback_drafts``).
+  need; the scheduler does the same (``spec_decode.rollback``).
 - ``block_copies`` (src, dst) are carried out before the forward pass (copy-on-write after a fork).
 - ``finished_req_ids`` and ``preempted_req_ids``: the worker drops its state for them.
 """

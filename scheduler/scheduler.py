@@ -21,12 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
+from .integrity import check_scheduler
 from .kv_cache_manager import NO_HITS, KVCacheManager
 from .outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from .policies import make_policy
 from .request import RequestStatus
 from .sequence import Sequence
-from .spec_decode import NgramProposer
+from .spec_decode import NgramProposer, drafts_for
 from .waiting_queue import make_waiting_queue
 
 _RUNNING = RequestStatus.RUNNING
@@ -211,30 +212,13 @@ class Scheduler:
         st.budget = budget
 
     def _propose(self, seq: Sequence, st: StepState, budget: int) -> bool:
-        """Speculative decoding: draft tokens for a decoding sequence, their KV slots reserved with its
-        next one. False (nothing reserved) when there are none or no blocks for them: it then decodes
-        one token the usual way (never preempting for drafts)."""
-        group = seq.group
-        room = min(budget - 1, group.stop.max_len - len(seq.token_ids) - 1)
-        if room <= 0 or seq.num_samples != 1 or group.mode == "beam" or self.proposer is None:
-            return False
-        drafts = self.proposer.propose(seq.token_ids, room)
+        """Drafts for a decoding sequence, KV slots reserved; False: none, or no blocks (never preempts)."""
+        drafts = drafts_for(self.proposer, seq, budget)
         if not drafts or not self._try_allocate(seq, 1 + len(drafts)):
             return False
         st.spec[seq.seq_id] = drafts
         st.num_draft_tokens += len(drafts)
         return True
-
-    def rollback_drafts(self, seq: Sequence) -> None:
-        """After a step that verified ``seq``'s drafts and appended the accepted ones plus one token: all
-        but its last token are computed; blocks past the ones its tokens need are freed (only ever
-        drafts' slots: fresh blocks, never in the prefix cache). The worker trims its table the same way."""
-        seq.num_computed_tokens = len(seq.token_ids) - 1
-        kv = self.kv
-        if kv.enable_caching and seq.num_computed_tokens // self.block_size > len(kv.hashes[seq.seq_id]):
-            kv.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.group.extra_keys)
-        kv.truncate(seq.seq_id, kv.num_required_blocks(len(seq.token_ids)))
-        seq.num_sent_blocks = min(seq.num_sent_blocks, len(kv.tables[seq.seq_id]))
 
     def _admit_waiting(self, st: StepState, accept: Callable[[Sequence], bool] | None = None) -> None:
         """Admit waiting sequences in queue order while budget, sequence cap and blocks last. With
@@ -397,7 +381,7 @@ class Scheduler:
 
     def update_after_step(self, so: SchedulerOutput) -> None:
         """The scheduled tokens were computed: advance, and register newly full blocks in the cache. Draft
-        tokens are not counted here: ``rollback_drafts`` counts the accepted ones once they are appended."""
+        tokens are not counted here: ``spec_decode.rollback`` counts the accepted ones once they are appended."""
         seqs = self.seqs
         spec = so.scheduled_spec_decode_tokens
         kv = self.kv
@@ -413,24 +397,4 @@ class Scheduler:
 
     # ---- introspection ----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
-        keys = [s.sort_key for s in self.running]
-        assert keys == sorted(keys), "running list is not sorted"
-        running_ids = {s.seq_id for s in self.running}
-        waiting_ids = {s.seq_id for s in self.waiting.ordered()}
-        assert len(running_ids) == len(self.running) and len(waiting_ids) == len(self.waiting)
-        assert not running_ids & waiting_ids, "a sequence is both running and waiting"
-        assert running_ids | waiting_ids == set(self.seqs), "running + waiting != unfinished sequences"
-        assert running_ids == set(self.kv.tables), "only running sequences hold blocks"
-        for seq in self.running:
-            assert seq.status is _RUNNING, f"{seq} in running"
-            assert seq.num_computed_tokens <= seq.num_tokens + seq.num_pending
-            assert seq.num_pending == 0 or self.config.async_scheduling, f"{seq} runs ahead in sync mode"
-            need = self.kv.num_required_blocks(seq.num_computed_tokens)
-            assert len(self.kv.tables[seq.seq_id]) >= need, f"{seq} lacks blocks for its computed tokens"
-        preempted = [s for s in self.waiting.ordered() if s.status is RequestStatus.PREEMPTED]
-        assert len(preempted) == self.num_preempted_waiting, "preempted-waiting counter is off"
-        beams = {s.seq_id for s in preempted if s.group.mode == "beam"}
-        assert set(self._preempted_beams) == beams, "preempted beams are off"
-        for seq in self.waiting.ordered():
-            assert seq.status in _WAITING_STATES and seq.num_computed_tokens == 0, f"{seq} in waiting"
+        check_scheduler(self)

@@ -102,6 +102,18 @@ class _Samples:
                 self.logits_rows.append(row)
 
 
+def _check_scheduled(s: RequestState, n: int, num_tokens: int, has_drafts: bool, block_size: int) -> None:
+    """``n`` tokens from ``s.num_computed_tokens`` must be known (drafts: end exactly at the last draft)
+    and have KV slots."""
+    end = s.num_computed_tokens + n
+    if n < 1 or end > num_tokens or (has_drafts and end != num_tokens):
+        raise ValueError(
+            f"request {s.req_id}: {n} tokens scheduled from {s.num_computed_tokens}, {num_tokens} known"
+        )
+    if end > len(s.block_ids) * block_size:
+        raise ValueError(f"request {s.req_id}: {end} tokens but only {len(s.block_ids)} blocks")
+
+
 def build_batch(
     states: list[RequestState],
     num_scheduled: Mapping[str, int],
@@ -123,12 +135,7 @@ def build_batch(
         start, end = s.num_computed_tokens, s.num_computed_tokens + n
         drafts = spec.get(s.req_id) if spec else None
         tokens = s.token_ids + drafts if drafts else s.token_ids
-        if n < 1 or end > len(tokens) or (drafts and end != len(tokens)):
-            raise ValueError(
-                f"request {s.req_id}: {n} tokens scheduled from {start}, {len(s.token_ids)} known"
-            )
-        if end > len(s.block_ids) * block_size:
-            raise ValueError(f"request {s.req_id}: {end} tokens but only {len(s.block_ids)} blocks")
+        _check_scheduled(s, n, len(tokens), bool(drafts), block_size)
         if n == 1 and num_decodes == len(query_lens):  # leading run of one-token requests
             num_decodes += 1
         ids.extend(tokens[start:end])

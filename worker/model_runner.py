@@ -206,7 +206,7 @@ class ModelRunner:
         sample back (with async scheduling it schedules the next token before it knows it). Not for n > 1
         fork points and beam search, whose tokens the scheduler decides. Every rank appends rank 0's.
         A request with drafts keeps its accepted drafts + one token and rolls back the rest: computed up
-        to its last token, block table cut to the blocks its tokens need (as Scheduler.rollback_drafts)."""
+        to its last token, block table cut to the blocks its tokens need (as spec_decode.rollback)."""
         sampled = broadcast_from_rank0(out.sampled_token_ids)
         bs = self.block_size
         for req_id, tokens in zip(batch.sampled_req_ids, sampled, strict=True):

@@ -34,7 +34,8 @@ def next_token(tokens: list[int], sample_index: int = 0) -> int:
 def copying_next_token(tokens: list[int], sample_index: int = 0) -> int:
     """A 'greedy model' that mostly copies (the n-gram proposer's sweet spot, so drafts are both accepted
     and rejected): the token that followed the last token's previous occurrence, except at every third
-    length (where it makes a new one up); with no previous occurrence, an earlier token. Still a function of the context only."""
+    length (where it makes a new one up); with no previous occurrence, an earlier token. Still a function
+    of the context only."""
     last = tokens[-1]
     if len(tokens) % 3 and sample_index == 0:
         for i in range(len(tokens) - 2, -1, -1):
