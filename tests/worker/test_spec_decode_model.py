@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
 from cbserve import LLM, SamplingParams
 
 TEXT = (
