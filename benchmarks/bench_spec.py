@@ -55,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="speculative_config's disable_by_batch_size (no drafts while more sequences run)")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
@@ -143,6 +145,8 @@ def main() -> int:
         "method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
         "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
     }  # fmt: skip
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     common = {"max_num_batched_tokens": args.max_num_batched_tokens, "enable_prefix_caching": False,
               "progress": False}  # fmt: skip
     llms = {"off": LLM(**common), "ngram": LLM(speculative_config=spec, **common)}

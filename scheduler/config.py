@@ -57,6 +57,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # no drafts in a step while more sequences than this run (a big CPU batch is compute-bound: drafts cost
+    # more than they save); None: always draft
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method == "draft_model":
@@ -67,6 +70,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be a positive integer, got {limit!r}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(
                 f"speculative_config: prompt_lookup_max ({self.prompt_lookup_max}) must be >= "
@@ -84,7 +90,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
         if data.get("method") == "draft_model":
             raise ValueError('speculative_config: method "draft_model" is not supported yet (only "ngram")')
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown} for method {data.get('method')!r}")

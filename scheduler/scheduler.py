@@ -213,7 +213,7 @@ class Scheduler:
 
     def _propose(self, seq: Sequence, st: StepState, budget: int) -> bool:
         """Drafts for a decoding sequence, KV slots reserved; False: none, or no blocks (never preempts)."""
-        drafts = drafts_for(self.proposer, seq, budget)
+        drafts = drafts_for(self.proposer, seq, budget, len(self.running))
         if not drafts or not self._try_allocate(seq, 1 + len(drafts)):
             return False
         st.spec[seq.seq_id] = drafts

@@ -24,6 +24,7 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+        self.disable_by_batch_size = config.disable_by_batch_size
 
     def propose(self, tokens: Seq[int], max_drafts: int | None = None) -> list[int]:
         k = self.k if max_drafts is None else min(self.k, max_drafts)
@@ -47,12 +48,15 @@ class NgramProposer:
         return list(tokens[best_end + 1 : best_end + 1 + k])
 
 
-def drafts_for(proposer: NgramProposer | None, seq: Sequence, budget: int) -> list[int]:
+def drafts_for(proposer: NgramProposer | None, seq: Sequence, budget: int, num_running: int) -> list[int]:
     """Drafts for a decoding sequence with ``budget`` tokens left in the step: none for fork points and
-    beams, and never more than its length limit leaves room for (drafts + 1 tokens get appended)."""
+    beams, none while more than ``disable_by_batch_size`` sequences run, and never more than its length
+    limit leaves room for (drafts + 1 tokens get appended)."""
     group = seq.group
     room = min(budget - 1, group.stop.room(len(seq.token_ids)) - 1)
     if proposer is None or room <= 0 or seq.num_samples != 1 or group.mode == "beam":
+        return []
+    if proposer.disable_by_batch_size is not None and num_running > proposer.disable_by_batch_size:
         return []
     return proposer.propose(seq.token_ids, room)
 

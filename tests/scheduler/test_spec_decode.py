@@ -125,3 +125,19 @@ def test_no_drafts_past_the_length_limit_or_the_budget() -> None:
         c.scheduled_cached_reqs[0].num_computed_tokens + c.num_scheduled_tokens["a"] <= seq_len
         for c in ex.calls if c.scheduled_cached_reqs
     )  # fmt: skip
+
+
+def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size() -> None:
+    spec = SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 2}
+    )
+    engine, ex = make_engine(speculative=spec, copying=True)
+    for i in range(3):
+        engine.add_request(req(f"r{i}", [3, 4, 5, 3, 4, 5, 3], max_tokens=10 + 8 * i))
+    run(engine)
+    assert any(c.scheduled_spec_decode_tokens for c in ex.calls)  # once at most 2 run
+    for c in ex.calls:
+        if c.scheduled_spec_decode_tokens:
+            assert len(c.num_scheduled_tokens) <= 2
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig(disable_by_batch_size=0)
