@@ -6,13 +6,15 @@ stops at start-up with one ``ConfigError`` message."""
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from cbserve.scheduler.config import CacheConfig, EngineConfig, SchedulerConfig
+from cbserve.scheduler.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from cbserve.worker.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     DTYPE_BYTES,
@@ -23,7 +25,9 @@ from cbserve.worker.config import (
     ModelConfig,
 )
 from cbserve.worker.model_info import SUPPORTED_MODEL_TYPES, ModelInfo, read_model_info
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -63,6 +67,9 @@ class CBServeConfig(BaseModel):
     max_waiting: int = Field(4096, ge=0)
     # schedule the next step while the current one runs (the hop and the scheduler's work overlap the forward)
     async_scheduling: bool = True
+    # speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b}; turns async scheduling off (they do not combine yet)
+    speculative_config: dict[str, Any] | None = None
     # Ray placement and execution
     worker_num_cpus: float = Field(1.0, gt=0.0)  # CPUs per worker actor (one bundle per TP rank)
     # torch / C-kernel threads in each worker; unset: on CPU, the node's cores shared by its ranks (Ray would
@@ -85,6 +92,19 @@ class CBServeConfig(BaseModel):
     api_key: str | None = None
     max_n: int = Field(16, ge=1)  # largest n (or best_of) a request may ask for
     request_timeout_s: float | None = Field(None, gt=0.0)  # a longer request is aborted (HTTP 504)
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _check_speculative(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from a CLI flag or a Serve arg: JSON
+            value = _none_if_null(value)
+            if value is not None:
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"speculative_config is not valid JSON: {e}") from e
+        SpeculativeConfig.from_dict(value)  # unknown method, keys or bad values raise here
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> CBServeConfig:
@@ -157,7 +177,18 @@ class CBServeConfig(BaseModel):
             return None
         return max(1, num_cores // self.tensor_parallel_size)
 
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def uses_async_scheduling(self) -> bool:
+        """async_scheduling, unless speculative decoding is on (they do not combine yet)."""
+        return self.async_scheduling and self.speculative_config is None
+
     def engine_config(self, num_blocks: int) -> EngineConfig:
+        if self.async_scheduling and self.speculative_config is not None:
+            logger.info("speculative_config is set: the engine runs without async scheduling")
         return EngineConfig(
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,
@@ -166,13 +197,14 @@ class CBServeConfig(BaseModel):
                 policy=self.policy,
                 ordering=self.ordering,
                 max_waiting=self.max_waiting,
-                async_scheduling=self.async_scheduling,
+                async_scheduling=self.uses_async_scheduling,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_blocks=num_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
+            speculative=self.speculative,
         )
 
     def worker_model_config(self, rank: int = 0) -> ModelConfig:

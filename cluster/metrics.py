@@ -68,6 +68,8 @@ KNOWN_ROUTES = frozenset(
         "/version",
     }
 )
+# speculative decoding: accepted drafts by position ("position" label), bounded; later positions share the last
+SPEC_POSITIONS = tuple(str(j) for j in range(15)) + ("15+",)
 # The routes that generate, and the statuses they answer (OpenAI error statuses): created at 0 at start-up.
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 HTTP_STATUSES = ("200", "400", "401", "404", "429", "500", "503")
@@ -137,6 +139,12 @@ ENGINE_SPECS: tuple[MetricSpec, ...] = (
     _c("iteration_decode_tokens", "Decode tokens computed by the engine."),
     _c("request_finished", "Finished requests by finish reason.", REASON, _each("reason", FINISH_REASONS)),
     _c("request_rejected", "Requests rejected at admission by reason.", REASON, _each("reason", REJECT_REASONS)),
+    # speculative decoding (0 on an engine without speculative_config)
+    _c("spec_decode_num_drafts", "Speculative decoding: sequence-steps that verified drafts."),
+    _c("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed."),
+    _c("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."),
+    _c("spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: accepted drafts by position in the draft.",
+       (*ENGINE_LABELS, "position"), _each("position", SPEC_POSITIONS[:4])),
     # per-iteration histograms
     _h("iteration_tokens", "Tokens scheduled per iteration (prefill + decode).", TOKEN_COUNT_BUCKETS),
     _h("iteration_batch_size", "Sequences scheduled per iteration.", BATCH_SIZE_BUCKETS),
@@ -264,6 +272,8 @@ class EngineMetrics:
         m.inc("num_preemptions", s.num_preemptions)
         m.inc("iteration_prefill_tokens", s.num_prefill_tokens)
         m.inc("iteration_decode_tokens", s.num_decode_tokens)
+        if s.spec_decode is not None:
+            self._observe_spec(s.spec_decode)
         num_tokens = s.num_prefill_tokens + s.num_decode_tokens
         if s.batch_size > 0 or num_tokens > 0:  # idle polls would drown the step histograms
             m.observe("iteration_tokens", num_tokens)
@@ -271,6 +281,16 @@ class EngineMetrics:
             m.observe("engine_step_seconds", s.schedule_time_s + s.execute_time_s)
             m.observe("scheduler_time_seconds", s.schedule_time_s)
             m.observe("dispatch_overhead_seconds", max(0.0, dispatch_overhead_s))
+
+    def _observe_spec(self, spec: Any) -> None:
+        """``spec``: a scheduler SpecDecodeStats (drafts verified in one step)."""
+        m = self._m
+        m.inc("spec_decode_num_drafts", spec.num_drafts)
+        m.inc("spec_decode_num_draft_tokens", spec.num_draft_tokens)
+        m.inc("spec_decode_num_accepted_tokens", spec.num_accepted_tokens)
+        last = len(SPEC_POSITIONS) - 1
+        for j, count in enumerate(spec.accepted_per_pos):
+            m.inc("spec_decode_num_accepted_tokens_per_pos", count, {"position": SPEC_POSITIONS[min(j, last)]})
 
     def _observe_iteration(self, it: Any) -> None:
         m = self._m

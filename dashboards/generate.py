@@ -131,18 +131,14 @@ C = "ray_cbserve_"
 def engine_panels(b: Board) -> None:
     """The cbserve dashboard: throughput, latency, scheduler, KV cache, batches, errors, replicas, HTTP."""
     for section in (throughput_panels, latency_panels, scheduler_panels, kv_cache_panels, batch_panels,
-                    error_panels, replica_panels, http_panels):  # fmt: skip
+                    spec_decode_panels, error_panels, replica_panels, http_panels):  # fmt: skip
         section(b)
 
 
 def throughput_panels(b: Board) -> None:
     b.row("Throughput")
-    b.panel(
-        "Finished requests / s",
-        [(rate(C + "request_finished_total", by="reason"), "{{reason}}")],
-        "reqps",
-        stack=True,
-    )
+    b.panel("Finished requests / s", [(rate(C + "request_finished_total", by="reason"), "{{reason}}")], "reqps",
+            stack=True)  # fmt: skip
     b.panel(
         "Tokens / s",
         [(rate(C + "prompt_tokens_total"), "prompt"), (rate(C + "generation_tokens_total"), "generation")],
@@ -179,12 +175,8 @@ def latency_panels(b: Board) -> None:
 
 def scheduler_panels(b: Board) -> None:
     b.row("Scheduler and workers")
-    b.panel(
-        "Engine step time",
-        quantiles(C + "engine_step_seconds", qs=(0.5, 0.99)),
-        "s",
-        desc="One step(): schedule + execute on the workers + update_from_output.",
-    )
+    b.panel("Engine step time", quantiles(C + "engine_step_seconds", qs=(0.5, 0.99)), "s",
+            desc="One step(): schedule + execute on the workers + update_from_output.")  # fmt: skip
     b.panel(
         "Scheduler time / Ray dispatch overhead",
         [
@@ -196,21 +188,15 @@ def scheduler_panels(b: Board) -> None:
         "s",
         desc="Scheduler bookkeeping per step, and execute time minus worker forward time (the Ray hop).",
     )
-    b.panel(
-        "Worker forward time by rank",
-        quantiles(C + "worker_forward_seconds", by="replica, rank", qs=(0.5, 0.99)),
-        "s",
-    )
+    b.panel("Worker forward time by rank",
+            quantiles(C + "worker_forward_seconds", by="replica, rank", qs=(0.5, 0.99)), "s")  # fmt: skip
     b.panel("Engine steps / s", [(rate(C + "engine_step_seconds_count", by="replica"), "{{replica}}")], "ops")
 
 
 def kv_cache_panels(b: Board) -> None:
     b.row("KV cache and prefix cache")
-    b.panel(
-        "KV cache usage",
-        [(f"max by (replica)(ray_cbserve_kv_cache_usage_ratio{E})", "{{replica}}")],
-        "percentunit",
-    )
+    b.panel("KV cache usage", [(f"max by (replica)(ray_cbserve_kv_cache_usage_ratio{E})", "{{replica}}")],
+            "percentunit")  # fmt: skip
     b.panel(
         "KV cache blocks",
         [
@@ -247,6 +233,19 @@ def batch_panels(b: Board) -> None:
     b.panel(
         "Generated tokens per finished request", quantiles(C + "request_generation_tokens", qs=(0.5, 0.99))
     )
+
+
+def spec_decode_panels(b: Board) -> None:
+    b.row("Speculative decoding")
+    drafts, accepted = rate(C + "spec_decode_num_draft_tokens_total"), rate(C + "spec_decode_num_accepted_tokens_total")
+    b.panel("Draft acceptance rate", [(f"{accepted} / {drafts}", "accepted / proposed")], "percentunit",
+            desc="Draft tokens accepted / draft tokens proposed (0 drafts: no data).")  # fmt: skip
+    b.panel("Draft tokens / s", [(drafts, "proposed"), (accepted, "accepted"),
+            (f"{accepted} / {rate(C + 'spec_decode_num_drafts_total')}", "accepted per verifying step")])
+    b.panel("Accepted drafts / s, by position in the draft",
+            [(rate(C + "spec_decode_num_accepted_tokens_per_pos_total", by="position"), "position {{position}}"),
+             (rate(C + "spec_decode_num_drafts_total"), "verifying sequence-steps")],
+            desc="Divide a position's rate by the verifying steps' for its acceptance per step.")  # fmt: skip
 
 
 def error_panels(b: Board) -> None:

@@ -18,6 +18,7 @@ from cbserve.scheduler import (
     EngineConfig,
     EngineCore,
     SchedulerConfig,
+    SpeculativeConfig,
     tune_gc_for_serving,
 )
 from cbserve.scheduler.sampling_params import SamplingParams
@@ -42,7 +43,9 @@ class LLM:
     """An in-process engine. Keyword arguments: ``dtype``, ``device``, ``max_model_len``, ``block_size``,
     ``max_num_batched_tokens``, ``max_num_seqs``, ``kv_cache_memory_bytes``, ``num_kv_blocks``,
     ``gpu_memory_utilization``, ``attention_backend``, ``enforce_eager``, ``cpu_ops``, ``cpu_compact_weights``,
-    ``seed``, ``enable_prefix_caching``, ``policy``, ``max_waiting``, ``progress``."""
+    ``seed``, ``enable_prefix_caching``, ``policy``, ``max_waiting``, ``progress``, ``speculative_config``
+    (vLLM's shape: ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+    "prompt_lookup_max": b}``)."""
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         from cbserve.worker.config import ModelConfig
@@ -56,6 +59,7 @@ class LLM:
         progress = bool(kw.pop("progress", True))
         sched_kw = {k: kw.pop(k) for k in ("policy", "max_waiting", "ordering") if k in kw}
         prefix_caching = bool(kw.pop("enable_prefix_caching", True))
+        speculative = SpeculativeConfig.from_dict(kw.pop("speculative_config", None))
         model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
         unknown = set(kw) - model_fields
         if unknown:
@@ -81,6 +85,7 @@ class LLM:
                 num_blocks=self.executor.num_blocks,
                 enable_prefix_caching=prefix_caching,
             ),
+            speculative=speculative,
         )
         self.engine = EngineCore(self.engine_config, self.executor)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self._finish_on_stop)

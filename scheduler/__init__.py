@@ -1,7 +1,7 @@
 """Engine core: requests, paged KV block management, the iteration-level scheduler. Standard library only."""
 
 from .block_pool import BlockPool, KVBlock
-from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from .engine_core import EngineCore, StepResult, tune_gc_for_serving
 from .errors import DuplicateRequestError, EngineError, QueueFullError, RequestRejectedError
 from .kv_cache_manager import KVCacheManager
@@ -17,7 +17,15 @@ from .outputs import (
 from .request import EngineRequest, RequestOutput, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .stats import EngineTotals, FinishedRequestStats, IterationStats, RequestTimes, SchedulerStats
+from .spec_decode import NgramProposer
+from .stats import (
+    EngineTotals,
+    FinishedRequestStats,
+    IterationStats,
+    RequestTimes,
+    SchedulerStats,
+    SpecDecodeStats,
+)
 from .stop import StopRule
 
 __all__ = [
@@ -36,6 +44,7 @@ __all__ = [
     "KVBlock",
     "KVCacheManager",
     "ModelRunnerOutput",
+    "NgramProposer",
     "NewRequestData",
     "QueueFullError",
     "RequestOutput",
@@ -47,6 +56,8 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "SpecDecodeStats",
+    "SpeculativeConfig",
     "StepResult",
     "StopRule",
     "TokenLogprob",

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+SpecMethod = Literal["ngram", "draft_model"]
+SPEC_METHODS = ("ngram",)  # built; "draft_model" is refused until it is
+
 Policy = Literal["continuous", "prefill_first", "static", "dynamic"]
 Ordering = Literal["fcfs", "priority"]
 
@@ -44,6 +47,67 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's shape: ``{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_min": a, "prompt_lookup_max": b}``. N-gram (prompt lookup): the longest suffix of a
+    sequence's tokens, of a..b tokens, found earlier in its prompt + output proposes the k tokens that
+    followed it (spec_decode.py). "draft_model" is not supported yet and is refused."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # no drafts in a step while more sequences than this run (a big CPU batch is compute-bound: drafts cost
+    # more than they save); None: always draft
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model":
+            raise ValueError('speculative_config: method "draft_model" is not supported yet (only "ngram")')
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: unknown method {self.method!r}; expected one of {SPEC_METHODS}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be a positive integer, got {limit!r}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_max ({self.prompt_lookup_max}) must be >= "
+                f"prompt_lookup_min ({self.prompt_lookup_min})"
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From the user's mapping; unknown keys (and "model", which only a draft model takes) are refused."""
+        if data is None or isinstance(data, SpeculativeConfig):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError(f"speculative_config must be a mapping, got {type(data).__name__}")
+        if "method" not in data or "num_speculative_tokens" not in data:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        if data.get("method") == "draft_model":
+            raise ValueError('speculative_config: method "draft_model" is not supported yet (only "ngram")')
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown} for method {data.get('method')!r}")
+        kw = dict(data)
+        if "prompt_lookup_max" in kw and "prompt_lookup_min" not in kw:
+            kw["prompt_lookup_min"] = min(cls.prompt_lookup_min, kw["prompt_lookup_max"])  # type: ignore[call-overload]
+        if "prompt_lookup_min" in kw and "prompt_lookup_max" not in kw:
+            kw["prompt_lookup_max"] = max(cls.prompt_lookup_max, kw["prompt_lookup_min"])  # type: ignore[call-overload]
+        return cls(**kw)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative is not None and self.scheduler.async_scheduling:
+            raise ValueError("speculative decoding does not combine with async_scheduling: turn one off")

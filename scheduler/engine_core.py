@@ -33,8 +33,9 @@ from .output_processor import OutputProcessor
 from .outputs import Executor, ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from .request import EngineRequest, RequestOutput, RequestStatus
 from .scheduler import Scheduler, StepState
-from .sequence import SequenceGroup, child_seq_id
-from .stats import EngineTotals, IterationStats, SchedulerStats
+from .sequence import Sequence, SequenceGroup, child_seq_id
+from .spec_decode import rollback
+from .stats import EngineTotals, IterationStats, SchedulerStats, SpecDecodeStats
 
 _REASON_STATUS = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -148,6 +149,11 @@ class EngineCore:
                 f"tokens) but the whole cache has only {cfg.cache.num_blocks} blocks"
             )
         params = request.sampling_params
+        if params.use_beam_search and cfg.speculative is not None:
+            raise RequestRejectedError(
+                "beam search does not combine with speculative decoding (speculative_config is set on this "
+                "engine): use sampling or greedy decoding"
+            )
         if params.use_beam_search:  # all beams live at once: they share the prompt's blocks only
             bs, width = cfg.cache.block_size, params.beam_width
             if cfg.cache.enable_prefix_caching:
@@ -222,6 +228,8 @@ class EngineCore:
         num_logprobs = len(all_logprobs)
         process = self.processor.process_sampled
         append = self.processor.append_token
+        spec = so.scheduled_spec_decode_tokens
+        spec_stats = SpecDecodeStats() if spec else None
         for i, (seq_id, sampled) in enumerate(zip(out.req_ids, out.sampled_token_ids, strict=True)):
             seq = seqs.get(seq_id)
             if seq is None or seq.status is not running:
@@ -233,26 +241,57 @@ class EngineCore:
             if len(sampled) == 1 and seq.group.mode != "beam":
                 seq.num_sent_tokens += 1  # the worker keeps its own sample (ModelRunner._keep_samples)
             logprobs = all_logprobs[i] if i < num_logprobs else None
+            if spec_stats is not None and seq_id in spec:
+                self._append_verified(seq, sampled, logprobs, len(spec[seq_id]), now, outputs, it, spec_stats)
+                continue
             if len(sampled) == 1 and seq.group.forked and seq.group.stream:
                 append(seq, sampled[0], logprobs[0] if logprobs else None, now, outputs, it)
             else:
                 process(seq, sampled, logprobs, now, outputs, it)
-        self._count(st)
+        self._count(st, spec_stats)
         stats = self._stats(st)
+        stats.spec_decode = spec_stats
         stats.schedule_time_s = schedule_time + time.perf_counter() - t0
         stats.execute_time_s = execute_time
         stats.forward_time_s = out.forward_time_s
         self._updated_at = time.perf_counter()
         return StepResult(outputs=outputs, scheduler_stats=stats, iteration_stats=it)
 
+    def _append_verified(
+        self,
+        seq: Sequence,
+        sampled: list[int],
+        logprobs: list[TokenLogprob] | None,
+        num_drafts: int,
+        now: float,
+        outputs: list[RequestOutput],
+        it: IterationStats,
+        spec_stats: SpecDecodeStats,
+    ) -> None:
+        """Speculative decoding: the worker verified ``num_drafts`` drafts and returned the accepted ones
+        plus one token (all kept at the worker). Append them in order until the sequence stops, then roll
+        the rejected drafts back."""
+        seq.num_sent_tokens += len(sampled)
+        spec_stats.record(num_drafts, len(sampled) - 1)
+        for j, token in enumerate(sampled):
+            lp = logprobs[j] if logprobs and j < len(logprobs) else None
+            self.processor.append_token(seq, token, lp, now, outputs, it)
+            if seq.status is not RequestStatus.RUNNING:
+                return  # stopped (its blocks are freed): the rest is dropped
+        rollback(self.scheduler.kv, seq)
+
     def step(self) -> StepResult:
         so = self.schedule()
         out = ModelRunnerOutput() if so.is_empty else self.executor.execute_model(so)
         return self.update_from_output(so, out)
 
-    def _count(self, st: StepState | None) -> None:
+    def _count(self, st: StepState | None, spec: SpecDecodeStats | None = None) -> None:
         totals = self.totals
         totals.num_steps += 1
+        if spec is not None:
+            totals.spec_num_drafts += spec.num_drafts
+            totals.spec_num_draft_tokens += spec.num_draft_tokens
+            totals.spec_num_accepted_tokens += spec.num_accepted_tokens
         if st is not None:
             totals.prefix_cache_queries += st.prefix_cache_queries
             totals.prefix_cache_hits += st.prefix_cache_hits

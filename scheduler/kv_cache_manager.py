@@ -165,6 +165,15 @@ class KVCacheManager:
         if table:
             self.pool.free(reversed(table))
 
+    def truncate(self, seq_id: str, num_blocks: int) -> None:
+        """Free the sequence's blocks past its first ``num_blocks`` (rejected drafts' slots)."""
+        table = self.tables[seq_id]
+        if len(table) > num_blocks:
+            tail = table[num_blocks:]
+            del table[num_blocks:]
+            del self.hashes[seq_id][num_blocks:]
+            self.pool.free(reversed(tail))
+
     def take_block_copies(self) -> list[tuple[int, int]]:
         copies, self.block_copies = self.block_copies, []
         return copies

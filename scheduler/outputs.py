@@ -14,6 +14,12 @@ Protocol (the scheduler is the single source of truth for token ids):
   sample it takes as input is back: the worker runs the steps in order and fills it in.
 - ``num_scheduled_tokens[req_id]`` tokens are computed this iteration, starting at
   ``num_computed_tokens``; a request is sampled only when this reaches the end of its known tokens.
+- Speculative decoding: ``scheduled_spec_decode_tokens[req_id]`` holds the k draft tokens proposed for a
+  request the worker holds; its ``num_scheduled_tokens`` is then 1 + k (its last token and the drafts).
+  The worker verifies them in the same forward pass and returns the accepted drafts plus one token (the
+  target's own at the first mismatch, or a bonus token), keeps those like a sample and rolls its
+  ``num_computed_tokens`` back to ``len(token_ids) - 1`` and its block table to the blocks those tokens
+  need; the scheduler does the same (``spec_decode.rollback``).
 - ``block_copies`` (src, dst) are carried out before the forward pass (copy-on-write after a fork).
 - ``finished_req_ids`` and ``preempted_req_ids``: the worker drops its state for them.
 """
@@ -58,6 +64,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -21,11 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
+from .integrity import check_scheduler
 from .kv_cache_manager import NO_HITS, KVCacheManager
 from .outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from .policies import make_policy
 from .request import RequestStatus
 from .sequence import Sequence
+from .spec_decode import NgramProposer, drafts_for
 from .waiting_queue import make_waiting_queue
 
 _RUNNING = RequestStatus.RUNNING
@@ -51,6 +53,8 @@ class StepState:
     num_decode_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec: dict[str, list[int]] = field(default_factory=dict)  # draft tokens by seq id
+    num_draft_tokens: int = 0
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.scheduled.append((seq, num_tokens))
@@ -75,6 +79,8 @@ class Scheduler:
         self._preempted_beams: dict[str, Sequence] = {}
         self._finished_ids: set[str] = set()  # to tell the worker (sequences it holds state for)
         self._preempted_ids: set[str] = set()
+        spec = config.speculative
+        self.proposer = NgramProposer(spec) if spec is not None else None
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
@@ -183,6 +189,12 @@ class Scheduler:
                 num_new = budget
             elif num_new <= 0:  # nothing to compute until a token is appended
                 continue
+            if num_new == 1 and self.proposer is not None and seq.sent and self._propose(seq, st, budget):
+                num_new = len(st.spec[seq.seq_id]) + 1
+                st.num_decode_tokens += num_new
+                scheduled.append((seq, num_new))
+                budget -= num_new
+                continue
             table = tables.get(seq.seq_id)
             if table is None or pos + num_new > len(table) * bs or table[pos // bs].ref_cnt != 1:
                 while not self._try_allocate(seq, num_new):
@@ -198,6 +210,15 @@ class Scheduler:
             else:
                 st.num_prefill_tokens += num_new
         st.budget = budget
+
+    def _propose(self, seq: Sequence, st: StepState, budget: int) -> bool:
+        """Drafts for a decoding sequence, KV slots reserved; False: none, or no blocks (never preempts)."""
+        drafts = drafts_for(self.proposer, seq, budget, len(self.running))
+        if not drafts or not self._try_allocate(seq, 1 + len(drafts)):
+            return False
+        st.spec[seq.seq_id] = drafts
+        st.num_draft_tokens += len(drafts)
+        return True
 
     def _admit_waiting(self, st: StepState, accept: Callable[[Sequence], bool] | None = None) -> None:
         """Admit waiting sequences in queue order while budget, sequence cap and blocks last. With
@@ -351,14 +372,18 @@ class Scheduler:
             total += num
         so.total_num_scheduled_tokens = total
         so.block_copies = self.kv.take_block_copies()
+        if st.spec:
+            so.scheduled_spec_decode_tokens = st.spec
         if total:  # an empty output may be skipped by the caller: keep the ids for the next one
             so.finished_req_ids, self._finished_ids = self._finished_ids, set()
             so.preempted_req_ids, self._preempted_ids = self._preempted_ids, set()
         return so
 
     def update_after_step(self, so: SchedulerOutput) -> None:
-        """The scheduled tokens were computed: advance, and register newly full blocks in the cache."""
+        """The scheduled tokens were computed: advance, and register newly full blocks in the cache. Draft
+        tokens are not counted here: ``spec_decode.rollback`` counts the accepted ones once they are appended."""
         seqs = self.seqs
+        spec = so.scheduled_spec_decode_tokens
         kv = self.kv
         bs = self.block_size
         caching = kv.enable_caching
@@ -366,30 +391,10 @@ class Scheduler:
             seq = seqs.get(seq_id)
             if seq is None or seq.status is not _RUNNING:
                 continue  # finished or aborted meanwhile
-            seq.num_computed_tokens += num
+            seq.num_computed_tokens += num - len(spec[seq_id]) if spec and seq_id in spec else num
             if caching and seq.num_computed_tokens // bs > len(kv.hashes[seq_id]):
                 kv.cache_full_blocks(seq_id, seq.token_ids, seq.num_computed_tokens, seq.group.extra_keys)
 
     # ---- introspection ----------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
-        keys = [s.sort_key for s in self.running]
-        assert keys == sorted(keys), "running list is not sorted"
-        running_ids = {s.seq_id for s in self.running}
-        waiting_ids = {s.seq_id for s in self.waiting.ordered()}
-        assert len(running_ids) == len(self.running) and len(waiting_ids) == len(self.waiting)
-        assert not running_ids & waiting_ids, "a sequence is both running and waiting"
-        assert running_ids | waiting_ids == set(self.seqs), "running + waiting != unfinished sequences"
-        assert running_ids == set(self.kv.tables), "only running sequences hold blocks"
-        for seq in self.running:
-            assert seq.status is _RUNNING, f"{seq} in running"
-            assert seq.num_computed_tokens <= seq.num_tokens + seq.num_pending
-            assert seq.num_pending == 0 or self.config.async_scheduling, f"{seq} runs ahead in sync mode"
-            need = self.kv.num_required_blocks(seq.num_computed_tokens)
-            assert len(self.kv.tables[seq.seq_id]) >= need, f"{seq} lacks blocks for its computed tokens"
-        preempted = [s for s in self.waiting.ordered() if s.status is RequestStatus.PREEMPTED]
-        assert len(preempted) == self.num_preempted_waiting, "preempted-waiting counter is off"
-        beams = {s.seq_id for s in preempted if s.group.mode == "beam"}
-        assert set(self._preempted_beams) == beams, "preempted beams are off"
-        for seq in self.waiting.ordered():
-            assert seq.status in _WAITING_STATES and seq.num_computed_tokens == 0, f"{seq} in waiting"
+        check_scheduler(self)

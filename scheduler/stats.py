@@ -59,6 +59,31 @@ class FinishedRequestStats:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding in one step: sequences that had drafts, drafts proposed and accepted, and
+    accepted drafts by position (``accepted_per_pos[j]``: sequences whose draft j was accepted)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.accepted_per_pos
+        if len(per_pos) < num_accepted:
+            per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for j in range(num_accepted):
+            per_pos[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return None if not self.num_draft_tokens else self.num_accepted_tokens / self.num_draft_tokens
+
+
+@dataclass
 class SchedulerStats:
     """Gauges and per-iteration counters of one engine replica, one snapshot per step()."""
 
@@ -79,6 +104,7 @@ class SchedulerStats:
     execute_time_s: float = 0.0  # time spent in executor.execute_model() (includes the Ray hop)
     forward_time_s: float = 0.0  # worker-reported forward + sample time
     step_counter: int = 0
+    spec_decode: SpecDecodeStats | None = None  # None: no drafts this step
 
 
 @dataclass
@@ -94,6 +120,15 @@ class EngineTotals:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found there
+    spec_num_drafts: int = 0  # speculative decoding: sequence-steps that had drafts
+    spec_num_draft_tokens: int = 0  # draft tokens proposed
+    spec_num_accepted_tokens: int = 0  # of which accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        if not self.spec_num_draft_tokens:
+            return None
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
 
 
 @dataclass

@@ -47,6 +47,10 @@ class StopRule:
             stop_token_ids=frozenset(params.stop_token_ids),
         )
 
+    def room(self, num_tokens: int) -> int:
+        """Tokens a sequence of ``num_tokens`` tokens may still get before it reaches its length limit."""
+        return self.max_len - num_tokens
+
     def check(self, num_tokens: int, token: int) -> RequestStatus | None:
         """Does a sequence of ``num_tokens`` tokens whose last one is ``token`` stop, and why:
         FINISHED_STOPPED, FINISHED_LENGTH or None (it goes on)."""

@@ -12,6 +12,7 @@ from cbserve.scheduler.sampling_params import SamplingParams
 
 from .attention.backend import AttentionMetadata
 from .sampler import SamplingRow
+from .spec_verify import DraftGroup
 
 
 @dataclass
@@ -49,13 +50,15 @@ class PreparedBatch:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
-    logits_rows: torch.Tensor  # rows of the flattened batch whose logits are needed (one per sampled req)
+    logits_rows: torch.Tensor  # rows of the flattened batch whose logits are needed (one per sample row)
     sampled_req_ids: list[str] = field(default_factory=list)
-    # One entry per sampled sequence row: index into sampled_req_ids / logits_rows, and the row itself.
+    # One entry per sampled sequence row: index into sampled_req_ids, and the row itself. Without drafts,
+    # sample row j reads logits row ``sample_owner[j]``; with drafts (``draft_groups``), row j reads j.
     sample_owner: list[int] = field(default_factory=list)
     sample_rows: list[SamplingRow] = field(default_factory=list)
     # Prompt logprobs: per request asking for them, the prompt positions computed this step.
     prompt_lp: list[PromptLogprobRows] = field(default_factory=list)
+    draft_groups: list[DraftGroup] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,20 @@ class _Samples:
     logits_rows: list[int] = field(default_factory=list)
     owner: list[int] = field(default_factory=list)
     rows: list[SamplingRow] = field(default_factory=list)
+    groups: list[DraftGroup] = field(default_factory=list)
+    one_to_one: bool = False  # a logits row per sample row (a batch with drafts)
+
+    def add_drafts(self, s: RequestState, last_row: int, drafts: list[int]) -> None:
+        """A request with drafts: one logits and sample row per draft position plus one (row j's history
+        holds the drafts before it). Only in batches built with ``spec``: their logits rows map 1:1."""
+        owner = len(self.req_ids)
+        self.req_ids.append(s.req_id)
+        self.groups.append(DraftGroup(owner, len(self.rows), list(drafts)))
+        k = len(drafts)
+        for j in range(k + 1):
+            self.logits_rows.append(last_row - k + j)
+            self.owner.append(owner)
+            self.rows.append(SamplingRow(s.sampling_params, s.token_ids + drafts[:j], s.num_prompt_tokens, s.seed))
 
     def add(self, s: RequestState, row: int) -> None:
         owner = len(self.req_ids)
@@ -105,41 +122,59 @@ class _Samples:
             seed = None if s.seed is None else s.seed + i
             self.owner.append(owner)
             self.rows.append(SamplingRow(s.sampling_params, s.token_ids, s.num_prompt_tokens, seed))
+            if self.one_to_one and i:
+                self.logits_rows.append(row)
+
+
+def _check_scheduled(s: RequestState, n: int, num_tokens: int, has_drafts: bool, block_size: int) -> None:
+    """``n`` tokens from ``s.num_computed_tokens`` must be known (drafts: end exactly at the last draft)
+    and have KV slots."""
+    end = s.num_computed_tokens + n
+    if n < 1 or end > num_tokens or (has_drafts and end != num_tokens):
+        raise ValueError(
+            f"request {s.req_id}: {n} tokens scheduled from {s.num_computed_tokens}, {num_tokens} known"
+        )
+    if end > len(s.block_ids) * block_size:
+        raise ValueError(f"request {s.req_id}: {end} tokens but only {len(s.block_ids)} blocks")
 
 
 def build_batch(
-    states: list[RequestState], num_scheduled: Mapping[str, int], block_size: int, device: torch.device
+    states: list[RequestState],
+    num_scheduled: Mapping[str, int],
+    block_size: int,
+    device: torch.device,
+    spec: Mapping[str, list[int]] | None = None,
 ) -> PreparedBatch:
-    """Flatten the scheduled tokens of ``states`` (already ordered decode-first) into one batch."""
+    """Flatten the scheduled tokens of ``states`` (already ordered decode-first) into one batch; ``spec``:
+    draft tokens by request id, computed after its known tokens."""
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
     query_lens: list[int] = []
     seq_lens: list[int] = []
-    samples = _Samples()
+    samples = _Samples(one_to_one=bool(spec))
     prompt_lp: list[PromptLogprobRows] = []
     num_decodes = 0
     for s in states:
         n = num_scheduled[s.req_id]
         start, end = s.num_computed_tokens, s.num_computed_tokens + n
-        if n < 1 or end > len(s.token_ids):
-            raise ValueError(
-                f"request {s.req_id}: {n} tokens scheduled from {start}, {len(s.token_ids)} known"
-            )
-        if end > len(s.block_ids) * block_size:
-            raise ValueError(f"request {s.req_id}: {end} tokens but only {len(s.block_ids)} blocks")
+        drafts = spec.get(s.req_id) if spec else None
+        tokens = s.token_ids + drafts if drafts else s.token_ids
+        _check_scheduled(s, n, len(tokens), bool(drafts), block_size)
         if n == 1 and num_decodes == len(query_lens):  # leading run of one-token requests
             num_decodes += 1
         lp_rows = prompt_logprob_rows(s, start, end, len(ids))
         if lp_rows is not None:
             prompt_lp.append(lp_rows)
-        ids.extend(s.token_ids[start:end])
+        ids.extend(tokens[start:end])
         pos.extend(range(start, end))
         blocks = s.block_ids
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
         query_lens.append(n)
         seq_lens.append(end)
-        if end == len(s.token_ids):
+        if drafts:
+            samples.add_drafts(s, len(ids) - 1, drafts)
+        elif end == len(s.token_ids):
             samples.add(s, len(ids) - 1)
     max_blocks = max(len(s.block_ids) for s in states)
     table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
@@ -164,4 +199,5 @@ def build_batch(
         sample_owner=samples.owner,
         sample_rows=samples.rows,
         prompt_lp=prompt_lp,
+        draft_groups=samples.groups,
     )

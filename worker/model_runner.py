@@ -27,6 +27,7 @@ from .parallel import broadcast_from_rank0, divide, tp_rank, tp_world_size
 from .profiling import profile_cuda_kv_budget
 from .prompt_logprobs import compute_prompt_logprobs
 from .sampler import Sampler
+from .spec_verify import verify_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,8 @@ class ModelRunner:
             return ModelRunnerOutput(forward_time_s=time.perf_counter() - t0)
         states = [self.requests[r] for r in so.num_scheduled_tokens]
         states = order_decode_first(states, so.num_scheduled_tokens)
-        batch = build_batch(states, so.num_scheduled_tokens, self.block_size, self.device)
+        spec = so.scheduled_spec_decode_tokens
+        batch = build_batch(states, so.num_scheduled_tokens, self.block_size, self.device, spec)
         hidden = self._hidden(batch)
         logits = self._logits(batch, hidden)
         out = self._sample(batch, logits) if tp_rank() == 0 else ModelRunnerOutput()
@@ -159,7 +161,7 @@ class ModelRunner:
             out.prompt_logprobs = lps
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
-        self._keep_samples(batch, out)
+        self._keep_samples(batch, out, spec)
         out.forward_time_s = time.perf_counter() - t0
         return out
 
@@ -189,25 +191,44 @@ class ModelRunner:
             return out
         owner = torch.tensor(batch.sample_owner, dtype=torch.long, device=logits.device)
         rows_logits = logits if len(batch.sample_owner) == logits.shape[0] else logits.index_select(0, owner)
-        tokens, logprobs = self.sampler(rows_logits, batch.sample_rows)
         sampled: list[list[int]] = [[] for _ in batch.sampled_req_ids]
         lps: list[list[TokenLogprob] | None] = [None for _ in batch.sampled_req_ids]
-        for j, o in enumerate(batch.sample_owner):
-            sampled[o].append(tokens[j])
-            if logprobs[j] is not None:
-                lps[o] = (lps[o] or []) + [logprobs[j]]  # type: ignore[operator]
+        plain = list(range(len(batch.sample_rows)))
+        if batch.draft_groups:  # one logits row per sample row; the drafts' rows are verified apart
+            verified = verify_drafts(self.sampler, rows_logits, batch.sample_rows, batch.draft_groups)
+            in_groups = set()
+            for g, (tokens_g, lps_g) in zip(batch.draft_groups, verified, strict=True):
+                sampled[g.owner], lps[g.owner] = tokens_g, lps_g
+                in_groups.update(range(g.first_row, g.first_row + len(g.drafts) + 1))
+            plain = [j for j in plain if j not in in_groups]
+            if plain and len(plain) != len(batch.sample_rows):
+                rows_logits = rows_logits.index_select(0, torch.tensor(plain, device=rows_logits.device))
+        if plain:
+            tokens, logprobs = self.sampler(rows_logits, [batch.sample_rows[j] for j in plain])
+            for t, j in enumerate(plain):
+                o = batch.sample_owner[j]
+                sampled[o].append(tokens[t])
+                if logprobs[t] is not None:
+                    lps[o] = (lps[o] or []) + [logprobs[t]]  # type: ignore[operator]
         out.sampled_token_ids = sampled
         out.logprobs = lps
         return out
 
-    def _keep_samples(self, batch: PreparedBatch, out: ModelRunnerOutput) -> None:
+    def _keep_samples(self, batch: PreparedBatch, out: ModelRunnerOutput, spec: dict[str, list[int]]) -> None:
         """Append each sequence's one sampled token to the worker's own copy: the scheduler never sends a
         sample back (with async scheduling it schedules the next token before it knows it). Not for n > 1
-        fork points and beam search, whose tokens the scheduler decides. Every rank appends rank 0's."""
+        fork points and beam search, whose tokens the scheduler decides. Every rank appends rank 0's.
+        A request with drafts keeps its accepted drafts + one token and rolls back the rest: computed up
+        to its last token, block table cut to the blocks its tokens need (as spec_decode.rollback)."""
         sampled = broadcast_from_rank0(out.sampled_token_ids)
+        bs = self.block_size
         for req_id, tokens in zip(batch.sampled_req_ids, sampled, strict=True):
             state = self.requests[req_id]
-            if len(tokens) == 1 and not state.sampling_params.use_beam_search:
+            if spec and req_id in spec:
+                state.token_ids.extend(tokens)
+                state.num_computed_tokens = len(state.token_ids) - 1
+                del state.block_ids[-(-len(state.token_ids) // bs) :]
+            elif len(tokens) == 1 and not state.sampling_params.use_beam_search:
                 state.token_ids.append(tokens[0])
 
     def shutdown(self) -> None:

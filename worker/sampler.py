@@ -57,9 +57,7 @@ class Sampler:
         logits = logits.float()
         want_lp = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-        logits = self._apply_penalties(logits, rows)
-        logits = self._apply_min_tokens(logits, rows)
-        logits = apply_token_constraints(logits, rows)
+        logits = self.process(logits, rows)
         tokens = self._pick(logits, rows)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
@@ -70,6 +68,23 @@ class Sampler:
         return token_list, logprobs
 
     # ---- logits processing -------------------------------------------------------------------
+    def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Float logits after the penalties, min_tokens and the token constraints (logit_bias, allowed and
+        banned tokens): what greedy takes the argmax of."""
+        logits = self._apply_min_tokens(self._apply_penalties(logits.float(), rows), rows)
+        return apply_token_constraints(logits, rows)
+
+    def probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The distribution a random row samples from: ``process``ed logits through temperature, top-k,
+        top-p and min-p (rows not renormalised after min-p; the exponential race does not need it)."""
+        dev = logits.device
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=dev)
+        logits = logits / temps.unsqueeze(1)
+        logits = _top_k(logits, [r.params.top_k for r in rows])
+        logits = _top_p(logits, [r.params.top_p for r in rows])
+        probs = torch.softmax(logits, dim=-1)
+        return _min_p(probs, [r.params.min_p for r in rows])
+
     def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
         if not idx:
@@ -122,12 +137,7 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=dev)
-        logits = logits / temps.unsqueeze(1)
-        logits = _top_k(logits, [r.params.top_k for r in rows])
-        logits = _top_p(logits, [r.params.top_p for r in rows])
-        probs = torch.softmax(logits, dim=-1)
-        probs = _min_p(probs, [r.params.min_p for r in rows])
+        probs = self.probs(logits, rows)
         noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(rows):
             if r.seed is not None:
@@ -168,6 +178,13 @@ def _min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     mp = torch.tensor(min_ps, dtype=torch.float32, device=probs.device).unsqueeze(1)
     threshold = probs.max(dim=-1, keepdim=True).values * mp
     return probs.masked_fill(probs < threshold, 0.0)
+
+
+def token_logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, idx: list[int], rows: Sequence[SamplingRow]
+) -> list[TokenLogprob]:
+    """Logprobs (raw log-softmax ``raw``) of ``tokens[i]`` at the rows ``idx``, with each row's top ones."""
+    return _logprobs(raw, tokens, idx, rows)
 
 
 def _logprobs(

@@ -17,6 +17,7 @@ import pytest
 from cbserve.cluster import serve_cli
 from cbserve.cluster.config import CBServeConfig, ConfigError, check_kv_capacity, servable_config
 from cbserve.cluster.serve_cli import add_arguments, config_from_args
+from cbserve.scheduler.config import SpeculativeConfig
 from cbserve.worker.model_info import default_model_path, read_model_info
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -280,3 +281,50 @@ def test_the_hop_and_the_worker_threads_follow_the_device() -> None:
     assert CBServeConfig(device="cpu", tensor_parallel_size=4).worker_threads(2) == 1
     assert CBServeConfig(device="cpu", worker_torch_threads=3).worker_threads(8) == 3
     assert CBServeConfig(device="cuda").worker_threads(8) is None
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+
+def test_speculative_config_reaches_the_engine_and_turns_async_scheduling_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = CBServeConfig(speculative_config=NGRAM)
+    assert cfg.async_scheduling  # the default, kept as the user set it...
+    with caplog.at_level("INFO", logger="cbserve.cluster.config"):
+        engine = cfg.engine_config(64)
+    assert not engine.scheduler.async_scheduling  # ...but the engine runs without it
+    assert engine.speculative == SpeculativeConfig("ngram", 4, 2, 5)
+    lines = [r.getMessage() for r in caplog.records if "async scheduling" in r.getMessage()]
+    assert len(lines) == 1 and "speculative_config" in lines[0]
+    plain = CBServeConfig().engine_config(64)
+    assert plain.scheduler.async_scheduling and plain.speculative is None
+
+
+def test_speculative_config_from_yaml_and_flags(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("speculative_config:\n  method: ngram\n  num_speculative_tokens: 3\n")
+    assert CBServeConfig.from_yaml(path).speculative == SpeculativeConfig("ngram", 3)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--speculative-config", json.dumps(NGRAM)])
+    assert config_from_args(args).speculative == SpeculativeConfig("ngram", 4, 2, 5)
+    local = CBServeConfig.from_yaml(Path(__file__).parents[2] / "deploy" / "serve-local.yaml")
+    assert local.speculative_config is None
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}, "not supported yet"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, "unknown method"),
+        ({"method": "ngram", "num_speculative_tokens": -1}, "positive integer"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 1},
+         "prompt_lookup_max"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_bad_speculative_configs_are_refused(bad: object, match: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match=match):
+        CBServeConfig(speculative_config=bad)

@@ -20,7 +20,13 @@ from typing import Any
 
 import pytest
 from cbserve.cluster import metrics as cm
-from cbserve.scheduler.stats import FinishedRequestStats, IterationStats, RequestTimes, SchedulerStats
+from cbserve.scheduler.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    RequestTimes,
+    SchedulerStats,
+    SpecDecodeStats,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"
@@ -213,7 +219,7 @@ def test_every_cbserve_metric_is_charted() -> None:
 def test_specs_are_valid_and_bounded() -> None:
     names = [s.name for s in cm.ALL_SPECS]
     assert len(names) == len(set(names))
-    allowed = {"model", "replica", "rank", "reason", "route", "status"}
+    allowed = {"model", "replica", "rank", "reason", "route", "status", "position"}
     for s in cm.ALL_SPECS:
         assert re.fullmatch(r"cbserve_[a-z0-9_]+", s.name), s.name
         assert s.exported.startswith("ray_cbserve_")
@@ -314,6 +320,32 @@ def test_engine_metrics_observe_step(log: list) -> None:
     em.observe_step(idle, 0)
     assert _values(log, "num_requests_running") == [0.0]
     assert not _values(log, "engine_step_seconds") and not _values(log, "prompt_tokens")
+
+
+def test_engine_metrics_observe_speculative_decoding(log: list) -> None:
+    em = cm.EngineMetrics("m", "0")
+    assert {t["position"] for n, _, t in log if n == "cbserve_spec_decode_num_accepted_tokens_per_pos"} == {
+        "0", "1", "2", "3"}  # fmt: skip
+    log.clear()
+    spec = SpecDecodeStats()
+    spec.record(4, 3)
+    spec.record(4, 1)
+    spec.record(20, 17)  # positions past the bounded label share "15+"
+    stats = SchedulerStats(batch_size=3, num_decode_tokens=31, spec_decode=spec)
+    em.observe_step(type("R", (), {"scheduler_stats": stats, "iteration_stats": IterationStats()}), 0.0)
+    assert _values(log, "spec_decode_num_drafts") == [3.0]
+    assert _values(log, "spec_decode_num_draft_tokens") == [28.0]
+    assert _values(log, "spec_decode_num_accepted_tokens") == [21.0]
+    per_pos: dict[str, float] = {}
+    for n, v, t in log:
+        if n == "cbserve_spec_decode_num_accepted_tokens_per_pos":
+            per_pos[t["position"]] = per_pos.get(t["position"], 0) + v
+    assert per_pos["0"] == 3 and per_pos["1"] == 2 and per_pos["2"] == 2 and per_pos["3"] == 1
+    assert per_pos["15+"] == 2 and set(per_pos) <= set(cm.SPEC_POSITIONS)
+    log.clear()  # a step without drafts records none
+    em.observe_step(type("R", (), {"scheduler_stats": SchedulerStats(batch_size=1), "iteration_stats":
+                                   IterationStats()}), 0.0)  # fmt: skip
+    assert not _values(log, "spec_decode_num_drafts")
 
 
 def test_rejected_and_http_labels_stay_bounded(log: list) -> None:

@@ -1,7 +1,8 @@
 """The dashboards are proven against a live Prometheus scraping a live cbserve deployment.
 
 A real local Ray cluster runs the cbserve app (cluster/app.py, bundled SmolLM2 GGUF on CPU, a small KV
-cache so that requests get preempted and a wide beam search is rejected by the engine) on a free HTTP port.
+cache so that requests get preempted and a wide beam search is rejected by the engine, n-gram speculative
+decoding) on a free HTTP port.
 A real Prometheus (Debian package ``prometheus``) is started on a free port with the scrape configuration of
 deploy/prometheus.yml, only the service-discovery file path (this cluster's session dir) and the intervals
 rewritten. After normal traffic only (completions, concurrent requests, a streamed chat completion), every
@@ -106,6 +107,8 @@ def app_url(ray_session_dir: Path) -> Iterator[str]:
         "num_kv_blocks": 24,  # 384 tokens, one max-length request: concurrent requests preempt, wide beams
         # do not fit (the engine rejects them)
         "max_num_batched_tokens": 256,
+        # n-gram speculative decoding, so its series carry data too (the engine runs without async scheduling)
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
     }
     try:
         serve.run(build_app(args), name="cbserve", route_prefix="/")
@@ -188,6 +191,12 @@ def run_normal_load(url: str) -> dict[str, int]:
 
     with ThreadPoolExecutor(6) as pool:
         tokens = sum(pool.map(complete, range(6)))
+    text = "Sphinx of black quartz, judge my vow. The five boxing wizards jump quickly."
+    copy = client.chat.completions.create(  # input-grounded: n-gram drafts are proposed and accepted
+        model=MODEL, messages=[{"role": "user", "content": f"Repeat this text exactly: {text}"}], max_tokens=32,
+        temperature=0.0,
+    )
+    tokens += copy.usage.completion_tokens
     chunks = 0
     for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
                                                 max_tokens=12, stream=True):  # fmt: skip
@@ -348,6 +357,9 @@ def load_marks(prometheus_url: str) -> list[str]:
         "sum(ray_cbserve_request_rejected_total)",
         "sum(ray_serve_num_http_requests_total)",
         "sum(ray_serve_num_http_error_requests_total)",
+        "sum(ray_cbserve_spec_decode_num_draft_tokens_total)",
+        "sum(ray_cbserve_spec_decode_num_accepted_tokens_total)",
+        'sum(ray_cbserve_spec_decode_num_accepted_tokens_per_pos_total{position="0"})',
     ):
         if value(expr) <= 0:
             failures.append(f"{expr} should count what the load did")

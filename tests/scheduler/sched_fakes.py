@@ -17,6 +17,7 @@ from cbserve.scheduler import (
     SamplingParams,
     SchedulerConfig,
     SchedulerOutput,
+    SpeculativeConfig,
     TokenLogprob,
 )
 from cbserve.scheduler.engine_core import StepResult
@@ -28,6 +29,20 @@ EOS = 999
 def next_token(tokens: list[int], sample_index: int = 0) -> int:
     """A deterministic 'greedy model': a function of the context only (never EOS by itself)."""
     return (tokens[-1] * 31 + len(tokens) * 7 + sample_index * 101 + sum(tokens[-4:])) % (VOCAB - 1)
+
+
+def copying_next_token(tokens: list[int], sample_index: int = 0) -> int:
+    """A 'greedy model' that mostly copies (the n-gram proposer's sweet spot, so drafts are both accepted
+    and rejected): the token that followed the last token's previous occurrence, except at every third
+    length (where it makes a new one up); with no previous occurrence, an earlier token. Still a function
+    of the context only."""
+    last = tokens[-1]
+    if len(tokens) % 3 and sample_index == 0:
+        for i in range(len(tokens) - 2, -1, -1):
+            if tokens[i] == last:
+                return tokens[i + 1]
+        return tokens[(len(tokens) * 7) % len(tokens)]  # an earlier token: the next one copies
+    return next_token(tokens, sample_index)
 
 
 def logprob_of(token: int) -> float:
@@ -67,6 +82,9 @@ class FakeExecutor:
     verify: bool = True
     calls: list[SchedulerOutput] = field(default_factory=list)
     keep_calls: bool = True
+    copying: bool = False  # the model copies (copying_next_token): drafts get accepted
+    num_verified: int = 0  # draft tokens seen / accepted (speculative decoding)
+    num_accepted: int = 0
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -98,8 +116,9 @@ class FakeExecutor:
         if self.verify:
             for rid in so.num_scheduled_tokens:
                 self._verify_context(rid)
+        spec = so.scheduled_spec_decode_tokens
         for rid, num in so.num_scheduled_tokens.items():
-            self._write(rid, num)
+            self._write(rid, num, spec.get(rid, []))
         return self._sample(so)
 
     def _slot(self, req: WorkerReq, pos: int) -> tuple[int, int]:
@@ -112,18 +131,24 @@ class FakeExecutor:
             b, o = self._slot(req, pos)
             assert self.kv[b][o] == (pos, req.tokens[pos]), f"{rid}: bad KV at {pos} in block {b}"
 
-    def _write(self, rid: str, num: int) -> None:
+    def _write(self, rid: str, num: int, drafts: list[int]) -> None:
         req = self.reqs[rid]
-        assert num > 0 and req.num_computed + num <= len(req.tokens), (rid, num, req.num_computed)
+        tokens = req.tokens + drafts
+        assert num > 0 and req.num_computed + num <= len(tokens), (rid, num, req.num_computed)
+        assert not drafts or req.num_computed + num == len(tokens), "drafts must end the scheduled tokens"
         for pos in range(req.num_computed, req.num_computed + num):
             b, o = self._slot(req, pos)
-            self.kv[b][o] = (pos, req.tokens[pos])
-        req.num_computed += num
+            self.kv[b][o] = (pos, tokens[pos])
+        req.num_computed += num - len(drafts)
 
     def _sample(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput(forward_time_s=0.001)
+        spec = so.scheduled_spec_decode_tokens
         for rid in so.num_scheduled_tokens:
             req = self.reqs[rid]
+            if rid in spec:
+                self._verify_drafts(rid, req, spec[rid], out)
+                continue
             if req.num_computed != len(req.tokens):
                 continue
             at_prompt_end = req.num_computed == req.num_prompt
@@ -143,6 +168,28 @@ class FakeExecutor:
                 req.tokens.append(out.sampled_token_ids[-1][0])
         return out
 
+    def _verify_drafts(self, rid: str, req: WorkerReq, drafts: list[int], out: ModelRunnerOutput) -> None:
+        """Greedy verification against the fake model: drafts while they match, then the model's token;
+        kept like samples, with the worker's rollback (computed to the last token, blocks trimmed)."""
+        assert not req.beam and req.num_computed == len(req.tokens), (rid, req.num_computed, len(req.tokens))
+        n_before = len(req.tokens)
+        toks: list[int] = []
+        for j in range(len(drafts) + 1):
+            t = self._token(rid, req, 0)
+            toks.append(t)
+            req.tokens.append(t)
+            if j == len(drafts) or t != drafts[j]:
+                break
+        self.num_verified += len(drafts)
+        self.num_accepted += len(toks) - 1
+        out.req_ids.append(rid)
+        out.sampled_token_ids.append(toks)
+        lps = None if req.want_logprobs is None else [TokenLogprob(t, logprob_of(t), 1, []) for t in toks]
+        out.logprobs.append(lps)
+        req.num_computed = len(req.tokens) - 1
+        assert req.num_computed >= n_before
+        del req.blocks[-(-len(req.tokens) // self.block_size) :]
+
     def _eos_candidate(self, rid: str, req: WorkerReq) -> bool:
         at = self.eos_after.get(rid.split("#")[0])
         return at is not None and len(req.tokens) - req.num_prompt + 1 >= at
@@ -152,6 +199,8 @@ class FakeExecutor:
         base = rid if sample_index == 0 else f"{rid}#{sample_index}"
         if self.eos_after.get(base) == num_out:
             return EOS
+        if self.copying:
+            return copying_next_token(req.tokens, sample_index)
         return next_token(req.tokens, sample_index)
 
     def shutdown(self) -> None:
@@ -183,6 +232,8 @@ def make_engine(
     max_waiting: int = 4096,
     clock: FakeClock | None = None,
     eos_after: dict[str, int] | None = None,
+    speculative: SpeculativeConfig | None = None,
+    copying: bool = False,
     **sched_kw: object,
 ) -> tuple[EngineCore, FakeExecutor]:
     config = EngineConfig(
@@ -192,8 +243,9 @@ def make_engine(
             **sched_kw,  # type: ignore[arg-type]
         ),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching),
+        speculative=speculative,
     )  # fmt: skip
-    executor = FakeExecutor(block_size, num_blocks, eos_after=dict(eos_after or {}))
+    executor = FakeExecutor(block_size, num_blocks, eos_after=dict(eos_after or {}), copying=copying)
     return EngineCore(config, executor, clock=clock or FakeClock()), executor
 
 

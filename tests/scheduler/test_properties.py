@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from cbserve.scheduler import QueueFullError, RequestRejectedError
+from cbserve.scheduler import QueueFullError, RequestRejectedError, SpeculativeConfig
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sched_fakes import Collected, Overlapped, collect, make_engine, req, run
@@ -79,13 +79,23 @@ def build(i: int, spec: dict) -> object:
     )
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async-scheduling"])
+SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async-scheduling", "speculative"])
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs, operations=ops)
-def test_random_operations_keep_invariants(overlap: bool, config: dict, operations: list) -> None:
+def test_random_operations_keep_invariants(mode: str, config: dict, operations: list) -> None:
     """With async scheduling the next step is scheduled (and run by the in-order fake worker, which checks
-    every KV slot it reads) before the previous step's output is applied."""
-    engine, ex = make_engine(dynamic_batch_window_s=0.0, async_scheduling=overlap, **_sized(config))
+    every KV slot it reads) before the previous step's output is applied. With speculative decoding the
+    fake model copies (drafts are accepted and rejected) and the fake worker verifies the drafts: rollback
+    keeps every invariant and leaks no block."""
+    overlap = mode == "async-scheduling"
+    spec = SPEC if mode == "speculative" else None
+    engine, ex = make_engine(
+        dynamic_batch_window_s=0.0, async_scheduling=overlap, speculative=spec, copying=spec is not None,
+        **_sized(config),
+    )  # fmt: skip
     driver = Overlapped(engine) if overlap else None
     col = Collected()
     accepted: dict[str, int] = {}
@@ -119,6 +129,41 @@ def test_random_operations_keep_invariants(overlap: bool, config: dict, operatio
     assert not engine.scheduler.seqs and not engine.groups
     pending = engine.scheduler._finished_ids | engine.scheduler._preempted_ids
     assert set(ex.reqs) <= pending
+    if spec is not None:
+        event(f"drafts accepted: {ex.num_accepted > 0}, rejected: {ex.num_accepted < ex.num_verified}")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs, specs=st.lists(requests, min_size=1, max_size=8), k=st.integers(1, 5))
+def test_speculation_gives_same_tokens(config: dict, specs: list, k: int) -> None:
+    """Speculative decoding on a small cache (preemption, chunked prefill, prefix hits, n > 1 forks) gives
+    the tokens greedy decoding gives without it on a big cache; drafts are accepted and rejected."""
+    spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
+    results = []
+    for kv_tokens, speculative in ((1000, None), (config["kv_tokens"], spec)):
+        cfg = _sized(dict(config, kv_tokens=kv_tokens, max_waiting=100))
+        engine, ex = make_engine(dynamic_batch_window_s=0.0, speculative=speculative, copying=True, **cfg)
+        accepted = set()
+        for i, item in enumerate(specs):
+            r = build(i, dict(item, beam=1))  # beam search is refused with speculation
+            if item["eos_at"] is not None:
+                ex.eos_after[r.req_id] = item["eos_at"]
+            try:
+                engine.add_request(r)
+                accepted.add(r.req_id)
+            except RequestRejectedError:
+                pass
+        col = run(engine, max_steps=5000)
+        kv = engine.scheduler.kv
+        assert kv.num_free_blocks == kv.num_blocks and not kv.tables
+        results.append((accepted, col.tokens, col.reasons, ex))
+    (big_ids, big_toks, big_reasons, _), (ids, toks, reasons, ex) = results
+    assert ids <= big_ids
+    for key, tokens in toks.items():
+        assert big_toks[key] == tokens, key
+        assert big_reasons[key] == reasons[key]
+    event(f"drafts accepted: {ex.num_accepted > 0}, rejected: {ex.num_accepted < ex.num_verified}")
+    _events(ex)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

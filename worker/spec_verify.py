@@ -1,0 +1,119 @@
+"""Verification of speculative-decoding drafts, on the logits of one forward pass.
+
+A request with drafts d_0..d_{k-1} has k + 1 logits rows: row j predicts the token after its last token
+and d_0..d_{j-1}. Each row is processed exactly as the sampler would (penalties over that row's history,
+min_tokens, temperature, top-k/p, min-p), so speculation changes how fast tokens come, not which:
+
+- greedy: the target's argmax at each row; drafts are accepted while they equal it, and the target's own
+  token ends the run (at the first mismatch, or the bonus token after k accepted drafts). The output is
+  the one greedy decoding without drafts would give.
+- temperature > 0: rejection sampling. An n-gram draft is deterministic (q = one-hot on d), so draft d is
+  accepted with probability min(1, p(d) / q(d)) = p(d); on rejection the token is drawn from
+  max(0, p - q) renormalised, i.e. from p with d removed; after k accepted drafts the bonus token is drawn
+  from the last row's p. Every output token is thus distributed as the target's p.
+
+A seeded row draws its uniform and its noise from a generator seeded with (seed, position), like the
+sampler: the same seed, prompt and drafts give the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from cbserve.scheduler.outputs import TokenLogprob
+
+from .sampler import Sampler, SamplingRow, step_seed, token_logprobs
+
+
+@dataclass(frozen=True)
+class DraftGroup:
+    """One request's drafts: its rows are ``first_row .. first_row + len(drafts)`` of the logits."""
+
+    owner: int  # index into the batch's sampled requests
+    first_row: int
+    drafts: list[int]
+
+
+def _generator(row: SamplingRow, device: torch.device) -> torch.Generator | None:
+    if row.seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(step_seed(row.seed, len(row.token_ids)))
+    return gen
+
+
+def _race(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """A draw from ``probs`` (unnormalised is fine): argmax of p / Exp(1) noise."""
+    noise = torch.empty_like(probs).exponential_(generator=gen)
+    return int((probs / noise).argmax())
+
+
+def accept_random(probs: torch.Tensor, drafts: Sequence[int], gens: Sequence[torch.Generator | None]) -> list[int]:
+    """Rejection sampling of deterministic drafts against the target rows ``probs`` [k + 1, vocab] (each
+    row the distribution the sampler draws from; ``gens`` one generator per row). Returns the accepted
+    drafts followed by one token drawn from the target (the residual at a rejection, else the bonus)."""
+    out: list[int] = []
+    for j, draft in enumerate(drafts):
+        p = probs[j]
+        total = float(p.sum())
+        u = float(torch.rand((), generator=gens[j], device=p.device))
+        if total > 0.0 and u * total < float(p[draft]):
+            out.append(draft)
+            continue
+        residual = p.clone()
+        residual[draft] = 0.0
+        out.append(_race(residual, gens[j]))
+        return out
+    out.append(_race(probs[len(drafts)], gens[len(drafts)]))
+    return out
+
+
+def accept_greedy(targets: Sequence[int], drafts: Sequence[int]) -> list[int]:
+    """Drafts while they equal the target's tokens, then the target's token at the first mismatch (or the
+    bonus token after the last row)."""
+    out: list[int] = []
+    for j, draft in enumerate(drafts):
+        out.append(targets[j])
+        if targets[j] != draft:
+            return out
+    out.append(targets[len(drafts)])
+    return out
+
+
+def verify_drafts(
+    sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow], groups: Sequence[DraftGroup]
+) -> list[tuple[list[int], list[TokenLogprob] | None]]:
+    """Verify every group's drafts on its rows of ``logits`` (one per sample row in ``rows``); returns, per
+    group, the output tokens (accepted drafts + one) and their logprobs when its request asked for them."""
+    sel = [g.first_row + j for g in groups for j in range(len(g.drafts) + 1)]
+    lg = logits.index_select(0, torch.tensor(sel, dtype=torch.long, device=logits.device)).float()
+    srows = [rows[i] for i in sel]
+    raw = torch.log_softmax(lg, dim=-1) if any(r.params.logprobs is not None for r in srows) else None
+    processed = sampler.process(lg, srows)
+    targets = processed.argmax(dim=-1).tolist()
+    rand = [i for i, r in enumerate(srows) if not r.params.greedy]
+    probs = sampler.probs(processed[rand], [srows[i] for i in rand]) if rand else None
+    prob_index = {i: j for j, i in enumerate(rand)}
+    results: list[tuple[list[int], list[TokenLogprob] | None]] = []
+    base = 0
+    chosen = torch.zeros(len(sel), dtype=torch.long)
+    for g in groups:
+        n = len(g.drafts) + 1
+        if srows[base].params.greedy:
+            tokens = accept_greedy(targets[base : base + n], g.drafts)
+        else:
+            if probs is None:
+                raise RuntimeError("random rows without probabilities")
+            p = probs[[prob_index[base + j] for j in range(n)]]
+            gens = [_generator(srows[base + j], lg.device) for j in range(n)]
+            tokens = accept_random(p, g.drafts, gens)
+        lps = None
+        if raw is not None and srows[base].params.logprobs is not None:
+            idx = list(range(base, base + len(tokens)))
+            chosen[idx] = torch.tensor(tokens, dtype=torch.long)
+            lps = token_logprobs(raw, chosen.to(raw.device), idx, srows)
+        results.append((tokens, lps))
+        base += n
+    return results
