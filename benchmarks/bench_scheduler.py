@@ -71,6 +71,35 @@ def summarize(name: str, seconds: list[float]) -> dict[str, float]:
     return row
 
 
+def time_steps(
+    engine: EngineCore, executor: FakeExecutor, steps: int, overlap: bool, num_requests: int
+) -> tuple[list[float], list[float], list[float]] | None:
+    """Seconds in schedule(), update_from_output() and both, per step (None: a request went unscheduled)."""
+    sched_t: list[float] = []
+    update_t: list[float] = []
+    total_t: list[float] = []
+    previous = None  # async scheduling: the step whose output is applied after the next one is scheduled
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        so = engine.schedule()
+        t1 = time.perf_counter()
+        out = executor.execute_model(so)
+        t2 = time.perf_counter()
+        if overlap:
+            if previous is not None:
+                engine.update_from_output(*previous)
+            previous = (so, out)
+        else:
+            engine.update_from_output(so, out)
+        t3 = time.perf_counter()
+        if len(so.num_scheduled_tokens) != num_requests:
+            return None
+        sched_t.append(t1 - t0)
+        update_t.append(t3 - t2)
+        total_t.append((t1 - t0) + (t3 - t2))
+    return sched_t, update_t, total_t
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=int, default=256)
@@ -106,27 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.default_gc:
         tune_gc_for_serving()  # as LLM and SchedulerActor do
 
-    sched_t, update_t, total_t = [], [], []
-    previous = None  # async scheduling: the step whose output is applied after the next one is scheduled
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        so = engine.schedule()
-        t1 = time.perf_counter()
-        out = executor.execute_model(so)
-        t2 = time.perf_counter()
-        if args.async_scheduling:
-            if previous is not None:
-                engine.update_from_output(*previous)
-            previous = (so, out)
-        else:
-            engine.update_from_output(so, out)
-        t3 = time.perf_counter()
-        if len(so.num_scheduled_tokens) != args.num_requests:
-            print("error: not every request was scheduled", file=sys.stderr)
-            return 1
-        sched_t.append(t1 - t0)
-        update_t.append(t3 - t2)
-        total_t.append((t1 - t0) + (t3 - t2))
+    timings = time_steps(engine, executor, args.steps, args.async_scheduling, args.num_requests)
+    if timings is None:
+        print("error: not every request was scheduled", file=sys.stderr)
+        return 1
+    sched_t, update_t, total_t = timings
     gc_mode = "default GC" if args.default_gc else "tuned GC"
     mode = "async scheduling" if args.async_scheduling else "sync"
     print(f"{args.num_requests} running decode requests, {args.steps} steps, block size {args.block_size}, {gc_mode}, "

@@ -176,20 +176,7 @@ def build_batch(
             samples.add_drafts(s, len(ids) - 1, drafts)
         elif end == len(s.token_ids):
             samples.add(s, len(ids) - 1)
-    max_blocks = max(len(s.block_ids) for s in states)
-    table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_tables=torch.tensor(table, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device),
-        num_decodes=num_decodes,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-    )
+    metadata = _metadata(states, slots, query_lens, seq_lens, num_decodes, block_size, device)
     return PreparedBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(pos, dtype=torch.long, device=device),
@@ -200,4 +187,24 @@ def build_batch(
         sample_rows=samples.rows,
         prompt_lp=prompt_lp,
         draft_groups=samples.groups,
+    )
+
+
+def _metadata(
+    states: list[RequestState], slots: list[int], query_lens: list[int], seq_lens: list[int], num_decodes: int,
+    block_size: int, device: torch.device,
+) -> AttentionMetadata:
+    max_blocks = max(len(s.block_ids) for s in states)
+    table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=torch.tensor(table, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device),
+        num_decodes=num_decodes,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
     )

@@ -179,6 +179,16 @@ def openai_client(url: str) -> Any:
     return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
+def copy_request(url: str) -> int:
+    """An input-grounded chat completion (n-gram drafts are proposed and accepted); its completion tokens."""
+    text = "Sphinx of black quartz, judge my vow. The five boxing wizards jump quickly."
+    copy = openai_client(url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f"Repeat this text exactly: {text}"}], max_tokens=32,
+        temperature=0.0,
+    )
+    return copy.usage.completion_tokens
+
+
 def run_normal_load(url: str) -> dict[str, int]:
     """A few completions, concurrent (batches, preemptions, prefix hits), and a streamed chat completion."""
     client = openai_client(url)
@@ -191,12 +201,7 @@ def run_normal_load(url: str) -> dict[str, int]:
 
     with ThreadPoolExecutor(6) as pool:
         tokens = sum(pool.map(complete, range(6)))
-    text = "Sphinx of black quartz, judge my vow. The five boxing wizards jump quickly."
-    copy = client.chat.completions.create(  # input-grounded: n-gram drafts are proposed and accepted
-        model=MODEL, messages=[{"role": "user", "content": f"Repeat this text exactly: {text}"}], max_tokens=32,
-        temperature=0.0,
-    )
-    tokens += copy.usage.completion_tokens
+    tokens += copy_request(url)
     chunks = 0
     for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi!"}],
                                                 max_tokens=12, stream=True):  # fmt: skip
@@ -285,6 +290,7 @@ def test_every_dashboard_query_returns_data(app_url: str, prometheus_url: str) -
         assert targets
         check_healthy_cluster(prometheus_url, started)
         run_bad_load(app_url)
+        copy_request(app_url)  # drafts again, now that Prometheus scrapes: the draft-rate panels see an increase
         check_dashboards(prometheus_url, started)
 
 
