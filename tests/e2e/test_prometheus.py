@@ -288,9 +288,9 @@ def test_every_dashboard_query_returns_data(app_url: str, prometheus_url: str) -
         # Prometheus found Ray's metrics port through the discovery file and scrapes it.
         targets = wait_for("a healthy scrape target", lambda: query(prometheus_url, 'up{job="ray"} == 1'), 60)
         assert targets
+        copy_request(app_url)  # drafts again, now that Prometheus scrapes: the draft-rate panels see an increase
         check_healthy_cluster(prometheus_url, started)
         run_bad_load(app_url)
-        copy_request(app_url)  # drafts again, now that Prometheus scrapes: the draft-rate panels see an increase
         check_dashboards(prometheus_url, started)
 
 
