@@ -6,6 +6,8 @@ exponential race (argmax of p / Exp(1) noise), which lets every seeded row draw 
 generator. A seeded row's generator is re-seeded from (seed, position) at each step, so its output
 depends only on its seed and tokens, never on batch companions, preemption or timing.
 Logprobs come from the raw log-softmax of the model's logits (before penalties and temperature).
+Structured output: a batch token bitmask (worker/structured.py) masks what each row's grammar forbids,
+after penalties and min_tokens and before the choice.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from cbserve.scheduler.outputs import TokenLogprob
 from cbserve.scheduler.sampling_params import SamplingParams
+
+from .structured import apply_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -48,14 +52,17 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: torch.Tensor | None = None
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Sample one token per row of ``logits`` [num_rows, vocab]; returns token ids and logprobs."""
+        """Sample one token per row of ``logits`` [num_rows, vocab]; returns token ids and logprobs.
+        ``bitmask``: the structured-output token bitmask of the rows (None: no row is constrained)."""
         logits = logits.float()
         want_lp = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = self._apply_penalties(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
+        if bitmask is not None:
+            logits = apply_bitmask(logits, bitmask)
         tokens = self._pick(logits, rows)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(rows)

@@ -1,0 +1,187 @@
+"""Structured output with xgrammar: grammars compiled from a request's ``StructuredSpec`` (cached per spec),
+one grammar matcher per constrained sequence, and the token bitmask of a whole batch for the sampler.
+
+Where the matchers live: in the worker that samples (tensor-parallel rank 0), keyed by sequence id. The
+worker already holds every sequence's token ids (the scheduler sends each new token once), so a matcher
+is brought up to date lazily, just before its sequence is sampled, by accepting the output tokens it has
+not seen. Preemption and forks need nothing special: a recomputed sequence or a fork child arrives as a
+new request with all its tokens and gets a fresh matcher that replays them (a rollback by rebuilding).
+The scheduler stays free of xgrammar and torch, and no bitmask crosses the Ray hop.
+
+When a grammar is complete, the bitmask allows only the stop (EOS) tokens, so the sequence ends with EOS
+through the ordinary stop rule; EOS is masked while the grammar is incomplete.
+
+The front end compiles each spec with the same ``GrammarCompilerCache`` when it validates a request, so a
+spec that does not compile is a 400 there and never reaches a worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from cbserve.scheduler.sampling_params import StructuredSpec
+
+logger = logging.getLogger(__name__)
+
+_XGR_LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
+DEFAULT_CACHE_SIZE = 256
+
+
+class GrammarError(ValueError):
+    """A structured-output spec that cannot be compiled (the message names the problem)."""
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF that matches exactly one of ``choices``."""
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError("choice must be a non-empty list of non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _clean(e: Exception) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return _XGR_LOG_PREFIX.sub("", lines[0]) if lines else type(e).__name__
+
+
+class GrammarCompilerCache:
+    """An xgrammar compiler for one tokenizer, with the compiled grammars of the last ``max_size`` specs."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_size: int = 256) -> None:
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        stops = sorted({int(t) for t in stop_token_ids if 0 <= int(t) < vocab_size})
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops or None)
+        self.stop_token_ids = tuple(info.stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.max_size = max_size
+        self._cache: OrderedDict[StructuredSpec, Any] = OrderedDict()
+
+    def get(self, spec: StructuredSpec) -> Any:
+        """The compiled grammar of ``spec``; GrammarError when it does not compile."""
+        hit = self._cache.get(spec)
+        if hit is not None:
+            self._cache.move_to_end(spec)
+            return hit
+        compiled = self._compile(spec)
+        self._cache[spec] = compiled
+        if len(self._cache) > self.max_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredSpec) -> Any:
+        c = self.compiler
+        try:
+            if spec.kind == "json":
+                json.loads(spec.spec)  # a clear message for malformed JSON
+                return c.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
+            if spec.kind == "json_object":
+                return c.compile_builtin_json_grammar()
+            if spec.kind == "regex":
+                return c.compile_regex(spec.spec)
+            if spec.kind == "choice":
+                choices = json.loads(spec.spec)
+                if not isinstance(choices, list):
+                    raise GrammarError("choice must be a list of strings")
+                return c.compile_grammar(choice_grammar(choices))
+            return c.compile_grammar(spec.spec)
+        except GrammarError:
+            raise
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"invalid {spec.kind} for structured output: malformed JSON: {e}") from e
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
+            raise GrammarError(f"invalid {spec.kind} for structured output: {_clean(e)}") from e
+
+
+def load_grammar_tokenizer(model_folder: Path) -> Any:
+    """The model's tokenizer, as the front end loads it (xgrammar reads its vocabulary)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (model_folder / "tokenizer.json").exists():
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(model_folder))
+        except Exception:  # noqa: BLE001 - fall back to the class the folder names
+            pass
+    return AutoTokenizer.from_pretrained(str(model_folder))
+
+
+@dataclass
+class _Matcher:
+    owner: object  # the worker's state object of the sequence: a new one (preempted, resumed) starts over
+    matcher: Any
+    num_consumed: int = 0  # output tokens accepted so far
+    broken: bool = False
+
+
+class StructuredOutputs:
+    """The matchers of one worker's constrained sequences. ``bitmask(...)`` before sampling;
+    ``drop(ids)`` when sequences finish or are preempted. The compiler is built on first use."""
+
+    def __init__(self, model_folder: Path, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.model_folder = model_folder
+        self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(stop_token_ids)
+        self._compilers: GrammarCompilerCache | None = None
+        self.matchers: dict[str, _Matcher] = {}
+
+    @property
+    def compilers(self) -> GrammarCompilerCache:
+        if self._compilers is None:
+            tok = load_grammar_tokenizer(self.model_folder)
+            stops = [*self.stop_token_ids, *([tok.eos_token_id] if tok.eos_token_id is not None else [])]
+            self._compilers = GrammarCompilerCache(tok, self.vocab_size, stops, DEFAULT_CACHE_SIZE)
+        return self._compilers
+
+    def drop(self, seq_ids: Any) -> None:
+        for s in seq_ids:
+            self.matchers.pop(s, None)
+
+    def _matcher(self, seq_id: str, owner: object, spec: StructuredSpec, output: Sequence[int]) -> _Matcher | None:
+        import xgrammar as xgr
+
+        m = self.matchers.get(seq_id)
+        if m is None or m.owner is not owner or m.num_consumed > len(output):
+            m = _Matcher(owner, xgr.GrammarMatcher(self.compilers.get(spec)))
+            self.matchers[seq_id] = m
+        while not m.broken and m.num_consumed < len(output):
+            token = output[m.num_consumed]
+            if not m.matcher.accept_token(token):
+                logger.error("sequence %s: token %d is outside its grammar; no longer constrained", seq_id, token)
+                m.broken = True
+            m.num_consumed += 1
+        return None if m.broken or m.matcher.is_terminated() else m
+
+    def bitmask(self, rows: Sequence[tuple[str, object, Any]]) -> torch.Tensor | None:
+        """The token bitmask [len(rows), ceil(vocab / 32)] int32 of a batch's sampled rows, each given as
+        (sequence id, its worker state, its SamplingRow); None when no row is constrained. Unconstrained
+        rows allow every token."""
+        if not any(r.params.structured is not None for _, _, r in rows):
+            return None
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all allowed
+        for j, (seq_id, owner, row) in enumerate(rows):
+            spec = row.params.structured
+            if spec is None:
+                continue
+            m = self._matcher(seq_id, owner, spec, row.token_ids[row.num_prompt_tokens :])
+            if m is not None:
+                m.matcher.fill_next_token_bitmask(mask, j)
+        return mask
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` [rows, vocab] with the tokens each row's bitmask forbids at -inf (a new tensor)."""
+    import xgrammar as xgr
+
+    out = logits.clone()
+    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True), vocab_size=out.shape[1])
+    return out
