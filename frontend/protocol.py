@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
+from .protocol_tools import DeltaToolCall, ResponseFormat, StructuredOutputsParams, Tool, ToolCall, ToolChoice
+
 
 class APIError(Exception):
     """An error answered in OpenAI's body shape with an HTTP status."""
@@ -74,6 +76,9 @@ class SamplingFields(BaseModel):
     best_of: int | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # structured output (frontend/structured.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -119,6 +124,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # tool calling (frontend/tool_calls.py)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(BaseModel):
@@ -193,6 +202,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -214,6 +224,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from .protocol import (
     new_id,
 )
 from .responses import ChatFormatter, CompletionFormatter, Formatter
+from .structured import GrammarValidator, request_spec, resolve_tool_parser, tool_setup
 from .validation import RequestValidator, ServedModel
 
 T = TypeVar("T")
@@ -53,6 +54,8 @@ class OpenAIServing:
         self.engine = engine
         self.validator = RequestValidator(served, tokenizer)
         self.processor = OutputProcessor(tokenizer, eos_token_ids, engine.finish)
+        self.grammars = GrammarValidator(tokenizer, served.vocab_size, eos_token_ids)
+        self.tool_parser = resolve_tool_parser(served.tool_call_parser, getattr(tokenizer, "chat_template", None))
 
     # ---- endpoints ----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest) -> Answer:
@@ -61,7 +64,9 @@ class OpenAIServing:
         if req.logprobs is not None and req.logprobs < 0:
             raise APIError(400, "logprobs must be >= 0", param="logprobs")
         prompts = v.completion_prompts(req.prompt)
-        params = [v.sampling_params(req, len(p), req.max_tokens, req.logprobs) for p in prompts]
+        spec, param = request_spec(req)
+        self.grammars.check(spec, param)
+        params = [v.sampling_params(req, len(p), req.max_tokens, req.logprobs, spec) for p in prompts]
         req_id = new_id("cmpl")
         echo = [self.tokenizer.decode(p) if req.echo else "" for p in prompts]
         fmt = CompletionFormatter(req_id, self.served.name, self.tokenizer, req.n, echo, req.logprobs)
@@ -73,11 +78,17 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        prompt = v.chat_prompt(req.messages, req.add_generation_prompt)
+        tools, tool_mode, tool_spec = tool_setup(req, self.tool_parser)
+        spec, param = request_spec(req)
+        if tool_spec is not None and spec is not None:
+            raise APIError(400, f"a forced tool_choice cannot be combined with {param}", param="tool_choice")
+        spec, param = (tool_spec, "tools") if tool_spec is not None else (spec, param)
+        self.grammars.check(spec, param)
+        prompt = v.chat_prompt(req.messages, req.add_generation_prompt, tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = v.sampling_params(req, len(prompt), max_tokens, logprobs)
+        params = v.sampling_params(req, len(prompt), max_tokens, logprobs, spec)
         req_id = new_id("chatcmpl")
-        fmt = ChatFormatter(req_id, self.served.name, self.tokenizer, req.n, logprobs is not None)
+        fmt = ChatFormatter(req_id, self.served.name, self.tokenizer, req.n, logprobs is not None, tool_mode)
         return await self._run(req_id, [prompt], [params], req.stream, req.include_usage, fmt)
 
     def models(self) -> ModelList:
