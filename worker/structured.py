@@ -83,8 +83,8 @@ class GrammarCompilerCache:
             if spec.kind == "json":
                 json.loads(spec.spec)  # a clear message for malformed JSON
                 return c.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
-            if spec.kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if spec.kind == "json_object":  # any object, in the same compact layout as a schema's
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=True)
             if spec.kind == "regex":
                 return c.compile_regex(spec.spec)
             if spec.kind == "choice":
