@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 from cbserve.scheduler.request import EngineRequest, RequestOutput
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
 from pydantic import BaseModel
 
 from .output import OutputProcessor, RequestState, SeqDelta
@@ -65,7 +65,7 @@ class OpenAIServing:
             raise APIError(400, "logprobs must be >= 0", param="logprobs")
         prompts = v.completion_prompts(req.prompt)
         spec, param = request_spec(req)
-        self.grammars.check(spec, param)
+        await self._check_grammar(spec, param)
         params = [v.sampling_params(req, len(p), req.max_tokens, req.logprobs, spec) for p in prompts]
         req_id = new_id("cmpl")
         echo = [self.tokenizer.decode(p) if req.echo else "" for p in prompts]
@@ -83,13 +83,18 @@ class OpenAIServing:
         if tool_spec is not None and spec is not None:
             raise APIError(400, f"a forced tool_choice cannot be combined with {param}", param="tool_choice")
         spec, param = (tool_spec, "tools") if tool_spec is not None else (spec, param)
-        self.grammars.check(spec, param)
+        await self._check_grammar(spec, param)
         prompt = v.chat_prompt(req.messages, req.add_generation_prompt, tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = v.sampling_params(req, len(prompt), max_tokens, logprobs, spec)
         req_id = new_id("chatcmpl")
         fmt = ChatFormatter(req_id, self.served.name, self.tokenizer, req.n, logprobs is not None, tool_mode)
         return await self._run(req_id, [prompt], [params], req.stream, req.include_usage, fmt)
+
+    async def _check_grammar(self, spec: StructuredSpec | None, param: str | None) -> None:
+        """Compile a structured-output spec off the event loop (a 400 when it does not compile)."""
+        if spec is not None:
+            await asyncio.to_thread(self.grammars.check, spec, param)
 
     def models(self) -> ModelList:
         return ModelList(data=[self.model_card()])

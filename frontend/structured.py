@@ -11,6 +11,7 @@ JSON schema forces its arguments). Forced choices hold on any model, whatever it
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -138,7 +139,8 @@ def required_calls_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, An
 # ---- grammar validation ---------------------------------------------------------------------------
 class GrammarValidator:
     """Compiles each spec once, as the workers will (same compiler, built on the first structured request:
-    it imports xgrammar, and torch with it), so a spec that does not compile is a 400 here."""
+    it imports xgrammar, and torch with it), so a spec that does not compile is a 400 here. Thread-safe:
+    the server calls it in a worker thread, off the event loop."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         self.tokenizer = tokenizer
@@ -146,15 +148,17 @@ class GrammarValidator:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_token_ids = [*stop_token_ids, *([eos] if eos is not None else [])]
         self._cache: Any = None
+        self._lock = threading.Lock()
 
     def check(self, spec: StructuredSpec | None, param: str | None) -> None:
         if spec is None:
             return
         from cbserve.worker.structured import GrammarCompilerCache, GrammarError
 
-        if self._cache is None:
-            self._cache = GrammarCompilerCache(self.tokenizer, self.vocab_size, self.stop_token_ids)
         try:
-            self._cache.get(spec)
+            with self._lock:
+                if self._cache is None:
+                    self._cache = GrammarCompilerCache(self.tokenizer, self.vocab_size, self.stop_token_ids)
+                self._cache.get(spec)
         except GrammarError as e:
             raise APIError(400, str(e), param=param) from e

@@ -142,7 +142,8 @@ def test_json_schema_and_json_object_parse_at_temperature(apps: Apps, stream: bo
                                                       "strict": True}}  # fmt: skip
     for fmt in (schema, {"type": "json_object"}):
         msgs = [{"role": "user", "content": "Describe a person (name, age, city) in JSON."}]
-        kw = dict(model=_model(client), messages=msgs, response_format=fmt, temperature=0.9, max_tokens=160, n=2)
+        kw = dict(model=_model(client), messages=msgs, response_format=fmt, temperature=0.7, seed=3, max_tokens=300,
+                  n=2)  # fmt: skip
         if stream:
             texts = ["", ""]
             for chunk in client.chat.completions.create(stream=True, **kw):

@@ -198,3 +198,31 @@ def test_chat_with_forced_tool_choice_sends_a_grammar() -> None:
     r, engine = _chat(["plain"], stream=False, tool_choice="none")
     assert engine.requests[0].sampling_params.structured is None and r.choices[0].message.content == "plain"
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+
+
+def test_response_format_and_structured_outputs_become_one_spec() -> None:
+    from cbserve.frontend.structured import request_spec
+
+    def spec_of(**kw: Any) -> Any:
+        return request_spec(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **kw))
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec, param = spec_of(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema,
+                                                                                  "strict": True}})  # fmt: skip
+    assert (spec.kind, json.loads(spec.spec), param) == ("json", schema, "response_format")
+    assert spec_of(response_format={"type": "json_object"})[0].kind == "json_object"
+    assert spec_of(response_format={"type": "text"}) == (None, None) and spec_of() == (None, None)
+    spec, param = spec_of(structured_outputs={"choice": ["a", "b"]})
+    assert (spec.kind, json.loads(spec.spec), param) == ("choice", ["a", "b"], "structured_outputs")
+    assert spec_of(structured_outputs={"regex": "[0-9]+"})[0].spec == "[0-9]+"
+    assert spec_of(structured_outputs={"json": schema})[0].kind == "json"
+    no_schema = {"type": "json_schema", "json_schema": {"name": "x"}}
+    for bad, match in [({"structured_outputs": {"regex": "a", "grammar": "b"}}, "exactly one"),
+                       ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "not both"),
+                       ({"response_format": no_schema}, "schema")]:  # fmt: skip
+        with pytest.raises(APIError, match=match):
+            spec_of(**bad)
+    with pytest.raises(ValueError, match="ignore_eos"):  # the grammar ends the output with EOS
+        from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
+
+        SamplingParams(structured=StructuredSpec("regex", "a"), ignore_eos=True)
