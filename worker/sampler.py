@@ -56,13 +56,14 @@ class Sampler:
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Sample one token per row of ``logits`` [num_rows, vocab]; returns token ids and logprobs.
         ``bitmask``: the structured-output token bitmask of the rows (None: no row is constrained)."""
+        given = logits
         logits = logits.float()
         want_lp = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = self._apply_penalties(logits, rows)
         logits = self._apply_min_tokens(logits, rows)
-        if bitmask is not None:
-            logits = apply_bitmask(logits, bitmask)
+        if bitmask is not None:  # in place when penalties or the float conversion already copied them
+            logits = apply_bitmask(logits, bitmask, inplace=logits.data_ptr() != given.data_ptr())
         tokens = self._pick(logits, rows)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(rows)

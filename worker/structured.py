@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from cbserve.scheduler.sampling_params import StructuredSpec
 
@@ -131,6 +132,8 @@ class StructuredOutputs:
         self.stop_token_ids = tuple(stop_token_ids)
         self._compilers: GrammarCompilerCache | None = None
         self.matchers: dict[str, _Matcher] = {}
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made on first use
+        self.fill_threads = 1  # threads filling the bitmask (one: the forward pass owns the cores)
 
     @property
     def compilers(self) -> GrammarCompilerCache:
@@ -144,15 +147,18 @@ class StructuredOutputs:
         for s in seq_ids:
             self.matchers.pop(s, None)
 
-    def _matcher(self, seq_id: str, owner: object, spec: StructuredSpec, output: Sequence[int]) -> _Matcher | None:
+    def _matcher(self, seq_id: str, owner: object, row: Any) -> _Matcher | None:
+        """The sequence's matcher, brought up to date with its output tokens (None: nothing to constrain)."""
         import xgrammar as xgr
 
+        tokens, start = row.token_ids, row.num_prompt_tokens
+        num_output = len(tokens) - start
         m = self.matchers.get(seq_id)
-        if m is None or m.owner is not owner or m.num_consumed > len(output):
-            m = _Matcher(owner, xgr.GrammarMatcher(self.compilers.get(spec)))
+        if m is None or m.owner is not owner or m.num_consumed > num_output:
+            m = _Matcher(owner, xgr.GrammarMatcher(self.compilers.get(row.params.structured)))
             self.matchers[seq_id] = m
-        while not m.broken and m.num_consumed < len(output):
-            token = output[m.num_consumed]
+        while not m.broken and m.num_consumed < num_output:
+            token = tokens[start + m.num_consumed]
             if not m.matcher.accept_token(token):
                 logger.error("sequence %s: token %d is outside its grammar; no longer constrained", seq_id, token)
                 m.broken = True
@@ -162,26 +168,30 @@ class StructuredOutputs:
     def bitmask(self, rows: Sequence[tuple[str, object, Any]]) -> torch.Tensor | None:
         """The token bitmask [len(rows), ceil(vocab / 32)] int32 of a batch's sampled rows, each given as
         (sequence id, its worker state, its SamplingRow); None when no row is constrained. Unconstrained
-        rows allow every token."""
+        rows allow every token. The constrained rows are filled in one call (xgrammar's threads)."""
         if not any(r.params.structured is not None for _, _, r in rows):
             return None
         import xgrammar as xgr
 
-        mask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # all allowed
+        matchers, indices = [], []
         for j, (seq_id, owner, row) in enumerate(rows):
-            spec = row.params.structured
-            if spec is None:
-                continue
-            m = self._matcher(seq_id, owner, spec, row.token_ids[row.num_prompt_tokens :])
-            if m is not None:
-                m.matcher.fill_next_token_bitmask(mask, j)
+            if row.params.structured is not None and (m := self._matcher(seq_id, owner, row)) is not None:
+                matchers.append(m.matcher)
+                indices.append(j)
+        # All allowed (-1). numpy, not torch.full: no trip through torch's thread pool for a small buffer.
+        mask = torch.from_numpy(np.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=np.int32))
+        if matchers:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
+            self._batch.batch_fill_next_token_bitmask(matchers, mask, indices)
         return mask
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` [rows, vocab] with the tokens each row's bitmask forbids at -inf (a new tensor)."""
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``logits`` [rows, vocab] with the tokens each row's bitmask forbids at -inf (a copy unless
+    ``inplace``)."""
     import xgrammar as xgr
 
-    out = logits.clone()
+    out = logits if inplace else logits.clone()
     xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True), vocab_size=out.shape[1])
     return out
