@@ -15,7 +15,7 @@ from .outputs import (
     TokenLogprob,
 )
 from .request import EngineRequest, RequestOutput, RequestStatus
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredSpec
 from .scheduler import Scheduler
 from .stats import EngineTotals, FinishedRequestStats, IterationStats, RequestTimes, SchedulerStats
 from .stop import StopRule
@@ -43,6 +43,7 @@ __all__ = [
     "RequestStatus",
     "RequestTimes",
     "SamplingParams",
+    "StructuredSpec",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",

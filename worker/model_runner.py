@@ -27,6 +27,7 @@ from .parallel import broadcast_from_rank0, divide, tp_rank, tp_world_size
 from .profiling import profile_cuda_kv_budget
 from .prompt_logprobs import compute_prompt_logprobs
 from .sampler import Sampler
+from .structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ class ModelRunner:
             tune_malloc_for_cpu_inference()  # after the weights are placed: they stay in their own mappings
         self.eos_token_ids = list(read_eos_token_ids(self.model_folder))
         self.sampler = Sampler(self.eos_token_ids)
+        vocab = int(self.hf_config.vocab_size)
+        self.structured = StructuredOutputs(self.model_folder, vocab, self.eos_token_ids)  # grammar matchers
         self.num_kv_heads = divide(num_kv_heads_of(self.hf_config), tp_world_size(), "num_key_value_heads")
         self.head_dim = head_dim_of(self.hf_config)
         self.kv_caches: list[KVCache] = []
@@ -130,6 +133,7 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(req_id, None)
+        self.structured.drop(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RequestState.from_new(new)
         for cached in so.scheduled_cached_reqs:
@@ -188,7 +192,11 @@ class ModelRunner:
             return out
         owner = torch.tensor(batch.sample_owner, dtype=torch.long, device=logits.device)
         rows_logits = logits if len(batch.sample_owner) == logits.shape[0] else logits.index_select(0, owner)
-        tokens, logprobs = self.sampler(rows_logits, batch.sample_rows)
+        ids = batch.sampled_req_ids
+        bitmask = self.structured.bitmask(
+            [(ids[o], self.requests.get(ids[o]), r) for o, r in zip(batch.sample_owner, batch.sample_rows, strict=True)]
+        )
+        tokens, logprobs = self.sampler(rows_logits, batch.sample_rows, bitmask)
         sampled: list[list[int]] = [[] for _ in batch.sampled_req_ids]
         lps: list[list[TokenLogprob] | None] = [None for _ in batch.sampled_req_ids]
         for j, o in enumerate(batch.sample_owner):
@@ -213,3 +221,4 @@ class ModelRunner:
         self.graphs = None
         self.kv_caches = []
         self.requests.clear()
+        self.structured.drop(list(self.structured.matchers))
