@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
 
 if TYPE_CHECKING:
     from cbserve.frontend.llm import LLM
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredSpec"]
 __version__ = "0.1.0"
 
 

@@ -91,6 +91,8 @@ class CBServeConfig(BaseModel):
     app_name: str = "cbserve"
     api_key: str | None = None
     max_n: int = Field(16, ge=1)  # largest n (or best_of) a request may ask for
+    # tool_choice "auto": the model's tool-call format ("auto": from its chat template; "none": refused)
+    tool_call_parser: Literal["auto", "none", "hermes", "llama3_json"] = "auto"
     request_timeout_s: float | None = Field(None, gt=0.0)  # a longer request is aborted (HTTP 504)
 
     @field_validator("speculative_config", mode="before")

@@ -114,8 +114,9 @@ class OpenAIIngress:
             app_name, owner = self.config.app_name, uuid.uuid4().hex[:8]
         self.client = EngineClient(self.config, app_name, owner)
         cfg = self.config
+        vocab = files.vocab_size or len(tokenizer)
         served = ServedModel(
-            cfg.model_name, cfg.max_model_len, cfg.max_n, files.vocab_size or len(tokenizer), cfg.ordering == "priority"
+            cfg.model_name, cfg.max_model_len, cfg.max_n, vocab, cfg.ordering == "priority", cfg.tool_call_parser
         )
         self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids)
         self.metrics = IngressMetrics(cfg.model_name)

@@ -15,7 +15,7 @@ from .protocol import APIError, ChatCompletionRequest
 
 logger = logging.getLogger(__name__)
 
-NOT_YET = "not supported yet"
+USE_STRUCTURED = "(deprecated) is not supported; use structured_outputs"
 Harmless = Callable[[Any], bool]
 
 
@@ -48,18 +48,13 @@ REFUSED: dict[str, tuple[str, Harmless]] = {
     "web_search_options": ("is not supported", lambda v: v is None),  # {} turns web search on
     "functions": ("(deprecated) is not supported; use tools", _falsy),
     "function_call": ("(deprecated) is not supported; use tool_choice", _falsy),
-    # structured output and tool calling: their own change lands these
-    "response_format": (NOT_YET, lambda v: v is None or v == {"type": "text"}),
-    "structured_outputs": (NOT_YET, _falsy),
-    "guided_json": (NOT_YET, _falsy),
-    "guided_regex": (NOT_YET, _falsy),
-    "guided_choice": (NOT_YET, _falsy),
-    "guided_grammar": (NOT_YET, _falsy),
-    "guided_decoding_backend": (NOT_YET, _falsy),
-    "guided_whitespace_pattern": (NOT_YET, _falsy),
-    "tools": (NOT_YET, _falsy),
-    "tool_choice": (NOT_YET, lambda v: v in (None, "none")),
-    "parallel_tool_calls": (NOT_YET, lambda v: v is None),
+    # vLLM's older guided decoding fields (structured output is response_format / structured_outputs)
+    "guided_json": (USE_STRUCTURED, _falsy),
+    "guided_regex": (USE_STRUCTURED, _falsy),
+    "guided_choice": (USE_STRUCTURED, _falsy),
+    "guided_grammar": (USE_STRUCTURED, _falsy),
+    "guided_decoding_backend": ("only xgrammar is supported", lambda v: v in (None, "auto", "xgrammar")),
+    "guided_whitespace_pattern": ("is not supported", _falsy),
 }
 
 

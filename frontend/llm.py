@@ -137,6 +137,10 @@ class LLM:
     def _run(
         self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool
     ) -> list[GenerateOutput]:
+        grammars = self.executor.runner.structured.compilers if any(p.structured for p in params) else None
+        for sp in params:  # a spec that does not compile: ValueError here, not in the engine
+            if sp.structured is not None and grammars is not None:
+                grammars.get(sp.structured)
         req_ids = [f"llm-{next(self._ids)}" for _ in encoded]
         progress = _Progress(len(encoded), use_tqdm)
         try:

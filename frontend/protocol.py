@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from .protocol_tools import DeltaToolCall, ResponseFormat, StructuredOutputsParams, Tool, ToolCall, ToolChoice
+
 
 class APIError(Exception):
     """An error answered in OpenAI's body shape with an HTTP status."""
@@ -100,9 +102,10 @@ class SamplingFields(BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
-    # structured output: declared, refused "not supported yet" (field_policy.py) until it lands
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
+    # structured output (frontend/structured.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's older guided decoding fields: declared, refused (field_policy.py) in favour of structured_outputs
     guided_json: Any = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -164,10 +167,10 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    # tool calling: declared, refused "not supported yet" (field_policy.py) until it lands
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    # tool calling (frontend/tool_calls.py)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(BaseModel):
@@ -254,6 +257,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -276,6 +280,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

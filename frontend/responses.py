@@ -27,6 +27,8 @@ from .protocol import (
     UsageInfo,
     now,
 )
+from .structured import ToolMode
+from .tool_calls import ToolCallStream, final_message, finish_reason_with_calls
 
 Choices = Sequence[tuple[int, CompletionOutput, list[TokenLogprob | None] | None]]  # (index, output, prompt lps)
 
@@ -175,13 +177,18 @@ class CompletionFormatter(_Base):
 
 
 class ChatFormatter(_Base):
+    """``tools``: how tool calls are read from each choice's text (None: the text is the content)."""
+
     def __init__(
-        self, req_id: str, model: str, tokenizer: Any, n: int, logprobs: bool, prompt_logprobs: bool = False
+        self, req_id: str, model: str, tokenizer: Any, n: int, logprobs: bool, prompt_logprobs: bool = False,
+        tools: ToolMode | None = None,
     ) -> None:
         super().__init__(req_id, model, tokenizer)
         self.n = n
         self.want_logprobs = logprobs
         self.want_prompt_logprobs = prompt_logprobs
+        self.tools = tools
+        self._streams: dict[int, ToolCallStream] = {}
 
     def _entry(self, token_id: int, logprob: float) -> TopLogprob:
         text = self.token_text(token_id)
@@ -196,16 +203,19 @@ class ChatFormatter(_Base):
             content.append(ChatTokenLogprob(**self._entry(e.token_id, e.logprob).model_dump(), top_logprobs=top))
         return ChatLogprobs(content=content)
 
+    def _message(self, out: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
+        if self.tools is None:
+            return ChatResponseMessage(role="assistant", content=out.text), out.finish_reason
+        content, calls = final_message(self.tools, out.text)
+        message = ChatResponseMessage(role="assistant", content=content, tool_calls=calls or None)
+        return message, finish_reason_with_calls(out.finish_reason, bool(calls))
+
     def response(self, choices: Choices, usage: UsageInfo) -> ChatCompletionResponse:
-        body = [
-            ChatChoice(
-                index=index,
-                message=ChatResponseMessage(role="assistant", content=out.text),
-                logprobs=self._logprobs(out.logprobs),
-                finish_reason=out.finish_reason,
-            )
-            for index, out, _ in sorted(choices, key=lambda c: c[0])
-        ]
+        body = []
+        for index, out, _ in sorted(choices, key=lambda c: c[0]):
+            message, finish = self._message(out)
+            body.append(ChatChoice(index=index, message=message, logprobs=self._logprobs(out.logprobs),
+                                   finish_reason=finish))  # fmt: skip
         prompt_lp = self.vllm_prompt_logprobs(choices[0][2]) if choices else None
         return ChatCompletionResponse(
             id=self.req_id, created=self.created, model=self.model, choices=body, usage=usage, prompt_logprobs=prompt_lp
@@ -215,10 +225,22 @@ class ChatFormatter(_Base):
         return [self._chunk(i, DeltaMessage(role="assistant", content=""), None, None) for i in range(self.n)]
 
     def chunks(self, deltas: list[SeqDelta]) -> list[ChatCompletionChunk]:
+        if self.tools is not None:
+            return [self._tool_chunk(d) for d in deltas]
         return [
             self._chunk(d.index, DeltaMessage(content=d.text), self._logprobs(d.logprobs), d.finish_reason)
             for d in deltas
         ]
+
+    def _tool_chunk(self, d: SeqDelta) -> ChatCompletionChunk:
+        """A delta of a choice whose text may hold tool calls: content and tool-call pieces as they parse."""
+        stream = self._streams.get(d.index)
+        if stream is None:
+            stream = self._streams[d.index] = ToolCallStream(self.tools)  # type: ignore[arg-type]
+        content, calls = stream.feed(d.text, final=d.finish_reason is not None)
+        delta = DeltaMessage(content=content, tool_calls=calls or None)
+        finish = finish_reason_with_calls(d.finish_reason, stream.has_calls)
+        return self._chunk(d.index, delta, self._logprobs(d.logprobs), finish)
 
     def _chunk(
         self, index: int, delta: DeltaMessage, lp: ChatLogprobs | None, finish: str | None

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 from cbserve.scheduler.request import EngineRequest, RequestOutput
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
 from pydantic import BaseModel
 
 from .output import OutputProcessor, RequestState, SeqDelta
@@ -31,6 +31,7 @@ from .protocol import (
     new_id,
 )
 from .responses import ChatFormatter, CompletionFormatter, Formatter
+from .structured import GrammarValidator, request_spec, resolve_tool_parser, tool_setup
 from .validation import RequestValidator, ServedModel
 
 T = TypeVar("T")
@@ -54,6 +55,8 @@ class OpenAIServing:
         self.engine = engine
         self.validator = RequestValidator(served, tokenizer)
         self.processor = OutputProcessor(tokenizer, eos_token_ids, engine.finish)
+        self.grammars = GrammarValidator(tokenizer, served.vocab_size, eos_token_ids)
+        self.tool_parser = resolve_tool_parser(served.tool_call_parser, getattr(tokenizer, "chat_template", None))
 
     # ---- endpoints ----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request_id: str | None = None) -> Answer:
@@ -67,13 +70,15 @@ class OpenAIServing:
         echo_only = req.max_tokens == 0
         if echo_only and not req.echo:
             raise APIError(400, "max_tokens=0 needs echo=true (the prompt alone)", param="max_tokens")
+        spec, param = request_spec(req)
+        await self._check_grammar(spec, param)
         prompts = [v.truncated(p, req.truncate_prompt_tokens)
                    for p in v.completion_prompts(req.prompt, req.add_special_tokens)]
         prompt_lp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:  # the prompt tokens' logprobs start each choice's
             prompt_lp = max(prompt_lp or 0, req.logprobs)
         max_tokens = 1 if echo_only else req.max_tokens
-        params = [v.sampling_params(req, len(p), max_tokens, req.logprobs, prompt_lp) for p in prompts]
+        params = [v.sampling_params(req, len(p), max_tokens, req.logprobs, prompt_lp, spec) for p in prompts]
         req_id = _response_id("cmpl", request_id or req.request_id)
         fmt = CompletionFormatter(
             req_id, self.served.name, self.tokenizer, req.n, prompts, req.echo, req.logprobs, echo_only,
@@ -88,14 +93,26 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         _check_prompt_logprobs(req.prompt_logprobs, req.stream)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        prompt = v.chat_request_prompt(req)
+        tools, tool_mode, tool_spec = tool_setup(req, self.tool_parser)
+        spec, param = request_spec(req)
+        if tool_spec is not None and spec is not None:
+            raise APIError(400, f"a forced tool_choice cannot be combined with {param}", param="tool_choice")
+        spec, param = (tool_spec, "tools") if tool_spec is not None else (spec, param)
+        await self._check_grammar(spec, param)
+        prompt = v.chat_request_prompt(req, tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = v.sampling_params(req, len(prompt), max_tokens, logprobs, req.prompt_logprobs)
+        params = v.sampling_params(req, len(prompt), max_tokens, logprobs, req.prompt_logprobs, spec)
         req_id = _response_id("chatcmpl", request_id or req.request_id)
         fmt = ChatFormatter(
-            req_id, self.served.name, self.tokenizer, req.n, logprobs is not None, req.prompt_logprobs is not None
+            req_id, self.served.name, self.tokenizer, req.n, logprobs is not None, req.prompt_logprobs is not None,
+            tool_mode,
         )
         return await self._run(req_id, [prompt], [params], req, fmt)
+
+    async def _check_grammar(self, spec: StructuredSpec | None, param: str | None) -> None:
+        """Compile a structured-output spec off the event loop (a 400 when it does not compile)."""
+        if spec is not None:
+            await asyncio.to_thread(self.grammars.check, spec, param)
 
     def models(self) -> ModelList:
         return ModelList(data=[self.model_card()])

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from cbserve.scheduler.errors import RequestRejectedError
 from cbserve.scheduler.limits import resolve_max_tokens
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
 from pydantic import BaseModel, ValidationError
 
 from .field_policy import FieldPolicy
@@ -24,13 +24,15 @@ M = TypeVar("M", bound=BaseModel)
 @dataclass(frozen=True)
 class ServedModel:
     """What requests are checked against: the served name, the context length the engines use, the
-    largest n / best_of, and the vocabulary size (token-id prompts must stay inside it)."""
+    largest n / best_of, the vocabulary size (token-id prompts must stay inside it) and the
+    ``tool_call_parser`` setting ("auto": from the chat template)."""
 
     name: str
     max_model_len: int
     max_n: int
     vocab_size: int
     priority_ordering: bool = False  # the engines order by request priority (else ``priority`` is refused)
+    tool_call_parser: str = "auto"
 
 
 def parse_body(model_cls: type[M], body: bytes) -> M:
@@ -88,16 +90,22 @@ class RequestValidator:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]) if text else []
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The prompt of chat ``messages`` (assistant ``tool_calls`` and ``tool`` messages included) and
+        ``tools``, rendered by the chat template."""
         try:
-            msgs = [{"role": m.role, "content": m.text()} for m in messages]
-            return apply_chat_template(self.tokenizer, msgs, add_generation_prompt=add_generation_prompt)
+            msgs = [template_message(m) for m in messages]
+            kwargs = {} if tools is None else {"tools": tools}
+            return apply_chat_template(self.tokenizer, msgs, add_generation_prompt=add_generation_prompt, **kwargs)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
 
-    def chat_request_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """A chat request's prompt: its messages through the chat template (``chat_template`` replaces the
-        model's; ``chat_template_kwargs`` reach it; ``continue_final_message`` leaves the last message open)."""
+    def chat_request_prompt(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """A chat request's prompt: its messages (assistant ``tool_calls`` and ``tool`` messages included)
+        and ``tools`` through the chat template (``chat_template`` replaces the model's;
+        ``chat_template_kwargs`` reach it; ``continue_final_message`` leaves the last message open)."""
         if req.continue_final_message and req.add_generation_prompt:
             msg = "continue_final_message needs add_generation_prompt=false"
             raise APIError(400, msg, param="continue_final_message")
@@ -109,8 +117,12 @@ class RequestValidator:
             kwargs["continue_final_message"] = True
         if req.chat_template is not None:
             kwargs["chat_template"] = req.chat_template
+        if tools is not None:
+            if "tools" in kwargs:
+                raise APIError(400, "give tools, not chat_template_kwargs.tools", param="chat_template_kwargs")
+            kwargs["tools"] = tools
+        msgs = [template_message(m) for m in req.messages]  # a malformed tool call: a 400 of its own
         try:
-            msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
             ids = apply_chat_template(self.tokenizer, msgs, req.add_generation_prompt, req.add_special_tokens,
                                       **kwargs)
         except Exception as e:  # the template's own errors (jinja, a missing variable, a bad message)
@@ -130,7 +142,7 @@ class RequestValidator:
     # ---- sampling -----------------------------------------------------------------------------
     def sampling_params(
         self, req: SamplingFields, num_prompt: int, max_tokens: int | None, logprobs: int | None,
-        prompt_logprobs: int | None = None,
+        prompt_logprobs: int | None = None, structured: StructuredSpec | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams for a prompt of ``num_prompt`` tokens (an unset ``max_tokens``:
         all the room left in the context)."""
@@ -144,7 +156,7 @@ class RequestValidator:
             raise APIError(400, "best_of > n cannot be streamed", param="best_of")
         constraints = self.token_constraints(req)
         try:
-            return to_sampling_params(req, max_tokens, logprobs, prompt_logprobs, **constraints)
+            return to_sampling_params(req, max_tokens, logprobs, prompt_logprobs, structured, **constraints)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
@@ -179,10 +191,11 @@ class RequestValidator:
 
 def to_sampling_params(
     req: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
-    **constraints: Any,
+    structured: StructuredSpec | None = None, **constraints: Any,
 ) -> SamplingParams:
     """The OpenAI fields (None = OpenAI's default) as SamplingParams; ValueError on invalid values.
-    ``constraints``: the token-constraint fields (``RequestValidator.token_constraints``)."""
+    ``structured``: the output's grammar (``structured.py``); ``constraints``: the token-constraint fields
+    (``RequestValidator.token_constraints``)."""
     stop = () if req.stop is None else ((req.stop,) if isinstance(req.stop, str) else tuple(req.stop))
     return SamplingParams(
         n=req.n,
@@ -206,5 +219,35 @@ def to_sampling_params(
         use_beam_search=req.use_beam_search,
         length_penalty=req.length_penalty,
         prompt_logprobs=prompt_logprobs,
+        structured=structured,
         **constraints,
     )
+
+
+def template_message(m: ChatMessage) -> dict[str, Any]:
+    """One message as the chat template gets it: role and text, an assistant's ``tool_calls`` (arguments
+    as objects, as templates print them), a tool message's ``tool_call_id`` and ``name``."""
+    d: dict[str, Any] = {"role": m.role, "content": m.text()}
+    extra = m.model_extra or {}
+    if extra.get("tool_calls"):
+        d["tool_calls"] = [_template_call(c) for c in extra["tool_calls"]]
+    for key in ("tool_call_id", "name"):
+        if extra.get(key) is not None:
+            d[key] = extra[key]
+    return d
+
+
+def _template_call(call: Any) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(400, "an assistant tool call needs function.name", param="messages")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"tool call {fn['name']!r}: arguments are not JSON: {e}", param="messages") from e
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if call.get("id") is not None:
+        out["id"] = call["id"]
+    return out

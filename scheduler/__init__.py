@@ -15,7 +15,7 @@ from .outputs import (
     TokenLogprob,
 )
 from .request import EngineRequest, RequestOutput, RequestStatus
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredSpec
 from .scheduler import Scheduler
 from .spec_decode import NgramProposer
 from .stats import (
@@ -52,6 +52,7 @@ __all__ = [
     "RequestStatus",
     "RequestTimes",
     "SamplingParams",
+    "StructuredSpec",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",

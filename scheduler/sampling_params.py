@@ -10,6 +10,27 @@ from dataclasses import dataclass, field
 MAX_N = 64
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A constraint on a request's output (structured output), as plain strings so it pickles cheaply and
+    hashes as a grammar-cache key. ``kind``: "json" (``spec`` is a JSON schema, as JSON text),
+    "json_object" (any JSON object; ``spec`` unused), "regex" (a regular expression), "choice" (a JSON
+    list of the allowed strings) or "grammar" (EBNF, xgrammar's dialect). The worker compiles it
+    (worker/structured.py); the front end compiles it first, so a bad spec is a 400, not a worker error."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"structured output spec must be a string, got {type(self.spec).__name__}")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"structured output {self.kind!r} needs a non-empty spec")
 
 
 @dataclass(frozen=True)
@@ -52,6 +73,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     prompt_logprobs: int | None = None
+    structured: StructuredSpec | None = None  # output constrained by a grammar (None: free text)
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +123,13 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         self._validate_token_constraints()
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredSpec):
+                raise ValueError(f"structured must be a StructuredSpec, got {type(self.structured).__name__}")
+            if self.use_beam_search:  # beams are ranked by unconstrained logprobs: not supported together
+                raise ValueError("structured output cannot be combined with use_beam_search")
+            if self.ignore_eos:  # the grammar ends the output with EOS
+                raise ValueError("structured output cannot be combined with ignore_eos")
         if self.use_beam_search:
             if self.temperature != 0.0 and self.extra.get("beam_allow_temperature") is None:
                 raise ValueError("use_beam_search requires temperature=0")

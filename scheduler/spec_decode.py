@@ -49,12 +49,15 @@ class NgramProposer:
 
 
 def drafts_for(proposer: NgramProposer | None, seq: Sequence, budget: int, num_running: int) -> list[int]:
-    """Drafts for a decoding sequence with ``budget`` tokens left in the step: none for fork points and
-    beams, none while more than ``disable_by_batch_size`` sequences run, and never more than its length
-    limit leaves room for (drafts + 1 tokens get appended)."""
+    """Drafts for a decoding sequence with ``budget`` tokens left in the step: none for fork points, beams
+    and structured output (its grammar is applied by the sampler, not by the verification), none while more
+    than ``disable_by_batch_size`` sequences run, and never more than its length limit leaves room for
+    (drafts + 1 tokens get appended)."""
     group = seq.group
     room = min(budget - 1, group.stop.room(len(seq.token_ids)) - 1)
     if proposer is None or room <= 0 or seq.num_samples != 1 or group.mode == "beam":
+        return []
+    if group.params.structured is not None:
         return []
     if proposer.disable_by_batch_size is not None and num_running > proposer.disable_by_batch_size:
         return []

@@ -28,6 +28,7 @@ from .profiling import profile_cuda_kv_budget
 from .prompt_logprobs import compute_prompt_logprobs
 from .sampler import Sampler
 from .spec_verify import verify_drafts
+from .structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class ModelRunner:
             tune_malloc_for_cpu_inference()  # after the weights are placed: they stay in their own mappings
         self.eos_token_ids = list(read_eos_token_ids(self.model_folder))
         self.sampler = Sampler(self.eos_token_ids)
+        vocab = int(self.hf_config.vocab_size)
+        self.structured = StructuredOutputs(self.model_folder, vocab, self.eos_token_ids)  # grammar matchers
         self.num_kv_heads = divide(num_kv_heads_of(self.hf_config), tp_world_size(), "num_key_value_heads")
         self.head_dim = head_dim_of(self.hf_config)
         self.kv_caches: list[KVCache] = []
@@ -132,6 +135,7 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(req_id, None)
+        self.structured.drop(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RequestState.from_new(new)
         for cached in so.scheduled_cached_reqs:
@@ -204,7 +208,12 @@ class ModelRunner:
             if plain and len(plain) != len(batch.sample_rows):
                 rows_logits = rows_logits.index_select(0, torch.tensor(plain, device=rows_logits.device))
         if plain:
-            tokens, logprobs = self.sampler(rows_logits, [batch.sample_rows[j] for j in plain])
+            ids, rows = batch.sampled_req_ids, [batch.sample_rows[j] for j in plain]
+            owners = [ids[batch.sample_owner[j]] for j in plain]
+            bitmask = self.structured.bitmask(
+                [(rid, self.requests.get(rid), r) for rid, r in zip(owners, rows, strict=True)]
+            )
+            tokens, logprobs = self.sampler(rows_logits, rows, bitmask)
             for t, j in enumerate(plain):
                 o = batch.sample_owner[j]
                 sampled[o].append(tokens[t])
@@ -235,3 +244,4 @@ class ModelRunner:
         self.graphs = None
         self.kv_caches = []
         self.requests.clear()
+        self.structured.drop(list(self.structured.matchers))

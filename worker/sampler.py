@@ -7,6 +7,8 @@ exponential race (argmax of p / Exp(1) noise), which lets every seeded row draw 
 generator. A seeded row's generator is re-seeded from (seed, position) at each step, so its output
 depends only on its seed and tokens, never on batch companions, preemption or timing.
 Logprobs come from the raw log-softmax of the model's logits (before penalties and temperature).
+Structured output: a batch token bitmask (worker/structured.py) masks what each row's grammar forbids,
+after penalties, min_tokens and the token constraints, before the choice.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from cbserve.scheduler.outputs import TokenLogprob
 from cbserve.scheduler.sampling_params import SamplingParams
 
+from .structured import apply_bitmask
 from .token_constraints import apply_token_constraints
 
 _MASK64 = (1 << 64) - 1
@@ -51,13 +54,17 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow]
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], bitmask: torch.Tensor | None = None
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Sample one token per row of ``logits`` [num_rows, vocab]; returns token ids and logprobs."""
+        """Sample one token per row of ``logits`` [num_rows, vocab]; returns token ids and logprobs.
+        ``bitmask``: the structured-output token bitmask of the rows (None: no row is constrained)."""
+        given = logits
         logits = logits.float()
         want_lp = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = self.process(logits, rows)
+        if bitmask is not None:  # in place: process() already returned a copy of the given logits
+            logits = apply_bitmask(logits, bitmask, inplace=logits.data_ptr() != given.data_ptr())
         tokens = self._pick(logits, rows)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(rows)

@@ -29,10 +29,8 @@ REFUSED_VALUES: dict[str, Any] = {
     "mm_processor_kwargs": {"a": 1}, "audio": {"voice": "x"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
     "web_search_options": {"a": 1}, "functions": [{"name": "f"}], "function_call": "auto",
-    "response_format": {"type": "json_object"}, "structured_outputs": {"json": {}}, "guided_json": {"type": "object"},
-    "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "x",
-    "guided_whitespace_pattern": " ", "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "required", "parallel_tool_calls": False, "echo": True,
+    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
+    "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " ", "echo": True,
 }
 
 
@@ -82,6 +80,24 @@ def test_harmless_values_of_refused_fields_and_unknown_fields_pass(caplog: pytes
     assert len(engine.requests) == 2
     assert [r.message for r in caplog.records].count(
         "ignoring unknown request field 'frobnicate' (ChatCompletionRequest); logged once") == 1
+
+
+def test_structured_output_and_tool_fields_reach_the_engine() -> None:
+    """response_format / structured_outputs / tools / tool_choice / parallel_tool_calls are honoured (their
+    effect on the output: tests/worker/test_structured.py, tests/e2e/test_structured_output.py); the older
+    guided_* fields are refused in favour of structured_outputs."""
+    serving, engine = _serving(max_model_len=512)  # the tools take room in the prompt
+    serving.grammars.check = lambda spec, param: None  # the character tokenizer has no xgrammar vocabulary
+    _completion(serving, structured_outputs={"regex": "a+"})
+    _chat(serving, response_format={"type": "json_object"})
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    _chat(serving, tools=[tool], tool_choice="required", parallel_tool_calls=False)
+    specs = [r.sampling_params.structured for r in engine.requests]
+    assert [(s.kind, s.spec) for s in specs[:2]] == [("regex", "a+"), ("json_object", "")]
+    assert specs[2].kind == "json" and '"maxItems": 1' in specs[2].spec  # one forced call of f
+    with pytest.raises(APIError, match="use structured_outputs") as info:
+        _chat(serving, guided_regex="a+")
+    assert info.value.param == "guided_regex" and len(engine.requests) == 3
 
 
 def test_token_constraints_reach_the_engine_and_bad_values_are_refused() -> None:

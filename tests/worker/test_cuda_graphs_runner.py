@@ -123,7 +123,8 @@ class Driver:
             self.computed[rid] += n
         for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
             self.tokens[rid].extend(toks)
-            self.sent[rid] += len(toks)  # the worker appended its own sample
+            if len(toks) == 1:  # the worker keeps its own sample: never sent back (scheduler/outputs.py)
+                self.sent[rid] += 1
 
 
 PROMPTS = {r: [(7 * i + 3 * j) % 300 + 5 for j in range(3 + i)] for i, r in enumerate("abcdefghi")}

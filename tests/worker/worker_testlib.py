@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, SchedulerConfig
+from cbserve.scheduler.outputs import ModelRunnerOutput
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.attention import AttentionMetadata
 
@@ -75,12 +76,14 @@ class EngineRun:
 def run_engine(
     executor: object, requests: list[tuple[str, list[int], SamplingParams]], *, block_size: int,
     num_blocks: int, max_num_batched_tokens: int = 64, max_num_seqs: int = 8, max_model_len: int = 256,
-    join_at_step: dict[str, int] | None = None, check: bool = True,
+    join_at_step: dict[str, int] | None = None, check: bool = True, async_scheduling: bool = False,
 ) -> EngineRun:
-    """Run requests through a real EngineCore; requests in ``join_at_step`` are added at that step."""
+    """Run requests through a real EngineCore; requests in ``join_at_step`` are added at that step.
+    ``async_scheduling``: driven as the SchedulerActor drives it, step N+1 scheduled and executed before
+    step N's output is applied."""
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                  max_model_len=max_model_len),
+                                  max_model_len=max_model_len, async_scheduling=async_scheduling),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
     )
     engine = EngineCore(config, executor)  # type: ignore[arg-type]
@@ -90,31 +93,42 @@ def run_engine(
         if join_at_step.get(rid, 0) == 0:
             engine.add_request(EngineRequest(rid, list(prompt), params, eos_token_id=2))
     run = EngineRun()
-    while engine.has_unfinished_requests() or pending:
+    in_flight: deque[tuple[object, object]] = deque()
+    while engine.has_unfinished_requests() or pending or in_flight:
         for r in [r for r in pending if join_at_step[r[0]] <= run.steps]:
             engine.add_request(EngineRequest(r[0], list(r[1]), r[2], eos_token_id=2))
             pending.remove(r)
-        result = engine.step()
         run.steps += 1
+        if not async_scheduling:
+            _record(run, engine.step())
+        else:
+            so = engine.schedule()
+            in_flight.append((so, ModelRunnerOutput() if so.is_empty else executor.execute_model(so)))  # type: ignore
+            while len(in_flight) > 1 or (in_flight and so.is_empty):
+                _record(run, engine.update_from_output(*in_flight.popleft()))
         if check:
             engine.check_integrity()
-        run.num_preemptions += result.scheduler_stats.num_preemptions
-        run.prefix_hits += result.scheduler_stats.prefix_cache_hits
-        run.max_batch = max(run.max_batch, result.scheduler_stats.batch_size)
-        for o in result.outputs:
-            run.tokens[o.req_id].setdefault(o.index, []).extend(o.new_token_ids)
-            if o.new_logprobs:
-                run.logprobs[o.req_id].setdefault(o.index, []).extend(o.new_logprobs)
-            if o.prompt_logprobs is not None:
-                assert o.req_id not in run.prompt_logprobs, "prompt logprobs are reported once"
-                run.prompt_logprobs[o.req_id] = list(o.prompt_logprobs)
-            if o.final_token_ids is not None:
-                run.tokens[o.req_id][o.index] = list(o.final_token_ids)
-            if o.finished:
-                run.finish[o.req_id][o.index] = o.finish_reason
         if run.steps > 10_000:
             raise RuntimeError("engine did not finish")
     return run
+
+
+def _record(run: EngineRun, result: object) -> None:
+    """Add one step's result to ``run``."""
+    run.num_preemptions += result.scheduler_stats.num_preemptions
+    run.prefix_hits += result.scheduler_stats.prefix_cache_hits
+    run.max_batch = max(run.max_batch, result.scheduler_stats.batch_size)
+    for o in result.outputs:
+        run.tokens[o.req_id].setdefault(o.index, []).extend(o.new_token_ids)
+        if o.new_logprobs:
+            run.logprobs[o.req_id].setdefault(o.index, []).extend(o.new_logprobs)
+        if o.prompt_logprobs is not None:
+            assert o.req_id not in run.prompt_logprobs, "prompt logprobs are reported once"
+            run.prompt_logprobs[o.req_id] = list(o.prompt_logprobs)
+        if o.final_token_ids is not None:
+            run.tokens[o.req_id][o.index] = list(o.final_token_ids)
+        if o.finished:
+            run.finish[o.req_id][o.index] = o.finish_reason
 
 
 def paged_metadata(ctx_q: list[tuple[int, int]], block_size: int, num_blocks: int, gen: torch.Generator,

@@ -6,6 +6,8 @@ own OpenAI-completions model computes log-likelihoods equal to HF transformers' 
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -84,6 +86,8 @@ def _text_differs_from_greedy(server: Server, r: Any) -> None:
     assert r.choices[0].text != _greedy(server).choices[0].text
 
 
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
 HONOURED: dict[str, tuple[dict[str, Any], Check]] = {
     "max_tokens": ({"max_tokens": 2, "extra_body": {"ignore_eos": True}},
                    lambda s, r: r.usage.completion_tokens == 2 or pytest.fail("max_tokens")),
@@ -134,6 +138,12 @@ HONOURED: dict[str, tuple[dict[str, Any], Check]] = {
     "safety_identifier": ({"extra_body": {"safety_identifier": "someone"}}, _same_as_greedy),  # an identifier too
     "use_beam_search": ({"n": 2, "extra_body": {"use_beam_search": True}},
                         lambda s, r: len({c.text for c in r.choices}) == 2 or pytest.fail()),
+    "structured_outputs": ({"max_tokens": 16, "extra_body": {"structured_outputs": {"regex": "(yes|no)-[0-9]{2}"}}},
+                           lambda s, r: (re.fullmatch("(yes|no)-[0-9]{2}", r.choices[0].text)
+                                         and r.choices[0].finish_reason == "stop") or pytest.fail()),
+    "response_format": ({"max_tokens": 24, "extra_body": {"response_format": {"type": "json_schema", "json_schema": {
+                            "name": "ok", "schema": OK_SCHEMA}}}},
+                        lambda s, r: isinstance(json.loads(r.choices[0].text)["ok"], bool) or pytest.fail()),
 }
 # honoured, their effect asserted by another test
 ELSEWHERE = {
@@ -151,19 +161,20 @@ ELSEWHERE = {
     "chat_template": "test_chat_fields_continue_final_message_and_template_kwargs",
     "chat_template_kwargs": "tests/frontend/test_request_fields.py::test_chat_template_options",
     "priority": "refused here (ordering fcfs); tests/frontend/test_request_fields.py and the scheduler's tests",
+    "tools": "tests/e2e/test_structured_output.py (named, required and auto tool calls, LangChain bind_tools)",
+    "tool_choice": "tests/e2e/test_structured_output.py::test_named_and_required_tool_calls",
+    "parallel_tool_calls": "tests/e2e/test_structured_output.py::test_named_and_required_tool_calls",
 }
 
 REFUSED: dict[str, Any] = {
     "suffix": "x", "priority": 1, "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True,
     "return_token_ids": True, "logits_processors": ["x"], "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
     "prompt_embeds": "AAAA", "store": True, "metadata": {"a": "b"}, "service_tier": "flex", "prompt_cache_key": "k",
-    "prompt_cache_retention": "24h", "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"},
-    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
-    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "prompt_cache_retention": "24h", "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
+    "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " ",
 }
 CHAT_REFUSED: dict[str, Any] = {
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
-    "parallel_tool_calls": False, "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["audio"],
+    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["audio"],
     "reasoning_effort": "low", "prediction": {"type": "content", "content": "x"}, "echo": True,
     "web_search_options": {}, "functions": [{"name": "f"}], "function_call": "auto", "verbosity": "low",
     "documents": [{"a": "b"}], "mm_processor_kwargs": {"a": 1},

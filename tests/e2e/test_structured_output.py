@@ -1,0 +1,295 @@
+"""Structured output and tool calling through real clients (the official ``openai`` client, LangChain's
+``ChatOpenAI``) against a real local Ray Serve cluster. Two apps:
+
+- ``main`` at ``/``: the bundled SmolLM2-135M-Instruct (its chat template knows no tool-call format);
+- ``qwen`` at ``/qwen``: a tiny random Llama with SmolLM2's tokenizer and a Qwen2.5-style tool-calling chat
+  template, so ``tool_call_parser: auto`` picks the Hermes ``<tool_call>`` parser. Random weights never
+  write a tool call themselves: ``auto`` is driven end to end by forcing the text with a regex
+  (``structured_outputs``) and checked to return plain content otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_lib import free_port, wait_for
+from pydantic import BaseModel, Field
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(1200)]
+
+COMMON = {"dtype": "float32", "device": "cpu", "max_model_len": 1024, "max_num_batched_tokens": 512,
+          "worker_num_cpus": 1, "worker_torch_threads": 1, "kv_cache_memory_bytes": 48 * 1024**2}  # fmt: skip
+QWEN_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call functions.\n<tools>\n{%- for tool in tools %}\n"
+    "{{ tool | tojson }}\n{%- endfor %}\n</tools>\nReturn each call as <tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n{% endif %}'
+    '{%- for m in messages %}{%- if m.role == "assistant" and m.tool_calls %}<|im_start|>assistant\n'
+    "{%- for tc in m.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}\n</tool_call>'
+    '{%- endfor %}<|im_end|>\n{% elif m.role == "tool" %}<|im_start|>user\n<tool_response>\n'
+    "{{ m.content }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather", "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                       "required": ["city", "days"], "additionalProperties": False},
+    },
+}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+    "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=24)
+    age: int = Field(ge=0, le=120)
+    city: str = Field(max_length=24)
+
+
+def _make_qwen_model(folder: Path) -> Path:
+    import torch
+    from cbserve.frontend.tokenizer import load_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok = load_tokenizer(None)
+    tok.chat_template = QWEN_TEMPLATE
+    tok.save_pretrained(folder)
+    return folder
+
+
+class Apps:
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+    def client(self, prefix: str = "") -> Any:
+        return openai.OpenAI(base_url=f"{self.base}{prefix}/v1", api_key="none", max_retries=0, timeout=300)
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        import urllib.error
+        import urllib.request
+
+        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(), method="POST")
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apps]:
+    from cbserve.cluster.app import build_app
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    qwen = _make_qwen_model(tmp_path_factory.mktemp("qwen") / "qwen-tools")
+    port = free_port()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="cbserve-structured",
+             object_store_memory=256 * 1024**2)  # fmt: skip
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run_many([
+            RunTarget(build_app(dict(COMMON, max_num_seqs=16)), name="main", route_prefix="/"),
+            RunTarget(build_app(dict(COMMON, model=str(qwen), served_model_name="qwen")), name="qwen",
+                      route_prefix="/qwen"),
+        ], wait_for_applications_running=False)  # fmt: skip
+        a = Apps(f"http://127.0.0.1:{port}")
+        healthy = lambda p: a.client(p).with_options(timeout=5).models.list()  # noqa: E731
+        wait_for("both apps", lambda: healthy("") and healthy("/qwen"), 600, 1.0)
+        yield a
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _model(client: Any) -> str:
+    return client.models.list().data[0].id
+
+
+# ---- structured output ----------------------------------------------------------------------------
+def test_parse_with_a_pydantic_model(apps: Apps) -> None:
+    client = apps.client()
+    msgs = [{"role": "user", "content": "Invent a person: name, age and city, as JSON."}]
+    r = client.chat.completions.parse(model=_model(client), messages=msgs, response_format=Person,
+                                      temperature=0.8, seed=1, max_tokens=120, n=2)  # fmt: skip
+    assert len(r.choices) == 2
+    for choice in r.choices:
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Person), choice.message.content
+        assert Person.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_and_json_object_parse_at_temperature(apps: Apps, stream: bool) -> None:
+    client = apps.client()
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": Person.model_json_schema(),
+                                                      "strict": True}}  # fmt: skip
+    for fmt in (schema, {"type": "json_object"}):
+        msgs = [{"role": "user", "content": "Describe a person (name, age, city) in JSON."}]
+        kw = dict(model=_model(client), messages=msgs, response_format=fmt, temperature=0.7, seed=3, max_tokens=300,
+                  n=2)  # fmt: skip
+        if stream:
+            texts = ["", ""]
+            for chunk in client.chat.completions.create(stream=True, **kw):
+                for c in chunk.choices:
+                    texts[c.index] += c.delta.content or ""
+        else:
+            texts = [c.message.content for c in client.chat.completions.create(**kw).choices]
+        for text in texts:
+            value = json.loads(text)
+            assert isinstance(value, dict), text
+            if fmt is schema:
+                Person.model_validate(value)
+
+
+def test_regex_and_choice_on_both_endpoints(apps: Apps) -> None:
+    client = apps.client()
+    model = _model(client)
+    r = client.completions.create(model=model, prompt="A product code:", max_tokens=20, temperature=1.0, n=3,
+                                  extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})  # fmt: skip
+    import re
+
+    assert all(re.fullmatch("[A-Z]{2}-[0-9]{3}", c.text) and c.finish_reason == "stop" for c in r.choices), r
+    choices = ["red", "green", "blue"]
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "A colour?"}],
+                                       temperature=1.0, seed=5, max_tokens=10,
+                                       extra_body={"structured_outputs": {"choice": choices}})  # fmt: skip
+    assert r.choices[0].message.content in choices
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+      "objectx"),
+     ({"structured_outputs": {"regex": "a(b"}}, "regex"),
+     ({"structured_outputs": {"grammar": "root ::= "}}, "grammar"),
+     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one"),
+     ({"tools": [WEATHER]}, "tool_choice 'auto'"),
+     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools")],
+)  # fmt: skip
+def test_bad_specs_are_400s_naming_the_problem(apps: Apps, body: dict[str, Any], match: str) -> None:
+    status, err = apps.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 5, **body})
+    assert status == 400 and match in err["error"]["message"], err
+
+
+# ---- tool calling ---------------------------------------------------------------------------------
+def _stream_calls(stream: Any) -> tuple[dict[int, dict[str, str]], str | None]:
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in stream:
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for tc in c.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += tc.id or ""
+                call["name"] += (tc.function.name or "") if tc.function else ""
+                call["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    return calls, finish
+
+
+def _check_weather(args: str) -> None:
+    value = json.loads(args)
+    assert set(value) == {"city", "days"} and isinstance(value["city"], str) and 1 <= value["days"] <= 7, value
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_and_required_tool_calls(apps: Apps, stream: bool) -> None:
+    client = apps.client()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, parallel in ((named, True), ("required", False), ("required", True)):
+        kw = dict(model=_model(client), messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, temperature=0.7,
+                  seed=11, max_tokens=150, parallel_tool_calls=parallel)  # fmt: skip
+        if stream:
+            calls, finish = _stream_calls(client.chat.completions.create(stream=True, **kw))
+            got = [(c["id"], c["name"], c["arguments"]) for c in calls.values()]
+        else:
+            r = client.chat.completions.create(**kw)
+            finish, msg = r.choices[0].finish_reason, r.choices[0].message
+            got = [(c.id, c.function.name, c.function.arguments) for c in msg.tool_calls or []]
+        assert finish == "tool_calls" and got, (choice, got)
+        if not parallel:
+            assert len(got) == 1
+        for call_id, name, args in got:
+            assert call_id.startswith("call_") and name in ("get_weather", "get_time")
+            if name == "get_weather":
+                _check_weather(args)
+            else:
+                assert json.loads(args)["tz"] in ("UTC", "CET")
+        if choice is named:
+            assert [g[1] for g in got] == ["get_weather"]
+
+
+FORCED_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris", "days": 3\}\}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_calls_parsed_from_the_models_format(apps: Apps, stream: bool) -> None:
+    client = apps.client("/qwen")
+    kw = dict(model="qwen", messages=ASK, tools=[WEATHER], max_tokens=60, temperature=0.5,
+              extra_body={"structured_outputs": {"regex": FORCED_CALL}})  # fmt: skip
+    if stream:
+        calls, finish = _stream_calls(client.chat.completions.create(stream=True, **kw))
+        got = [(c["name"], c["arguments"]) for c in calls.values()]
+    else:
+        r = client.chat.completions.create(**kw)
+        finish = r.choices[0].finish_reason
+        got = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+        assert r.choices[0].message.content is None
+    assert finish == "tool_calls" and got == [("get_weather", '{"city": "Paris", "days": 3}')]
+    plain = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], max_tokens=8, seed=1)
+    msg = plain.choices[0].message
+    assert msg.tool_calls is None and isinstance(msg.content, str) and plain.choices[0].finish_reason == "length"
+
+
+def test_multi_turn_tool_conversation(apps: Apps) -> None:
+    client = apps.client("/qwen")
+    first = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           max_tokens=80, temperature=0.3)  # fmt: skip
+    call = first.choices[0].message.tool_calls[0]
+    history = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"}]  # fmt: skip
+    second = client.chat.completions.create(model="qwen", messages=history, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=6, seed=2)  # fmt: skip
+    assert second.choices[0].message.tool_calls is None and second.choices[0].message.content is not None
+    status, tokens = apps.post("/qwen/tokenize", {"messages": history})
+    assert status == 200
+    status, text = apps.post("/qwen/detokenize", {"tokens": tokens["tokens"]})
+    rendered = text["prompt"]
+    assert "<tool_response>\nSunny, 24 C\n</tool_response>" in rendered
+    assert f'{{"name": "get_weather", "arguments": {json.dumps(json.loads(call.function.arguments))}}}' in rendered
+
+
+# ---- LangChain ------------------------------------------------------------------------------------
+def test_langchain_structured_output_and_bind_tools(apps: Apps) -> None:
+    lc = pytest.importorskip("langchain_openai")
+    from langchain_core.tools import tool
+
+    llm = lc.ChatOpenAI(base_url=f"{apps.base}/v1", api_key="none", model=_model(apps.client()), temperature=0.7,
+                        max_tokens=150, max_retries=0)  # fmt: skip
+    person = llm.with_structured_output(Person, method="json_schema").invoke("Invent a person as JSON.")
+    assert isinstance(person, Person)
+
+    @tool
+    def get_weather(city: str, days: int) -> str:
+        """Current weather of a city for some days."""
+        return "sunny"
+
+    msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Rome for 2 days?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+    assert set(msg.tool_calls[0]["args"]) == {"city", "days"} and isinstance(msg.tool_calls[0]["args"]["days"], int)

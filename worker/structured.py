@@ -1,0 +1,202 @@
+"""Structured output with xgrammar: grammars compiled from a request's ``StructuredSpec`` (cached per spec),
+one grammar matcher per constrained sequence, and the token bitmask of a whole batch for the sampler.
+
+Where the matchers live: in the worker that samples (tensor-parallel rank 0), keyed by sequence id. The
+worker holds every sequence's token ids, its own samples included (it appends the token it samples right
+after sampling, ``ModelRunner._keep_samples``; the scheduler sends only tokens it decided itself), so a
+matcher is brought up to date lazily, just before its sequence is sampled, by accepting the output tokens
+it has not seen. That is what async scheduling needs: step N+1 runs before the scheduler has seen step N's
+token, and its bitmask already accounts for that token. Preemption and forks need nothing special: a
+recomputed sequence or a fork child arrives as a new request with all its tokens and gets a fresh matcher
+that replays them (a rollback by rebuilding). The scheduler stays free of xgrammar and torch, and no
+bitmask crosses the Ray hop.
+
+When a grammar is complete, the bitmask allows only the stop (EOS) tokens, so the sequence ends with EOS
+through the ordinary stop rule; EOS is masked while the grammar is incomplete. Once the matcher has
+accepted EOS it is terminated and the row is left unconstrained: under async scheduling the step already
+scheduled after the EOS samples one more token, which the scheduler drops with the finished sequence.
+
+The front end compiles each spec with the same ``GrammarCompilerCache`` when it validates a request, so a
+spec that does not compile is a 400 there and never reaches a worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from cbserve.scheduler.sampling_params import StructuredSpec
+
+logger = logging.getLogger(__name__)
+
+_XGR_LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
+DEFAULT_CACHE_SIZE = 256
+
+
+class GrammarError(ValueError):
+    """A structured-output spec that cannot be compiled (the message names the problem)."""
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF that matches exactly one of ``choices``."""
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError("choice must be a non-empty list of non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _clean(e: Exception) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return _XGR_LOG_PREFIX.sub("", lines[0]) if lines else type(e).__name__
+
+
+class GrammarCompilerCache:
+    """An xgrammar compiler for one tokenizer, with the compiled grammars of the last ``max_size`` specs."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_size: int = 256) -> None:
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        stops = sorted({int(t) for t in stop_token_ids if 0 <= int(t) < vocab_size})
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops or None)
+        self.stop_token_ids = tuple(info.stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.max_size = max_size
+        self._cache: OrderedDict[StructuredSpec, Any] = OrderedDict()
+
+    def get(self, spec: StructuredSpec) -> Any:
+        """The compiled grammar of ``spec``; GrammarError when it does not compile."""
+        hit = self._cache.get(spec)
+        if hit is not None:
+            self._cache.move_to_end(spec)
+            return hit
+        compiled = self._compile(spec)
+        self._cache[spec] = compiled
+        if len(self._cache) > self.max_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredSpec) -> Any:
+        c = self.compiler
+        try:
+            if spec.kind == "json":
+                json.loads(spec.spec)  # a clear message for malformed JSON
+                return c.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
+            if spec.kind == "json_object":  # any object, in the same compact layout as a schema's
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=True)
+            if spec.kind == "regex":
+                return c.compile_regex(spec.spec)
+            if spec.kind == "choice":
+                choices = json.loads(spec.spec)
+                if not isinstance(choices, list):
+                    raise GrammarError("choice must be a list of strings")
+                return c.compile_grammar(choice_grammar(choices))
+            return c.compile_grammar(spec.spec)
+        except GrammarError:
+            raise
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"invalid {spec.kind} for structured output: malformed JSON: {e}") from e
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
+            raise GrammarError(f"invalid {spec.kind} for structured output: {_clean(e)}") from e
+
+
+def load_grammar_tokenizer(model_folder: Path) -> Any:
+    """The model's tokenizer, as the front end loads it (xgrammar reads its vocabulary)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (model_folder / "tokenizer.json").exists():
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(model_folder))
+        except Exception:  # noqa: BLE001 - fall back to the class the folder names
+            pass
+    return AutoTokenizer.from_pretrained(str(model_folder))
+
+
+@dataclass
+class _Matcher:
+    owner: object  # the worker's state object of the sequence: a new one (preempted, resumed) starts over
+    matcher: Any
+    num_consumed: int = 0  # output tokens accepted so far
+    broken: bool = False
+
+
+class StructuredOutputs:
+    """The matchers of one worker's constrained sequences. ``bitmask(...)`` before sampling;
+    ``drop(ids)`` when sequences finish or are preempted. The compiler is built on first use."""
+
+    def __init__(self, model_folder: Path, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.model_folder = model_folder
+        self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(stop_token_ids)
+        self._compilers: GrammarCompilerCache | None = None
+        self.matchers: dict[str, _Matcher] = {}
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made on first use
+        self.fill_threads = 1  # threads filling the bitmask (one: the forward pass owns the cores)
+
+    @property
+    def compilers(self) -> GrammarCompilerCache:
+        if self._compilers is None:
+            tok = load_grammar_tokenizer(self.model_folder)
+            stops = [*self.stop_token_ids, *([tok.eos_token_id] if tok.eos_token_id is not None else [])]
+            self._compilers = GrammarCompilerCache(tok, self.vocab_size, stops, DEFAULT_CACHE_SIZE)
+        return self._compilers
+
+    def drop(self, seq_ids: Any) -> None:
+        for s in seq_ids:
+            self.matchers.pop(s, None)
+
+    def _matcher(self, seq_id: str, owner: object, row: Any) -> _Matcher | None:
+        """The sequence's matcher, brought up to date with its output tokens (None: nothing to constrain)."""
+        import xgrammar as xgr
+
+        tokens, start = row.token_ids, row.num_prompt_tokens
+        num_output = len(tokens) - start
+        m = self.matchers.get(seq_id)
+        if m is None or m.owner is not owner or m.num_consumed > num_output:
+            m = _Matcher(owner, xgr.GrammarMatcher(self.compilers.get(row.params.structured)))
+            self.matchers[seq_id] = m
+        while not m.broken and m.num_consumed < num_output and not m.matcher.is_terminated():
+            token = tokens[start + m.num_consumed]
+            if not m.matcher.accept_token(token):
+                logger.error("sequence %s: token %d is outside its grammar; no longer constrained", seq_id, token)
+                m.broken = True
+            m.num_consumed += 1
+        return None if m.broken or m.matcher.is_terminated() else m
+
+    def bitmask(self, rows: Sequence[tuple[str, object, Any]]) -> torch.Tensor | None:
+        """The token bitmask [len(rows), ceil(vocab / 32)] int32 of a batch's sampled rows, each given as
+        (sequence id, its worker state, its SamplingRow); None when no row is constrained. Unconstrained
+        rows allow every token. The constrained rows are filled in one call (xgrammar's threads)."""
+        if not any(r.params.structured is not None for _, _, r in rows):
+            return None
+        import xgrammar as xgr
+
+        matchers, indices = [], []
+        for j, (seq_id, owner, row) in enumerate(rows):
+            if row.params.structured is not None and (m := self._matcher(seq_id, owner, row)) is not None:
+                matchers.append(m.matcher)
+                indices.append(j)
+        # All allowed (-1). numpy, not torch.full: no trip through torch's thread pool for a small buffer.
+        mask = torch.from_numpy(np.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=np.int32))
+        if matchers:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
+            self._batch.batch_fill_next_token_bitmask(matchers, mask, indices)
+        return mask
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """``logits`` [rows, vocab] with the tokens each row's bitmask forbids at -inf (a copy unless
+    ``inplace``)."""
+    import xgrammar as xgr
+
+    out = logits if inplace else logits.clone()
+    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True), vocab_size=out.shape[1])
+    return out
