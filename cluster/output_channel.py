@@ -15,6 +15,7 @@ registered the request's queue, so no output can arrive before someone waits for
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from dataclasses import dataclass
@@ -76,7 +77,10 @@ class ChannelReader:
         """The id to send requests with; starts reading (again) when the channel is not open."""
         if self._task is None or self._task.done():
             self.channel_id = f"{self.owner}:{uuid.uuid4().hex[:12]}"
-            self._task = asyncio.get_running_loop().create_task(self._read(self.channel_id))
+            # An empty context: the stream must not count as a child of the HTTP request that opened it,
+            # or Serve cancelling that request (client gone) would cancel the channel of every request.
+            loop = asyncio.get_running_loop()
+            self._task = contextvars.Context().run(loop.create_task, self._read(self.channel_id))
         return self.channel_id
 
     def register(self, req_id: str) -> asyncio.Queue[Items]:

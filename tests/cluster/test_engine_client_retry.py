@@ -82,7 +82,12 @@ def _run(client: EngineClient, req_id: str = "r1") -> list[Any]:
     request = EngineRequest(req_id, [1, 2, 3], SamplingParams(max_tokens=4))
 
     async def collect() -> list[Any]:
-        return [item async for item in client.generate(request)]
+        try:
+            return [item async for item in client.generate(request)]
+        finally:
+            for channel in client.channels:  # the fakes' channels stay open: close their readers
+                channel.close()
+                await asyncio.sleep(0)
 
     return asyncio.run(collect())
 

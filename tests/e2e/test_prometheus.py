@@ -288,7 +288,11 @@ def test_every_dashboard_query_returns_data(app_url: str, prometheus_url: str) -
         # Prometheus found Ray's metrics port through the discovery file and scrapes it.
         targets = wait_for("a healthy scrape target", lambda: query(prometheus_url, 'up{job="ray"} == 1'), 60)
         assert targets
-        copy_request(app_url)  # drafts again, now that Prometheus scrapes: the draft-rate panels see an increase
+        # Drafts again once Prometheus holds the spec-decode counters: the draft-rate panels need an increase
+        # that two of its samples see.
+        wait_for("the spec-decode counters scraped",
+                 lambda: query(prometheus_url, "sum(ray_cbserve_spec_decode_num_drafts_total) > 0"), 90, interval=1)
+        copy_request(app_url)
         check_healthy_cluster(prometheus_url, started)
         run_bad_load(app_url)
         check_dashboards(prometheus_url, started)
