@@ -6,13 +6,10 @@ log line; the tokenizer saved with the model serves ``LLM``; TP=2 equals TP=1.""
 from __future__ import annotations
 
 import logging
-import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
@@ -20,6 +17,8 @@ from cbserve.worker.executor import LocalExecutor
 from cbserve.worker.model_runner import ModelRunner
 from cbserve.worker.moe import SparseMoeBlock
 from moe_testlib import MOE_VARIANTS, make_tiny_moe
+from test_model_equivalence import _prompts  # mixed lengths around a shared prefix
+from test_tensor_parallel import BLOCK, NUM_BLOCKS, _free_port, _requests, _worker  # the TP=2 rank loop, shared
 from worker_testlib import hf_greedy, run_engine
 
 MAX_NEW = 16
@@ -31,14 +30,6 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
     folder = make_tiny_moe(tmp_path_factory.mktemp(request.param), request.param)
     return folder, AutoModelForCausalLM.from_pretrained(folder).eval()
-
-
-def _prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 300) for _ in range(21)]
-    prompts = [shared + [rng.randrange(3, 300) for _ in range(k)] for k in (1, 6, 13)]
-    prompts += [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 5, 37, 70)]
-    return prompts
 
 
 @pytest.mark.parametrize("cpu_ops", ["auto", "torch"])
@@ -144,49 +135,14 @@ def test_llm_with_the_saved_tokenizer(tmp_path: Path) -> None:
 
 
 # ---- tensor parallelism ----------------------------------------------------------------------------
-BLOCK, NUM_BLOCKS = 4, 64
-TP_PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [11, 12, 13], list(range(40, 75))]
-
-
-def _tp_requests() -> list:
-    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    return [(f"r{i}", p, sp) for i, p in enumerate(TP_PROMPTS)]
-
-
-def _tp_worker(rank: int, folder: str, port: int, result_file: str) -> None:
-    from test_tensor_parallel import _BroadcastExecutor
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        runner = ModelRunner(ModelConfig(model=folder, tensor_parallel_size=2, rank=rank), BLOCK, progress=False)
-        runner.init_kv_cache(NUM_BLOCKS)
-        if rank == 0:
-            executor = _BroadcastExecutor(runner)
-            run = run_engine(executor, _tp_requests(), block_size=BLOCK, num_blocks=NUM_BLOCKS,
-                             max_num_batched_tokens=16, max_num_seqs=4)
-            executor.shutdown()
-            torch.save({k: v[0] for k, v in run.tokens.items()}, result_file)
-        else:
-            while True:
-                box: list = [None]
-                dist.broadcast_object_list(box, src=0)
-                if box[0] is None:
-                    break
-                runner.execute_model(box[0])
-    finally:
-        dist.destroy_process_group()
-
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
 def test_tp2_matches_tp1(tmp_path: Path, variant: str) -> None:
     folder = make_tiny_moe(tmp_path / "model", variant)
     executor = LocalExecutor(ModelConfig(model=str(folder)), BLOCK, num_blocks=NUM_BLOCKS, progress=False)
-    tp1 = run_engine(executor, _tp_requests(), block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
+    tp1 = run_engine(executor, _requests(), block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
                      max_num_seqs=4)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_tp_worker, args=(str(folder), port, str(tmp_path / "tp2.pt")), nprocs=2, join=True)
-    assert torch.load(tmp_path / "tp2.pt") == {k: v[0] for k, v in tp1.tokens.items()}
+    mp.spawn(_worker, args=(str(folder), _free_port(), str(tmp_path / "tp2.pt")), nprocs=2, join=True)
+    tp2, _ = torch.load(tmp_path / "tp2.pt")  # (tokens, prompt logprobs): test_tensor_parallel's worker
+    assert tp2 == {k: v[0] for k, v in tp1.tokens.items()}
