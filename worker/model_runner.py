@@ -79,6 +79,9 @@ class ModelRunner:
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 0) or 1 << 30)
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         ops = resolve_cpu_ops(config.cpu_ops, self.device, self.dtype)
+        if ops.bf16_products:  # bfloat16 on the C kernels: float32 model and KV cache, bfloat16 products
+            self.dtype = torch.float32
+            logger.info("dtype bfloat16 on the CPU kernels: linear layers multiply in bfloat16, the rest is float32")
         self.cpu_ops = ops.mode
         self.backend_cls = get_attention_backend(config.attention_backend, self.device, ops.native)
         model_cls = model_class(self.hf_config)  # NotImplementedError naming what is supported
@@ -87,7 +90,7 @@ class ModelRunner:
         self.model.load_weights(iter_weights(self.model_folder, progress=progress and tp_rank() == 0))
         self.model.eval()
         if self.device.type == "cpu":
-            compact = config.cpu_compact_weights and ops.native
+            compact = config.cpu_compact_weights and ops.native and not ops.bf16_products
             self.model.finish_loading(load_gguf_blocks(self.model_folder) if compact else None, compact)
             tune_malloc_for_cpu_inference()  # after the weights are placed: they stay in their own mappings
         self.eos_token_ids = list(read_eos_token_ids(self.model_folder))

@@ -121,14 +121,17 @@ def test_rotary_in_place_matches_torch(kernels: CpuKernels) -> None:
 
 def test_resolve_cpu_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    assert cpu_ops.resolve_cpu_ops("auto", cpu, torch.float32)[0] == "native"
-    assert cpu_ops.resolve_cpu_ops("auto", cpu, torch.bfloat16) == ("onednn", None)  # the C kernels are fp32
-    assert cpu_ops.resolve_cpu_ops("torch", cpu, torch.float32) == ("torch", None)
-    assert cpu_ops.resolve_cpu_ops("native", torch.device("cuda"), torch.float32) == ("torch", None)
-    with pytest.raises(ValueError, match="float32 only"):
-        cpu_ops.resolve_cpu_ops("native", cpu, torch.bfloat16)
+    native = cpu_ops.resolve_cpu_ops("auto", cpu, torch.float32)
+    assert native.mode == "native" and native.kernels is not None and not native.bf16_products
+    bf16 = cpu_ops.resolve_cpu_ops("auto", cpu, torch.bfloat16)  # float32 model, bfloat16 products
+    assert bf16.mode == "native" and bf16.bf16_products
+    assert cpu_ops.resolve_cpu_ops("torch", cpu, torch.float32) == cpu_ops.TORCH_OPS
+    assert cpu_ops.resolve_cpu_ops("native", torch.device("cuda"), torch.float32) == cpu_ops.TORCH_OPS
+    with pytest.raises(ValueError, match="float32 or bfloat16 products, not torch.float16"):
+        cpu_ops.resolve_cpu_ops("native", cpu, torch.float16)
+    assert cpu_ops.resolve_cpu_ops("auto", cpu, torch.float16).mode == "onednn"
     monkeypatch.setattr(cpu_ops, "load_cpu_kernels", lambda: KernelLoad(None, "no compiler in this test"))
-    assert cpu_ops.resolve_cpu_ops("auto", cpu, torch.float32) == ("onednn", None)
+    assert cpu_ops.resolve_cpu_ops("auto", cpu, torch.float32) == cpu_ops.CpuOps("onednn", None)
     with pytest.raises(ValueError, match="no compiler in this test"):
         cpu_ops.resolve_cpu_ops("native", cpu, torch.float32)
 

@@ -52,6 +52,7 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
     "cb_gemm_panel_width": (_I32, []),
     "cb_pack_weight_f32": (_I32, [_P, _I64, _I32, _I32, _P]),
     "cb_pack_weight_bf16": (_I32, [_P, _I64, _I32, _I32, _P]),
+    "cb_pack_weight_bf16_dot": (_I32, [_P, _I64, _I32, _I32, _P]),
     "cb_pack_q8_0": (_I32, [_P, _P, _I32, _I32, _P]),
     "cb_pack_q4_1": (_I32, [_P, _P, _P, _I32, _I32, _P]),
     "cb_unpack_panels": (_I32, [_I32, _P, _I32, _I32, _P, _I64]),
@@ -67,7 +68,7 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
 
 # The header's enums that Python numbers too: return codes and packed-weight formats.
 RETURN_CODES = {"CB_OK": 0, "CB_ENOMEM": 1, "CB_EINVAL": 2, "CB_ERANGE": 3}
-PANEL_FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3}
+PANEL_FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "bf16_dot": 4}
 
 _SCALARS: dict[str, CType] = {"int": _I32, "int32_t": _I32, "int64_t": _I64, "float": _F32}
 

@@ -98,17 +98,18 @@ class CpuKernels:
         return torch.empty(size, dtype=torch.uint8)
 
     def pack_weight(self, weight: torch.Tensor, fmt: str = "f32") -> Panels:
-        """A [n, k] float32 weight packed as "f32", or as "bf16" when every value is a bfloat16 (its lower 16
-        bits zero: ValueError otherwise)."""
+        """A [n, k] float32 weight packed as "f32"; as "bf16" when every value is a bfloat16 (its lower 16
+        bits zero: ValueError otherwise); or as "bf16_dot", rounded to bfloat16, for bfloat16 products."""
         n, k = weight.shape if weight.dim() == 2 else (0, 0)
         ldw = _rows(weight, "weight")
-        if fmt not in ("f32", "bf16"):
-            raise ValueError(f"pack_weight packs 'f32' or 'bf16', not {fmt!r}")
+        packers = {"f32": self._lib.cb_pack_weight_f32, "bf16": self._lib.cb_pack_weight_bf16,
+                   "bf16_dot": self._lib.cb_pack_weight_bf16_dot}
+        if fmt not in packers:
+            raise ValueError(f"pack_weight packs {sorted(packers)}, not {fmt!r}")
         if fmt == "bf16" and not is_bfloat16_exact(weight):
             raise ValueError("the weight has values that are not bfloat16: packing it as bf16 would round them")
         out = self._panels_out(fmt, n, k)
-        fn = self._lib.cb_pack_weight_f32 if fmt == "f32" else self._lib.cb_pack_weight_bf16
-        _check(fn(weight.data_ptr(), ldw, n, k, out.data_ptr()), "pack_weight")
+        _check(packers[fmt](weight.data_ptr(), ldw, n, k, out.data_ptr()), "pack_weight")
         return Panels(fmt, out, n, k)
 
     def pack_q8_0(self, d: torch.Tensor, q: torch.Tensor) -> Panels:

@@ -10,6 +10,10 @@ Two packings, chosen by ``ModelConfig.cpu_ops`` (see ``ops.py``):
   was dequantized from (``gguf_blocks.py``), or bfloat16 when every value is one. The kernel decodes them to
   the same float32 values in registers, so the arithmetic and the results do not change (each packing is
   checked against the weight it replaces) while 2-5x fewer bytes are read per step.
+  With ``bf16_products`` (``dtype="bfloat16"`` on the native ops) every weight is instead rounded to
+  bfloat16 and stored in k pairs, and the kernel rounds its input rows to bfloat16 too and sums the
+  products in float32 with AVX-512 BF16 (``vdpbf16ps``: twice float32's multiply rate): not the float32
+  result, but within float32 rounding of the same product computed on bfloat16-rounded operands.
 - ``"onednn"``: oneDNN's blocked layout through ``mkldnn._linear_pointwise`` (float32 and bfloat16), for
   machines where the C kernels cannot be built. Still 2-3x MKL's ``F.linear`` for decode-sized products.
 
@@ -121,12 +125,19 @@ def compact_panels(weight: torch.Tensor, kernels: CpuKernels, blocks: QuantBlock
 
 
 def make_packed_weight(
-    weight: torch.Tensor, kernels: CpuKernels | None, blocks: QuantBlocks | None = None, compact: bool = False
+    weight: torch.Tensor,
+    kernels: CpuKernels | None,
+    blocks: QuantBlocks | None = None,
+    compact: bool = False,
+    bf16_products: bool = False,
 ) -> PackedWeight | None:
     """The weight packed for the C kernels (float32, when ``kernels`` is given; with ``compact`` in the
-    smallest exact format) or else for oneDNN; None where neither applies."""
+    smallest exact format; with ``bf16_products`` rounded to bfloat16 for bfloat16 products) or else for
+    oneDNN; None where neither applies."""
     if kernels is not None and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2:
         w = weight.detach()
+        if bf16_products:
+            return NativeWeight(kernels.pack_weight(w, "bf16_dot"), kernels)
         panels = compact_panels(w, kernels, blocks) if compact else None
         return NativeWeight(panels or kernels.pack_weight(w), kernels)
     if packing_supported(weight):
@@ -140,11 +151,12 @@ def pack_module_weight(
     kernels: CpuKernels | None = None,
     blocks: QuantBlocks | None = None,
     compact: bool = False,
+    bf16_products: bool = False,
 ) -> bool:
     """Set ``module.packed`` to its packed ``weight`` (once) and, with ``release_dense``, free the dense copy;
     returns False, changing nothing, where packing is unsupported."""
     if module.packed is None:
-        packed = make_packed_weight(module.weight, kernels, blocks, compact)
+        packed = make_packed_weight(module.weight, kernels, blocks, compact, bf16_products)
         if packed is None:
             return False
         module.packed = packed
@@ -161,6 +173,7 @@ class Packable(Protocol):
         kernels: CpuKernels | None = None,
         blocks: QuantBlocks | None = None,
         compact: bool = False,
+        bf16_products: bool = False,
     ) -> bool: ...
 
 
@@ -181,8 +194,9 @@ class PackableLinear(nn.Module):
         kernels: CpuKernels | None = None,
         blocks: QuantBlocks | None = None,
         compact: bool = False,
+        bf16_products: bool = False,
     ) -> bool:
-        return pack_module_weight(self, release_dense, kernels, blocks, compact)
+        return pack_module_weight(self, release_dense, kernels, blocks, compact, bf16_products)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2 and x.dtype == self.packed.dtype:
@@ -197,10 +211,11 @@ def pack_linear_weights(
     kernels: CpuKernels | None = None,
     blocks: Mapping[str, QuantBlocks] | None = None,
     compact: bool = False,
+    bf16_products: bool = False,
 ) -> int:
     """Pack every ``Packable`` module of ``model`` for the C kernels (when ``kernels`` is given; with
     ``compact``, each weight in the smallest format that holds it exactly, from ``blocks`` (parameter name ->
-    its GGUF blocks) where given) or for oneDNN. Dense copies are released unless the weight is shared, like
+    its GGUF blocks) where given; with ``bf16_products`` rounded to bfloat16) or for oneDNN. Dense copies are released unless the weight is shared, like
     tied embeddings. Returns how many were packed."""
     names: dict[int, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -210,7 +225,7 @@ def pack_linear_weights(
     for m in model.modules():
         if isinstance(m, Packable) and isinstance(m.weight, torch.Tensor):
             source = next((blocks[n] for n in names[id(m.weight)] if n in blocks), None)
-            packed += m.pack(len(names[id(m.weight)]) == 1, kernels, source, compact)
+            packed += m.pack(len(names[id(m.weight)]) == 1, kernels, source, compact, bf16_products)
     if packed:
         _log_packing(model, kernels is not None)
     return packed

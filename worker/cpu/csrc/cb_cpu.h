@@ -17,7 +17,7 @@
 enum { CB_OK = 0, CB_ENOMEM = 1, CB_EINVAL = 2, CB_ERANGE = 3 };
 
 /* Packed weight formats (layouts in panels.h). */
-enum { CB_FMT_F32 = 0, CB_FMT_BF16 = 1, CB_FMT_Q8_0 = 2, CB_FMT_Q4_1 = 3, CB_FMT_COUNT = 4 };
+enum { CB_FMT_F32 = 0, CB_FMT_BF16 = 1, CB_FMT_Q8_0 = 2, CB_FMT_Q4_1 = 3, CB_FMT_BF16_DOT = 4, CB_FMT_COUNT = 5 };
 
 /* One packed linear layer: out [m, n] = a [m, k] W^T (+ bias). */
 typedef struct {
@@ -61,6 +61,9 @@ CB_API int cb_gemm_panel_width(void);
 CB_API int cb_pack_weight_f32(const float *w, int64_t ldw, int n, int k, float *out);
 /* As cb_pack_weight_f32, keeping the upper 16 bits of each value (the caller checked the lower 16 are zero). */
 CB_API int cb_pack_weight_bf16(const float *w, int64_t ldw, int n, int k, uint16_t *out);
+/* As cb_pack_weight_f32, each value rounded to bfloat16 (to nearest, ties to even) and stored in k pairs: the
+ * CB_FMT_BF16_DOT layout, whose products cb_linear computes in bfloat16 (see there). */
+CB_API int cb_pack_weight_bf16_dot(const float *w, int64_t ldw, int n, int k, uint16_t *out);
 /* d: [n, k / 32] scales; q: [n, k] int8 -> out: cb_packed_bytes(CB_FMT_Q8_0, n, k) bytes. */
 CB_API int cb_pack_q8_0(const float *d, const int8_t *q, int n, int k, uint8_t *out);
 /* d, m: [n, k / 32]; q: [n, k] uint8 values 0..15 -> out: cb_packed_bytes(CB_FMT_Q4_1, n, k) bytes. */
@@ -70,7 +73,11 @@ CB_API int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float 
 
 /* ---- linear layers (gemm.c) ---------------------------------------------------------------------------- */
 
-/* a: [m, k] rows lda floats apart; wp: W [n, k] packed as fmt; bias: [n] or NULL; c: [m, n] rows ldc apart. */
+/* a: [m, k] rows lda floats apart; wp: W [n, k] packed as fmt; bias: [n] or NULL; c: [m, n] rows ldc apart.
+ * Every format but CB_FMT_BF16_DOT multiplies in float32 by the weight's exact float32 values. CB_FMT_BF16_DOT
+ * rounds each row of a to bfloat16 (to nearest even) and sums the bfloat16 products in float32, two k values
+ * a step (AVX-512 BF16's dot product where the CPU has it): results within float32 rounding of
+ * bf16(a) @ bf16(W)^T computed in float32, not the float32 product. */
 CB_API int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                      const float *bias, float *c, int64_t ldc);
 

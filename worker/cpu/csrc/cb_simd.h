@@ -36,6 +36,22 @@ static inline int cb_max_threads(void) {
 #endif
 }
 
+/* The bfloat16 nearest to x (ties to even), as its 16 bits; torch's float32 -> bfloat16 conversion for every
+ * finite x (NaN is not expected here: weights and activations are checked finite upstream). */
+static inline uint16_t cb_bf16_bits(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* x rounded to the nearest bfloat16, as a float32. */
+static inline float cb_round_bf16(float x) {
+    const uint32_t bits = (uint32_t)cb_bf16_bits(x) << 16;
+    float r;
+    memcpy(&r, &bits, 4);
+    return r;
+}
+
 #define CB_LOG2E 1.44269504088896341f
 #define CB_LN2_HI 0.693359375f
 #define CB_LN2_LO (-2.12194440e-4f)

@@ -16,6 +16,8 @@
  * Each C element is one dot product summed in k order (from the bias, or zero) by one thread, so results
  * do not depend on the thread count, the chunking or the format the same values were packed in.
  */
+#include <stdlib.h>
+
 #include "cb_simd.h"
 #include "panels.h"
 
@@ -30,6 +32,9 @@
 #define CB_KC_FEW 64
 #define CB_KC_MANY 256
 #define CB_MANY_ROWS 32
+
+static int cb_linear_bf16_dot(const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n, const float *bias,
+                              float *c, int64_t ldc);
 
 /* An mr x 48 block of C over one chunk of kn k values. acc_io: the block's partial sums ([mr][48]), read
  * unless first (then the start is bias or zero) and written unless c (then the result goes to c, ncols
@@ -86,6 +91,14 @@ static void tile_rows(int mr, const float *a, int64_t lda, const float *w, int k
     }
 }
 
+/* The bias of panel p (NULL without one); the last panel's zero-padded into tail (the tile reads 48 at a time). */
+static inline const float *item_bias(const float *bias, int p, int ncols, float *tail) {
+    if (!bias || ncols == CB_NR) return bias ? bias + p * CB_NR : NULL;
+    memset(tail, 0, sizeof(float) * CB_NR);
+    memcpy(tail, bias + p * CB_NR, sizeof(float) * (size_t)ncols);
+    return tail;
+}
+
 /* Ask for the packed bytes that follow [begin, end) of a panel, as many again, into L2: the next chunk, or
  * the next panel's first (panels follow each other in memory, and a thread's items are consecutive). The
  * kernel reads a chunk in one burst and then computes for thousands of cycles without loads, so the
@@ -115,6 +128,28 @@ static void panel_rows(int fmt, const float *a, int64_t lda, int rows, int k, co
     }
 }
 
+/* Every work item of C = A W^T: item = (panel, block of CB_ROW_BLOCK rows), spread over the threads. */
+static void linear_items(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
+                         const float *bias, float *c, int64_t ldc) {
+    const int64_t pbytes = cb_panel_bytes(fmt, k);
+    const int panels = (n + CB_NR - 1) / CB_NR, row_blocks = (m + CB_ROW_BLOCK - 1) / CB_ROW_BLOCK;
+#pragma omp parallel
+    {
+        float scratch[(CB_KC_MANY + 1) * CB_NR] __attribute__((aligned(64))); /* + the pad row of an odd k */
+        float accbuf[CB_ROW_BLOCK * CB_NR] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int item = 0; item < panels * row_blocks; ++item) {
+            const int p = item / row_blocks, r0 = (item % row_blocks) * CB_ROW_BLOCK;
+            const int rows = m - r0 < CB_ROW_BLOCK ? m - r0 : CB_ROW_BLOCK;
+            const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
+            float tail_bias[CB_NR];
+            const float *b = item_bias(bias, p, ncols, tail_bias);
+            panel_rows(fmt, a + (int64_t)r0 * lda, lda, rows, k, wp + p * pbytes, b, c + (int64_t)r0 * ldc + p * CB_NR,
+                       ldc, ncols, scratch, accbuf);
+        }
+    }
+}
+
 /* a: [m, k] rows lda floats apart; wp: W [n, k] packed in format fmt (panels.c); bias: [n] or NULL;
  * c: [m, n] rows ldc floats apart. */
 int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n, const float *bias,
@@ -122,25 +157,121 @@ int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t 
     const int64_t pbytes = cb_panel_bytes(fmt, k);
     if (m < 0 || n < 1 || pbytes < 0 || lda < k || ldc < n) return CB_EINVAL;
     if (m == 0) return CB_OK;
-    const int panels = (n + CB_NR - 1) / CB_NR, row_blocks = (m + CB_ROW_BLOCK - 1) / CB_ROW_BLOCK;
+    if (fmt == CB_FMT_BF16_DOT) return cb_linear_bf16_dot(a, lda, m, k, wp, n, bias, c, ldc);
+    linear_items(fmt, a, lda, m, k, wp, n, bias, c, ldc);
+    return CB_OK;
+}
+
+/* ---- bfloat16 products (CB_FMT_BF16_DOT) ------------------------------------------------------------ */
+
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+
+/* As tile(), over kp k pairs: a holds each row's bfloat16 pairs (as uint32, lda pairs apart), w the panel's
+ * [kp][48][2]; one vdpbf16ps adds both products of a pair to each of 16 columns. */
+static inline __attribute__((always_inline)) void tile_dot(const int mr, const uint32_t *restrict a, int64_t lda,
+                                                           const uint16_t *restrict w, int kp, int first,
+                                                           const float *bias, float *restrict acc_io,
+                                                           float *restrict c, int64_t ldc, int ncols) {
+    __m512 acc[CB_MR][3];
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < 3; ++j)
+            acc[i][j] = !first ? _mm512_loadu_ps(acc_io + i * CB_NR + 16 * j)
+                        : bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+    for (int kk = 0; kk < kp; ++kk) {
+        const uint16_t *wk = w + (int64_t)kk * 2 * CB_NR;
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
+                       w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+        for (int i = 0; i < mr; ++i) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[i * lda + kk]);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, w0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, w1);
+            acc[i][2] = _mm512_dpbf16_ps(acc[i][2], x, w2);
+        }
+    }
+    for (int i = 0; i < mr; ++i) {
+        float *dst = c ? c + i * ldc : acc_io + i * CB_NR, tmp[CB_NR];
+        float *out = c && ncols < CB_NR ? tmp : dst;
+        for (int j = 0; j < 3; ++j) _mm512_storeu_ps(out + 16 * j, acc[i][j]);
+        if (out == tmp) memcpy(dst, tmp, sizeof(float) * (size_t)ncols);
+    }
+}
+
+static void tile_dot_rows(int mr, const uint32_t *a, int64_t lda, const uint16_t *w, int kp, int first,
+                          const float *bias, float *acc_io, float *c, int64_t ldc, int ncols) {
+    switch (mr) {
+#define CB_DOT_CASE(R)                                                   \
+    case R:                                                              \
+        tile_dot(R, a, lda, w, kp, first, bias, acc_io, c, ldc, ncols); \
+        break;
+        CB_DOT_CASE(1)
+        CB_DOT_CASE(2)
+        CB_DOT_CASE(3)
+        CB_DOT_CASE(4)
+        CB_DOT_CASE(5)
+        CB_DOT_CASE(6)
+        CB_DOT_CASE(7)
+        CB_DOT_CASE(8)
+    }
+}
+
+/* One work item: rows of a (bfloat16 pairs, lda pairs apart) against one panel of kp pairs. */
+static void panel_rows_dot(const uint32_t *a, int64_t lda, int rows, int kp, const uint16_t *panel,
+                           const float *bias, float *c, int64_t ldc, int ncols, float *accbuf) {
+    const int tiles = (rows + CB_MR - 1) / CB_MR, base = rows / tiles, extra = rows % tiles;
+    const int kc = (rows > CB_MANY_ROWS ? CB_KC_MANY : CB_KC_FEW) / 2;
+    for (int k0 = 0; k0 < kp; k0 += kc) {
+        const int kn = kp - k0 < kc ? kp - k0 : kc, first = k0 == 0, last = k0 + kn == kp;
+        for (int t = 0, i = 0; t < tiles; ++t) {
+            const int mr = base + (t < extra);
+            tile_dot_rows(mr, a + (int64_t)i * lda + k0, lda, panel + (int64_t)k0 * 2 * CB_NR, kn, first, bias,
+                          accbuf + i * CB_NR, last ? c + (int64_t)i * ldc : NULL, ldc, ncols);
+            i += mr;
+        }
+    }
+}
+
+/* A's rows rounded to bfloat16 pairs (a zero pads an odd k), then every work item as linear_items does. */
+static int cb_linear_bf16_dot(const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n, const float *bias,
+                              float *c, int64_t ldc) {
+    const int kp = (k + 1) / 2, panels = (n + CB_NR - 1) / CB_NR, row_blocks = (m + CB_ROW_BLOCK - 1) / CB_ROW_BLOCK;
+    const int64_t pelems = (int64_t)kp * 2 * CB_NR;
+    uint32_t *ab = malloc(sizeof(uint32_t) * (size_t)((int64_t)m * kp));
+    if (!ab) return CB_ENOMEM;
 #pragma omp parallel
     {
-        float scratch[CB_KC_MANY * CB_NR] __attribute__((aligned(64)));
         float accbuf[CB_ROW_BLOCK * CB_NR] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int i = 0; i < m; ++i) {
+            uint16_t *row = (uint16_t *)(ab + (int64_t)i * kp);
+            for (int kk = 0; kk < 2 * kp; ++kk) row[kk] = kk < k ? cb_bf16_bits(a[(int64_t)i * lda + kk]) : 0;
+        }
 #pragma omp for schedule(static)
         for (int item = 0; item < panels * row_blocks; ++item) {
             const int p = item / row_blocks, r0 = (item % row_blocks) * CB_ROW_BLOCK;
             const int rows = m - r0 < CB_ROW_BLOCK ? m - r0 : CB_ROW_BLOCK;
             const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
-            float tail_bias[CB_NR] = {0}; /* the last panel's bias, zero-padded: the tile reads 48 at a time */
-            const float *b = bias ? bias + p * CB_NR : NULL;
-            if (b && ncols < CB_NR) {
-                memcpy(tail_bias, b, sizeof(float) * (size_t)ncols);
-                b = tail_bias;
-            }
-            panel_rows(fmt, a + (int64_t)r0 * lda, lda, rows, k, wp + p * pbytes, b, c + (int64_t)r0 * ldc + p * CB_NR,
-                       ldc, ncols, scratch, accbuf);
+            float tail_bias[CB_NR];
+            panel_rows_dot(ab + (int64_t)r0 * kp, kp, rows, kp, (const uint16_t *)wp + p * pelems,
+                           item_bias(bias, p, ncols, tail_bias), c + (int64_t)r0 * ldc + p * CB_NR, ldc, ncols,
+                           accbuf);
         }
     }
+    free(ab);
     return CB_OK;
 }
+
+#else /* no AVX-512 BF16: the same products in float32 FMAs, from A rounded to bfloat16 */
+
+static int cb_linear_bf16_dot(const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n, const float *bias,
+                              float *c, int64_t ldc) {
+    float *ar = malloc(sizeof(float) * (size_t)((int64_t)m * k));
+    if (!ar) return CB_ENOMEM;
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < m; ++i)
+        for (int kk = 0; kk < k; ++kk) ar[(int64_t)i * k + kk] = cb_round_bf16(a[(int64_t)i * lda + kk]);
+    linear_items(CB_FMT_BF16_DOT, ar, k, m, k, wp, n, bias, c, ldc);
+    free(ar);
+    return CB_OK;
+}
+#endif

@@ -65,6 +65,7 @@ int64_t cb_panel_bytes(int fmt, int k) {
     switch (fmt) {
     case CB_FMT_F32: return (int64_t)k * CB_NR * 4;
     case CB_FMT_BF16: return (int64_t)k * CB_NR * 2;
+    case CB_FMT_BF16_DOT: return (int64_t)((k + 1) / 2) * 2 * CB_NR * 2;
     case CB_FMT_Q8_0: return (int64_t)(k / CB_QK) * Q8_BLOCK_BYTES;
     case CB_FMT_Q4_1: return (int64_t)(k / CB_QK) * Q41_BLOCK_BYTES;
     default: return -1;
@@ -85,6 +86,16 @@ static void chunk_bf16(const uint16_t *restrict src, int kn, float *restrict dst
         const vi32x16 bits = widen_u16(src + i) << 16;
         memcpy(dst + i, &bits, sizeof bits);
     }
+}
+
+/* pairs [kn / 2][48][2] -> [kn][48] (kn even: the pad row of an odd k lands in the scratch's spare row) */
+static void chunk_bf16_dot(const uint16_t *restrict src, int kn, float *restrict dst) {
+    for (int j = 0; j < (kn + 1) / 2; ++j)
+        for (int c = 0; c < CB_NR; ++c)
+            for (int h = 0; h < 2; ++h) {
+                const uint32_t bits = (uint32_t)src[(j * CB_NR + c) * 2 + h] << 16;
+                memcpy(dst + (int64_t)(2 * j + h) * CB_NR + c, &bits, 4);
+            }
 }
 
 static void chunk_q8_0(const uint8_t *restrict blocks, int kn, float *restrict dst) {
@@ -123,6 +134,9 @@ const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float
     switch (fmt) {
     case CB_FMT_F32: return (const float *)panel + (int64_t)k0 * CB_NR;
     case CB_FMT_BF16: chunk_bf16((const uint16_t *)panel + (int64_t)k0 * CB_NR, kn, scratch); return scratch;
+    case CB_FMT_BF16_DOT:
+        chunk_bf16_dot((const uint16_t *)panel + (int64_t)k0 * CB_NR, kn, scratch);
+        return scratch;
     case CB_FMT_Q8_0: chunk_q8_0(panel + (int64_t)(k0 / CB_QK) * Q8_BLOCK_BYTES, kn, scratch); return scratch;
     default: chunk_q4_1(panel + (int64_t)(k0 / CB_QK) * Q41_BLOCK_BYTES, kn, scratch); return scratch;
     }
@@ -135,7 +149,7 @@ int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float *out, i
     const int panels = (n + CB_NR - 1) / CB_NR;
 #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; ++p) {
-        float scratch[CB_QK * CB_NR] __attribute__((aligned(64)));
+        float scratch[(CB_QK + 1) * CB_NR] __attribute__((aligned(64)));
         for (int k0 = 0; k0 < k; k0 += CB_QK) {
             const int kn = k - k0 < CB_QK ? k - k0 : CB_QK;
             const float *w = cb_panel_chunk(fmt, packed + p * pbytes, k0, kn, scratch);
@@ -179,6 +193,24 @@ int cb_pack_weight_bf16(const float *w, int64_t ldw, int n, int k, uint16_t *out
                 if (row < n) memcpy(&bits, w + (int64_t)row * ldw + kk, 4);
                 dst[(int64_t)kk * CB_NR + j] = (uint16_t)(bits >> 16);
             }
+    }
+    return CB_OK;
+}
+
+/* As cb_pack_weight_f32, rounded to bfloat16 and stored in k pairs (CB_FMT_BF16_DOT). */
+int cb_pack_weight_bf16_dot(const float *w, int64_t ldw, int n, int k, uint16_t *out) {
+    if (n < 1 || k < 1 || ldw < k) return CB_EINVAL;
+    const int panels = (n + CB_NR - 1) / CB_NR, pairs = (k + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+        uint16_t *dst = out + (int64_t)p * pairs * 2 * CB_NR;
+        for (int j = 0; j < pairs; ++j)
+            for (int c = 0; c < CB_NR; ++c)
+                for (int h = 0; h < 2; ++h) {
+                    const int row = p * CB_NR + c, kk = 2 * j + h;
+                    const float v = row < n && kk < k ? w[(int64_t)row * ldw + kk] : 0.0f;
+                    dst[(j * CB_NR + c) * 2 + h] = cb_bf16_bits(v);
+                }
     }
     return CB_OK;
 }

@@ -12,8 +12,12 @@
  *   CB_FMT_Q4_1  0.75 bytes:         blocks of 32 k values: float d[48], float m[48], uint8 q[16][48] where
  *                                    byte [j][c] holds k = 2j in its low nibble and k = 2j + 1 in its high
  *                                    one; w = d * q + m (GGUF Q4_1; Q4_0 is m = -8d).
+ *   CB_FMT_BF16_DOT  2 bytes:        [ceil(k / 2)][48][2] bfloat16: the k pair (2j, 2j + 1) of each column
+ *                                    side by side (a zero pads an odd k), each value rounded to nearest
+ *                                    even; what AVX-512 BF16's pairwise dot product reads. Lossy: the
+ *                                    one format whose values are not the checkpoint's (dtype bfloat16).
  *
- * Every format decodes to the float32 values the dense checkpoint holds: the GGUF scales are float16
+ * Every other format decodes to the float32 values the dense checkpoint holds: the GGUF scales are float16
  * values, so d * q is exact in float32 and d * q + m is rounded once, as gguf-py's dequantization (and so
  * transformers) rounds it; bit for bit, but for Q4_0's zeros, which gguf-py may give as -0. The Python side
  * checks this for every weight before it uses a packing.
@@ -30,8 +34,8 @@
 int64_t cb_panel_bytes(int fmt, int k);
 
 /* The weights of k values [k0, k0 + kn) of one panel as float32 [kn][48]: a pointer into the panel itself
- * (CB_FMT_F32) or into scratch, which must hold kn * 48 floats. k0 and kn are multiples of CB_QK for the
- * block formats (kn may end at k). */
+ * (CB_FMT_F32) or into scratch, which must hold kn * 48 floats (rounded up to even). k0 and kn are multiples
+ * of CB_QK for the block formats and even for CB_FMT_BF16_DOT (kn may end at k). */
 const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch);
 
 #endif

@@ -1,0 +1,122 @@
+"""``dtype="bfloat16"`` on the CPU kernels: the linear layers multiply bfloat16-rounded inputs by bfloat16-
+rounded weights (the CB_FMT_BF16_DOT panels, AVX-512 BF16's ``vdpbf16ps`` where the CPU has it, float32 FMAs
+where not) with float32 sums; norms, attention, the KV cache and the residual stream stay float32.
+
+Checked: the kernel against a float64 product of the same rounded operands (every shape class: one row,
+a row block and more, odd k, a partial last panel, bias), the portable build against the AVX-512 BF16 one,
+and the bundled model against HF transformers run in bfloat16 on the same weights: greedy tokens equal
+until a position where the two models' top tokens are near-tied, where each one's token is in the other's
+top 5 (what bfloat16 rounding can flip, vLLM's check for lower-precision paths)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from cbserve.frontend.tokenizer import load_tokenizer
+from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.worker.config import ModelConfig
+from cbserve.worker.cpu import native as cpu_native
+from cbserve.worker.cpu.kernels import CpuKernels
+from cbserve.worker.executor import LocalExecutor
+from cbserve.worker.model_loader import resolve_model
+from worker_testlib import run_engine
+
+pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
+
+MAX_NEW = 16
+TOP = 5
+
+
+def rounded_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.bfloat16().double() @ w.bfloat16().double().T
+    return out + bias.double() if bias is not None else out
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 5, 3), (7, 49, 64), (17, 100, 577), (200, 97, 130), (9, 50, 1),
+                                           (33, 48, 256)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_dot_linear_is_the_product_of_rounded_operands(
+    kernels: CpuKernels, m: int, n: int, k: int, with_bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    packed = kernels.pack_weight(w, "bf16_dot")
+    assert packed.nbytes == -(-n // 48) * 48 * (k + k % 2) * 2
+    assert torch.equal(kernels.unpack(packed), w.bfloat16().float())
+    out = kernels.linear(x, packed, bias)
+    ref = rounded_product(x, w, bias)
+    scale = x.bfloat16().double().abs() @ w.bfloat16().double().abs().T
+    assert ((out.double() - ref).abs() <= 1e-6 * scale + 1e-6).all()
+    # not the float32 product: the rounding is real (so the test above could fail)
+    assert not torch.allclose(out, x @ w.T + (bias if bias is not None else 0), rtol=0, atol=1e-5)
+
+
+def test_bf16_dot_reads_strided_rows(kernels: CpuKernels) -> None:
+    gen = torch.Generator().manual_seed(5)
+    w, big = torch.randn(60, 40, generator=gen), torch.randn(12, 70, generator=gen)
+    x = big[:, 3:43]  # rows 70 floats apart
+    packed = kernels.pack_weight(w, "bf16_dot")
+    assert torch.allclose(kernels.linear(x, packed, None), kernels.linear(x.contiguous(), packed, None), atol=0)
+
+
+def test_portable_build_gives_the_avx512_bf16_results(kernels: CpuKernels, tmp_path: Path) -> None:
+    """The kernel without AVX-512 (x86-64-v3: AVX2 FMAs on the same rounded values) against this machine's
+    build: equal within float32 summation order."""
+    cc = cpu_native._compiler()
+    assert cc is not None
+    lib = tmp_path / "portable.so"
+    complaint = cpu_native._compile(cc, (*cpu_native._BASE_FLAGS, "-march=x86-64-v3", "-fopenmp"), lib)
+    if complaint is not None:
+        pytest.skip(f"cannot build for x86-64-v3 here: {complaint}")
+    portable = CpuKernels(lib)
+    gen = torch.Generator().manual_seed(9)
+    w, x, bias = torch.randn(130, 333, generator=gen), torch.randn(45, 333, generator=gen), torch.randn(130)
+    p_native, p_portable = kernels.pack_weight(w, "bf16_dot"), portable.pack_weight(w, "bf16_dot")
+    assert torch.equal(p_native.data, p_portable.data)
+    a, b = kernels.linear(x, p_native, bias), portable.linear(x, p_portable, bias)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _first_difference(ours: list[int], theirs: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+
+
+def _hf_greedy_with_top(model: object, prompt: list[int]) -> tuple[list[int], list[list[int]]]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,  # type: ignore[attr-defined]
+                             eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    tops = [s[0].float().topk(TOP).indices.tolist() for s in out.scores]
+    return out.sequences[0, len(prompt) :].tolist(), tops
+
+
+def test_bundled_model_in_bf16_tracks_hf_bf16() -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    folder = resolve_model(None).folder
+    tok = load_tokenizer(folder)
+    texts = ["The capital of France is", "def fibonacci(n):\n    ", "List three colors: red,",
+             "Once upon a time, in a small village by the sea, there lived"]
+    prompts = [tok(t)["input_ids"] for t in texts]
+    ex = LocalExecutor(ModelConfig(dtype="bfloat16"), block_size=16, num_blocks=64, progress=False)
+    assert ex.runner.dtype == torch.float32 and ex.runner.kv_caches[0][0].dtype == torch.float32
+    assert ex.runner.model.model.layers[0].mlp.down_proj.packed.panels.fmt == "bf16_dot"
+    assert ex.runner.model.lm_head.packed.panels.fmt == "bf16_dot"
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=TOP)
+    run = run_engine(ex, [(f"r{i}", p, sp) for i, p in enumerate(prompts)], block_size=16, num_blocks=64,
+                     max_num_batched_tokens=24, max_num_seqs=4)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    exact = 0
+    for i, p in enumerate(prompts):
+        ours, (theirs, their_top) = run.tokens[f"r{i}"][0], _hf_greedy_with_top(hf, p)
+        at = _first_difference(ours, theirs)
+        if at is None:
+            exact += 1
+            continue
+        our_top = [t for t, _ in run.logprobs[f"r{i}"][0][at].top]
+        assert theirs[at] in our_top and ours[at] in their_top[at], (texts[i], at, ours, theirs)
+    assert exact >= 2  # most prompts agree token for token over all MAX_NEW tokens
