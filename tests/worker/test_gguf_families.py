@@ -2,8 +2,8 @@
 llama.cpp writes them (``gguf_writer.py``): cbserve converts and serves each one with HF generate()'s greedy
 tokens and its logprobs within 1e-4 when HF transformers loads the same file (``from_pretrained(dir,
 gguf_file=...)``), on the CPU C kernels and on the torch reference path, through chunked prefill, prefix-cache
-hits and preemption; one file has Q8_0 weights, which the C kernels read as blocks. The families transformers
-cannot load from GGUF are refused at load, with the reason, before anything is converted."""
+hits and preemption; two files have Q8_0 / Q4_0 weights, which the C kernels read as blocks. The families
+transformers cannot load from GGUF are refused at load, with the reason, before anything is converted."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ CASES: dict[str, tuple[str, str, dict[str, Any], str, str, str | None]] = {
     # 6 layers: the loader's layer pattern (5 sliding, 1 global) has a global layer
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**FAMILIES["gemma3"][2], "num_hidden_layers": 6,
                                                          "layer_types": None}, "gemma3", "gemma3", None),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", _DENSE, "phi3", "phi3", None),  # fused qkv and gate_up
+    # fused qkv and gate_up, Q4_0 weights
+    "phi3_q4_0": ("Phi3Config", "Phi3ForCausalLM", _DENSE, "phi3", "phi3", "Q4_0"),
 }
 # the config values transformers' GGUF loader drops, given to the HF reference (cbserve reads them itself)
 REF_FIXES = {"qwen3_q8_0": {"head_dim": 32}, "qwen3moe": {"moe_intermediate_size": 32}}
@@ -101,9 +102,10 @@ def test_gguf_converts_to_the_served_model_type(gguf_model: tuple[str, Path, Any
     assert converted.num_hidden_layers == info.num_hidden_layers == CASES[case][2]["num_hidden_layers"]
     if case == "qwen3moe":
         assert info.moe_intermediate_size == converted.moe_intermediate_size == 32
-    blocks = load_gguf_blocks(folder)
-    if CASES[case][5] == "Q8_0":  # every linear weight and the embedding kept as blocks
-        assert len(blocks) == 2 + 7 * 2 and {b.qtype for b in blocks.values()} == {"Q8_0"}
+    blocks, qtype = load_gguf_blocks(folder), CASES[case][5]
+    if qtype is not None:  # every linear weight, the embedding and the LM head kept as blocks
+        per_layer = 4 if case.startswith("phi3") else 7  # Phi-3: fused qkv and gate_up
+        assert len(blocks) == 2 + per_layer * 2 and {b.qtype for b in blocks.values()} == {qtype}
     else:
         assert blocks == {}
 
@@ -120,9 +122,10 @@ def test_gguf_family_matches_hf(gguf_model: tuple[str, Path, Any], path: str,
     model = executor.runner.model
     if path == "native" and case != "qwen3moe":  # the one-call C layer driver runs the dense families
         assert model.native_layers is not None
-    if path == "native" and CASES[case][5] == "Q8_0":  # the kernels read the GGUF blocks
-        assert model.model.layers[0].mlp.down_proj.packed.panels.fmt == "q8_0"
-        assert model.lm_head.packed.panels.fmt == "q8_0"
+    if path == "native" and CASES[case][5] is not None:  # the kernels read the GGUF blocks (Q4_0 as q4_1)
+        fmt = {"Q8_0": "q8_0", "Q4_0": "q4_1"}[CASES[case][5]]
+        assert model.model.layers[0].mlp.down_proj.packed.panels.fmt == fmt
+        assert model.lm_head.packed.panels.fmt == fmt
     run = run_engine(executor, reqs, block_size=4, num_blocks=36, max_num_batched_tokens=16, max_num_seqs=4,
                      join_at_step={"r2": 5, "r5": 9})
     assert run.num_preemptions > 0 and run.prefix_hits > 0
