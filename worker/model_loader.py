@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from .model_info import COMPLETE_MARKER, gguf_cache_folder, locate_model
+from .gguf_arch import gguf_config_fixes, gguf_model_type
+from .model_info import COMPLETE_MARKER, gguf_cache_folder, locate_model, read_gguf_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +46,13 @@ def resolve_model(model: str | None) -> ResolvedModel:
 
 
 def convert_gguf(gguf: Path) -> Path:
-    """Dequantize ``gguf`` into a cached HF folder (once); returns the folder."""
+    """Dequantize ``gguf`` into a cached HF folder (once); returns the folder. ValueError for a GGUF
+    architecture cbserve does not load (``gguf_arch.py``), before transformers reads a tensor."""
     target = gguf_cache_folder(gguf)
     if (target / COMPLETE_MARKER).exists():
         return target
+    meta = read_gguf_metadata(gguf, wanted=lambda key: not key.startswith("tokenizer."))
+    gguf_model_type(meta, gguf)
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -61,9 +65,11 @@ def convert_gguf(gguf: Path) -> Path:
     try:
         with tqdm(total=4, desc=f"Converting {name}", unit="step") as bar:
             config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            for key, value in gguf_config_fixes(meta).items():  # values transformers' loader drops
+                setattr(config, key, value)
             AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
             bar.update()
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
             bar.update()
             state = {k: v.contiguous() for k, v in model.state_dict().items()}
             if getattr(config, "tie_word_embeddings", False):

@@ -178,6 +178,39 @@ def test_the_gguf_header_gives_the_models_numbers_without_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def _gguf_header(path: Path, arch: str, **keys: int) -> str:
+    """A GGUF file with only a header: ``general.architecture`` and ``{arch}.<key>`` values."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in keys.items():
+        w.add_uint32(f"{arch}.{key.replace('__', '.')}", value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return str(path)
+
+
+def test_gguf_architectures_map_to_served_model_types_or_are_refused_with_the_reason(tmp_path: Path) -> None:
+    moe = _gguf_header(tmp_path / "moe.gguf", "qwen3moe", attention__head_count=8, attention__head_count_kv=8,
+                       embedding_length=64, block_count=2, expert_feed_forward_length=52)
+    info = read_model_info(moe)
+    assert (info.model_type, info.moe_intermediate_size) == ("qwen3_moe", 52)
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size \(52\) is not divisible .* \(8\)"):
+        servable_config(CBServeConfig(model=moe, tensor_parallel_size=8))
+    gemma3 = _gguf_header(tmp_path / "g3.gguf", "gemma3", attention__head_count=4, embedding_length=64,
+                          block_count=2)
+    assert read_model_info(gemma3).model_type == "gemma3_text"  # the text backbone's model type
+    for arch, reason in [("gemma", "Gemma 1"), ("qwen2moe", "architecture 'qwen2moe' is not supported")]:
+        path = _gguf_header(tmp_path / f"{arch}.gguf", arch, attention__head_count=4, block_count=2)
+        with pytest.raises(ConfigError, match=f"cannot load the model .*{reason}"):
+            servable_config(CBServeConfig(model=path))
+    mixtral = _gguf_header(tmp_path / "mixtral.gguf", "llama", attention__head_count=4, block_count=2,
+                           expert_count=8)
+    with pytest.raises(ConfigError, match="Mixtral"):
+        servable_config(CBServeConfig(model=mixtral))
+
+
 def test_an_unset_max_model_len_is_capped_by_the_model_an_explicit_one_is_not(tmp_path: Path) -> None:
     folder = _hf_folder(tmp_path, max_position_embeddings=512)
     assert servable_config(CBServeConfig(model=folder)).max_model_len == 512
