@@ -81,7 +81,7 @@ def test_portable_build_gives_the_avx512_bf16_results(kernels: CpuKernels, tmp_p
 
 
 def _first_difference(ours: list[int], theirs: list[int]) -> int | None:
-    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), None)
 
 
 def _hf_greedy_with_top(model: object, prompt: list[int]) -> tuple[list[int], list[list[int]]]:

@@ -215,8 +215,8 @@ def pack_linear_weights(
 ) -> int:
     """Pack every ``Packable`` module of ``model`` for the C kernels (when ``kernels`` is given; with
     ``compact``, each weight in the smallest format that holds it exactly, from ``blocks`` (parameter name ->
-    its GGUF blocks) where given; with ``bf16_products`` rounded to bfloat16) or for oneDNN. Dense copies are released unless the weight is shared, like
-    tied embeddings. Returns how many were packed."""
+    its GGUF blocks) where given; with ``bf16_products`` rounded to bfloat16) or for oneDNN. Dense copies are
+    released unless the weight is shared, like tied embeddings. Returns how many were packed."""
     names: dict[int, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
         names[id(param)].append(name)
