@@ -30,9 +30,10 @@ class ModelConfig:
     ``attention_backend="auto"``) decode attention on cbserve's compiled C kernels; "onednn" packs the linear
     weights for oneDNN and keeps torch for the rest; "torch" is plain torch. "auto": native when the
     kernels build (a C compiler is found), else onednn, else torch.
-    ``cpu_compact_weights`` (native, float32 only): keep each linear weight in the smallest format that holds
-    its float32 values exactly (the GGUF Q8_0 / Q4_0 / Q4_1 blocks it came from, or bfloat16) and decode it in
-    the kernel; same arithmetic and results, 2-5x fewer bytes read per decode step. False: float32 panels.
+    ``cpu_compact_weights`` (native only): keep each linear weight in the smallest format that holds its
+    float32 values exactly (the GGUF Q8_0 / Q4_0 / Q4_1 blocks it came from, or bfloat16) and decode it in
+    the kernel; same arithmetic and results, 2-5x fewer bytes read per decode step. False: float32 panels
+    (with dtype bfloat16: GGUF blocks kept and rounded as decoded; False: every weight rounded once).
     ``dtype="bfloat16"`` on CPU with native ops: the model, its norms, attention and KV cache stay float32
     and the linear layers multiply in bfloat16 (weights rounded to bfloat16 once, then always read as such;
     inputs rounded at each product; float32 sums): ~2x the float32 products' rate on AVX-512 BF16 CPUs.

@@ -90,7 +90,7 @@ class ModelRunner:
         self.model.load_weights(iter_weights(self.model_folder, progress=progress and tp_rank() == 0))
         self.model.eval()
         if self.device.type == "cpu":
-            compact = config.cpu_compact_weights and ops.native and not ops.bf16_products
+            compact = config.cpu_compact_weights and ops.native
             self.model.finish_loading(load_gguf_blocks(self.model_folder) if compact else None, compact)
             tune_malloc_for_cpu_inference()  # after the weights are placed: they stay in their own mappings
         self.eos_token_ids = list(read_eos_token_ids(self.model_folder))

@@ -54,6 +54,32 @@ def test_bf16_dot_linear_is_the_product_of_rounded_operands(
     assert not torch.allclose(out, x @ w.T + (bias if bias is not None else 0), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("m", [1, 9, 40])
+def test_gguf_blocks_with_bf16_products_equal_bf16_dot_panels_of_their_values(
+    kernels: CpuKernels, qtype: str, m: int
+) -> None:
+    """Kept compact, the blocks' decoded weights are rounded as the kernel reads them: the same products, bit
+    for bit, as "bf16_dot" panels of the decoded float32 weight."""
+    import numpy as np
+    from cbserve.worker.cpu.gguf_blocks import QuantBlocks
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    w = np.random.default_rng(m).normal(0.0, 0.05, size=(100, 320)).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType[qtype])
+    blocks = QuantBlocks(qtype, torch.from_numpy(raw))
+    decoded = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]))
+    packed = kernels.pack_q8_0(*blocks.q8_0()) if qtype == "Q8_0" else kernels.pack_q4_1(*blocks.q4_1())
+    as_bf16 = kernels.with_bf16_products(packed)
+    assert as_bf16.fmt == qtype.lower() + "_bf16" and as_bf16.data is packed.data
+    assert torch.equal(kernels.unpack(as_bf16), decoded.bfloat16().float())
+    x, bias = torch.randn(m, 320, generator=torch.Generator().manual_seed(m)), torch.randn(100)
+    assert torch.equal(kernels.linear(x, as_bf16, bias), kernels.linear(x, kernels.pack_weight(decoded, "bf16_dot"), bias))
+    with pytest.raises(ValueError, match="bfloat16-products variant"):
+        kernels.with_bf16_products(kernels.pack_weight(decoded))
+
+
 def test_bf16_dot_reads_strided_rows(kernels: CpuKernels) -> None:
     gen = torch.Generator().manual_seed(5)
     w, big = torch.randn(60, 40, generator=gen), torch.randn(12, 70, generator=gen)
@@ -78,6 +104,12 @@ def test_portable_build_gives_the_avx512_bf16_results(kernels: CpuKernels, tmp_p
     assert torch.equal(p_native.data, p_portable.data)
     a, b = kernels.linear(x, p_native, bias), portable.linear(x, p_portable, bias)
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    q = torch.randint(-127, 128, (130, 320), dtype=torch.int8, generator=gen)
+    d = torch.rand(130, 10, generator=gen) * 0.01
+    q8_native = kernels.with_bf16_products(kernels.pack_q8_0(d, q))
+    q8_portable = portable.with_bf16_products(portable.pack_q8_0(d, q))
+    x = x[:, :320].contiguous()
+    assert torch.allclose(kernels.linear(x, q8_native, None), portable.linear(x, q8_portable, None), rtol=1e-5, atol=1e-5)
 
 
 def _first_difference(ours: list[int], theirs: list[int]) -> int | None:
@@ -104,8 +136,9 @@ def test_bundled_model_in_bf16_tracks_hf_bf16() -> None:
     prompts = [tok(t)["input_ids"] for t in texts]
     ex = LocalExecutor(ModelConfig(dtype="bfloat16"), block_size=16, num_blocks=64, progress=False)
     assert ex.runner.dtype == torch.float32 and ex.runner.kv_caches[0][0].dtype == torch.float32
-    assert ex.runner.model.model.layers[0].mlp.down_proj.packed.panels.fmt == "bf16_dot"
-    assert ex.runner.model.lm_head.packed.panels.fmt == "bf16_dot"
+    # the GGUF's Q4_1 / Q8_0 blocks stay compact, rounded to bfloat16 as the kernel decodes them
+    assert ex.runner.model.model.layers[0].mlp.down_proj.packed.panels.fmt == "q4_1_bf16"
+    assert ex.runner.model.lm_head.packed.panels.fmt == "q8_0_bf16"
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=TOP)
     run = run_engine(ex, [(f"r{i}", p, sp) for i, p in enumerate(prompts)], block_size=16, num_blocks=64,
                      max_num_batched_tokens=24, max_num_seqs=4)

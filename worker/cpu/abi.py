@@ -68,7 +68,7 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
 
 # The header's enums that Python numbers too: return codes and packed-weight formats.
 RETURN_CODES = {"CB_OK": 0, "CB_ENOMEM": 1, "CB_EINVAL": 2, "CB_ERANGE": 3}
-PANEL_FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "bf16_dot": 4}
+PANEL_FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "bf16_dot": 4, "q8_0_bf16": 5, "q4_1_bf16": 6}
 
 _SCALARS: dict[str, CType] = {"int": _I32, "int32_t": _I32, "int64_t": _I64, "float": _F32}
 

@@ -129,6 +129,14 @@ class CpuKernels:
         _check(self._lib.cb_pack_q4_1(d.data_ptr(), m.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q4_1")
         return Panels("q4_1", out, n, k)
 
+    @staticmethod
+    def with_bf16_products(panels: Panels) -> Panels:
+        """GGUF block panels ("q8_0", "q4_1") read for bfloat16 products: the same bytes, each decoded weight
+        rounded to bfloat16 by the kernel (the products of "bf16_dot" panels of the decoded weight)."""
+        if panels.fmt not in BLOCK_FORMATS:
+            raise ValueError(f"only {BLOCK_FORMATS} panels have a bfloat16-products variant, not {panels.fmt!r}")
+        return Panels(f"{panels.fmt}_bf16", panels.data, panels.n, panels.k)
+
     def unpack(self, panels: Panels) -> torch.Tensor:
         """The [n, k] float32 weight the kernel multiplies by (for checks and tests)."""
         self._check_panels(panels)

@@ -11,9 +11,10 @@ Two packings, chosen by ``ModelConfig.cpu_ops`` (see ``ops.py``):
   the same float32 values in registers, so the arithmetic and the results do not change (each packing is
   checked against the weight it replaces) while 2-5x fewer bytes are read per step.
   With ``bf16_products`` (``dtype="bfloat16"`` on the native ops) every weight is instead rounded to
-  bfloat16 and stored in k pairs, and the kernel rounds its input rows to bfloat16 too and sums the
-  products in float32 with AVX-512 BF16 (``vdpbf16ps``: twice float32's multiply rate): not the float32
-  result, but within float32 rounding of the same product computed on bfloat16-rounded operands.
+  bfloat16 and stored in k pairs (GGUF blocks, with ``compact``, stay blocks and are rounded as the kernel
+  decodes them), and the kernel rounds its input rows to bfloat16 too and sums the products in float32 with
+  AVX-512 BF16 (``vdpbf16ps``: twice float32's multiply rate): not the float32 result, but within float32
+  rounding of the same product computed on bfloat16-rounded operands.
 - ``"onednn"``: oneDNN's blocked layout through ``mkldnn._linear_pointwise`` (float32 and bfloat16), for
   machines where the C kernels cannot be built. Still 2-3x MKL's ``F.linear`` for decode-sized products.
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gguf_blocks import QuantBlocks
-from .kernels import CpuKernels, Panels, is_bfloat16_exact
+from .kernels import BLOCK_FORMATS, CpuKernels, Panels, is_bfloat16_exact
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +137,11 @@ def make_packed_weight(
     oneDNN; None where neither applies."""
     if kernels is not None and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2:
         w = weight.detach()
-        if bf16_products:
-            return NativeWeight(kernels.pack_weight(w, "bf16_dot"), kernels)
         panels = compact_panels(w, kernels, blocks) if compact else None
+        if bf16_products:  # GGUF blocks stay compact (rounded as decoded), anything else is rounded once here
+            if panels is not None and panels.fmt in BLOCK_FORMATS:
+                return NativeWeight(kernels.with_bf16_products(panels), kernels)
+            return NativeWeight(kernels.pack_weight(w, "bf16_dot"), kernels)
         return NativeWeight(panels or kernels.pack_weight(w), kernels)
     if packing_supported(weight):
         return OneDnnWeight(pack_weight(weight), weight.dtype)

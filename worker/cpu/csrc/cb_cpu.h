@@ -17,7 +17,16 @@
 enum { CB_OK = 0, CB_ENOMEM = 1, CB_EINVAL = 2, CB_ERANGE = 3 };
 
 /* Packed weight formats (layouts in panels.h). */
-enum { CB_FMT_F32 = 0, CB_FMT_BF16 = 1, CB_FMT_Q8_0 = 2, CB_FMT_Q4_1 = 3, CB_FMT_BF16_DOT = 4, CB_FMT_COUNT = 5 };
+enum {
+    CB_FMT_F32 = 0,
+    CB_FMT_BF16 = 1,
+    CB_FMT_Q8_0 = 2,
+    CB_FMT_Q4_1 = 3,
+    CB_FMT_BF16_DOT = 4,  /* bfloat16 products from here on (see cb_linear) */
+    CB_FMT_Q8_0_BF16 = 5, /* CB_FMT_Q8_0's bytes, each decoded weight rounded to bfloat16 */
+    CB_FMT_Q4_1_BF16 = 6, /* CB_FMT_Q4_1's bytes, likewise */
+    CB_FMT_COUNT = 7
+};
 
 /* One packed linear layer: out [m, n] = a [m, k] W^T (+ bias). */
 typedef struct {
@@ -74,10 +83,11 @@ CB_API int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float 
 /* ---- linear layers (gemm.c) ---------------------------------------------------------------------------- */
 
 /* a: [m, k] rows lda floats apart; wp: W [n, k] packed as fmt; bias: [n] or NULL; c: [m, n] rows ldc apart.
- * Every format but CB_FMT_BF16_DOT multiplies in float32 by the weight's exact float32 values. CB_FMT_BF16_DOT
- * rounds each row of a to bfloat16 (to nearest even) and sums the bfloat16 products in float32, two k values
- * a step (AVX-512 BF16's dot product where the CPU has it): results within float32 rounding of
- * bf16(a) @ bf16(W)^T computed in float32, not the float32 product. */
+ * CB_FMT_F32 .. CB_FMT_Q4_1 multiply in float32 by the weight's exact float32 values. The bfloat16 formats
+ * (CB_FMT_BF16_DOT, CB_FMT_Q8_0_BF16, CB_FMT_Q4_1_BF16) round each row of a and each (decoded) weight to
+ * bfloat16 (to nearest even) and sum the products in float32, two k values a step (AVX-512 BF16's dot product
+ * where the CPU has it): results within float32 rounding of bf16(a) @ bf16(W)^T computed in float32; the
+ * three give the same products for the same decoded weights. */
 CB_API int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                      const float *bias, float *c, int64_t ldc);
 

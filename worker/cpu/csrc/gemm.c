@@ -33,8 +33,8 @@
 #define CB_KC_MANY 256
 #define CB_MANY_ROWS 32
 
-static int cb_linear_bf16_dot(const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n, const float *bias,
-                              float *c, int64_t ldc);
+static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
+                              const float *bias, float *c, int64_t ldc);
 
 /* An mr x 48 block of C over one chunk of kn k values. acc_io: the block's partial sums ([mr][48]), read
  * unless first (then the start is bias or zero) and written unless c (then the result goes to c, ncols
@@ -157,7 +157,7 @@ int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t 
     const int64_t pbytes = cb_panel_bytes(fmt, k);
     if (m < 0 || n < 1 || pbytes < 0 || lda < k || ldc < n) return CB_EINVAL;
     if (m == 0) return CB_OK;
-    if (fmt == CB_FMT_BF16_DOT) return cb_linear_bf16_dot(a, lda, m, k, wp, n, bias, c, ldc);
+    if (cb_bf16_products(fmt)) return cb_linear_bf16_dot(fmt, a, lda, m, k, wp, n, bias, c, ldc);
     linear_items(fmt, a, lda, m, k, wp, n, bias, c, ldc);
     return CB_OK;
 }
@@ -215,46 +215,77 @@ static void tile_dot_rows(int mr, const uint32_t *a, int64_t lda, const uint16_t
     }
 }
 
+/* k values [0, kn) of decoded float32 rows ([kn][48], kn even) -> bfloat16 pairs [kn / 2][48][2], rounded to
+ * nearest even as cb_bf16_bits rounds (but for denormals, which the instruction flushes to zero). */
+static void float_rows_to_pairs(const float *restrict w, int kn, uint16_t *restrict out) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int j = 0; j < kn / 2; ++j)
+        for (int v = 0; v < 3; ++v) {
+            const __m512 lo = _mm512_loadu_ps(w + (2 * j) * CB_NR + 16 * v);
+            const __m512 hi = _mm512_loadu_ps(w + (2 * j + 1) * CB_NR + 16 * v);
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* [lo 0..15 | hi 0..15] */
+            _mm512_storeu_si512(out + (j * CB_NR + 16 * v) * 2, _mm512_permutexvar_epi16(interleave, both));
+        }
+}
+
+/* The pairs of k values [2 k0, 2 (k0 + kn)) of one panel: in place (CB_FMT_BF16_DOT) or decoded from the
+ * GGUF blocks into pairs (via the float32 scratch). */
+static const uint16_t *panel_pairs(int fmt, const uint8_t *panel, int k0, int kn, float *scratch, uint16_t *pairs) {
+    if (fmt == CB_FMT_BF16_DOT) return (const uint16_t *)panel + (int64_t)k0 * 2 * CB_NR;
+    float_rows_to_pairs(cb_panel_chunk(cb_storage_format(fmt), panel, 2 * k0, 2 * kn, scratch), 2 * kn, pairs);
+    return pairs;
+}
+
 /* One work item: rows of a (bfloat16 pairs, lda pairs apart) against one panel of kp pairs. */
-static void panel_rows_dot(const uint32_t *a, int64_t lda, int rows, int kp, const uint16_t *panel,
-                           const float *bias, float *c, int64_t ldc, int ncols, float *accbuf) {
+static void panel_rows_dot(int fmt, const uint32_t *a, int64_t lda, int rows, int kp, const uint8_t *panel,
+                           const float *bias, float *c, int64_t ldc, int ncols, float *scratch, uint16_t *pairs,
+                           float *accbuf) {
     const int tiles = (rows + CB_MR - 1) / CB_MR, base = rows / tiles, extra = rows % tiles;
     const int kc = (rows > CB_MANY_ROWS ? CB_KC_MANY : CB_KC_FEW) / 2;
     for (int k0 = 0; k0 < kp; k0 += kc) {
         const int kn = kp - k0 < kc ? kp - k0 : kc, first = k0 == 0, last = k0 + kn == kp;
+        const uint16_t *w = panel_pairs(fmt, panel, k0, kn, scratch, pairs);
         for (int t = 0, i = 0; t < tiles; ++t) {
             const int mr = base + (t < extra);
-            tile_dot_rows(mr, a + (int64_t)i * lda + k0, lda, panel + (int64_t)k0 * 2 * CB_NR, kn, first, bias,
-                          accbuf + i * CB_NR, last ? c + (int64_t)i * ldc : NULL, ldc, ncols);
+            tile_dot_rows(mr, a + (int64_t)i * lda + k0, lda, w, kn, first, bias, accbuf + i * CB_NR,
+                          last ? c + (int64_t)i * ldc : NULL, ldc, ncols);
             i += mr;
         }
     }
 }
 
-/* A's rows rounded to bfloat16 pairs (a zero pads an odd k), then every work item as linear_items does. */
-static int cb_linear_bf16_dot(const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n, const float *bias,
-                              float *c, int64_t ldc) {
+/* a row of k floats -> bfloat16 pairs (2 kp values, a zero padding an odd k) */
+static void row_to_bf16(const float *restrict x, int k, int kp, uint16_t *restrict out) {
+    int kk = 0;
+    for (; kk + 32 <= k; kk += 32)
+        _mm512_storeu_si512(out + kk, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + kk + 16), _mm512_loadu_ps(x + kk)));
+    for (; kk < 2 * kp; ++kk) out[kk] = kk < k ? cb_bf16_bits(x[kk]) : 0;
+}
+
+/* A's rows rounded to bfloat16 pairs, then every work item as linear_items does. */
+static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
+                              const float *bias, float *c, int64_t ldc) {
     const int kp = (k + 1) / 2, panels = (n + CB_NR - 1) / CB_NR, row_blocks = (m + CB_ROW_BLOCK - 1) / CB_ROW_BLOCK;
-    const int64_t pelems = (int64_t)kp * 2 * CB_NR;
+    const int64_t pbytes = cb_panel_bytes(fmt, k);
     uint32_t *ab = malloc(sizeof(uint32_t) * (size_t)((int64_t)m * kp));
     if (!ab) return CB_ENOMEM;
 #pragma omp parallel
     {
         float accbuf[CB_ROW_BLOCK * CB_NR] __attribute__((aligned(64)));
+        float scratch[CB_KC_MANY * CB_NR] __attribute__((aligned(64)));
+        uint16_t pairs[CB_KC_MANY * CB_NR] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
-        for (int i = 0; i < m; ++i) {
-            uint16_t *row = (uint16_t *)(ab + (int64_t)i * kp);
-            for (int kk = 0; kk < 2 * kp; ++kk) row[kk] = kk < k ? cb_bf16_bits(a[(int64_t)i * lda + kk]) : 0;
-        }
+        for (int i = 0; i < m; ++i) row_to_bf16(a + (int64_t)i * lda, k, kp, (uint16_t *)(ab + (int64_t)i * kp));
 #pragma omp for schedule(static)
         for (int item = 0; item < panels * row_blocks; ++item) {
             const int p = item / row_blocks, r0 = (item % row_blocks) * CB_ROW_BLOCK;
             const int rows = m - r0 < CB_ROW_BLOCK ? m - r0 : CB_ROW_BLOCK;
             const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
             float tail_bias[CB_NR];
-            panel_rows_dot(ab + (int64_t)r0 * kp, kp, rows, kp, (const uint16_t *)wp + p * pelems,
+            panel_rows_dot(fmt, ab + (int64_t)r0 * kp, kp, rows, kp, wp + p * pbytes,
                            item_bias(bias, p, ncols, tail_bias), c + (int64_t)r0 * ldc + p * CB_NR, ldc, ncols,
-                           accbuf);
+                           scratch, pairs, accbuf);
         }
     }
     free(ab);
@@ -263,14 +294,14 @@ static int cb_linear_bf16_dot(const float *a, int64_t lda, int m, int k, const u
 
 #else /* no AVX-512 BF16: the same products in float32 FMAs, from A rounded to bfloat16 */
 
-static int cb_linear_bf16_dot(const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n, const float *bias,
-                              float *c, int64_t ldc) {
+static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
+                              const float *bias, float *c, int64_t ldc) {
     float *ar = malloc(sizeof(float) * (size_t)((int64_t)m * k));
     if (!ar) return CB_ENOMEM;
 #pragma omp parallel for schedule(static)
     for (int i = 0; i < m; ++i)
         for (int kk = 0; kk < k; ++kk) ar[(int64_t)i * k + kk] = cb_round_bf16(a[(int64_t)i * lda + kk]);
-    linear_items(CB_FMT_BF16_DOT, ar, k, m, k, wp, n, bias, c, ldc);
+    linear_items(fmt, ar, k, m, k, wp, n, bias, c, ldc); /* cb_panel_chunk rounds the decoded weights */
     free(ar);
     return CB_OK;
 }

@@ -58,9 +58,14 @@ static inline vf16 to_float(vi32x16 v) { return __builtin_convertvector(v, vf16)
 #define Q8_BLOCK_BYTES (CB_NR * 4 + CB_QK * CB_NR)          /* d[48] + q[32][48] = 1728 */
 #define Q41_BLOCK_BYTES (2 * CB_NR * 4 + CB_QK / 2 * CB_NR) /* d[48] + m[48] + q[16][48] = 1152 */
 
+int cb_storage_format(int fmt) {
+    return fmt == CB_FMT_Q8_0_BF16 ? CB_FMT_Q8_0 : fmt == CB_FMT_Q4_1_BF16 ? CB_FMT_Q4_1 : fmt;
+}
+
 static int is_block_format(int fmt) { return fmt == CB_FMT_Q8_0 || fmt == CB_FMT_Q4_1; }
 
 int64_t cb_panel_bytes(int fmt, int k) {
+    fmt = cb_storage_format(fmt);
     if (k < 1 || (is_block_format(fmt) && k % CB_QK)) return -1;
     switch (fmt) {
     case CB_FMT_F32: return (int64_t)k * CB_NR * 4;
@@ -131,6 +136,11 @@ static void chunk_q4_1(const uint8_t *restrict blocks, int kn, float *restrict d
 }
 
 const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch) {
+    if (fmt == CB_FMT_Q8_0_BF16 || fmt == CB_FMT_Q4_1_BF16) { /* decoded, then rounded as the kernel rounds */
+        cb_panel_chunk(cb_storage_format(fmt), panel, k0, kn, scratch);
+        for (int64_t i = 0; i < (int64_t)kn * CB_NR; ++i) scratch[i] = cb_round_bf16(scratch[i]);
+        return scratch;
+    }
     switch (fmt) {
     case CB_FMT_F32: return (const float *)panel + (int64_t)k0 * CB_NR;
     case CB_FMT_BF16: chunk_bf16((const uint16_t *)panel + (int64_t)k0 * CB_NR, kn, scratch); return scratch;

@@ -16,6 +16,8 @@
  *                                    side by side (a zero pads an odd k), each value rounded to nearest
  *                                    even; what AVX-512 BF16's pairwise dot product reads. Lossy: the
  *                                    one format whose values are not the checkpoint's (dtype bfloat16).
+ *   CB_FMT_Q8_0_BF16, CB_FMT_Q4_1_BF16: the bytes of CB_FMT_Q8_0 / CB_FMT_Q4_1, each decoded value rounded
+ *                                    to bfloat16 (for bfloat16 products: the GGUF blocks stay compact).
  *
  * Every other format decodes to the float32 values the dense checkpoint holds: the GGUF scales are float16
  * values, so d * q is exact in float32 and d * q + m is rounded once, as gguf-py's dequantization (and so
@@ -29,6 +31,11 @@
 
 #define CB_NR 48
 #define CB_QK 32
+
+/* The format whose bytes fmt reads (CB_FMT_Q8_0 for CB_FMT_Q8_0_BF16, ...), and whether its products are
+ * bfloat16. */
+int cb_storage_format(int fmt);
+static inline int cb_bf16_products(int fmt) { return fmt >= CB_FMT_BF16_DOT && fmt < CB_FMT_COUNT; }
 
 /* Bytes of one panel of k rows in format fmt; -1 for an unknown format or a k the format cannot hold. */
 int64_t cb_panel_bytes(int fmt, int k);
