@@ -75,7 +75,8 @@ def test_gguf_blocks_with_bf16_products_equal_bf16_dot_panels_of_their_values(
     assert as_bf16.fmt == qtype.lower() + "_bf16" and as_bf16.data is packed.data
     assert torch.equal(kernels.unpack(as_bf16), decoded.bfloat16().float())
     x, bias = torch.randn(m, 320, generator=torch.Generator().manual_seed(m)), torch.randn(100)
-    assert torch.equal(kernels.linear(x, as_bf16, bias), kernels.linear(x, kernels.pack_weight(decoded, "bf16_dot"), bias))
+    dense = kernels.pack_weight(decoded, "bf16_dot")
+    assert torch.equal(kernels.linear(x, as_bf16, bias), kernels.linear(x, dense, bias))
     with pytest.raises(ValueError, match="bfloat16-products variant"):
         kernels.with_bf16_products(kernels.pack_weight(decoded))
 
@@ -109,7 +110,8 @@ def test_portable_build_gives_the_avx512_bf16_results(kernels: CpuKernels, tmp_p
     q8_native = kernels.with_bf16_products(kernels.pack_q8_0(d, q))
     q8_portable = portable.with_bf16_products(portable.pack_q8_0(d, q))
     x = x[:, :320].contiguous()
-    assert torch.allclose(kernels.linear(x, q8_native, None), portable.linear(x, q8_portable, None), rtol=1e-5, atol=1e-5)
+    a, b = kernels.linear(x, q8_native, None), portable.linear(x, q8_portable, None)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def _first_difference(ours: list[int], theirs: list[int]) -> int | None:
