@@ -215,37 +215,14 @@ static void tile_dot_rows(int mr, const uint32_t *a, int64_t lda, const uint16_t
     }
 }
 
-/* k values [0, kn) of decoded float32 rows ([kn][48], kn even) -> bfloat16 pairs [kn / 2][48][2], rounded to
- * nearest even as cb_bf16_bits rounds (but for denormals, which the instruction flushes to zero). */
-static void float_rows_to_pairs(const float *restrict w, int kn, uint16_t *restrict out) {
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    for (int j = 0; j < kn / 2; ++j)
-        for (int v = 0; v < 3; ++v) {
-            const __m512 lo = _mm512_loadu_ps(w + (2 * j) * CB_NR + 16 * v);
-            const __m512 hi = _mm512_loadu_ps(w + (2 * j + 1) * CB_NR + 16 * v);
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* [lo 0..15 | hi 0..15] */
-            _mm512_storeu_si512(out + (j * CB_NR + 16 * v) * 2, _mm512_permutexvar_epi16(interleave, both));
-        }
-}
-
-/* The pairs of k values [2 k0, 2 (k0 + kn)) of one panel: in place (CB_FMT_BF16_DOT) or decoded from the
- * GGUF blocks into pairs (via the float32 scratch). */
-static const uint16_t *panel_pairs(int fmt, const uint8_t *panel, int k0, int kn, float *scratch, uint16_t *pairs) {
-    if (fmt == CB_FMT_BF16_DOT) return (const uint16_t *)panel + (int64_t)k0 * 2 * CB_NR;
-    float_rows_to_pairs(cb_panel_chunk(cb_storage_format(fmt), panel, 2 * k0, 2 * kn, scratch), 2 * kn, pairs);
-    return pairs;
-}
-
 /* One work item: rows of a (bfloat16 pairs, lda pairs apart) against one panel of kp pairs. */
 static void panel_rows_dot(int fmt, const uint32_t *a, int64_t lda, int rows, int kp, const uint8_t *panel,
-                           const float *bias, float *c, int64_t ldc, int ncols, float *scratch, uint16_t *pairs,
-                           float *accbuf) {
+                           const float *bias, float *c, int64_t ldc, int ncols, uint16_t *pairs, float *accbuf) {
     const int tiles = (rows + CB_MR - 1) / CB_MR, base = rows / tiles, extra = rows % tiles;
     const int kc = (rows > CB_MANY_ROWS ? CB_KC_MANY : CB_KC_FEW) / 2;
     for (int k0 = 0; k0 < kp; k0 += kc) {
         const int kn = kp - k0 < kc ? kp - k0 : kc, first = k0 == 0, last = k0 + kn == kp;
-        const uint16_t *w = panel_pairs(fmt, panel, k0, kn, scratch, pairs);
+        const uint16_t *w = cb_panel_pairs(fmt, panel, 2 * k0, 2 * kn, pairs);
         for (int t = 0, i = 0; t < tiles; ++t) {
             const int mr = base + (t < extra);
             tile_dot_rows(mr, a + (int64_t)i * lda + k0, lda, w, kn, first, bias, accbuf + i * CB_NR,
@@ -273,7 +250,6 @@ static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k
 #pragma omp parallel
     {
         float accbuf[CB_ROW_BLOCK * CB_NR] __attribute__((aligned(64)));
-        float scratch[CB_KC_MANY * CB_NR] __attribute__((aligned(64)));
         uint16_t pairs[CB_KC_MANY * CB_NR] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int i = 0; i < m; ++i) row_to_bf16(a + (int64_t)i * lda, k, kp, (uint16_t *)(ab + (int64_t)i * kp));
@@ -285,7 +261,7 @@ static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k
             float tail_bias[CB_NR];
             panel_rows_dot(fmt, ab + (int64_t)r0 * kp, kp, rows, kp, wp + p * pbytes,
                            item_bias(bias, p, ncols, tail_bias), c + (int64_t)r0 * ldc + p * CB_NR, ldc, ncols,
-                           scratch, pairs, accbuf);
+                           pairs, accbuf);
         }
     }
     free(ab);

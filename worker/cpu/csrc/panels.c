@@ -152,6 +152,55 @@ const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float
     }
 }
 
+#ifdef __AVX512BF16__
+/* 16 float32 weights of k = 2j and of k = 2j + 1 -> the 16 columns' bfloat16 pairs, rounded to nearest even. */
+static inline void store_pairs(uint16_t *out, __m512 even, __m512 odd) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* [even 0..15 | odd 0..15] */
+    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(interleave, both));
+}
+
+/* Q4_1 blocks -> pairs: byte [j][c] already holds the pair (2j, 2j + 1) of column c in its two nibbles. */
+static void pairs_q4_1(const uint8_t *restrict blocks, int kn, uint16_t *restrict out) {
+    for (int b = 0; b < kn / CB_QK; ++b, blocks += Q41_BLOCK_BYTES) {
+        const float *d = (const float *)blocks, *m = d + CB_NR;
+        const uint8_t *q = blocks + 2 * CB_NR * 4;
+        for (int v = 0; v < 3; ++v) {
+            const vf16 dv = cb_load16(d + 16 * v), mv = cb_load16(m + 16 * v);
+            for (int j = 0; j < CB_QK / 2; ++j) {
+                const vi32x16 pair = widen_u8(q + j * CB_NR + 16 * v);
+                const vf16 even = dv * to_float(pair & 15) + mv, odd = dv * to_float(pair >> 4) + mv;
+                store_pairs(out + ((b * CB_QK / 2 + j) * CB_NR + 16 * v) * 2, (__m512)even, (__m512)odd);
+            }
+        }
+    }
+}
+
+static void pairs_q8_0(const uint8_t *restrict blocks, int kn, uint16_t *restrict out) {
+    for (int b = 0; b < kn / CB_QK; ++b, blocks += Q8_BLOCK_BYTES) {
+        const float *d = (const float *)blocks;
+        const int8_t *q = (const int8_t *)(blocks + CB_NR * 4);
+        for (int v = 0; v < 3; ++v) {
+            const vf16 dv = cb_load16(d + 16 * v);
+            for (int j = 0; j < CB_QK / 2; ++j) {
+                const vf16 even = dv * to_float(widen_s8(q + 2 * j * CB_NR + 16 * v));
+                const vf16 odd = dv * to_float(widen_s8(q + (2 * j + 1) * CB_NR + 16 * v));
+                store_pairs(out + ((b * CB_QK / 2 + j) * CB_NR + 16 * v) * 2, (__m512)even, (__m512)odd);
+            }
+        }
+    }
+}
+
+const uint16_t *cb_panel_pairs(int fmt, const uint8_t *panel, int k0, int kn, uint16_t *scratch) {
+    switch (fmt) {
+    case CB_FMT_BF16_DOT: return (const uint16_t *)panel + (int64_t)k0 * CB_NR;
+    case CB_FMT_Q8_0_BF16: pairs_q8_0(panel + (int64_t)(k0 / CB_QK) * Q8_BLOCK_BYTES, kn, scratch); return scratch;
+    default: pairs_q4_1(panel + (int64_t)(k0 / CB_QK) * Q41_BLOCK_BYTES, kn, scratch); return scratch;
+    }
+}
+#endif
+
 /* packed (fmt, [n, k]) -> out [n, k] float32, rows ldo floats apart: what the kernel multiplies by. */
 int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float *out, int64_t ldo) {
     const int64_t pbytes = cb_panel_bytes(fmt, k);

@@ -45,4 +45,11 @@ int64_t cb_panel_bytes(int fmt, int k);
  * of CB_QK for the block formats and even for CB_FMT_BF16_DOT (kn may end at k). */
 const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch);
 
+#ifdef __AVX512BF16__
+/* The bfloat16 pairs of k values [k0, k0 + kn) of one panel of a bfloat16-products format, [kn / 2][48][2]: a
+ * pointer into the panel itself (CB_FMT_BF16_DOT) or into scratch (kn * 48 values), decoded and rounded as
+ * cb_panel_chunk rounds (but for denormals, which the instruction flushes to zero). k0, kn: as there. */
+const uint16_t *cb_panel_pairs(int fmt, const uint8_t *panel, int k0, int kn, uint16_t *scratch);
+#endif
+
 #endif
