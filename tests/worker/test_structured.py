@@ -33,7 +33,30 @@ def _mask(rows: int, vocab: int, allowed: dict[int, list[int]]) -> torch.Tensor:
     return mask
 
 
-def test_sampler_applies_the_bitmask_to_constrained_rows_only() -> None:
+@pytest.mark.parametrize("vocab", [1, 31, 100, 49152, 49155])
+def test_c_kernel_mask_sets_exactly_the_forbidden_tokens(kernels: object, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    mask = torch.randint(-(2**31), 2**31 - 1, (5, words + 2), dtype=torch.int32, generator=gen)  # padded rows
+    mask[1] = -1  # all allowed
+    mask[2, : words // 2] = 0  # mostly forbidden
+    logits = torch.randn(5, vocab + 3, generator=gen)[:, :vocab]  # rows ld floats apart
+    t = torch.arange(vocab)
+    allowed = (mask[:, t // 32] >> (t % 32)) & 1  # bit t % 32 of word t // 32 (xgrammar's layout)
+    ref = logits.masked_fill(allowed == 0, float("-inf"))
+    if vocab > 1:  # and what xgrammar's own kernel gives (not for one token: it writes past the row there)
+        theirs = logits.clone()
+        xgr.apply_token_bitmask_inplace(theirs, mask, vocab_size=vocab)
+        assert torch.equal(theirs, ref)
+    ours = logits.clone()
+    assert kernels.apply_token_bitmask_(ours, mask) is ours  # type: ignore[attr-defined]
+    assert torch.equal(ours, ref) and torch.equal(ours[1], logits[1])
+    with pytest.raises(ValueError, match="bitmask must be an int32"):
+        kernels.apply_token_bitmask_(ours, mask.long())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("with_kernels", [False, True])
+def test_sampler_applies_the_bitmask_to_constrained_rows_only(kernels: object, with_kernels: bool) -> None:
     vocab = 100
     logits = torch.randn(3, vocab)
     logits[:, 50] = 30.0  # the favourite everywhere
@@ -41,7 +64,7 @@ def test_sampler_applies_the_bitmask_to_constrained_rows_only() -> None:
     kinds = ((0.0, None), (0.0, None), (1.0, 5))
     rows = [SamplingRow(SamplingParams(temperature=t), [1, 2], 2, seed=s) for t, s in kinds]
     for _ in range(20):
-        tokens, _ = Sampler([2])(logits.clone(), rows, mask)
+        tokens, _ = Sampler([2], kernels if with_kernels else None)(logits.clone(), rows, mask)  # type: ignore[arg-type]
         assert tokens[0] == (3 if logits[0, 3] > logits[0, 7] else 7) and tokens[1] == 50 and tokens[2] in (64, 99)
     logits_before = logits.clone()
     Sampler([2])(logits, rows, mask)

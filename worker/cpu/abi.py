@@ -60,6 +60,7 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
     "cb_add_rms_norm_f32": (_I32, [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _I32, _I32]),
     "cb_silu_mul_f32": (_I32, [_P, _I64, _I32, _I32, _P, _I64]),
     "cb_gelu_tanh_mul_f32": (_I32, [_P, _I64, _I32, _I32, _P, _I64]),
+    "cb_apply_token_bitmask_f32": (_I32, [_P, _I64, _I32, _I32, _P, _I64]),
     "cb_rotary_f32": (_I32, [_P, _I64, _I32, _I32, _I32, _P, _P, _P, _I64]),
     "cb_paged_decode_f32": (_I32, [_P, _I64, _P, _I64, _P, _P, _I32, _P, _I64, _P, _I32, _I32, _I32, _I32, _I32,
                                    _F32, _I32, _I32, _F32]),

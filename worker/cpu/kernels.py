@@ -206,6 +206,18 @@ class CpuKernels:
                "gelu_tanh_mul")
         return out
 
+    def apply_token_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """In place: every token of ``logits`` [rows, vocab] float32 whose bit in ``bitmask`` [rows,
+        >= ceil(vocab / 32)] int32 (xgrammar's layout) is 0 set to -inf; returns ``logits``."""
+        rows, vocab = logits.shape if logits.dim() == 2 else (0, 0)
+        ld = _rows(logits, "logits")
+        if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[0] != rows or bitmask.stride(1) != 1:
+            raise ValueError(f"bitmask must be an int32 [{rows}, >= {(vocab + 31) // 32}] matrix with contiguous rows, "
+                             f"got {bitmask.dtype} {tuple(bitmask.shape)}")
+        _check(self._lib.cb_apply_token_bitmask_f32(logits.data_ptr(), ld, rows, vocab, bitmask.data_ptr(),
+                                                    bitmask.stride(0)), "apply_token_bitmask")
+        return logits
+
     def rotary_(self, x: torch.Tensor, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> None:
         """Rotate x [m, heads * head_dim] in place (rotate-half convention) by ``positions`` [m] (int64),

@@ -107,6 +107,12 @@ CB_API int cb_gelu_tanh_mul_f32(const float *x, int64_t ldx, int m, int inter, f
 CB_API int cb_rotary_f32(float *x, int64_t ldx, int m, int heads, int head_dim, const int64_t *pos,
                          const float *cos_t, const float *sin_t, int64_t max_pos);
 
+/* Structured output: in each of rows rows of logits (ld floats apart, vocab tokens), token t is set to -inf
+ * unless bit t % 32 of word t / 32 of the row's mask is 1 (mask: [rows, >= ceil(vocab / 32)] int32, mask_ld
+ * words apart: xgrammar's token bitmask). */
+CB_API int cb_apply_token_bitmask_f32(float *logits, int64_t ld, int rows, int vocab, const int32_t *mask,
+                                      int64_t mask_ld);
+
 /* ---- attention (attention.c) --------------------------------------------------------------------------- */
 
 /* One query token per sequence over its paged keys/values. q, out: [num_seqs, num_heads, head_dim];

@@ -10,6 +10,9 @@
 #include <math.h>
 
 #include "cb_simd.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define CB_PARALLEL_MIN 32768 /* elements below which one thread does the whole op */
 #define CB_SILU_CHUNK 256
@@ -96,6 +99,32 @@ int cb_rotary_f32(float *x, int64_t ldx, int m, int heads, int head_dim, const i
                 v[i] = a * c[i] - b * s[i];
                 v[i + half] = b * c[i + half] + a * s[i + half];
             }
+        }
+    }
+    return CB_OK;
+}
+
+/* Structured output's token mask: in row r of logits (ld floats apart), token t is set to -inf unless bit
+ * t % 32 of word t / 32 of row r of mask (mask_ld words apart) is 1 (xgrammar's bitmask layout). Words of all
+ * ones, the common case outside a grammar's structural states, are skipped. */
+int cb_apply_token_bitmask_f32(float *logits, int64_t ld, int rows, int vocab, const int32_t *mask, int64_t mask_ld) {
+    const int words = (vocab + 31) / 32;
+    if (rows < 0 || vocab < 1 || ld < vocab || mask_ld < words) return CB_EINVAL;
+    for (int r = 0; r < rows; ++r) {
+        float *row = logits + (int64_t)r * ld;
+        const uint32_t *bits = (const uint32_t *)mask + (int64_t)r * mask_ld;
+        for (int w = 0; w < words; ++w) {
+            const int n = vocab - 32 * w < 32 ? vocab - 32 * w : 32;
+            const uint32_t keep = bits[w] | (n < 32 ? ~0u << n : 0u); /* tokens past vocab stay untouched */
+            if (keep == ~0u) continue;
+#ifdef __AVX512F__
+            const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+            _mm512_mask_storeu_ps(row + 32 * w, (__mmask16)~keep, neg_inf);
+            _mm512_mask_storeu_ps(row + 32 * w + 16, (__mmask16)(~keep >> 16), neg_inf);
+#else
+            for (int b = 0; b < n; ++b)
+                if (!(keep >> b & 1u)) row[32 * w + b] = -INFINITY;
+#endif
         }
     }
     return CB_OK;
