@@ -225,7 +225,14 @@ class CBServeConfig(BaseModel):
             seed=self.seed,
             tensor_parallel_size=self.tensor_parallel_size,
             rank=rank,
+            **self._draft_fields(),
         )
+
+    def _draft_fields(self) -> dict[str, Any]:
+        spec = self.speculative
+        if spec is None or spec.method != "draft_model":
+            return {}
+        return {"draft_model": spec.model, "num_speculative_tokens": spec.num_speculative_tokens}
 
 
 # ---- can this configuration serve this model? ---------------------------------------------------------
