@@ -73,8 +73,15 @@ def check_same_vocab(target: Path, target_vocab: int, draft: Path, draft_vocab: 
 class DraftModel:
     """The draft model of one worker (tensor_parallel_size 1)."""
 
-    def __init__(self, config: ModelConfig, target_folder: Path, target_vocab: int, block_size: int,
-                 max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        target_folder: Path,
+        target_vocab: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
         if config.draft_model is None:
             raise ValueError("ModelConfig.draft_model is not set")
         if config.tensor_parallel_size != 1:
@@ -103,8 +110,9 @@ class DraftModel:
         """The target's ``num_blocks`` mirrored, plus the proposal rows' scratch blocks after them."""
         self.num_blocks = num_blocks
         total = num_blocks + self.max_num_seqs * self.scratch_per_row
-        self.kv_caches = allocate_kv_cache(self.num_layers, total, self.block_size, self.num_kv_heads,
-                                           self.head_dim, self.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(
+            self.num_layers, total, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
+        )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         copy_blocks(self.kv_caches, copies)
@@ -131,8 +139,14 @@ class DraftModel:
 
     def propose(self, states: list[RequestState], sampler: Sampler) -> dict[str, list[int]]:
         """``k`` draft tokens for each of ``states`` (the requests that just sampled), by ``k`` draft steps."""
-        rows = [s for s in states if s.num_samples == 1 and not s.sampling_params.use_beam_search
-                and s.sampling_params.structured is None and len(s.token_ids) + self.k <= self.max_len]
+        rows = [
+            s
+            for s in states
+            if s.num_samples == 1
+            and not s.sampling_params.use_beam_search
+            and s.sampling_params.structured is None
+            and len(s.token_ids) + self.k <= self.max_len
+        ]
         for s in states:
             self.proposals.pop(s.req_id, None)
         if not rows or self.k < 1:
@@ -158,11 +172,18 @@ class DraftModel:
         need = -(-len(tokens) // self.block_size)
         first = self.num_blocks + i * self.scratch_per_row
         blocks = s.block_ids[:need] + list(range(first, first + max(0, need - len(s.block_ids))))
-        return RequestState(s.req_id, tokens, s.num_prompt_tokens, s.sampling_params, blocks, len(tokens) - 1,
-                            1, s.seed)
+        return RequestState(
+            s.req_id, tokens, s.num_prompt_tokens, s.sampling_params, blocks, len(tokens) - 1, 1, s.seed
+        )
 
-    def _draw(self, sampler: Sampler, logits: torch.Tensor, batch: PreparedBatch, drafts: list[list[int]],
-              qs: list[list[torch.Tensor]]) -> None:
+    def _draw(
+        self,
+        sampler: Sampler,
+        logits: torch.Tensor,
+        batch: PreparedBatch,
+        drafts: list[list[int]],
+        qs: list[list[torch.Tensor]],
+    ) -> None:
         rows = batch.sample_rows
         processed = sampler.process(logits.float(), rows)
         greedy = processed.argmax(dim=-1).tolist()

@@ -36,8 +36,15 @@ class BuiltModel:
     backend_cls: type
 
 
-def build_model(folder: Path, hf_config: Any, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                max_model_len: int, progress: bool) -> BuiltModel:
+def build_model(
+    folder: Path,
+    hf_config: Any,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    progress: bool,
+) -> BuiltModel:
     """The model of ``folder`` with its weights loaded, in eval mode; on CPU its weights packed for the kernels
     (the GGUF blocks kept when ``cpu_compact_weights``)."""
     ops = resolve_cpu_ops(config.cpu_ops, device, dtype)

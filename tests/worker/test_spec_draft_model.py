@@ -24,9 +24,18 @@ def _tiny_draft(folder: Path, vocab: int = 320) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(5)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                      initializer_range=0.2, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     LlamaForCausalLM(cfg).eval().save_pretrained(folder)
     if vocab == 320:
         save_tokenizer(folder)
@@ -75,8 +84,13 @@ def test_greedy_with_a_draft_model_equals_greedy_decoding(
     models: dict[str, Path], reference: list[list[int]], draft: str, num_blocks: int
 ) -> None:
     """28 blocks of 4 tokens for 6 sequences of up to 81: preemption by recompute happens."""
-    llm = LLM(str(models["target"]), speculative_config=_spec(models[draft]), num_kv_blocks=num_blocks,
-              enable_prefix_caching=True, **ENGINE)
+    llm = LLM(
+        str(models["target"]),
+        speculative_config=_spec(models[draft]),
+        num_kv_blocks=num_blocks,
+        enable_prefix_caching=True,
+        **ENGINE,
+    )
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), sp, use_tqdm=False)]
@@ -115,5 +129,12 @@ def test_draft_model_needs_a_model_path() -> None:
     with pytest.raises(ValueError, match='"draft_model" needs "model"'):
         LLM(speculative_config={"method": "draft_model", "num_speculative_tokens": 2}, **ENGINE)
     with pytest.raises(ValueError, match="unknown keys.*prompt_lookup_min"):
-        LLM(speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2,
-                                "prompt_lookup_min": 2}, **ENGINE)
+        LLM(
+            speculative_config={
+                "method": "draft_model",
+                "model": "x",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 2,
+            },
+            **ENGINE,
+        )
