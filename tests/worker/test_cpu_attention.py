@@ -70,6 +70,26 @@ def test_long_prefill_contexts_go_to_sdpa_and_decodes_stay_on_the_kernel() -> No
     torch.testing.assert_close(out_c, out_t, atol=2e-5, rtol=1e-5)
 
 
+@needs_kernels
+def test_short_queries_at_long_contexts_stay_kernel_rows() -> None:
+    """A speculative verification (1 + 4 tokens) past ROWS_MAX_PREFILL_CONTEXT is still rows: the step keeps
+    the one-call layer driver (the torch/module path cost 2x there); a long chunk there still goes to torch."""
+    from cbserve.worker.attention.cpu_backend import ROWS_MAX_PREFILL_CONTEXT, ROWS_MAX_SHORT_QUERY
+    from cbserve.worker.cpu.layers import NativeLayers
+
+    ctx_q = [(40, 1), (ROWS_MAX_PREFILL_CONTEXT + 200, 5), (ROWS_MAX_PREFILL_CONTEXT, ROWS_MAX_SHORT_QUERY)]
+    md = paged_metadata(ctx_q, 16, 140, torch.Generator().manual_seed(0))
+    CpuAttentionBackend(9, 3, 64, 0.125).prepare(md)
+    assert md.prepared.prefill is None and md.prepared.rows.seq_lens.shape[0] == 1 + 5 + ROWS_MAX_SHORT_QUERY
+    assert NativeLayers.applies(int(md.query_start_loc[-1]), md)
+    out_c, out_t = _run_both(ctx_q, 9, 3, 64, 16, seed=6)
+    torch.testing.assert_close(out_c, out_t, atol=2e-5, rtol=1e-5)
+    longer = paged_metadata([(40, 1), (ROWS_MAX_PREFILL_CONTEXT, ROWS_MAX_SHORT_QUERY + 1)], 16, 140,
+                            torch.Generator().manual_seed(0))
+    CpuAttentionBackend(9, 3, 64, 0.125).prepare(longer)
+    assert longer.prepared.prefill is not None
+
+
 def test_row_args_give_every_token_its_context() -> None:
     # (cached context, query tokens): two decodes, then a fresh 3-token prompt and a 2-token chunk after 5
     md = paged_metadata([(6, 1), (0, 1), (0, 3), (5, 2)], 4, 20, torch.Generator().manual_seed(0))
