@@ -192,3 +192,30 @@ def test_unavailable_kernels_say_why_and_auto_falls_back(tmp_path: Path, monkeyp
 def test_cpu_backend_is_for_cpu_devices() -> None:
     with pytest.raises(ValueError, match="needs a CPU device"):
         get_attention_backend("cpu", "cuda")
+
+
+@needs_kernels
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 2, 48)])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (20, 30.0)])
+def test_rows_of_one_sequence_attended_together_equal_each_row_alone(
+    kernels: object, hq: int, hkv: int, d: int, window: int | None, softcap: float | None
+) -> None:
+    """Consecutive rows of one sequence (context lengths +1 each, one block table: a prefill chunk, a
+    speculative verification) are attended as one run of up to 8 rows; each row's output is bit for bit
+    what it is attended alone, runs split mid-chunk included (13 rows), next to other sequences' rows."""
+    bs, nblocks = 16, 40
+    gen = torch.Generator().manual_seed(hq + d)
+    k_cache, v_cache = torch.randn(nblocks, bs, hkv, d, generator=gen), torch.randn(nblocks, bs, hkv, d, generator=gen)
+    table = torch.randperm(nblocks, generator=gen)[:12].to(torch.int32)
+    other = torch.randperm(nblocks, generator=gen)[:12].to(torch.int32)
+    lens = [40 + i for i in range(13)] + [7, 8] + [150 + i for i in range(5)]  # a chunk, another seq, a verification
+    tables = torch.stack([table] * 13 + [other] * 2 + [table] * 5)
+    q = torch.randn(len(lens), hq, d, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    together = torch.empty_like(q)
+    kernels.paged_decode(q, together, k_cache, v_cache, tables, seq_lens, max(lens), d**-0.5, window, softcap)
+    for i in range(len(lens)):
+        alone = torch.empty_like(q[i : i + 1])
+        kernels.paged_decode(q[i : i + 1].contiguous(), alone, k_cache, v_cache, tables[i : i + 1].contiguous(),
+                             seq_lens[i : i + 1].contiguous(), lens[i], d**-0.5, window, softcap)
+        assert torch.equal(together[i], alone[0]), i
