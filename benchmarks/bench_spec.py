@@ -15,6 +15,7 @@ for token (``same_tokens``).
 
     python benchmarks/bench_spec.py                                  # ~5 min on 2 cores
     python benchmarks/bench_spec.py --concurrency 1 --repeats 1     # smoke test
+    python benchmarks/bench_spec.py --draft-model PATH               # a draft model instead of n-gram
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="speculative_config's disable_by_batch_size (no drafts while more sequences run)")
+    p.add_argument("--draft-model", default=None,
+                   help='speculate with this draft model (method "draft_model", same tokenizer) instead of n-gram; '
+                        'the "ngram" columns then hold its results')
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
@@ -145,6 +149,9 @@ def main() -> int:
         "method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
         "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
     }  # fmt: skip
+    if args.draft_model is not None:
+        k = args.num_speculative_tokens
+        spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": k}
     if args.disable_by_batch_size is not None:
         spec["disable_by_batch_size"] = args.disable_by_batch_size
     common = {"max_num_batched_tokens": args.max_num_batched_tokens, "enable_prefix_caching": False,

@@ -71,7 +71,8 @@ class CBServeConfig(BaseModel):
     # schedule the next step while the current one runs (the hop and the scheduler's work overlap the forward)
     async_scheduling: bool = True
     # speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_min": a, "prompt_lookup_max": b}; turns async scheduling off (they do not combine yet)
+    # "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "draft_model", "model": PATH,
+    # "num_speculative_tokens": k} (same tokenizer); turns async scheduling off (they do not combine yet)
     speculative_config: dict[str, Any] | None = None
     # Ray placement and execution
     worker_num_cpus: float = Field(1.0, gt=0.0)  # CPUs per worker actor (one bundle per TP rank)
@@ -241,7 +242,14 @@ class CBServeConfig(BaseModel):
             seed=self.seed,
             tensor_parallel_size=self.tensor_parallel_size,
             rank=rank,
+            **self._draft_fields(),
         )
+
+    def _draft_fields(self) -> dict[str, Any]:
+        spec = self.speculative
+        if spec is None or spec.method != "draft_model":
+            return {}
+        return {"draft_model": spec.model, "num_speculative_tokens": spec.num_speculative_tokens}
 
 
 # ---- can this configuration serve this model? ---------------------------------------------------------

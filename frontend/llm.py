@@ -45,7 +45,7 @@ class LLM:
     ``gpu_memory_utilization``, ``attention_backend``, ``enforce_eager``, ``cpu_ops``, ``cpu_compact_weights``,
     ``seed``, ``enable_prefix_caching``, ``policy``, ``max_waiting``, ``progress``, ``speculative_config``
     (vLLM's shape: ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
-    "prompt_lookup_max": b}``)."""
+    "prompt_lookup_max": b}`` or ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}``)."""
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         from cbserve.worker.config import ModelConfig
@@ -61,10 +61,12 @@ class LLM:
         prefix_caching = bool(kw.pop("enable_prefix_caching", True))
         speculative = SpeculativeConfig.from_dict(kw.pop("speculative_config", None))
         model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
-        unknown = set(kw) - model_fields
+        unknown = (set(kw) - model_fields) | (set(kw) & {"draft_model", "num_speculative_tokens"})  # via spec config
         if unknown:
             raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
         kw.setdefault("max_model_len", DEFAULT_MAX_MODEL_LEN)
+        if speculative is not None and speculative.method == "draft_model":
+            kw["draft_model"], kw["num_speculative_tokens"] = speculative.model, speculative.num_speculative_tokens
         self.model_config = ModelConfig(model=model, **kw)
         self.executor = LocalExecutor(
             self.model_config, block_size, max_tokens_step, max_seqs, num_blocks, progress

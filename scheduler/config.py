@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 SpecMethod = Literal["ngram", "draft_model"]
-SPEC_METHODS = ("ngram",)  # built; "draft_model" is refused until it is
+SPEC_METHODS = ("ngram", "draft_model")
 
 Policy = Literal["continuous", "prefill_first", "static", "dynamic"]
 Ordering = Literal["fcfs", "priority"]
@@ -51,7 +51,9 @@ class SpeculativeConfig:
     """Speculative decoding, in vLLM's shape: ``{"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_min": a, "prompt_lookup_max": b}``. N-gram (prompt lookup): the longest suffix of a
     sequence's tokens, of a..b tokens, found earlier in its prompt + output proposes the k tokens that
-    followed it (spec_decode.py). "draft_model" is not supported yet and is refused."""
+    followed it (spec_decode.py). ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}``:
+    a smaller model sharing the target's vocabulary proposes k tokens autoregressively on the worker
+    (worker/draft_model.py); the worker returns them with its output and the scheduler schedules them."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
@@ -60,10 +62,13 @@ class SpeculativeConfig:
     # no drafts in a step while more sequences than this run (a big CPU batch is compute-bound: drafts cost
     # more than they save); None: always draft
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft's folder or GGUF file
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise ValueError('speculative_config: method "draft_model" is not supported yet (only "ngram")')
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError('speculative_config: method "draft_model" needs "model" (the draft model\'s path)')
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f'speculative_config: "model" is only for method "draft_model", not {self.method!r}')
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config: unknown method {self.method!r}; expected one of {SPEC_METHODS}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
@@ -81,16 +86,15 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, object] | SpeculativeConfig | None) -> SpeculativeConfig | None:
-        """From the user's mapping; unknown keys (and "model", which only a draft model takes) are refused."""
+        """From the user's mapping; unknown keys (those of the other method too) are refused."""
         if data is None or isinstance(data, SpeculativeConfig):
             return data
         if not isinstance(data, dict):
             raise ValueError(f"speculative_config must be a mapping, got {type(data).__name__}")
         if "method" not in data or "num_speculative_tokens" not in data:
             raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
-        if data.get("method") == "draft_model":
-            raise ValueError('speculative_config: method "draft_model" is not supported yet (only "ngram")')
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"}
+        known = {"method", "num_speculative_tokens", "disable_by_batch_size"}
+        known |= {"model"} if data.get("method") == "draft_model" else {"prompt_lookup_min", "prompt_lookup_max"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown} for method {data.get('method')!r}")

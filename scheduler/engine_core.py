@@ -238,6 +238,7 @@ class EngineCore:
                 seq.num_pending -= 1  # this is the oldest of the tokens computed ahead
             elif seq.num_computed_tokens != len(seq.token_ids):
                 continue  # not at a sampling position
+            seq.drafts = out.draft_token_ids.get(seq_id, [])
             if len(sampled) == 1 and seq.group.mode != "beam":
                 seq.num_sent_tokens += 1  # the worker keeps its own sample (ModelRunner._keep_samples)
             logprobs = all_logprobs[i] if i < num_logprobs else None

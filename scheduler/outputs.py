@@ -94,6 +94,8 @@ class ModelRunnerOutput:
     # Requests asking for prompt logprobs: req id -> (prompt position of the first entry, one entry per
     # prompt token scored this step: the logits at position p - 1 scoring prompt token p).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # Speculative decoding with a draft model: req id -> the draft's proposal for its next step.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Executor(Protocol):

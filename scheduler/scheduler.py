@@ -27,7 +27,7 @@ from .outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from .policies import make_policy
 from .request import RequestStatus
 from .sequence import Sequence
-from .spec_decode import NgramProposer, drafts_for
+from .spec_decode import drafts_for, make_proposer
 from .waiting_queue import make_waiting_queue
 
 _RUNNING = RequestStatus.RUNNING
@@ -80,7 +80,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # to tell the worker (sequences it holds state for)
         self._preempted_ids: set[str] = set()
         spec = config.speculative
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.proposer = make_proposer(spec)
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:

@@ -28,7 +28,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "group", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
         "seed", "sort_key", "sent", "num_sent_tokens", "num_sent_blocks", "cumulative_logprob",
-        "logprobs", "last_token_time", "num_pending",
+        "logprobs", "last_token_time", "num_pending", "drafts",
     )  # fmt: skip
 
     def __init__(self, group: SequenceGroup, index: int, token_ids: list[int], seed: int | None) -> None:
@@ -50,6 +50,7 @@ class Sequence:
         self.last_token_time: float | None = None
         # async scheduling: tokens sampled by steps still in flight (computed ahead, not yet appended)
         self.num_pending = 0
+        self.drafts: list[int] = []  # draft_model: the worker's proposal for the next step (used once)
 
     @property
     def num_tokens(self) -> int:

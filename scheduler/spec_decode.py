@@ -1,7 +1,10 @@
-"""Speculative decoding proposals: n-gram prompt lookup (standard library only).
+"""Speculative decoding proposals: n-gram prompt lookup, and a draft model's (standard library only).
 
-The scheduler proposes: it owns every sequence's token ids and must know how many draft tokens a sequence
-gets before it reserves their KV slots and budget, so proposing here costs no extra hop. The worker
+The scheduler decides: it owns every sequence's token ids and must know how many draft tokens a sequence
+gets before it reserves their KV slots and budget. N-gram drafts are looked up here, at no extra hop. A
+draft model runs on the worker (worker/draft_model.py): after sampling it proposes each sequence's next
+drafts and returns them with the step's output (``ModelRunnerOutput.draft_token_ids`` ->
+``Sequence.drafts``); ``WorkerProposer`` hands them out the next step, cut to the room left. The worker
 verifies the drafts in the step's one forward pass (worker/spec_verify.py) and returns the accepted tokens
 plus one; the engine rolls the rest back (``rollback``).
 """
@@ -48,7 +51,32 @@ class NgramProposer:
         return list(tokens[best_end + 1 : best_end + 1 + k])
 
 
-def drafts_for(proposer: NgramProposer | None, seq: Sequence, budget: int, num_running: int) -> list[int]:
+    def propose_for(self, seq: Sequence, max_drafts: int) -> list[int]:
+        return self.propose(seq.token_ids, max_drafts)
+
+
+class WorkerProposer:
+    """Draft-model proposals: the ones the worker returned for ``seq`` after its last sample, used once."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.disable_by_batch_size = config.disable_by_batch_size
+
+    def propose_for(self, seq: Sequence, max_drafts: int) -> list[int]:
+        drafts, seq.drafts = seq.drafts, []
+        return drafts[: min(self.k, max_drafts)]
+
+
+Proposer = NgramProposer | WorkerProposer
+
+
+def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
+    if config is None:
+        return None
+    return WorkerProposer(config) if config.method == "draft_model" else NgramProposer(config)
+
+
+def drafts_for(proposer: Proposer | None, seq: Sequence, budget: int, num_running: int) -> list[int]:
     """Drafts for a decoding sequence with ``budget`` tokens left in the step: none for fork points, beams
     and structured output (its grammar is applied by the sampler, not by the verification), none while more
     than ``disable_by_batch_size`` sequences run, and never more than its length limit leaves room for
@@ -61,7 +89,7 @@ def drafts_for(proposer: NgramProposer | None, seq: Sequence, budget: int, num_r
         return []
     if proposer.disable_by_batch_size is not None and num_running > proposer.disable_by_batch_size:
         return []
-    return proposer.propose(seq.token_ids, room)
+    return proposer.propose_for(seq, room)
 
 
 def rollback(kv: KVCacheManager, seq: Sequence) -> None:

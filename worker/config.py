@@ -39,6 +39,8 @@ class ModelConfig:
     inputs rounded at each product; float32 sums): ~2x the float32 products' rate on AVX-512 BF16 CPUs.
     ``seed`` seeds torch's generator when the model is loaded: requests without a seed of their own sample
     reproducibly from a fresh worker. Served, these values come from ``cluster.config.CBServeConfig``.
+    ``draft_model`` / ``num_speculative_tokens``: speculative decoding's draft model (its path) and how many
+    tokens it proposes a step (from ``speculative_config`` with method "draft_model"; see draft_model.py).
     """
 
     model: str | None = None
@@ -54,10 +56,16 @@ class ModelConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     rank: int = 0
+    draft_model: str | None = None
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"model must be a non-empty path or None, got {self.model!r}")
+        if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
+            raise ValueError(f"draft_model must be a non-empty path or None, got {self.draft_model!r}")
+        if self.draft_model is not None and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1 with a draft model: {self.num_speculative_tokens}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in _DEVICES:

@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 
 from .attention.backend import KVCache
-from .attention.selector import get_attention_backend
 from .config import ModelConfig
-from .cpu.gguf_blocks import load_gguf_blocks
 from .cpu.malloc import tune_malloc_for_cpu_inference
-from .cpu.ops import resolve_cpu_ops
 from .cuda_graphs import CaptureFn, DecodeCUDAGraphs, maybe_capture_decode_graphs
+from .draft_model import DraftModel
 from .input_batch import PreparedBatch, RequestState, build_batch, order_decode_first
 from .kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, num_blocks_for_budget
+from .model_build import build_model
 from .model_info import head_dim_of, num_kv_heads_of, read_eos_token_ids
-from .model_loader import hide_triton_from_torch, iter_weights, load_hf_config, resolve_model
-from .models.registry import model_class
+from .model_loader import hide_triton_from_torch, load_hf_config, resolve_model
 from .parallel import broadcast_from_rank0, divide, tp_rank, tp_world_size
 from .profiling import profile_cuda_kv_budget
 from .prompt_logprobs import compute_prompt_logprobs
@@ -31,16 +27,6 @@ from .spec_verify import verify_drafts
 from .structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 class ModelRunner:
@@ -78,23 +64,14 @@ class ModelRunner:
         self.hf_config = load_hf_config(self.model_folder)
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 0) or 1 << 30)
         self.max_model_len = min(config.max_model_len or model_max, model_max)
-        ops = resolve_cpu_ops(config.cpu_ops, self.device, self.dtype)
-        if ops.bf16_products:  # bfloat16 on the C kernels: float32 model and KV cache, bfloat16 products
-            self.dtype = torch.float32
-            logger.info("dtype bfloat16 on the CPU kernels: linear layers multiply in bfloat16, the rest is float32")
-        self.cpu_ops = ops.mode
-        self.backend_cls = get_attention_backend(config.attention_backend, self.device, ops.native)
-        model_cls = model_class(self.hf_config)  # NotImplementedError naming what is supported
-        with _default_dtype(self.dtype), torch.device(self.device):
-            self.model = model_cls(self.hf_config, self.backend_cls, self.max_model_len, ops)
-        self.model.load_weights(iter_weights(self.model_folder, progress=progress and tp_rank() == 0))
-        self.model.eval()
+        built = build_model(self.model_folder, self.hf_config, config, self.device, self.dtype, self.max_model_len,
+                            progress and tp_rank() == 0)
+        self.model, self.cpu_ops, self.backend_cls = built.model, built.cpu_ops, built.backend_cls
+        self.dtype = built.dtype  # float32 for bfloat16 products on the CPU kernels (see cpu/ops.py)
         if self.device.type == "cpu":
-            compact = config.cpu_compact_weights and ops.native
-            self.model.finish_loading(load_gguf_blocks(self.model_folder) if compact else None, compact)
             tune_malloc_for_cpu_inference()  # after the weights are placed: they stay in their own mappings
         self.eos_token_ids = list(read_eos_token_ids(self.model_folder))
-        self.sampler = Sampler(self.eos_token_ids, ops.kernels)
+        self.sampler = Sampler(self.eos_token_ids, built.kernels)
         vocab = int(self.hf_config.vocab_size)
         self.structured = StructuredOutputs(self.model_folder, vocab, self.eos_token_ids)  # grammar matchers
         self.num_kv_heads = divide(num_kv_heads_of(self.hf_config), tp_world_size(), "num_key_value_heads")
@@ -103,6 +80,9 @@ class ModelRunner:
         self.graphs: DecodeCUDAGraphs | None = None
         self.num_blocks = 0
         self.requests: dict[str, RequestState] = {}
+        self.draft: DraftModel | None = None  # speculative decoding with a draft model (draft_model.py)
+        if config.draft_model is not None:
+            self.draft = DraftModel(config, self.model_folder, vocab, block_size, max_num_seqs, self.max_model_len)
 
     @property
     def num_layers(self) -> int:
@@ -110,7 +90,8 @@ class ModelRunner:
 
     # ---- KV cache ------------------------------------------------------------------------------
     def block_bytes(self) -> int:
-        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        own = bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        return own + (self.draft.block_bytes() if self.draft is not None else 0)  # the draft mirrors every block
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit: from kv_cache_memory_bytes on CPU; on CUDA from gpu_memory_utilization after
@@ -132,6 +113,8 @@ class ModelRunner:
         self.graphs = None  # graphs of an earlier cache point at its tensors
         self.kv_caches = self.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+        if self.draft is not None:
+            self.draft.init_kv_cache(num_blocks)
         self.graphs = maybe_capture_decode_graphs(self, capture)
 
     # ---- one iteration -------------------------------------------------------------------------
@@ -139,6 +122,8 @@ class ModelRunner:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(req_id, None)
         self.structured.drop(so.finished_req_ids | so.preempted_req_ids)
+        if self.draft is not None:
+            self.draft.drop(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RequestState.from_new(new)
         for cached in so.scheduled_cached_reqs:
@@ -154,6 +139,8 @@ class ModelRunner:
         if not self.kv_caches:
             raise RuntimeError("init_kv_cache() must be called before execute_model()")
         copy_blocks(self.kv_caches, so.block_copies)
+        if self.draft is not None:
+            self.draft.copy_blocks(so.block_copies)
         if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
             return ModelRunnerOutput(forward_time_s=time.perf_counter() - t0)
         states = [self.requests[r] for r in so.num_scheduled_tokens]
@@ -169,6 +156,10 @@ class ModelRunner:
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
         self._keep_samples(batch, out, spec)
+        if self.draft is not None:
+            self.draft.run(batch)  # its cache in step with the target's
+            sampled = [self.requests[r] for r in batch.sampled_req_ids]
+            out.draft_token_ids = self.draft.propose(sampled, self.sampler)
         out.forward_time_s = time.perf_counter() - t0
         return out
 
@@ -202,9 +193,13 @@ class ModelRunner:
         lps: list[list[TokenLogprob] | None] = [None for _ in batch.sampled_req_ids]
         plain = list(range(len(batch.sample_rows)))
         if batch.draft_groups:  # one logits row per sample row; the drafts' rows are verified apart
-            verified = verify_drafts(self.sampler, rows_logits, batch.sample_rows, batch.draft_groups)
+            groups = batch.draft_groups
+            if self.draft is not None:  # the draft's distributions, for rejection sampling
+                groups = [g.with_q(self.draft.q_for(self.requests[batch.sampled_req_ids[g.owner]], g.drafts))
+                          for g in groups]
+            verified = verify_drafts(self.sampler, rows_logits, batch.sample_rows, groups)
             in_groups = set()
-            for g, (tokens_g, lps_g) in zip(batch.draft_groups, verified, strict=True):
+            for g, (tokens_g, lps_g) in zip(groups, verified, strict=True):
                 sampled[g.owner], lps[g.owner] = tokens_g, lps_g
                 in_groups.update(range(g.first_row, g.first_row + len(g.drafts) + 1))
             plain = [j for j in plain if j not in in_groups]

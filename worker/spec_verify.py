@@ -7,10 +7,11 @@ min_tokens, temperature, top-k/p, min-p), so speculation changes how fast tokens
 - greedy: the target's argmax at each row; drafts are accepted while they equal it, and the target's own
   token ends the run (at the first mismatch, or the bonus token after k accepted drafts). The output is
   the one greedy decoding without drafts would give.
-- temperature > 0: rejection sampling. An n-gram draft is deterministic (q = one-hot on d), so draft d is
-  accepted with probability min(1, p(d) / q(d)) = p(d); on rejection the token is drawn from
-  max(0, p - q) renormalised, i.e. from p with d removed; after k accepted drafts the bonus token is drawn
-  from the last row's p. Every output token is thus distributed as the target's p.
+- temperature > 0: rejection sampling. Draft d, drawn from q, is accepted with probability
+  min(1, p(d) / q(d)); on rejection the token is drawn from max(0, p - q) renormalised; after k accepted
+  drafts the bonus token is drawn from the last row's p. Every output token is thus distributed as the
+  target's p. A draft model's q is its own distribution (draft_model.py); an n-gram draft is
+  deterministic (q = one-hot on d): accepted with probability p(d), the residual is p with d removed.
 
 A seeded row draws its uniform and its noise from a generator seeded with (seed, position), like the
 sampler: the same seed, prompt and drafts give the same tokens.
@@ -34,6 +35,10 @@ class DraftGroup:
     owner: int  # index into the batch's sampled requests
     first_row: int
     drafts: list[int]
+    q: torch.Tensor | None = None  # [len(drafts), vocab]: the draft model's distributions; None: one-hot
+
+    def with_q(self, q: torch.Tensor | None) -> DraftGroup:
+        return DraftGroup(self.owner, self.first_row, self.drafts, q)
 
 
 def _generator(row: SamplingRow, device: torch.device) -> torch.Generator | None:
@@ -44,29 +49,38 @@ def _generator(row: SamplingRow, device: torch.device) -> torch.Generator | None
     return gen
 
 
-def _race(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+def race(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     """A draw from ``probs`` (unnormalised is fine): argmax of p / Exp(1) noise."""
     noise = torch.empty_like(probs).exponential_(generator=gen)
     return int((probs / noise).argmax())
 
 
-def accept_random(probs: torch.Tensor, drafts: Sequence[int], gens: Sequence[torch.Generator | None]) -> list[int]:
-    """Rejection sampling of deterministic drafts against the target rows ``probs`` [k + 1, vocab] (each
-    row the distribution the sampler draws from; ``gens`` one generator per row). Returns the accepted
-    drafts followed by one token drawn from the target (the residual at a rejection, else the bonus)."""
+def accept_random(probs: torch.Tensor, drafts: Sequence[int], gens: Sequence[torch.Generator | None],
+                  q: torch.Tensor | None = None) -> list[int]:
+    """Rejection sampling of the drafts against the target rows ``probs`` [k + 1, vocab] (each row the
+    distribution the sampler draws from, not necessarily normalised; ``gens`` one generator per row);
+    ``q`` [k, vocab]: the distributions the drafts were drawn from (normalised), None for deterministic
+    drafts. Returns the accepted drafts followed by one token drawn from the target (the residual at a
+    rejection, else the bonus)."""
     out: list[int] = []
     for j, draft in enumerate(drafts):
         p = probs[j]
         total = float(p.sum())
         u = float(torch.rand((), generator=gens[j], device=p.device))
-        if total > 0.0 and u * total < float(p[draft]):
+        qd = 1.0 if q is None else float(q[j, draft])
+        if total > 0.0 and u * total * qd < float(p[draft]):
             out.append(draft)
             continue
-        residual = p.clone()
-        residual[draft] = 0.0
-        out.append(_race(residual, gens[j]))
+        if q is None:
+            residual = p.clone()
+            residual[draft] = 0.0
+        else:
+            residual = (p / total - q[j].to(p.dtype)).clamp_min_(0.0) if total > 0.0 else p.clone()
+            if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is right
+                residual = p.clone()
+        out.append(race(residual, gens[j]))
         return out
-    out.append(_race(probs[len(drafts)], gens[len(drafts)]))
+    out.append(race(probs[len(drafts)], gens[len(drafts)]))
     return out
 
 
@@ -108,7 +122,7 @@ def verify_drafts(
                 raise RuntimeError("random rows without probabilities")
             p = probs[[prob_index[base + j] for j in range(n)]]
             gens = [_generator(srows[base + j], lg.device) for j in range(n)]
-            tokens = accept_random(p, g.drafts, gens)
+            tokens = accept_random(p, g.drafts, gens, g.q)
         lps = None
         if raw is not None and srows[base].params.logprobs is not None:
             idx = list(range(base, base + len(tokens)))

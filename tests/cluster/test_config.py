@@ -256,7 +256,9 @@ def test_the_worker_config_is_derived_from_every_matching_field() -> None:
               "enforce_eager": True, "cpu_ops": "onednn", "cpu_compact_weights": False,
               "tensor_parallel_size": 3}  # fmt: skip
     mc = CBServeConfig(**values).worker_model_config(rank=2)
-    assert {f.name for f in dataclasses.fields(ModelConfig)} == set(values) | {"rank"}
+    # the draft model's fields come from speculative_config (see the speculative_config test below)
+    assert {f.name for f in dataclasses.fields(ModelConfig)} == set(values) | {"rank", "draft_model",
+                                                                                "num_speculative_tokens"}
     assert {k: getattr(mc, k) for k in values} == values and mc.rank == 2
 
 
@@ -352,6 +354,10 @@ def test_speculative_config_from_yaml_and_flags(tmp_path: Path) -> None:
     add_arguments(parser)
     args = parser.parse_args(["--speculative-config", json.dumps(NGRAM)])
     assert config_from_args(args).speculative == SpeculativeConfig("ngram", 4, 2, 5)
+    draft = CBServeConfig(speculative_config={"method": "draft_model", "model": "/m", "num_speculative_tokens": 3})
+    worker = draft.worker_model_config()
+    assert (worker.draft_model, worker.num_speculative_tokens) == ("/m", 3)  # the worker loads the draft
+    assert CBServeConfig(speculative_config=NGRAM).worker_model_config().draft_model is None
     local = CBServeConfig.from_yaml(Path(__file__).parents[2] / "deploy" / "serve-local.yaml")
     assert local.speculative_config is None
 
@@ -359,7 +365,8 @@ def test_speculative_config_from_yaml_and_flags(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("bad", "match"),
     [
-        ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2}, "not supported yet"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, 'needs "model"'),
+        ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, "unknown keys"),
         ({"method": "medusa", "num_speculative_tokens": 2}, "unknown method"),
         ({"method": "ngram", "num_speculative_tokens": -1}, "positive integer"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys"),

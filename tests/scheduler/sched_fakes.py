@@ -85,6 +85,7 @@ class FakeExecutor:
     copying: bool = False  # the model copies (copying_next_token): drafts get accepted
     num_verified: int = 0  # draft tokens seen / accepted (speculative decoding)
     num_accepted: int = 0
+    draft_k: int = 0  # a fake draft model: k proposals per sampled sequence, returned with the output
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -166,6 +167,18 @@ class FakeExecutor:
                 out.logprobs.append([TokenLogprob(t, logprob_of(t), 1, [(t, logprob_of(t))]) for t in toks])
             if len(out.sampled_token_ids[-1]) == 1 and not req.beam:  # as ModelRunner._keep_samples
                 req.tokens.append(out.sampled_token_ids[-1][0])
+        if self.draft_k:
+            out.draft_token_ids = {rid: self._draft(self.reqs[rid].tokens) for rid in out.req_ids}
+        return out
+
+    def _draft(self, tokens: list[int]) -> list[int]:
+        """The fake model's own continuation, wrong at every fifth length (drafts accepted and rejected)."""
+        toks, out = list(tokens), []
+        for _ in range(self.draft_k):
+            t = copying_next_token(toks) if self.copying else next_token(toks, 0)
+            t = t if len(toks) % 5 else (t + 1) % (VOCAB - 1)
+            out.append(t)
+            toks.append(t)
         return out
 
     def _verify_drafts(self, rid: str, req: WorkerReq, drafts: list[int], out: ModelRunnerOutput) -> None:
@@ -234,6 +247,7 @@ def make_engine(
     eos_after: dict[str, int] | None = None,
     speculative: SpeculativeConfig | None = None,
     copying: bool = False,
+    draft_k: int = 0,
     **sched_kw: object,
 ) -> tuple[EngineCore, FakeExecutor]:
     config = EngineConfig(
@@ -245,7 +259,8 @@ def make_engine(
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching),
         speculative=speculative,
     )  # fmt: skip
-    executor = FakeExecutor(block_size, num_blocks, eos_after=dict(eos_after or {}), copying=copying)
+    executor = FakeExecutor(block_size, num_blocks, eos_after=dict(eos_after or {}), copying=copying,
+                            draft_k=draft_k)
     return EngineCore(config, executor, clock=clock or FakeClock()), executor
 
 

@@ -80,21 +80,22 @@ def build(i: int, spec: dict) -> object:
 
 
 SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+DRAFT = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model="/fake-draft")
 
 
-@pytest.mark.parametrize("mode", ["sync", "async-scheduling", "speculative"])
+@pytest.mark.parametrize("mode", ["sync", "async-scheduling", "speculative", "draft-model"])
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs, operations=ops)
 def test_random_operations_keep_invariants(mode: str, config: dict, operations: list) -> None:
     """With async scheduling the next step is scheduled (and run by the in-order fake worker, which checks
     every KV slot it reads) before the previous step's output is applied. With speculative decoding the
     fake model copies (drafts are accepted and rejected) and the fake worker verifies the drafts: rollback
-    keeps every invariant and leaks no block."""
+    keeps every invariant and leaks no block. With a draft model the fake worker proposes the drafts."""
     overlap = mode == "async-scheduling"
-    spec = SPEC if mode == "speculative" else None
+    spec = {"speculative": SPEC, "draft-model": DRAFT}.get(mode)
     engine, ex = make_engine(
         dynamic_batch_window_s=0.0, async_scheduling=overlap, speculative=spec, copying=spec is not None,
-        **_sized(config),
+        draft_k=3 if mode == "draft-model" else 0, **_sized(config),
     )  # fmt: skip
     driver = Overlapped(engine) if overlap else None
     col = Collected()
@@ -134,15 +135,20 @@ def test_random_operations_keep_invariants(mode: str, config: dict, operations: 
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=configs, specs=st.lists(requests, min_size=1, max_size=8), k=st.integers(1, 5))
-def test_speculation_gives_same_tokens(config: dict, specs: list, k: int) -> None:
-    """Speculative decoding on a small cache (preemption, chunked prefill, prefix hits, n > 1 forks) gives
-    the tokens greedy decoding gives without it on a big cache; drafts are accepted and rejected."""
+@given(config=configs, specs=st.lists(requests, min_size=1, max_size=8), k=st.integers(1, 5),
+       draft=st.booleans())
+def test_speculation_gives_same_tokens(config: dict, specs: list, k: int, draft: bool) -> None:
+    """Speculative decoding (n-gram, or a draft model's proposals from the fake worker) on a small cache
+    (preemption, chunked prefill, prefix hits, n > 1 forks) gives the tokens greedy decoding gives without
+    it on a big cache; drafts are accepted and rejected."""
     spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
+    if draft:
+        spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=k, model="/fake-draft")
     results = []
     for kv_tokens, speculative in ((1000, None), (config["kv_tokens"], spec)):
         cfg = _sized(dict(config, kv_tokens=kv_tokens, max_waiting=100))
-        engine, ex = make_engine(dynamic_batch_window_s=0.0, speculative=speculative, copying=True, **cfg)
+        engine, ex = make_engine(dynamic_batch_window_s=0.0, speculative=speculative, copying=True,
+                                 draft_k=k if draft and speculative else 0, **cfg)
         accepted = set()
         for i, item in enumerate(specs):
             r = build(i, dict(item, beam=1))  # beam search is refused with speculation

@@ -24,8 +24,10 @@ def test_proposer_takes_the_longest_match_and_the_tokens_after_it() -> None:
 
 
 def test_config_refuses_what_is_not_built_or_invalid() -> None:
-    with pytest.raises(ValueError, match="draft_model.*not supported yet"):
-        SpeculativeConfig.from_dict({"method": "draft_model", "model": "/x", "num_speculative_tokens": 2})
+    assert SpeculativeConfig.from_dict({"method": "draft_model", "model": "/x", "num_speculative_tokens": 2}) \
+        == SpeculativeConfig("draft_model", 2, model="/x")
+    with pytest.raises(ValueError, match='"draft_model" needs "model"'):
+        SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="unknown method"):
         SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="unknown keys.*model"):

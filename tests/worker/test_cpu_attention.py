@@ -70,6 +70,26 @@ def test_long_prefill_contexts_go_to_sdpa_and_decodes_stay_on_the_kernel() -> No
     torch.testing.assert_close(out_c, out_t, atol=2e-5, rtol=1e-5)
 
 
+@needs_kernels
+def test_short_queries_at_long_contexts_stay_kernel_rows() -> None:
+    """A speculative verification (1 + 4 tokens) past ROWS_MAX_PREFILL_CONTEXT is still rows: the step keeps
+    the one-call layer driver (the torch/module path cost 2x there); a long chunk there still goes to torch."""
+    from cbserve.worker.attention.cpu_backend import ROWS_MAX_PREFILL_CONTEXT, ROWS_MAX_SHORT_QUERY
+    from cbserve.worker.cpu.layers import NativeLayers
+
+    ctx_q = [(40, 1), (ROWS_MAX_PREFILL_CONTEXT + 200, 5), (ROWS_MAX_PREFILL_CONTEXT, ROWS_MAX_SHORT_QUERY)]
+    md = paged_metadata(ctx_q, 16, 140, torch.Generator().manual_seed(0))
+    CpuAttentionBackend(9, 3, 64, 0.125).prepare(md)
+    assert md.prepared.prefill is None and md.prepared.rows.seq_lens.shape[0] == 1 + 5 + ROWS_MAX_SHORT_QUERY
+    assert NativeLayers.applies(int(md.query_start_loc[-1]), md)
+    out_c, out_t = _run_both(ctx_q, 9, 3, 64, 16, seed=6)
+    torch.testing.assert_close(out_c, out_t, atol=2e-5, rtol=1e-5)
+    longer = paged_metadata([(40, 1), (ROWS_MAX_PREFILL_CONTEXT, ROWS_MAX_SHORT_QUERY + 1)], 16, 140,
+                            torch.Generator().manual_seed(0))
+    CpuAttentionBackend(9, 3, 64, 0.125).prepare(longer)
+    assert longer.prepared.prefill is not None
+
+
 def test_row_args_give_every_token_its_context() -> None:
     # (cached context, query tokens): two decodes, then a fresh 3-token prompt and a 2-token chunk after 5
     md = paged_metadata([(6, 1), (0, 1), (0, 3), (5, 2)], 4, 20, torch.Generator().manual_seed(0))
@@ -172,3 +192,30 @@ def test_unavailable_kernels_say_why_and_auto_falls_back(tmp_path: Path, monkeyp
 def test_cpu_backend_is_for_cpu_devices() -> None:
     with pytest.raises(ValueError, match="needs a CPU device"):
         get_attention_backend("cpu", "cuda")
+
+
+@needs_kernels
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (4, 2, 48)])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (20, 30.0)])
+def test_rows_of_one_sequence_attended_together_equal_each_row_alone(
+    kernels: object, hq: int, hkv: int, d: int, window: int | None, softcap: float | None
+) -> None:
+    """Consecutive rows of one sequence (context lengths +1 each, one block table: a prefill chunk, a
+    speculative verification) are attended as one run of up to 8 rows; each row's output is bit for bit
+    what it is attended alone, runs split mid-chunk included (13 rows), next to other sequences' rows."""
+    bs, nblocks = 16, 40
+    gen = torch.Generator().manual_seed(hq + d)
+    k_cache, v_cache = torch.randn(nblocks, bs, hkv, d, generator=gen), torch.randn(nblocks, bs, hkv, d, generator=gen)
+    table = torch.randperm(nblocks, generator=gen)[:12].to(torch.int32)
+    other = torch.randperm(nblocks, generator=gen)[:12].to(torch.int32)
+    lens = [40 + i for i in range(13)] + [7, 8] + [150 + i for i in range(5)]  # a chunk, another seq, a verification
+    tables = torch.stack([table] * 13 + [other] * 2 + [table] * 5)
+    q = torch.randn(len(lens), hq, d, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    together = torch.empty_like(q)
+    kernels.paged_decode(q, together, k_cache, v_cache, tables, seq_lens, max(lens), d**-0.5, window, softcap)
+    for i in range(len(lens)):
+        alone = torch.empty_like(q[i : i + 1])
+        kernels.paged_decode(q[i : i + 1].contiguous(), alone, k_cache, v_cache, tables[i : i + 1].contiguous(),
+                             seq_lens[i : i + 1].contiguous(), lens[i], d**-0.5, window, softcap)
+        assert torch.equal(together[i], alone[0]), i

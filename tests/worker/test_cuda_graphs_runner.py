@@ -18,7 +18,7 @@ import pytest
 import torch
 from cbserve.scheduler.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker import model_runner as model_runner_module
+from cbserve.worker import model_build as model_build_module
 from cbserve.worker.attention import AttentionMetadata, KVCache, TorchAttentionBackend
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cuda_graphs import PAD_SLOT, CaptureFn, maybe_capture_decode_graphs
@@ -84,7 +84,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def graph_safe_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_runner_module, "get_attention_backend", lambda *a, **k: GraphSafeTorchBackend)
+    monkeypatch.setattr(model_build_module, "get_attention_backend", lambda *a, **k: GraphSafeTorchBackend)
 
 
 def _runner(folder: Path, enforce_eager: bool, log: list[int]) -> ModelRunner:
@@ -194,7 +194,7 @@ def test_no_graphs_without_support_or_with_enforce_eager(folder: Path, monkeypat
     log: list[int] = []
     plain = _runner(folder, False, log)  # the torch backend declares no graph support
     assert plain.graphs is None
-    monkeypatch.setattr(model_runner_module, "get_attention_backend", lambda *a, **k: GraphSafeTorchBackend)
+    monkeypatch.setattr(model_build_module, "get_attention_backend", lambda *a, **k: GraphSafeTorchBackend)
     eager = _runner(folder, True, log)
     assert eager.graphs is None and maybe_capture_decode_graphs(eager, stand_in_capture(log)) is None
     graphed = _runner(folder, False, log)

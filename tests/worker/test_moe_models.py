@@ -101,10 +101,10 @@ def test_stacked_expert_checkpoint_loads_like_per_expert(tmp_path: Path, variant
 
 def test_no_cuda_graphs_for_moe_one_log_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              caplog: pytest.LogCaptureFixture) -> None:
-    from cbserve.worker import model_runner as model_runner_module
+    from cbserve.worker import model_build as model_build_module
     from test_cuda_graphs_runner import GraphSafeTorchBackend, stand_in_capture
 
-    monkeypatch.setattr(model_runner_module, "get_attention_backend", lambda *a, **k: GraphSafeTorchBackend)
+    monkeypatch.setattr(model_build_module, "get_attention_backend", lambda *a, **k: GraphSafeTorchBackend)
     folder = make_tiny_moe(tmp_path / "m", "qwen3_moe")
     runner = ModelRunner(ModelConfig(model=str(folder), cpu_ops="torch"), 4, max_num_seqs=4, progress=False)
     log: list[int] = []

@@ -55,6 +55,34 @@ def test_rejection_sampling_keeps_the_target_distribution(draft: int) -> None:
     assert abs(rate - p0[draft].item()) < 5 * sd
 
 
+def test_rejection_sampling_with_a_draft_distribution_keeps_the_target_distribution() -> None:
+    """Drafts drawn from a draft model's q (not one-hot): the output tokens are distributed as the target's
+    p at the first position and, after an accepted draft, at the second; draft d is accepted with
+    probability sum_d q(d) min(1, p(d) / q(d)) = sum_d min(p(d), q(d)). Target rows unnormalised (x 2)."""
+    torch.manual_seed(4321)
+    p0 = torch.tensor([0.1, 0.4, 0.2, 0.25, 0.05])
+    p1 = torch.tensor([0.3, 0.1, 0.1, 0.2, 0.3])
+    q0 = torch.tensor([0.4, 0.1, 0.3, 0.0, 0.2])  # far from p0, zero where p0 is not
+    q1 = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.2])
+    probs = torch.stack([p0, p1, p1]) * 2.0
+    q = torch.stack([q0, q1])
+    trials = 20_000
+    first, second = [0] * 5, [0] * 5
+    accepted_first = 0
+    for _ in range(trials):
+        drafts = [int(torch.multinomial(q0, 1)), int(torch.multinomial(q1, 1))]
+        out = accept_random(probs, drafts, [None, None, None], q)
+        first[out[0]] += 1
+        if out[0] == drafts[0] and len(out) > 1:
+            accepted_first += 1
+            second[out[1]] += 1
+    assert _chi_square(first, p0.tolist()) < CHI2_999[4], first
+    assert _chi_square(second, p1.tolist()) < CHI2_999[4], second
+    want = float(torch.minimum(p0, q0).sum())
+    sd = math.sqrt(want * (1 - want) / trials)
+    assert abs(accepted_first / trials - want) < 5 * sd
+
+
 def test_a_draft_outside_the_support_is_always_rejected() -> None:
     probs = torch.tensor([[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3]])
     for _ in range(200):

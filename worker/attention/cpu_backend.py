@@ -8,8 +8,11 @@ a whole step, decodes and prefill chunks alike (the model's one-call layer drive
 relies on this). On a prefill step of 14 fresh prompts (1,097 tokens, SmolLM2's 9 query and 3 kv heads of
 64) it took 2.2 ms a layer against 5.4 ms for the torch backend's per-request SDPA, on 2 cores. But each row
 reads its whole context, so long contexts favour SDPA's blocked kernel (a 1,024-token prompt: a tie; 2,048:
-68.6 vs 47.2 ms): a step with a prefill chunk whose context exceeds ``ROWS_MAX_PREFILL_CONTEXT`` attends its
-prefill chunks with torch and only its decodes with the kernel (and runs layer by layer).
+68.6 vs 47.2 ms): a step with a prefill chunk of more than ``ROWS_MAX_SHORT_QUERY`` tokens whose context
+exceeds ``ROWS_MAX_PREFILL_CONTEXT`` attends its prefill chunks with torch and only its decodes with the
+kernel (and runs layer by layer). Short queries stay rows at any context: a speculative-decoding
+verification (1 + k tokens) at a 1,000-token context took 24.4 ms a step on the torch/module path against
+11-12 ms as rows in the one-call layer driver (SmolLM2, 2 cores).
 
 Sliding windows and logit soft-capping (per layer, see ``backend.AttentionBackend``) are the kernel's own
 arguments: a row reads only the blocks of its window.
@@ -32,6 +35,8 @@ from .torch_backend import TorchAttentionBackend, TorchPrepared, _prefill_chunks
 
 # Longest prefill context (tokens) attended as kernel rows; longer ones go to torch's SDPA (see above).
 ROWS_MAX_PREFILL_CONTEXT = 768
+# Queries of at most this many tokens are rows at any context (decodes, speculative verification).
+ROWS_MAX_SHORT_QUERY = 16
 
 
 @dataclass
@@ -91,7 +96,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return metadata.prepared
 
     def cpu_prepared(self, md: AttentionMetadata) -> CpuPrepared:
-        if max(md.seq_lens_cpu[md.num_decodes:], default=0) <= ROWS_MAX_PREFILL_CONTEXT:
+        nd = md.num_decodes
+        if all(q <= ROWS_MAX_SHORT_QUERY or s <= ROWS_MAX_PREFILL_CONTEXT
+               for q, s in zip(md.query_lens_cpu[nd:], md.seq_lens_cpu[nd:], strict=True)):
             return CpuPrepared(row_args(md))
         # long prefill contexts: those chunks through torch's SDPA
         return CpuPrepared(decode_row_args(md), TorchPrepared([], _prefill_chunks(md), self._buffer))

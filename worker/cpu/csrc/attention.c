@@ -10,8 +10,11 @@
  * A sliding window (window > 0) limits each row to its last `window` keys; softcap > 0 caps the scores
  * (softcap * tanh(s / softcap), Gemma 2) before the softmax. 0 turns either off.
  *
- * Sequences are spread over OpenMP threads (the same libgomp torch uses, so the same thread pool). Per
- * sequence: scores of every head against every cached token, block by block; a softmax per head; then the
+ * Rows are spread over OpenMP threads (the same libgomp torch uses, so the same thread pool). Consecutive rows
+ * of one sequence (the same block table, context lengths len, len + 1, ...: a prefill chunk, or a speculative
+ * verification's 1 + k tokens) are attended together, up to CB_ROW_RUN at a time, as if they were more query
+ * heads of one row: each cache block is read once for all of them, and a row's keys past its own length get
+ * probability 0, which leaves every row's result bit for bit what it is alone. Per row (or run): scores of every head against every cached token, block by block; a softmax per head; then the
  * probability-weighted sum of the values, block by block. For head_dim 64 and 128 (vectorised paths) each
  * cache block is read once per pass as one contiguous run of memory (all kv heads of its tokens); other
  * head sizes go head by head.
@@ -212,27 +215,68 @@ static void softmax_inplace(float *restrict sc, int len) {
     for (int t = 0; t < len; ++t) sc[t] *= inv;
 }
 
-/* One sequence, the query heads of kv heads [kv0, kv1): scores, a softmax per head, the weighted values.
- * With a sliding window (geo->window > 0) only the last `window` keys count: the passes start at the block
- * holding the first of them, and the keys of that block before it get probability 0. */
-static void decode_sequence(const float *q, float *o, const float *k_cache, const float *v_cache, const int32_t *bt,
-                            int len, const geom_t *geo, int kv0, int kv1, qk_fn qk, pv_fn pv, float *scores) {
-    const int group = geo->num_heads / geo->num_kv_heads;
+#define CB_ROW_RUN 8 /* rows of one sequence attended together at most */
+
+/* A run of `rows` rows of one sequence (row r: context length len + r, query q + r * q_stride, output
+ * o + r * o_stride), the query heads of kv heads [kv0, kv1): scores, a softmax per head, the weighted values.
+ * More than one row: their heads are packed as rows * group heads per kv head (qbuf, obuf), so the passes
+ * read each block once for all. With a sliding window (geo->window > 0) only a row's last `window` keys
+ * count: the passes start at the block holding the first row's first one, and earlier keys get probability 0. */
+static void decode_run(const float *q, int64_t q_stride, float *o, int64_t o_stride, int rows, const float *k_cache,
+                       const float *v_cache, const int32_t *bt, int len, const geom_t *geo, int kv0, int kv1, qk_fn qk,
+                       pv_fn pv, float *scores, float *qbuf, float *obuf) {
+    const int group = geo->num_heads / geo->num_kv_heads, d = geo->head_dim;
+    geom_t g = *geo;
+    g.num_heads = geo->num_heads * rows;
     const int lo = geo->window > 0 && len > geo->window ? len - geo->window : 0, b0 = lo / geo->block_size;
-    const int skip = lo - b0 * geo->block_size;
+    const int span = len + rows - 1 - b0 * geo->block_size; /* keys the passes walk: the last row's */
     bt += b0;
-    len -= b0 * geo->block_size;
-    qk(q, k_cache, bt, len, geo, kv0, kv1, scores);
-    for (int h = kv0 * group; h < kv1 * group; ++h) {
-        float *sc = scores + (int64_t)h * len;
-        if (geo->softcap > 0.0f) {
-            const float cap = geo->softcap, inv = 1.0f / geo->softcap;
-            for (int t = skip; t < len; ++t) sc[t] = cap * tanhf(sc[t] * inv);
-        }
-        softmax_inplace(sc + skip, len - skip);
-        memset(sc, 0, sizeof(float) * (size_t)skip);
+    const float *qp = q;
+    float *op = o;
+    if (rows > 1) { /* packed head (kvh, r, j) = row r's head kvh * group + j */
+        for (int kvh = kv0; kvh < kv1; ++kvh)
+            for (int r = 0; r < rows; ++r)
+                memcpy(qbuf + ((int64_t)(kvh * rows + r) * group) * d, q + r * q_stride + (int64_t)kvh * group * d,
+                       sizeof(float) * (size_t)(group * d));
+        qp = qbuf;
+        op = obuf;
     }
-    pv(scores, v_cache, bt, len, geo, kv0, kv1, o);
+    qk(qp, k_cache, bt, span, &g, kv0, kv1, scores);
+    for (int kvh = kv0; kvh < kv1; ++kvh)
+        for (int r = 0; r < rows; ++r) {
+            const int lr = len + r, lo_r = geo->window > 0 && lr > geo->window ? lr - geo->window : 0;
+            const int skip = lo_r - b0 * geo->block_size, end = lr - b0 * geo->block_size;
+            for (int j = 0; j < group; ++j) {
+                float *sc = scores + (int64_t)((kvh * rows + r) * group + j) * span;
+                if (geo->softcap > 0.0f) {
+                    const float cap = geo->softcap, inv = 1.0f / geo->softcap;
+                    for (int t = skip; t < end; ++t) sc[t] = cap * tanhf(sc[t] * inv);
+                }
+                softmax_inplace(sc + skip, end - skip);
+                memset(sc, 0, sizeof(float) * (size_t)skip);
+                memset(sc + end, 0, sizeof(float) * (size_t)(span - end));
+            }
+        }
+    pv(scores, v_cache, bt, span, &g, kv0, kv1, op);
+    if (rows > 1)
+        for (int kvh = kv0; kvh < kv1; ++kvh)
+            for (int r = 0; r < rows; ++r)
+                memcpy(o + r * o_stride + (int64_t)kvh * group * d, obuf + ((int64_t)(kvh * rows + r) * group) * d,
+                       sizeof(float) * (size_t)(group * d));
+}
+
+/* Rows [i, i + n) that can run together: context lengths +1 each and the same blocks (the last row's). */
+static int run_length(const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens, int num_seqs, int i,
+                      int block_size) {
+    int n = 1;
+    while (n < CB_ROW_RUN && i + n < num_seqs && seq_lens[i + n] == seq_lens[i] + n && seq_lens[i] >= 1) {
+        const int nb = (seq_lens[i + n] + block_size - 1) / block_size;
+        if (memcmp(block_tables + (int64_t)i * bt_stride, block_tables + (int64_t)(i + n) * bt_stride,
+                   sizeof(int32_t) * (size_t)nb) != 0)
+            break;
+        ++n;
+    }
+    return n;
 }
 
 static int blocks_in_range(const int32_t *bt, int len, int block_size, int num_blocks) {
@@ -262,36 +306,51 @@ int cb_paged_decode_f32(const float *q, int64_t q_row_stride, float *out, int64_
         qk = qk_seq_128;
         pv = pv_seq_128;
     }
-    /* Fewer sequences than twice the threads (one long chat, say): split each sequence's kv heads too. */
+    /* Runs of rows of one sequence (see the top): run r is rows [start[r], start[r + 1]). */
+    int *start = malloc(sizeof(int) * (size_t)(num_seqs + 1));
+    if (start == NULL) return CB_ENOMEM;
+    int runs = 0, longest = 1;
+    for (int i = 0; i < num_seqs; ++runs) {
+        start[runs] = i;
+        const int n = run_length(block_tables, bt_stride, seq_lens, num_seqs, i, block_size);
+        longest = n > longest ? n : longest;
+        i += n;
+    }
+    start[runs] = num_seqs;
+    /* Fewer runs than twice the threads (one long chat, say): split each run's kv heads too. */
     const int threads = cb_max_threads();
     int parts = 1;
-    if (num_seqs > 0 && num_seqs < 2 * threads) parts = (2 * threads + num_seqs - 1) / num_seqs;
+    if (runs > 0 && runs < 2 * threads) parts = (2 * threads + runs - 1) / runs;
     if (parts > num_kv_heads) parts = num_kv_heads;
-    const int items = num_seqs * parts;
+    const int items = runs * parts;
+    const size_t heads = (size_t)longest * (size_t)num_heads; /* of the longest run, packed */
+    const size_t packed = heads * (size_t)head_dim, nscores = heads * (size_t)max_seq_len;
     int failed = 0;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)max_seq_len);
+        float *scores = malloc(sizeof(float) * (nscores + 2 * packed));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = CB_ENOMEM;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; ++item) {
-            const int i = item / parts, part = item % parts;
-            const int len = seq_lens[i];
+            const int run = item / parts, part = item % parts, i = start[run], rows = start[run + 1] - i;
+            const int len = seq_lens[i], last = seq_lens[i + rows - 1];
             const int32_t *bt = block_tables + (int64_t)i * bt_stride;
             if (scores == NULL) continue;
-            if (len < 1 || len > max_seq_len || !blocks_in_range(bt, len, block_size, num_blocks)) {
+            if (len < 1 || last > max_seq_len || !blocks_in_range(bt, last, block_size, num_blocks)) {
 #pragma omp atomic write
                 failed = CB_ERANGE;
                 continue;
             }
             const int kv0 = part * num_kv_heads / parts, kv1 = (part + 1) * num_kv_heads / parts;
-            decode_sequence(q + (int64_t)i * q_row_stride, out + (int64_t)i * out_row_stride, k_cache, v_cache, bt,
-                            len, &geo, kv0, kv1, qk, pv, scores);
+            float *qbuf = scores + nscores;
+            decode_run(q + (int64_t)i * q_row_stride, q_row_stride, out + (int64_t)i * out_row_stride, out_row_stride,
+                       rows, k_cache, v_cache, bt, len, &geo, kv0, kv1, qk, pv, scores, qbuf, qbuf + packed);
         }
         free(scores);
     }
+    free(start);
     return failed;
 }

@@ -1,0 +1,69 @@
+"""Build a causal LM on a worker from its folder: the target model of ``ModelRunner`` and the draft model of
+speculative decoding (``draft_model.py``) alike."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .attention.selector import get_attention_backend
+from .config import ModelConfig
+from .cpu.gguf_blocks import load_gguf_blocks
+from .cpu.kernels import CpuKernels
+from .cpu.ops import resolve_cpu_ops
+from .model_loader import iter_weights
+from .models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    model: Any
+    cpu_ops: str  # the resolved cpu_ops mode
+    backend_cls: type
+    dtype: torch.dtype  # the model's and its KV cache's: float32 for bfloat16 products on the CPU kernels
+    kernels: CpuKernels | None  # the CPU C kernels the model runs on (native ops), else None
+
+
+def build_model(
+    folder: Path,
+    hf_config: Any,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    progress: bool,
+) -> BuiltModel:
+    """The model of ``folder`` with its weights loaded, in eval mode; on CPU its weights packed for the kernels
+    (the GGUF blocks kept when ``cpu_compact_weights``)."""
+    ops = resolve_cpu_ops(config.cpu_ops, device, dtype)
+    if ops.bf16_products:  # bfloat16 on the C kernels: a float32 model and KV cache, bfloat16 products
+        dtype = torch.float32
+        logger.info("dtype bfloat16 on the CPU kernels: linear layers multiply in bfloat16, the rest is float32")
+    backend_cls = get_attention_backend(config.attention_backend, device, ops.native)
+    model_cls = model_class(hf_config)  # NotImplementedError naming what is supported
+    with default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config, backend_cls, max_model_len, ops)
+    model.load_weights(iter_weights(folder, progress=progress))
+    model.eval()
+    if device.type == "cpu":
+        compact = config.cpu_compact_weights and ops.native
+        model.finish_loading(load_gguf_blocks(folder) if compact else None, compact)
+    return BuiltModel(model, ops.mode, backend_cls, dtype, ops.kernels)
