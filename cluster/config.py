@@ -31,8 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# How a CPU worker's OpenMP threads wait at a barrier (see CBServeConfig.worker_env).
-WORKER_OMP_WAIT_POLICY = "PASSIVE"
+# A CPU worker's OpenMP spin before it sleeps at a barrier (see CBServeConfig.worker_env).
+WORKER_GOMP_SPINCOUNT = 20000
 
 
 class ConfigError(ValueError):
@@ -187,17 +187,14 @@ class CBServeConfig(BaseModel):
         """Environment variables a worker rank's process starts with, beyond the driver's (``environ``).
 
         On CPU, OpenMP's waits: a thread that reaches a barrier first spins (libgomp: 300k turns) before it
-        sleeps. On a node whose cores the worker shares with the Serve proxy, the ingress, the scheduler or
-        anything else, a spinning thread holds its core while the thread it waits for sits preempted behind
-        whoever woke on the other one, and a step stalls for a time slice at every barrier. ``PASSIVE`` sleeps
-        at once, so the other process runs on the freed core and the preempted thread gets its own back.
-        Measured on the 2-core benchmark machine: served, on a quiet machine, the same as libgomp's default
-        (burst 288 vs 278 tok/s, one request 18.1 vs 18.0 ms TPOT); offline next to one busy process, 4x the
-        default's throughput; a short spin (GOMP_SPINCOUNT=20000) was worse than either for one request.
-        A value the user set (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``) wins."""
+        sleeps. On a node whose cores the worker shares with the Serve proxy, the ingress and the scheduler,
+        any of them waking up preempts one of the worker's threads while the others spin at the next barrier,
+        and a step stalls for a scheduler time slice. ``GOMP_SPINCOUNT`` below keeps a short spin (the
+        kernels' barriers are that short when nothing preempts them) and then sleeps, leaving the core to
+        whoever woke. A value the user set (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``) wins."""
         if self.resolved_device == "cuda" or {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(environ):
             return {}
-        return {"OMP_WAIT_POLICY": WORKER_OMP_WAIT_POLICY}
+        return {"GOMP_SPINCOUNT": str(WORKER_GOMP_SPINCOUNT)}
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -100,7 +100,7 @@ class WorkerActor:
         loaded = self.runner is not None
         return {"rank": self.rank, "replica": self.replica, "pid": os.getpid(), "loaded": loaded,
                 "node_id": ray.get_runtime_context().get_node_id(), "torch_threads": torch.get_num_threads(),
-                "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+                "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
 
     def shutdown(self) -> None:
         try:

@@ -16,7 +16,7 @@ import pydantic
 import pytest
 from cbserve.cluster import serve_cli
 from cbserve.cluster.config import (
-    WORKER_OMP_WAIT_POLICY,
+    WORKER_GOMP_SPINCOUNT,
     CBServeConfig,
     ConfigError,
     check_kv_capacity,
@@ -322,8 +322,8 @@ def test_the_hop_and_the_worker_threads_follow_the_device() -> None:
     assert CBServeConfig(device="cpu", tensor_parallel_size=4).worker_threads(2) == 1
     assert CBServeConfig(device="cpu", worker_torch_threads=3).worker_threads(8) == 3
     assert CBServeConfig(device="cuda").worker_threads(8) is None
-    # OpenMP's threads sleep at barriers on CPU, unless the user chose otherwise
-    assert cpu.worker_env({}) == {"OMP_WAIT_POLICY": WORKER_OMP_WAIT_POLICY} == {"OMP_WAIT_POLICY": "PASSIVE"}
+    # OpenMP's barrier spin on CPU: short unless the user chose it
+    assert cpu.worker_env({}) == {"GOMP_SPINCOUNT": str(WORKER_GOMP_SPINCOUNT)}
     assert cpu.worker_env({"OMP_WAIT_POLICY": "active"}) == {} == cpu.worker_env({"GOMP_SPINCOUNT": "1"})
     assert CBServeConfig(device="cuda").worker_env({}) == {}
 
