@@ -10,7 +10,6 @@ import json
 import logging
 import math
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,8 +30,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# A CPU worker's OpenMP spin before it sleeps at a barrier (see CBServeConfig.worker_env).
-WORKER_GOMP_SPINCOUNT = 20000
 
 
 class ConfigError(ValueError):
@@ -182,19 +179,6 @@ class CBServeConfig(BaseModel):
         if self.resolved_device == "cuda":
             return None
         return max(1, num_cores // self.tensor_parallel_size)
-
-    def worker_env(self, environ: Mapping[str, str]) -> dict[str, str]:
-        """Environment variables a worker rank's process starts with, beyond the driver's (``environ``).
-
-        On CPU, OpenMP's waits: a thread that reaches a barrier first spins (libgomp: 300k turns) before it
-        sleeps. On a node whose cores the worker shares with the Serve proxy, the ingress and the scheduler,
-        any of them waking up preempts one of the worker's threads while the others spin at the next barrier,
-        and a step stalls for a scheduler time slice. ``GOMP_SPINCOUNT`` below keeps a short spin (the
-        kernels' barriers are that short when nothing preempts them) and then sleeps, leaving the core to
-        whoever woke. A value the user set (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``) wins."""
-        if self.resolved_device == "cuda" or {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(environ):
-            return {}
-        return {"GOMP_SPINCOUNT": str(WORKER_GOMP_SPINCOUNT)}
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,7 +78,6 @@ class RayExecutor:
             workers = [
                 WorkerActor.options(
                     num_cpus=config.worker_num_cpus,
-                    runtime_env={"env_vars": config.worker_env(os.environ)},
                     num_gpus=1 if gpu else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=rank

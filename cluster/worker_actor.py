@@ -99,8 +99,7 @@ class WorkerActor:
 
         loaded = self.runner is not None
         return {"rank": self.rank, "replica": self.replica, "pid": os.getpid(), "loaded": loaded,
-                "node_id": ray.get_runtime_context().get_node_id(), "torch_threads": torch.get_num_threads(),
-                "gomp_spincount": os.environ.get("GOMP_SPINCOUNT")}
+                "node_id": ray.get_runtime_context().get_node_id(), "torch_threads": torch.get_num_threads()}
 
     def shutdown(self) -> None:
         try:

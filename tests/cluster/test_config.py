@@ -15,13 +15,7 @@ from pathlib import Path
 import pydantic
 import pytest
 from cbserve.cluster import serve_cli
-from cbserve.cluster.config import (
-    WORKER_GOMP_SPINCOUNT,
-    CBServeConfig,
-    ConfigError,
-    check_kv_capacity,
-    servable_config,
-)
+from cbserve.cluster.config import CBServeConfig, ConfigError, check_kv_capacity, servable_config
 from cbserve.cluster.serve_cli import add_arguments, config_from_args
 from cbserve.scheduler.config import SpeculativeConfig
 from cbserve.worker.model_info import default_model_path, read_model_info
@@ -322,10 +316,6 @@ def test_the_hop_and_the_worker_threads_follow_the_device() -> None:
     assert CBServeConfig(device="cpu", tensor_parallel_size=4).worker_threads(2) == 1
     assert CBServeConfig(device="cpu", worker_torch_threads=3).worker_threads(8) == 3
     assert CBServeConfig(device="cuda").worker_threads(8) is None
-    # OpenMP's barrier spin on CPU: short unless the user chose it
-    assert cpu.worker_env({}) == {"GOMP_SPINCOUNT": str(WORKER_GOMP_SPINCOUNT)}
-    assert cpu.worker_env({"OMP_WAIT_POLICY": "active"}) == {} == cpu.worker_env({"GOMP_SPINCOUNT": "1"})
-    assert CBServeConfig(device="cuda").worker_env({}) == {}
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
