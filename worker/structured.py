@@ -155,23 +155,57 @@ class StructuredOutputs:
         for s in seq_ids:
             self.matchers.pop(s, None)
 
-    def _matcher(self, seq_id: str, owner: object, row: Any) -> _Matcher | None:
-        """The sequence's matcher, brought up to date with its output tokens (None: nothing to constrain)."""
+    def _current(self, seq_id: str, owner: object, row: Any) -> _Matcher:
+        """The sequence's matcher; a new one for a new sequence, a new owner or fewer tokens (preempted)."""
         import xgrammar as xgr
 
-        tokens, start = row.token_ids, row.num_prompt_tokens
-        num_output = len(tokens) - start
         m = self.matchers.get(seq_id)
-        if m is None or m.owner is not owner or m.num_consumed > num_output:
+        if m is None or m.owner is not owner or m.num_consumed > len(row.token_ids) - row.num_prompt_tokens:
             m = _Matcher(owner, xgr.GrammarMatcher(self.compilers.get(row.params.structured)))
             self.matchers[seq_id] = m
-        while not m.broken and m.num_consumed < num_output and not m.matcher.is_terminated():
+        return m
+
+    @staticmethod
+    def _accepted(seq_id: str, m: _Matcher, token: int, ok: bool) -> None:
+        if not ok:
+            logger.error("sequence %s: token %d is outside its grammar; no longer constrained", seq_id, token)
+            m.broken = True
+        m.num_consumed += 1
+
+    def _catch_up(self, seq_id: str, m: _Matcher, row: Any) -> None:
+        """Accept the sequence's output tokens the matcher has not seen, one by one."""
+        tokens, start = row.token_ids, row.num_prompt_tokens
+        while not m.broken and m.num_consumed < len(tokens) - start and not m.matcher.is_terminated():
             token = tokens[start + m.num_consumed]
-            if not m.matcher.accept_token(token):
-                logger.error("sequence %s: token %d is outside its grammar; no longer constrained", seq_id, token)
-                m.broken = True
-            m.num_consumed += 1
-        return None if m.broken or m.matcher.is_terminated() else m
+            self._accepted(seq_id, m, token, m.matcher.accept_token(token))
+
+    def _batcher(self) -> Any:
+        import xgrammar as xgr
+
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
+        return self._batch
+
+    def _advance(self, rows: Sequence[tuple[str, object, Any]]) -> list[tuple[int, _Matcher]]:
+        """Bring the constrained rows' matchers up to date; returns (row, matcher) of those still constraining.
+        The usual case, one new token per sequence, is accepted for all of them in one xgrammar call."""
+        seen: list[tuple[int, _Matcher]] = []
+        one: list[tuple[str, _Matcher, int]] = []
+        for j, (seq_id, owner, row) in enumerate(rows):
+            if row.params.structured is None:
+                continue
+            m = self._current(seq_id, owner, row)
+            seen.append((j, m))
+            behind = len(row.token_ids) - row.num_prompt_tokens - m.num_consumed
+            if behind == 1 and not m.broken and not m.matcher.is_terminated():
+                one.append((seq_id, m, row.token_ids[-1]))
+            else:
+                self._catch_up(seq_id, m, row)
+        if one:
+            oks = self._batcher().batch_accept_token([m.matcher for _, m, _ in one], [t for _, _, t in one])
+            for (seq_id, m, token), ok in zip(one, oks, strict=True):
+                self._accepted(seq_id, m, token, ok)
+        return [(j, m) for j, m in seen if not m.broken and not m.matcher.is_terminated()]
 
     def bitmask(self, rows: Sequence[tuple[str, object, Any]]) -> torch.Tensor | None:
         """The token bitmask [len(rows), ceil(vocab / 32)] int32 of a batch's sampled rows, each given as
@@ -179,19 +213,11 @@ class StructuredOutputs:
         rows allow every token. The constrained rows are filled in one call (xgrammar's threads)."""
         if not any(r.params.structured is not None for _, _, r in rows):
             return None
-        import xgrammar as xgr
-
-        matchers, indices = [], []
-        for j, (seq_id, owner, row) in enumerate(rows):
-            if row.params.structured is not None and (m := self._matcher(seq_id, owner, row)) is not None:
-                matchers.append(m.matcher)
-                indices.append(j)
+        live = self._advance(rows)
         # All allowed (-1). numpy, not torch.full: no trip through torch's thread pool for a small buffer.
         mask = torch.from_numpy(np.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=np.int32))
-        if matchers:
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
-            self._batch.batch_fill_next_token_bitmask(matchers, mask, indices)
+        if live:
+            self._batcher().batch_fill_next_token_bitmask([m.matcher for _, m in live], mask, [j for j, _ in live])
         return mask
 
 
