@@ -141,7 +141,8 @@ class StructuredOutputs:
         self._compilers: GrammarCompilerCache | None = None
         self.matchers: dict[str, _Matcher] = {}
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made on first use
-        self.fill_threads = 1  # threads filling the bitmask (one: the forward pass owns the cores)
+        # threads filling the bitmask: the fill runs between forward passes, so the worker's cores are free
+        self.fill_threads = max(1, torch.get_num_threads())
 
     @property
     def compilers(self) -> GrammarCompilerCache:
