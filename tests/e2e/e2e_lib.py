@@ -3,11 +3,13 @@ two tensor-parallel ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_serve_app(args: dict[str, Any], name: str) -> Iterator[str]:
+    """A local Ray (4 CPUs) serving cbserve's app built from ``args`` on a free port; yields its URL once
+    /health answers, shuts Serve and Ray down after."""
+    import ray
+    from cbserve.cluster.app import build_app
+    from ray import serve
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name=name, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        wait_for("the app's /health", lambda: urllib.request.urlopen(url + "/health", timeout=5).status == 200, 240)
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def wait_for(what: str, cond: Callable[[], Any], timeout: float, period: float = 0.5) -> Any:

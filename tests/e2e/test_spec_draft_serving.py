@@ -7,13 +7,12 @@ speculation; the worker's draft proposed tokens and, being the target itself, ev
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_lib import free_port, wait_for
+from e2e_lib import local_serve_app
 from test_spec_serving import _totals
 
 ray = pytest.importorskip("ray")
@@ -74,29 +73,11 @@ def reference(model: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def app_url(model: Path, reference: list[str]) -> Iterator[str]:
-    from cbserve.cluster.app import build_app
-    from ray import serve
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    port = free_port()
     spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {
-            "model": str(model),
-            "served_model_name": NAME,
-            "device": "cpu",
-            "worker_torch_threads": 1,
-            "speculative_config": json.dumps(spec),
-            **ENGINE,
-        }
-        serve.run(build_app(args), name="cbserve-spec-draft", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_for("the app's /health", lambda: urllib.request.urlopen(url + "/health", timeout=5).status == 200, 240)
+    args = {"model": str(model), "served_model_name": NAME, "device": "cpu", "worker_torch_threads": 1,
+            "speculative_config": json.dumps(spec), **ENGINE}
+    with local_serve_app(args, "cbserve-spec-draft") as url:
         yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def _client(url: str) -> Any:

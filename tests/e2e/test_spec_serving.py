@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from e2e_lib import free_port, wait_for
+from e2e_lib import local_serve_app
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -43,21 +43,9 @@ def reference() -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def app_url(reference: dict) -> Iterator[str]:
-    from cbserve.cluster.app import build_app
-    from ray import serve
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    port = free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {"device": "cpu", "worker_torch_threads": 1, "speculative_config": json.dumps(SPEC), **ENGINE}
-        serve.run(build_app(args), name="cbserve-spec", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_for("the app's /health", lambda: urllib.request.urlopen(url + "/health", timeout=5).status == 200, 240)
+    args = {"device": "cpu", "worker_torch_threads": 1, "speculative_config": json.dumps(SPEC), **ENGINE}
+    with local_serve_app(args, "cbserve-spec") as url:
         yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def _client(url: str) -> Any:

@@ -9,6 +9,7 @@ Outputs are new tensors unless a method says it works in place. ctypes releases 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,26 +186,23 @@ class CpuKernels:
                                              h, m, h), "add_rms_norm")
         return out, (x if residual is None else residual)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [m, 2 * inter] = [gate | up] -> silu(gate) * up [m, inter]."""
+    def _gated(self, fn: Callable[..., int], x: torch.Tensor, what: str) -> torch.Tensor:
+        """x [m, 2 * inter] = [gate | up] -> act(gate) * up [m, inter] by the C kernel ``fn``."""
         ldx = _rows(x, "x")
         m, two_i = x.shape
         if two_i % 2:
-            raise ValueError(f"silu_and_mul needs an even number of columns, got {two_i}")
+            raise ValueError(f"{what} needs an even number of columns, got {two_i}")
         out = torch.empty(m, two_i // 2, dtype=torch.float32)
-        _check(self._lib.cb_silu_mul_f32(x.data_ptr(), ldx, m, two_i // 2, out.data_ptr(), two_i // 2), "silu_mul")
+        _check(fn(x.data_ptr(), ldx, m, two_i // 2, out.data_ptr(), two_i // 2), what)
         return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, 2 * inter] = [gate | up] -> silu(gate) * up [m, inter]."""
+        return self._gated(self._lib.cb_silu_mul_f32, x, "silu_and_mul")
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [m, 2 * inter] = [gate | up] -> gelu(gate, tanh approximation) * up [m, inter]."""
-        ldx = _rows(x, "x")
-        m, two_i = x.shape
-        if two_i % 2:
-            raise ValueError(f"gelu_tanh_and_mul needs an even number of columns, got {two_i}")
-        out = torch.empty(m, two_i // 2, dtype=torch.float32)
-        _check(self._lib.cb_gelu_tanh_mul_f32(x.data_ptr(), ldx, m, two_i // 2, out.data_ptr(), two_i // 2),
-               "gelu_tanh_mul")
-        return out
+        return self._gated(self._lib.cb_gelu_tanh_mul_f32, x, "gelu_tanh_and_mul")
 
     def apply_token_bitmask_(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         """In place: every token of ``logits`` [rows, vocab] float32 whose bit in ``bitmask`` [rows,

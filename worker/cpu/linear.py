@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gguf_blocks import QuantBlocks
-from .kernels import BLOCK_FORMATS, CpuKernels, Panels, is_bfloat16_exact
+from .kernels import CpuKernels, Panels, is_bfloat16_exact
 
 logger = logging.getLogger(__name__)
 
@@ -107,22 +107,29 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a, b) and not bool(torch.isnan(a).any())
 
 
+def block_panels(weight: torch.Tensor, kernels: CpuKernels, blocks: QuantBlocks | None) -> Panels | None:
+    """``weight``'s GGUF blocks packed for the kernel, when given and they reproduce its values; else None."""
+    if blocks is None:
+        return None
+    try:
+        packed = kernels.pack_q8_0(*blocks.q8_0()) if blocks.qtype == "Q8_0" else kernels.pack_q4_1(*blocks.q4_1())
+    except ValueError as e:
+        packed = None
+        logger.warning("GGUF %s blocks of a %s weight cannot be packed (%s)", blocks.qtype, tuple(weight.shape), e)
+    if packed is not None and _same_values(kernels.unpack(packed), weight):
+        return packed
+    logger.warning("GGUF %s blocks do not reproduce a %s weight exactly; it is packed from its float32 values",
+                   blocks.qtype, tuple(weight.shape))
+    return None
+
+
 def compact_panels(weight: torch.Tensor, kernels: CpuKernels, blocks: QuantBlocks | None) -> Panels | None:
     """``weight`` packed in a format smaller than float32 that holds its values exactly: its GGUF blocks
     (when given and they reproduce its values) or bfloat16; None when neither does."""
-    if blocks is not None:
-        try:
-            packed = kernels.pack_q8_0(*blocks.q8_0()) if blocks.qtype == "Q8_0" else kernels.pack_q4_1(*blocks.q4_1())
-        except ValueError as e:
-            packed = None
-            logger.warning("GGUF %s blocks of a %s weight cannot be packed (%s)", blocks.qtype, tuple(weight.shape), e)
-        if packed is not None and _same_values(kernels.unpack(packed), weight):
-            return packed
-        logger.warning("GGUF %s blocks do not reproduce a %s weight exactly; it is packed from its float32 values",
-                       blocks.qtype, tuple(weight.shape))
-    if is_bfloat16_exact(weight):
-        return kernels.pack_weight(weight, "bf16")
-    return None
+    packed = block_panels(weight, kernels, blocks)
+    if packed is None and is_bfloat16_exact(weight):
+        packed = kernels.pack_weight(weight, "bf16")
+    return packed
 
 
 def make_packed_weight(
@@ -137,12 +144,12 @@ def make_packed_weight(
     oneDNN; None where neither applies."""
     if kernels is not None and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2:
         w = weight.detach()
-        panels = compact_panels(w, kernels, blocks) if compact else None
         if bf16_products:  # GGUF blocks stay compact (rounded as decoded), anything else is rounded once here
-            if panels is not None and panels.fmt in BLOCK_FORMATS:
-                return NativeWeight(kernels.with_bf16_products(panels), kernels)
-            return NativeWeight(kernels.pack_weight(w, "bf16_dot"), kernels)
-        return NativeWeight(panels or kernels.pack_weight(w), kernels)
+            blocks_packed = block_panels(w, kernels, blocks) if compact else None
+            panels = kernels.with_bf16_products(blocks_packed) if blocks_packed else kernels.pack_weight(w, "bf16_dot")
+            return NativeWeight(panels, kernels)
+        return NativeWeight((compact_panels(w, kernels, blocks) if compact else None) or kernels.pack_weight(w),
+                            kernels)
     if packing_supported(weight):
         return OneDnnWeight(pack_weight(weight), weight.dtype)
     return None
