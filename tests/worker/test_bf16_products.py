@@ -79,6 +79,12 @@ def test_gguf_blocks_with_bf16_products_equal_bf16_dot_panels_of_their_values(
     assert torch.equal(kernels.linear(x, as_bf16, bias), kernels.linear(x, dense, bias))
     with pytest.raises(ValueError, match="bfloat16-products variant"):
         kernels.with_bf16_products(kernels.pack_weight(decoded))
+    # cpu_compact_weights under bf16 products: the blocks kept, or (off) every weight rounded into pairs
+    from cbserve.worker.cpu.linear import make_packed_weight
+
+    for compact, fmt in ((True, as_bf16.fmt), (False, "bf16_dot")):
+        packed_weight = make_packed_weight(decoded, kernels, blocks, compact=compact, bf16_products=True)
+        assert packed_weight.panels.fmt == fmt  # type: ignore[union-attr]
 
 
 def test_bf16_dot_reads_strided_rows(kernels: CpuKernels) -> None:
