@@ -2,8 +2,9 @@
 
 Every rank gets each SchedulerOutput; rank 0's ModelRunnerOutput is used. The per-iteration hop goes through
 a Ray compiled graph (``ray.dag``: pre-allocated shared-memory channels, no task submission per call) when
-it compiles, else through plain actor calls. ``dispatch overhead`` = wall time of one execute minus the
-worker-reported forward time: what the Ray hop costs per iteration.
+``use_compiled_graph`` (CUDA by default), else through one socket per rank (cluster/step_channel.py: no Ray
+task per step, no busy wait; a compiled graph that fails to build falls back to it). ``dispatch overhead`` =
+wall time of one execute minus the worker-reported forward time: what the hop costs per iteration.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import ray
 from cbserve.cluster.config import CBServeConfig
+from cbserve.cluster.step_channel import StepClient, dumps
 from cbserve.cluster.worker_actor import WorkerActor
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -59,6 +61,7 @@ class RayExecutor:
         self._pings: dict[int, Any] = {}  # rank -> an outstanding liveness ping
         self.stats = DispatchStats()
         self._cgraph: Any = None
+        self._channels: list[StepClient] = []
         self._last_done = 0.0  # perf_counter() when the last step's output came back
 
     @classmethod
@@ -98,7 +101,18 @@ class RayExecutor:
         executor.stats.torch_threads = [p["torch_threads"] for p in pings]
         if config.compiled_graph:
             executor.compile()
+        if executor._cgraph is None:
+            try:
+                await executor.open_channels()
+            except BaseException:
+                executor.shutdown()
+                raise
         return executor
+
+    async def open_channels(self) -> None:
+        """Connect to every rank's step channel (cluster/step_channel.py)."""
+        addresses = await asyncio.gather(*[w.open_step_channel.remote() for w in self.workers])
+        self._channels = [await StepClient.connect(a) for a in addresses]
 
     def compile(self) -> None:
         """Build the compiled graph (scheduler -> all ranks); keep plain actor calls if it fails."""
@@ -140,7 +154,8 @@ class RayExecutor:
         if self._cgraph is not None:
             futures = await self._cgraph.execute_async(scheduler_output)
             return [await f for f in futures]
-        return list(await asyncio.gather(*self._submit(scheduler_output)))
+        data = dumps(scheduler_output)
+        return list(await asyncio.gather(*[c.call(data) for c in self._channels]))
 
     def _lost_ranks(self) -> str | None:
         """Why the group is broken (a node gone, a worker actor dead), or None. Each rank keeps one ping
@@ -164,17 +179,9 @@ class RayExecutor:
         return None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Blocking variant (plain actor calls): for callers without an event loop."""
-        start = time.perf_counter()
-        try:
-            outputs = ray.get(self._submit(scheduler_output))
-        except Exception as e:
-            raise WorkerGroupError(f"engine worker group failed: {type(e).__name__}: {e}") from e
-        return self._finish(outputs[0], start)
-
-    def _submit(self, scheduler_output: SchedulerOutput) -> list[Any]:
-        arg = scheduler_output if len(self.workers) == 1 else ray.put(scheduler_output)
-        return [w.execute_model.remote(arg) for w in self.workers]
+        """The Executor protocol's blocking call: the workers are driven from the SchedulerActor's event loop
+        only (``execute_model_async``), never from two places at once."""
+        raise NotImplementedError("RayExecutor runs steps through execute_model_async")
 
     def _finish(self, out: ModelRunnerOutput | None, start: float) -> ModelRunnerOutput:
         """The hop's cost: wall time minus the worker's forward, from the later of the call and the end of
@@ -187,6 +194,9 @@ class RayExecutor:
         return out
 
     def shutdown(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self._channels = []
         if self._cgraph is not None:
             try:
                 self._cgraph.teardown()

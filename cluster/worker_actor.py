@@ -16,6 +16,7 @@ from typing import Any
 import ray
 from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.metrics import WorkerMetrics
+from cbserve.cluster.step_channel import StepAddress, StepServer
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ class WorkerActor:
         self.rank = rank
         self.replica = replica
         self.runner: Any = None
-        threads = self.config.worker_threads(len(os.sched_getaffinity(0)))
+        self.step_server: StepServer | None = None
+        self.threads = threads = self.config.worker_threads(len(os.sched_getaffinity(0)))
         if threads is not None:  # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1): undo that on CPU
             import torch
 
@@ -93,6 +95,21 @@ class WorkerActor:
         out.forward_time_s = out.forward_time_s or elapsed
         return out
 
+    def open_step_channel(self) -> StepAddress:
+        """Serve ``execute_model`` over a socket (cluster/step_channel.py) from a thread of this actor: the
+        scheduler's per-step hop when it does not use a compiled graph."""
+        if self.step_server is not None:
+            raise RuntimeError("the step channel is already open")
+        self.step_server = StepServer(self.execute_model, ray.util.get_node_ip_address(), self._thread_init)
+        return self.step_server.start()
+
+    def _thread_init(self) -> None:
+        """OpenMP's thread count is per thread: give the channel's thread the rank's."""
+        if self.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.threads)
+
     # ---- introspection (tests, health) --------------------------------------------------------
     def ping(self) -> dict[str, Any]:
         import torch
@@ -102,6 +119,8 @@ class WorkerActor:
                 "node_id": ray.get_runtime_context().get_node_id(), "torch_threads": torch.get_num_threads()}
 
     def shutdown(self) -> None:
+        if self.step_server is not None:
+            self.step_server.shutdown()
         try:
             import torch.distributed as dist
 

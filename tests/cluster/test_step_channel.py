@@ -1,0 +1,93 @@
+"""The scheduler -> worker socket hop (cluster/step_channel.py), both ends in this process: replies in order
+with two steps in flight, a worker exception as that step's error, the token guarding the worker's unpickling,
+and a closed worker failing the pending steps."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from typing import Any
+
+import pytest
+from cbserve.cluster.step_channel import StepAddress, StepClient, StepError, StepServer, dumps
+
+
+def _double(step: Any) -> Any:
+    if step == "boom":
+        raise ValueError("bad step")
+    return [2 * x for x in step]
+
+
+def test_replies_come_back_in_order_with_steps_in_flight() -> None:
+    started: list[str] = []
+    server = StepServer(_double, "127.0.0.1", on_start=lambda: started.append(threading.current_thread().name))
+    address = server.start()
+
+    async def run() -> list[Any]:
+        client = await StepClient.connect(address)
+        futures = [client.call(dumps([i, i + 1])) for i in range(20)]  # all sent before any reply is read
+        replies = await asyncio.gather(*futures)
+        client.close()
+        return replies
+
+    assert asyncio.run(run()) == [[2 * i, 2 * i + 2] for i in range(20)]
+    assert started == ["cbserve-step-channel"]  # on_start ran once, on the channel's thread
+
+
+def test_a_failing_step_is_that_steps_error_and_the_channel_goes_on() -> None:
+    address = StepServer(_double, "127.0.0.1").start()
+
+    async def run() -> tuple[Exception, Any]:
+        client = await StepClient.connect(address)
+        bad, good = client.call(dumps("boom")), client.call(dumps([5]))
+        with pytest.raises(StepError, match="ValueError: bad step") as e:
+            await bad
+        result = await good
+        client.close()
+        return e.value, result
+
+    _, result = asyncio.run(run())
+    assert result == [10]
+
+
+def test_a_peer_without_the_token_is_closed_unread() -> None:
+    calls: list[Any] = []
+    server = StepServer(lambda s: calls.append(s) or "ran", "127.0.0.1")
+    address = server.start()
+    with socket.create_connection((address.host, address.port)) as intruder:
+        intruder.sendall(b"x" * 32 + dumps("step"))
+        intruder.settimeout(10)
+        try:
+            answer = intruder.recv(16)
+        except ConnectionResetError:  # closed with the step unread
+            answer = b""
+        assert answer == b""  # closed, nothing answered
+    assert calls == []
+
+    async def run() -> Any:
+        client = await StepClient.connect(address)  # the real peer still gets in
+        reply = await client.call(dumps("step"))
+        client.close()
+        return reply
+
+    assert asyncio.run(run()) == "ran" and calls == ["step"]
+
+
+def test_a_worker_gone_fails_the_pending_steps() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = StepAddress("127.0.0.1", listener.getsockname()[1], b"t" * 32)
+
+    async def run() -> None:
+        client = await StepClient.connect(address)
+        conn, _ = await asyncio.to_thread(listener.accept)
+        pending = client.call(dumps("step"))
+        conn.close()  # the worker process died mid-step
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(pending, 10)
+        with pytest.raises(ConnectionError):  # and every later step fails at once
+            await client.call(dumps("next"))
+        client.close()
+
+    asyncio.run(run())
+    listener.close()
