@@ -1,7 +1,9 @@
 """Make a "layer-skip" self-draft for speculative decoding: copy a Hugging Face Llama-style folder keeping
 only its first N decoder layers (default 6) plus the embeddings, final norm and LM head, so the draft
 shares the target's tokenizer and vocabulary. No training: the truncated model's guesses are the target's
-early layers read out by its own head, good enough to measure draft-model speculation's cost and speed.
+early layers read out by its own head. For SmolLM2-135M (30 layers) they rarely match the target's tokens
+(6 layers: ~0% accepted; it takes ~24 layers for ~40%), so such a draft measures the draft path's cost
+rather than a speed-up (BENCHMARKS.md).
 
 Works on the safetensors files directly (no model class needed): every tensor ``model.layers.{i}.*`` with
 ``i >= N`` is dropped, ``num_hidden_layers`` (and ``layer_types`` when present) is cut to N, and every other
