@@ -61,8 +61,8 @@ class RequestResult:
     error: str = ""
     usage_reported: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "generated_text"}
+    def to_dict(self, include_text: bool = False) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if include_text or k != "generated_text"}
 
 
 def build_payload(cfg: ClientConfig, prompt: str, max_tokens: int) -> dict[str, Any]:

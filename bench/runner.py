@@ -38,9 +38,12 @@ def run_benchmark(
     warmup: int = 0,
     label: str | None = None,
     extra_config: dict[str, Any] | None = None,
+    include_text: bool = False,
 ) -> dict[str, Any]:
-    """Run one benchmark (blocking) and return the result document saved by ``--result-file``."""
-    return asyncio.run(_run(client, list(requests), load, slo_ms or {}, warmup, label, extra_config or {}))
+    """Run one benchmark (blocking) and return the result document saved by ``--result-file``
+    (``include_text``: every request's ``generated_text`` too)."""
+    return asyncio.run(_run(client, list(requests), load, slo_ms or {}, warmup, label, extra_config or {},
+                            include_text))
 
 
 async def _run(
@@ -51,6 +54,7 @@ async def _run(
     warmup: int,
     label: str | None,
     extra_config: dict[str, Any],
+    include_text: bool = False,
 ) -> dict[str, Any]:
     import aiohttp
 
@@ -76,7 +80,7 @@ async def _run(
             "ignore_eos": client.ignore_eos, **extra_config,
         },
         "summary": summary,
-        "requests": [r.to_dict() for r in results],
+        "requests": [r.to_dict(include_text) for r in results],
     }
 
 

@@ -67,13 +67,18 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def grounded_prompt(rng: random.Random) -> str:
+    """One grounded user message: "Rewrite the following text exactly:" and 3-5 sentences of the pool."""
+    text = " ".join(rng.sample(SENTENCES, rng.randint(3, 5)))
+    return f"Rewrite the following text exactly:\n\n{text}"
+
+
 def grounded_requests(n: int, rng: random.Random, max_tokens: int) -> list[tuple[Any, Any]]:
     from cbserve import SamplingParams
 
     out = []
     for _ in range(n):
-        text = " ".join(rng.sample(SENTENCES, rng.randint(3, 5)))
-        msgs = [{"role": "user", "content": f"Rewrite the following text exactly:\n\n{text}"}]
+        msgs = [{"role": "user", "content": grounded_prompt(rng)}]
         out.append((msgs, SamplingParams(temperature=0.0, max_tokens=max_tokens)))
     return out
 
