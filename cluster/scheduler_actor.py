@@ -1,6 +1,7 @@
 """SchedulerActor: one engine replica. An async Ray actor that owns an EngineCore and the RayExecutor over
 its worker group, runs the iteration loop as an asyncio task and sends each step's new tokens back to the
-ingress replicas, one message per step on each one's output channel (cluster/output_channel.py).
+ingress replicas, one message per step on each one's output channel (cluster/output_channel.py: a loopback
+socket this actor serves).
 
 All engine state is touched from the actor's event loop only: ``schedule()`` and ``update_from_output()``
 run on the loop (they are cheap), and the loop awaits the workers in between, which is when new requests,
@@ -22,15 +23,15 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from cbserve.cluster.config import CBServeConfig, check_kv_capacity
 from cbserve.cluster.metrics import EngineMetrics
-from cbserve.cluster.output_channel import Batch, ChannelBuffer, EngineFailure
+from cbserve.cluster.output_channel import ChannelServer, EngineFailure
 from cbserve.cluster.ray_executor import RayExecutor
+from cbserve.cluster.step_channel import StepAddress
 from cbserve.scheduler.engine_core import EngineCore, tune_gc_for_serving
 from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -66,7 +67,7 @@ class SchedulerActor:
         self.engine: EngineCore | None = None
         self.executor: RayExecutor | None = None
         self.requests: dict[str, _InFlight] = {}
-        self._channels: dict[str, ChannelBuffer] = {}  # channel id -> outputs waiting for its reader
+        self.outputs = ChannelServer(self._channel_closed)  # the ingress replicas' output channels
         self.totals = EngineTotals()  # every engine this replica builds counts on from here
         self.metrics = EngineMetrics(self.config.model_name, replica)
         self._wakeup: asyncio.Event | None = None
@@ -84,19 +85,16 @@ class SchedulerActor:
         self._ensure_started()
         return self._admit(request, channel)
 
-    @ray.method(num_returns="streaming")
-    async def output_channel(self, channel: str) -> AsyncIterator[Batch]:
-        """Streams, per step, the new outputs of every request sent with ``channel``. When the reader goes
-        away (its ingress died or closed it), the requests it was reading for are aborted."""
+    async def output_address(self) -> StepAddress:
+        """Where the ingress replicas open their output channels (cluster/output_channel.py): per step, the
+        new outputs of every request sent with the channel's id."""
         self._ensure_started()
-        buffer = self._channels.setdefault(channel, ChannelBuffer())
-        try:
-            while True:
-                yield await buffer.take()
-        finally:
-            self._channels.pop(channel, None)
-            for req_id in [r for r, e in self.requests.items() if e.channel == channel]:
-                self._abort(req_id, self.requests.pop(req_id).generation)
+        return await self.outputs.start()
+
+    def _channel_closed(self, channel: str) -> None:
+        """Its reader went away (its ingress died or closed it): abort the requests it was reading for."""
+        for req_id in [r for r, e in self.requests.items() if e.channel == channel]:
+            self._abort(req_id, self.requests.pop(req_id).generation)
 
     def _admit(self, request: EngineRequest, channel: str) -> EngineFailure | None:
         if self.state != "ready" or self.engine is None:
@@ -122,10 +120,7 @@ class SchedulerActor:
         return None
 
     def _send(self, req_id: str, entry: _InFlight, item: RequestOutput | EngineFailure) -> None:
-        buffer = self._channels.get(entry.channel)
-        if buffer is None:  # its reader has not connected yet
-            buffer = self._channels[entry.channel] = ChannelBuffer()
-        buffer.put(req_id, item)
+        self.outputs.buffer(entry.channel).put(req_id, item)
 
     async def abort(self, req_id: str) -> None:
         """Idempotent: frees the request's blocks; its stream ends."""
@@ -302,6 +297,7 @@ class SchedulerActor:
             self._task = None
         self._fail_all(f"engine replica {self.replica} is shutting down")
         self._teardown()
+        self.outputs.close()
         self.state = "stopped"
 
     async def worker_handles(self) -> list[Any]:

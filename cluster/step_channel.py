@@ -3,8 +3,8 @@
 A Ray actor call costs both processes ~1.3 ms of CPU in Ray's own threads (task submission, gRPC, the
 reply), and on a small CPU node that time is taken from the model's threads every step. A Ray compiled graph
 is cheap per call but its reader busy-polls a core while a step runs. This channel is a plain socket: the
-worker rank serves it from one thread (``StepServer``: read a pickled SchedulerOutput, run it, write the
-pickled reply), the scheduler's RayExecutor talks to it from its event loop (``StepClient``); a step costs a
+worker rank serves it (``StepServer.serve`` on its model thread: read a pickled SchedulerOutput, run it,
+write the pickled reply), the scheduler's RayExecutor talks to it from its event loop (``StepClient``); a step costs a
 write and a read on each side (~0.3 ms of CPU in all). Ray still places, starts, watches and kills the
 workers; only the per-step call moves here.
 
@@ -25,7 +25,6 @@ import pickle
 import secrets
 import socket
 import struct
-import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,24 +64,16 @@ def _no_delay(sock: socket.socket) -> None:
 
 
 class StepServer:
-    """The worker end: ``handler(step) -> reply`` runs on this server's thread (``on_start`` first, e.g. to
-    set the thread's OpenMP thread count), one step at a time, for the one peer holding the token."""
+    """The worker end: ``serve()`` (blocking, on the thread the caller gives it) runs ``handler(step) ->
+    reply`` one step at a time for the one peer holding the token, until that peer closes the connection."""
 
-    def __init__(self, handler: Callable[[Any], Any], host: str, on_start: Callable[[], None] | None = None) -> None:
+    def __init__(self, handler: Callable[[Any], Any], host: str) -> None:
         self.handler = handler
-        self.on_start = on_start
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self._listener = socket.create_server((host, 0))
         self.address = StepAddress(host, self._listener.getsockname()[1], self.token)
-        self._thread = threading.Thread(target=self._run, name="cbserve-step-channel", daemon=True)
 
-    def start(self) -> StepAddress:
-        self._thread.start()
-        return self.address
-
-    def _run(self) -> None:
-        if self.on_start is not None:
-            self.on_start()
+    def serve(self) -> None:
         conn = self._accept()
         if conn is None:
             return
@@ -102,8 +93,7 @@ class StepServer:
         except Exception as e:  # the scheduler sees it as this step's failure and rebuilds the workers
             logger.exception("step failed")
             reply = (False, f"{type(e).__name__}: {e}")
-        payload = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
-        return _LENGTH.pack(len(payload)) + payload
+        return frame(dumps(reply))
 
     def _accept(self) -> socket.socket | None:
         """The first connection that presents the token; the listener closes after it."""
@@ -142,7 +132,7 @@ class StepClient:
     @classmethod
     async def connect(cls, address: StepAddress) -> StepClient:
         reader, writer = await asyncio.open_connection(address.host, address.port)
-        _no_delay(writer.get_extra_info("socket"))
+        no_delay(writer)
         writer.write(address.token)
         return cls(reader, writer)
 
@@ -153,14 +143,13 @@ class StepClient:
             future.set_exception(ConnectionError(f"step channel closed ({self._broken})"))
             return future
         self._pending.append(future)
-        self._writer.write(_LENGTH.pack(len(data)) + data)
+        self._writer.write(frame(data))
         return future
 
     async def _read(self) -> None:
         try:
             while True:
-                header = await self._reader.readexactly(_LENGTH.size)
-                ok, value = pickle.loads(await self._reader.readexactly(_LENGTH.unpack(header)[0]))
+                ok, value = pickle.loads(await read_frame(self._reader))
                 future = self._pending.popleft()
                 if future.done():  # cancelled by its caller
                     continue
@@ -189,3 +178,18 @@ class StepClient:
 
 def dumps(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def frame(data: bytes) -> bytes:
+    """``data`` with its length in front (what ``read_frame`` reads)."""
+    return _LENGTH.pack(len(data)) + data
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    """One frame's bytes; IncompleteReadError when the peer closed the connection."""
+    header = await reader.readexactly(_LENGTH.size)
+    return await reader.readexactly(_LENGTH.unpack(header)[0])
+
+
+def no_delay(writer: asyncio.StreamWriter) -> None:
+    _no_delay(writer.get_extra_info("socket"))

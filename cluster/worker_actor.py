@@ -2,7 +2,13 @@
 
 The ranks of a replica join one torch.distributed group (gloo on CPU, nccl on CUDA); rank 0 picks the
 rendezvous address on a free port. Every rank receives every SchedulerOutput; only rank 0 returns its
-ModelRunnerOutput (the others return None, keeping the Ray hop small).
+ModelRunnerOutput (the others return None, keeping the hop small).
+
+Everything that runs the model (loading, the KV cache, every step, whichever way it arrives: the step channel
+of cluster/step_channel.py or a compiled graph) runs on one thread of its own, the model thread. OpenMP keeps
+a thread team per thread that starts parallel work, and libgomp stops spinning at barriers (a futex wake
+each, ~2.5x slower steps here) once it manages more threads than there are cores: a second team would do
+that. The actor's own thread stays free for pings.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import ray
 from cbserve.cluster.config import CBServeConfig
@@ -20,6 +28,7 @@ from cbserve.cluster.step_channel import StepAddress, StepServer
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @ray.remote(max_restarts=0, max_concurrency=1)
@@ -30,13 +39,20 @@ class WorkerActor:
         self.replica = replica
         self.runner: Any = None
         self.step_server: StepServer | None = None
-        self.threads = threads = self.config.worker_threads(len(os.sched_getaffinity(0)))
-        if threads is not None:  # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1): undo that on CPU
+        self.threads = self.config.worker_threads(len(os.sched_getaffinity(0)))
+        if self.threads is not None:  # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1): undo that on CPU
+            os.environ["OMP_NUM_THREADS"] = str(self.threads)
+        self.model_thread = ThreadPoolExecutor(1, "cbserve-model", initializer=self._thread_init)
+        self.metrics = WorkerMetrics(self.config.model_name, replica, rank)
+
+    def _thread_init(self) -> None:
+        if self.threads is not None:
             import torch
 
-            torch.set_num_threads(threads)
-            os.environ["OMP_NUM_THREADS"] = str(threads)
-        self.metrics = WorkerMetrics(self.config.model_name, replica, rank)
+            torch.set_num_threads(self.threads)
+
+    def _on_model_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return self.model_thread.submit(fn, *args).result()
 
     # ---- set-up ---------------------------------------------------------------------------
     def node_ip_and_free_port(self) -> tuple[str, int]:
@@ -47,6 +63,9 @@ class WorkerActor:
             return ip, s.getsockname()[1]
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
+        self._on_model_thread(self._init_distributed, master_addr, master_port)
+
+    def _init_distributed(self, master_addr: str, master_port: int) -> None:
         world = self.config.tensor_parallel_size
         if world == 1:
             return
@@ -67,6 +86,9 @@ class WorkerActor:
 
     def load_model(self) -> int:
         """Load this rank's shard and size the KV cache; returns the number of KV blocks it can hold."""
+        return self._on_model_thread(self._load_model)
+
+    def _load_model(self) -> int:
         from cbserve.worker.model_runner import ModelRunner
 
         model_config = self.config.worker_model_config(rank=self.rank)
@@ -82,10 +104,14 @@ class WorkerActor:
         return int(self.runner.determine_num_blocks())
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.runner.init_kv_cache(num_blocks)
+        self._on_model_thread(self.runner.init_kv_cache, num_blocks)
 
     # ---- the per-iteration call -----------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step (a compiled graph's call; the step channel runs ``_execute`` on the model thread itself)."""
+        return self._on_model_thread(self._execute, scheduler_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         start = time.perf_counter()
         out = self.runner.execute_model(scheduler_output)
         elapsed = time.perf_counter() - start
@@ -96,19 +122,13 @@ class WorkerActor:
         return out
 
     def open_step_channel(self) -> StepAddress:
-        """Serve ``execute_model`` over a socket (cluster/step_channel.py) from a thread of this actor: the
-        scheduler's per-step hop when it does not use a compiled graph."""
+        """Serve the steps over a socket (cluster/step_channel.py) from the model thread: the scheduler's
+        per-step hop when it does not use a compiled graph. The model thread serves it until it closes."""
         if self.step_server is not None:
             raise RuntimeError("the step channel is already open")
-        self.step_server = StepServer(self.execute_model, ray.util.get_node_ip_address(), self._thread_init)
-        return self.step_server.start()
-
-    def _thread_init(self) -> None:
-        """OpenMP's thread count is per thread: give the channel's thread the rank's."""
-        if self.threads is not None:
-            import torch
-
-            torch.set_num_threads(self.threads)
+        self.step_server = StepServer(self._execute, ray.util.get_node_ip_address())
+        self.model_thread.submit(self.step_server.serve)
+        return self.step_server.address
 
     # ---- introspection (tests, health) --------------------------------------------------------
     def ping(self) -> dict[str, Any]:

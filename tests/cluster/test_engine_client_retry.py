@@ -2,9 +2,9 @@
 gone) is skipped for the next healthy one; failures after admission and bad requests are not retried; a
 request past request_timeout_s is aborted in its engine and ends with HTTP 504.
 
-The engines are fakes with the SchedulerActor's shape (``add.remote`` answers admission, ``output_channel``
-streams awaitable batches); the real actors' 429 path is crossed end to end in
-tests/e2e/openai_server/test_tp2.py."""
+The engines are fakes with the SchedulerActor's shape (``add.remote`` answers admission, ``output_address``
+names a channel server speaking the real wire format, tests/cluster/channel_fakes.py); the real actors' 429
+path is crossed end to end in tests/e2e/openai_server/test_tp2.py."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from cbserve.cluster.router import Router
 from cbserve.frontend.protocol import APIError
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from cbserve.scheduler.sampling_params import SamplingParams
+from channel_fakes import FakeChannelServer
 
 
 class _Remote:
@@ -41,7 +42,8 @@ class FakeEngine:
         self.calls = 0
         self.aborted: list[str] = []
         self.add = _Remote(self._add)
-        self.output_channel = _Remote(self._channel)
+        self.channel = FakeChannelServer(self._channel)
+        self.output_address = _Remote(self.channel.address)
         self.abort = _Remote(self.aborted.append)
         self._admitted: asyncio.Queue[str] | None = None
 
@@ -60,9 +62,7 @@ class FakeEngine:
     async def _channel(self, channel: str) -> Any:
         req_id = await self._queue().get()
         for item in self.items[1:]:
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_result({req_id: item if isinstance(item, list) else [item]})
-            yield fut
+            yield {req_id: item if isinstance(item, list) else [item]}
         await asyncio.Event().wait()  # the channel stays open
 
 

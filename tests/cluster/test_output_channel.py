@@ -1,14 +1,17 @@
-"""The multiplexed output channel (cluster/output_channel.py) without Ray: the engine end batches items per
-request between messages; the ingress end hands each request its items in order, ignores requests nobody
-waits for, and fails every waiting request when the stream breaks (the engine actor died)."""
+"""The multiplexed output channel (cluster/output_channel.py) without Ray, over its real socket: the engine end
+batches items per request between messages, sends them to the reader holding the token and sees it go; the
+ingress end hands each request its items in order, ignores requests nobody waits for, and fails every waiting
+request when the connection breaks (the engine actor died)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from cbserve.cluster.output_channel import ChannelBuffer, ChannelReader, EngineFailure
+from cbserve.cluster.output_channel import ChannelBuffer, ChannelReader, ChannelServer, EngineFailure
+from cbserve.cluster.step_channel import TOKEN_BYTES, frame
 from cbserve.scheduler.request import RequestOutput
+from channel_fakes import FakeChannelServer
 
 
 def _out(req_id: str, token: int) -> RequestOutput:
@@ -33,36 +36,27 @@ def test_the_buffer_batches_per_request_until_taken() -> None:
     assert second == {"b": [_out("b", 4)]} and pending
 
 
+class _Remote:
+    def __init__(self, fn: Any) -> None:
+        self.remote = fn
+
+
 class _Engine:
-    """Streams ``batches`` on the channel, then breaks (``error``) or stays open."""
+    """The SchedulerActor's side of the channel: ``output_address`` serves ``server``'s address."""
 
-    def __init__(self, batches: list[dict[str, Any]], error: Exception | None) -> None:
-        self.batches, self.error, self.opened = batches, error, []
-        self.output_channel = _remote(self._stream)
-
-    async def _stream(self, channel_id: str) -> Any:
-        self.opened.append(channel_id)
-        for batch in self.batches:
-            fut = asyncio.get_running_loop().create_future()
-            fut.set_result(batch)
-            yield fut
-        if self.error is not None:
-            raise self.error
-        await asyncio.Event().wait()
-
-
-def _remote(fn: Any) -> Any:
-    class _R:
-        remote = staticmethod(fn)
-
-    return _R()
+    def __init__(self, server: Any) -> None:
+        self.output_address = _Remote(server.address if isinstance(server, FakeChannelServer) else server.start)
 
 
 def test_the_reader_routes_items_and_fails_the_waiting_when_the_stream_breaks() -> None:
-    engine = _Engine([{"a": [_out("a", 1)], "gone": [_out("gone", 9)]}, {"a": [_out("a", 2)]}], RuntimeError("x"))
+    async def batches(channel_id: str) -> Any:
+        yield {"a": [_out("a", 1)], "gone": [_out("gone", 9)]}
+        yield {"a": [_out("a", 2)]}  # then the connection closes: the engine actor died
+
+    server = FakeChannelServer(batches)
 
     async def run() -> tuple[list[Any], list[Any], str, str]:
-        reader = ChannelReader(engine, "ingress-1")
+        reader = ChannelReader(_Engine(server), "ingress-1")
         qa, qb = reader.register("a"), reader.register("b")
         first_id = reader.open()
         got_a = [await qa.get(), await qa.get(), await qa.get()]
@@ -76,4 +70,57 @@ def test_the_reader_routes_items_and_fails_the_waiting_when_the_stream_breaks() 
     for items in (got_a[2], got_b[0]):
         assert len(items) == 1 and isinstance(items[0], EngineFailure) and items[0].kind == "unavailable"
     assert first_id.startswith("ingress-1:") and second_id != first_id
-    assert engine.opened[0] == first_id
+    assert server.opened[0] == first_id
+
+
+def test_the_engine_end_sends_each_take_as_one_message_and_sees_its_reader_go() -> None:
+    closed: list[str] = []
+
+    async def run() -> tuple[list[Any], list[Any], str]:
+        server = ChannelServer(closed.append)
+        reader = ChannelReader(_Engine(server), "ingress-1")
+        qa, qb = reader.register("a"), reader.register("b")
+        channel_id = reader.open()
+        server.buffer(channel_id).put("a", _out("a", 1))  # before the reader connected: kept for it
+        got_a = [await qa.get()]
+        server.buffer(channel_id).put("b", _out("b", 2))
+        server.buffer(channel_id).put("a", _out("a", 3))
+        got_b = [await qb.get()]
+        got_a.append(await qa.get())
+        reader.close()  # the ingress goes away: the engine aborts its requests
+        for _ in range(500):
+            if closed:
+                break
+            await asyncio.sleep(0.01)
+        server.close()
+        return got_a, got_b, channel_id
+
+    got_a, got_b, channel_id = asyncio.run(run())
+    assert got_a == [[_out("a", 1)], [_out("a", 3)]] and got_b == [[_out("b", 2)]]
+    assert closed == [channel_id]
+
+
+def test_the_engine_end_refuses_a_peer_without_the_token() -> None:
+    closed: list[str] = []
+
+    async def run() -> tuple[bytes, list[Any]]:
+        server = ChannelServer(closed.append)
+        address = await server.start()
+        server.buffer("secret-channel").put("a", _out("a", 1))
+        r, w = await asyncio.open_connection(address.host, address.port)
+        w.write(b"x" * TOKEN_BYTES + frame(b"secret-channel"))
+        leaked = await asyncio.wait_for(r.read(), 10)  # closed without a byte of anyone's outputs
+        w.close()
+        reader = ChannelReader(_Engine(server), "ingress-1")
+        queue = reader.register("a")
+        got = []
+        channel_id = reader.open()
+        server.buffer(channel_id).put("a", _out("a", 2))
+        got.append(await queue.get())
+        reader.close()
+        server.close()
+        return leaked, got
+
+    leaked, got = asyncio.run(run())
+    assert leaked == b"" and got == [[_out("a", 2)]]
+    assert "secret-channel" not in closed  # the refused peer never opened a channel

@@ -19,10 +19,22 @@ def _double(step: Any) -> Any:
     return [2 * x for x in step]
 
 
+def _start(server: StepServer) -> StepAddress:
+    threading.Thread(target=server.serve, daemon=True).start()
+    return server.address
+
+
 def test_replies_come_back_in_order_with_steps_in_flight() -> None:
-    started: list[str] = []
-    server = StepServer(_double, "127.0.0.1", on_start=lambda: started.append(threading.current_thread().name))
-    address = server.start()
+    threads: list[str] = []
+
+    def handler(step: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return _double(step)
+
+    server = StepServer(handler, "127.0.0.1")
+    thread = threading.Thread(target=server.serve, name="model-thread")
+    thread.start()
+    address = server.address
 
     async def run() -> list[Any]:
         client = await StepClient.connect(address)
@@ -32,11 +44,13 @@ def test_replies_come_back_in_order_with_steps_in_flight() -> None:
         return replies
 
     assert asyncio.run(run()) == [[2 * i, 2 * i + 2] for i in range(20)]
-    assert started == ["cbserve-step-channel"]  # on_start ran once, on the channel's thread
+    assert set(threads) == {"model-thread"}  # every step ran on the thread serving the channel
+    thread.join(10)
+    assert not thread.is_alive()  # serve() returned when the scheduler closed the channel
 
 
 def test_a_failing_step_is_that_steps_error_and_the_channel_goes_on() -> None:
-    address = StepServer(_double, "127.0.0.1").start()
+    address = _start(StepServer(_double, "127.0.0.1"))
 
     async def run() -> tuple[Exception, Any]:
         client = await StepClient.connect(address)
@@ -53,8 +67,7 @@ def test_a_failing_step_is_that_steps_error_and_the_channel_goes_on() -> None:
 
 def test_a_peer_without_the_token_is_closed_unread() -> None:
     calls: list[Any] = []
-    server = StepServer(lambda s: calls.append(s) or "ran", "127.0.0.1")
-    address = server.start()
+    address = _start(StepServer(lambda s: calls.append(s) or "ran", "127.0.0.1"))
     with socket.create_connection((address.host, address.port)) as intruder:
         intruder.sendall(b"x" * 32 + dumps("step"))
         intruder.settimeout(10)
