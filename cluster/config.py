@@ -77,8 +77,8 @@ class CBServeConfig(BaseModel):
     # otherwise give an actor with num_cpus=1 one thread); on CUDA, torch's default
     worker_torch_threads: int | None = Field(None, ge=1)
     # the scheduler -> workers hop: a Ray compiled graph (~0.2 ms, but its reader busy-polls a core while a
-    # step runs) or plain actor calls; "auto": the compiled graph on CUDA only, where no core is taken from
-    # the model's compute
+    # step runs) or one socket per rank (cluster/step_channel.py, ~0.3 ms of CPU a step); "auto": the
+    # compiled graph on CUDA only, where no core is taken from the model's compute
     use_compiled_graph: bool | Literal["auto"] = "auto"
     max_restarts: int = Field(3, ge=-1)  # Ray restarts of a scheduler actor
     # routing between replicas

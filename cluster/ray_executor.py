@@ -115,7 +115,7 @@ class RayExecutor:
         self._channels = [await StepClient.connect(a) for a in addresses]
 
     def compile(self) -> None:
-        """Build the compiled graph (scheduler -> all ranks); keep plain actor calls if it fails."""
+        """Build the compiled graph (scheduler -> all ranks); the step channel is used if it fails."""
         try:
             from ray.dag import InputNode, MultiOutputNode
 
@@ -124,7 +124,7 @@ class RayExecutor:
             self._cgraph = dag.experimental_compile(enable_asyncio=True)
             self.stats.compiled_graph = True
         except Exception:
-            logger.exception("Ray compiled graph unavailable; using plain actor calls")
+            logger.exception("Ray compiled graph unavailable; using the step channel")
             self._cgraph = None
 
     # ---- Executor protocol ----------------------------------------------------------------
