@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,10 +27,24 @@ from typing import Any
 HOST = "127.0.0.1"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# Ports handed out for a server to bind later come from below Linux's default ephemeral range (32768-60999):
+# the kernel gives every bind(0) and outgoing connection a port from that range (Ray starts dozens while the
+# server comes up), so a port picked there and released could be taken before the server binds it.
+FREE_PORT_RANGE = (20000, 32000)
+
+
+def free_port(rng: random.Random | None = None) -> int:
+    """A port of 127.0.0.1 that nothing is bound to now, outside the ephemeral range."""
+    rng = rng or random.Random()
+    for _ in range(200):
+        port = rng.randrange(*FREE_PORT_RANGE)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {FREE_PORT_RANGE}")
 
 
 def wait_healthy(base_url: str, timeout_s: float, proc: subprocess.Popen | None = None,

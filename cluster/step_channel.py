@@ -70,7 +70,8 @@ class StepServer:
     def __init__(self, handler: Callable[[Any], Any], host: str) -> None:
         self.handler = handler
         self.token = secrets.token_bytes(TOKEN_BYTES)
-        self._listener = socket.create_server((host, 0))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET  # a node IP may be IPv6
+        self._listener = socket.create_server((host, 0), family=family)
         self.address = StepAddress(host, self._listener.getsockname()[1], self.token)
 
     def serve(self) -> None:

@@ -244,3 +244,21 @@ def test_local_deployment_runs_cbserve_serve(tmp_path) -> None:
     (tmp_path / "c.yaml").write_text(json.dumps({"device": "cpu", "max_num_seqs": 8}))
     config = CBServeConfig.from_yaml(args.config)
     assert config.device == "cpu" and config.max_num_seqs == 8
+
+
+def test_free_port_is_bindable_and_outside_the_ephemeral_range() -> None:
+    import random
+    import socket
+
+    from cbserve.bench.deploy import FREE_PORT_RANGE, free_port
+
+    rng = random.Random(3)
+    taken = free_port(random.Random(3))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", taken))  # held: the same draw must now skip it
+        again = free_port(rng)
+        assert again != taken and FREE_PORT_RANGE[0] <= again < FREE_PORT_RANGE[1]
+    from pathlib import Path
+
+    lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert not lo <= taken <= hi  # the kernel never hands it to a bind(0) or an outgoing connection

@@ -104,3 +104,24 @@ def test_a_worker_gone_fails_the_pending_steps() -> None:
 
     asyncio.run(run())
     listener.close()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_a_worker_on_an_ipv6_address() -> None:
+    address = _start(StepServer(_double, "::1"))
+
+    async def run() -> Any:
+        client = await StepClient.connect(address)
+        reply = await client.call(dumps([21]))
+        client.close()
+        return reply
+
+    assert asyncio.run(run()) == [42]

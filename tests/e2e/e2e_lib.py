@@ -6,18 +6,19 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from cbserve.bench.deploy import free_port as deploy_free_port
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port outside the kernel's ephemeral range (cbserve.bench.deploy.free_port): Ray's start-up cannot
+    take it between this pick and the server binding it."""
+    return deploy_free_port()
 
 
 @contextlib.contextmanager

@@ -20,7 +20,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -34,6 +33,7 @@ from typing import Any
 
 import pytest
 import yaml
+from cbserve.bench.deploy import free_port as deploy_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
@@ -50,9 +50,7 @@ pytestmark = [
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return deploy_free_port()  # outside the ephemeral range: Ray's start-up cannot take it meanwhile
 
 
 def wait_for(what: str, check: Any, timeout: float, interval: float = 0.5) -> Any:
