@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import urllib.error
@@ -31,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Ray cluster to join ('auto', 'local' or host:port); default: join a running one, else start one",
     )
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    parser.add_argument(
+        "--direct-ingress",
+        action="store_true",
+        help="the ingress replica answers HTTP on --port itself, without Serve's HTTP proxy in the path (one "
+        "Ray streaming hop less per streamed token; Ray Serve's RAY_SERVE_ENABLE_DIRECT_INGRESS). Needs the "
+        "Ray instance this command starts (--ray-address unset or 'local')",
+    )
     for name, field in CBServeConfig.model_fields.items():
         default = field.default if field.default is not None else "auto"
         parser.add_argument(
@@ -43,6 +51,17 @@ def config_from_args(args: argparse.Namespace) -> CBServeConfig:
     if args.config:
         return CBServeConfig.from_yaml(args.config, **overrides)
     return CBServeConfig.from_args(overrides)
+
+
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """What Ray Serve reads at start-up to serve the ingress replica's HTTP on ``port`` itself (one ingress
+    replica; its drain on shutdown not held open for a load balancer that is not there)."""
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
 
 
 def init_ray(address: str | None) -> None:
@@ -115,18 +134,24 @@ def main(args: argparse.Namespace) -> int:
         config = checked_config(args)
     except ValueError as e:  # ConfigError, pydantic.ValidationError
         return _fail(error_message(e))
+    if args.direct_ingress:
+        if args.ray_address not in (None, "local"):
+            return _fail("--direct-ingress needs the Ray instance `cbserve serve` starts (Ray Serve reads it "
+                         "when its processes start): leave --ray-address unset or 'local'")
+        os.environ.update(direct_ingress_env(config.port))  # the local Ray instance's processes inherit it
     import ray
     from cbserve.cluster.app import build_app_from_config
     from ray import serve
 
-    init_ray(args.ray_address)
+    init_ray("local" if args.direct_ingress else args.ray_address)
     try:
         if config.device == "auto":  # the cluster decided the device: the KV budget can be checked now
             config = servable_config(config, config.resolved_device)
     except ValueError as e:
         ray.shutdown()
         return _fail(error_message(e))
-    serve.start(http_options={"host": config.host, "port": config.port})
+    # with direct ingress Serve still starts its proxy: it gets a port of its own, out of the path
+    serve.start(http_options={"host": config.host, "port": 0 if args.direct_ingress else config.port})
     serve.run(
         build_app_from_config(config), name=config.app_name, route_prefix=config.route_prefix, blocking=False
     )

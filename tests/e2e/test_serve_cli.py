@@ -146,3 +146,40 @@ def test_cbserve_serve_exits_with_the_engines_error_when_the_model_cannot_load(t
         assert "engine replicas ready" not in srv.output
     finally:
         srv.kill()
+
+
+def _listener(port: int) -> str:
+    """The command line of the process listening on ``port`` of this machine ("" when none)."""
+    import psutil
+
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return " ".join(psutil.Process(conn.pid).cmdline())
+    return ""
+
+
+def test_cbserve_serve_direct_ingress_answers_on_its_port_without_the_proxy() -> None:
+    """``--direct-ingress``: the ingress replica itself listens on --port (Serve's proxy is out of the path),
+    streams, and the command still stops cleanly on Ctrl-C."""
+    srv = Serve("--direct-ingress", "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 * 1024**2))
+    try:
+        assert srv.ready.wait(300), "cbserve serve did not get ready:\n" + "".join(srv.lines[-40:])
+        owner = _listener(srv.port)
+        assert "ServeReplica" in owner and "OpenAIIngress" in owner, owner  # not ray::ProxyActor
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="none", max_retries=0,
+                               timeout=120)  # fmt: skip
+        stream = client.completions.create(model=MODEL, prompt="Say hello.", max_tokens=8, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        pieces = [c.choices[0].text for c in stream if c.choices]
+        assert len(pieces) >= 8 and "".join(pieces)
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(timeout=90) == 0
+    finally:
+        srv.kill()
+
+
+def test_cbserve_serve_refuses_direct_ingress_on_a_cluster_it_does_not_start() -> None:
+    proc = subprocess.run([str(CLI), "serve", "--direct-ingress", "--ray-address", "auto"], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1
+    assert "--direct-ingress needs the Ray instance" in proc.stderr, proc.stderr
