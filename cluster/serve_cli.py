@@ -34,10 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
     parser.add_argument(
         "--direct-ingress",
-        action="store_true",
-        help="the ingress replica answers HTTP on --port itself, without Serve's HTTP proxy in the path (one "
-        "Ray streaming hop less per streamed token; Ray Serve's RAY_SERVE_ENABLE_DIRECT_INGRESS). Needs the "
-        "Ray instance this command starts (--ray-address unset or 'local')",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="true: the ingress replica answers HTTP on --port itself, without Serve's HTTP proxy in the path "
+        "(one Ray streaming hop less per streamed token; Ray Serve's RAY_SERVE_ENABLE_DIRECT_INGRESS); it needs "
+        "the Ray instance this command starts. auto (default): so when this command starts Ray, through the "
+        "proxy when it joins a running cluster. false: always through the proxy",
     )
     for name, field in CBServeConfig.model_fields.items():
         default = field.default if field.default is not None else "auto"
@@ -64,18 +66,36 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     }
 
 
-def init_ray(address: str | None) -> None:
+def init_ray(address: str | None) -> bool:
+    """Join or start Ray; True when this process started the Ray instance."""
     import ray
 
     if address is not None:
         ray.init(address=address)
-        return
+        return address == "local"
     try:
         ray.init(address="auto")
         logger.info("joined the running Ray cluster")
+        return False
     except ConnectionError:
         ray.init()
         logger.info("started a local Ray cluster")
+        return True
+
+
+def start_ray(args: argparse.Namespace, port: int) -> bool:
+    """Ray for ``cbserve serve``; True when the ingress serves HTTP itself (``--direct-ingress``). Ray Serve
+    reads the setting when its processes start, so it is put in the environment the local instance inherits
+    (harmless when a running cluster is joined instead: that one keeps its own)."""
+    env = direct_ingress_env(port) if args.direct_ingress != "false" else {}
+    os.environ.update(env)
+    started = init_ray("local" if args.direct_ingress == "true" else args.ray_address)
+    direct = bool(env) and started
+    if not direct:  # joined a running cluster: the setting had no effect, take it back
+        for key in env:
+            os.environ.pop(key, None)
+    logger.info("HTTP served by %s", "the ingress replica (direct ingress)" if direct else "Serve's proxy")
+    return direct
 
 
 def checked_config(args: argparse.Namespace) -> CBServeConfig:
@@ -134,16 +154,14 @@ def main(args: argparse.Namespace) -> int:
         config = checked_config(args)
     except ValueError as e:  # ConfigError, pydantic.ValidationError
         return _fail(error_message(e))
-    if args.direct_ingress:
-        if args.ray_address not in (None, "local"):
-            return _fail("--direct-ingress needs the Ray instance `cbserve serve` starts (Ray Serve reads it "
-                         "when its processes start): leave --ray-address unset or 'local'")
-        os.environ.update(direct_ingress_env(config.port))  # the local Ray instance's processes inherit it
+    if args.direct_ingress == "true" and args.ray_address not in (None, "local"):
+        return _fail("--direct-ingress true needs the Ray instance `cbserve serve` starts (Ray Serve reads it "
+                     "when its processes start): leave --ray-address unset or 'local'")
     import ray
     from cbserve.cluster.app import build_app_from_config
     from ray import serve
 
-    init_ray("local" if args.direct_ingress else args.ray_address)
+    direct = start_ray(args, config.port)
     try:
         if config.device == "auto":  # the cluster decided the device: the KV budget can be checked now
             config = servable_config(config, config.resolved_device)
@@ -151,7 +169,7 @@ def main(args: argparse.Namespace) -> int:
         ray.shutdown()
         return _fail(error_message(e))
     # with direct ingress Serve still starts its proxy: it gets a port of its own, out of the path
-    serve.start(http_options={"host": config.host, "port": 0 if args.direct_ingress else config.port})
+    serve.start(http_options={"host": config.host, "port": 0 if direct else config.port})
     serve.run(
         build_app_from_config(config), name=config.app_name, route_prefix=config.route_prefix, blocking=False
     )

@@ -283,7 +283,7 @@ def test_cbserve_serve_deploys_with_host_port_route_prefix_and_app_name(
     from ray import serve
 
     calls: dict[str, object] = {}
-    monkeypatch.setattr(serve_cli, "init_ray", lambda address: calls.update(ray_address=address))
+    monkeypatch.setattr(serve_cli, "init_ray", lambda address: calls.update(ray_address=address) or False)
     monkeypatch.setattr(serve, "start", lambda http_options: calls.update(http=http_options))
     monkeypatch.setattr(serve, "run", lambda app, **kw: calls.update(run=kw, app=app))
     monkeypatch.setattr(serve, "delete", lambda name: calls.update(deleted=name))
@@ -298,6 +298,7 @@ def test_cbserve_serve_deploys_with_host_port_route_prefix_and_app_name(
             "my-app", "--ray-address", "auto", "--max-model-len", "256"]  # fmt: skip
     assert serve_cli.main(_parse(argv)) == 0
     assert calls["ray_address"] == "auto" and calls["http"] == {"host": "127.0.0.2", "port": 8123}
+    assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in os.environ  # a joined cluster: the proxy serves, no leftovers
     assert calls["run"] == {"name": "my-app", "route_prefix": "/llm", "blocking": False}
     assert calls["base"] == "http://127.0.0.2:8123/llm" and calls["deleted"] == "my-app" and calls["shutdown"]
     deployed = CBServeConfig.model_validate(calls["app"]._bound_deployment.init_args[0])  # type: ignore[attr-defined]
@@ -368,3 +369,30 @@ def test_speculative_config_from_yaml_and_flags(tmp_path: Path) -> None:
 def test_bad_speculative_configs_are_refused(bad: object, match: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=match):
         CBServeConfig(speculative_config=bad)
+
+
+@pytest.mark.parametrize(
+    ("flag", "address", "starts", "want_address", "want_direct"),
+    [
+        ("auto", None, True, None, True),  # no cluster running: this command starts Ray, the ingress serves HTTP
+        ("auto", None, False, None, False),  # joined a running cluster: Serve's proxy serves
+        ("true", None, True, "local", True),  # always a Ray instance of its own
+        ("false", "local", True, "local", False),
+    ],
+)
+def test_direct_ingress_follows_who_starts_ray(
+    monkeypatch: pytest.MonkeyPatch, flag: str, address: str | None, starts: bool, want_address: str | None,
+    want_direct: bool,
+) -> None:
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    seen: list[str | None] = []
+    monkeypatch.setattr(serve_cli, "init_ray", lambda a: seen.append(a) or starts)
+    args = argparse.Namespace(direct_ingress=flag, ray_address=address)
+    assert serve_cli.start_ray(args, 8123) is want_direct and seen == [want_address]
+    env = {k: os.environ.get(k) for k in serve_cli.direct_ingress_env(8123)}
+    if want_direct:
+        assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+        assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8123"  # the one port: --port
+        assert env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8124"
+    else:
+        assert set(env.values()) == {None}

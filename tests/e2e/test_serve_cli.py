@@ -78,6 +78,8 @@ def test_cbserve_serve_with_config_file_serves_times_out_and_stops_on_ctrl_c() -
     try:
         assert srv.ready.wait(300), "cbserve serve did not get ready:\n" + "".join(srv.lines[-40:])
         assert f"http://127.0.0.1:{srv.port}/v1" in srv.output  # it says where it listens
+        owner = _listener(srv.port)  # it started Ray: the ingress replica serves HTTP itself (direct ingress)
+        assert "ServeReplica" in owner and "OpenAIIngress" in owner, owner
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="none", max_retries=0,
                                timeout=120)  # fmt: skip
         assert [m.id for m in client.models.list().data] == [MODEL]
@@ -158,14 +160,14 @@ def _listener(port: int) -> str:
     return ""
 
 
-def test_cbserve_serve_direct_ingress_answers_on_its_port_without_the_proxy() -> None:
-    """``--direct-ingress``: the ingress replica itself listens on --port (Serve's proxy is out of the path),
-    streams, and the command still stops cleanly on Ctrl-C."""
-    srv = Serve("--direct-ingress", "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 * 1024**2))
+def test_cbserve_serve_without_direct_ingress_serves_through_the_proxy() -> None:
+    """``--direct-ingress false``: Serve's proxy listens on --port and streams the ingress's answers."""
+    srv = Serve("--direct-ingress", "false", "--max-model-len", "512", "--kv-cache-memory-bytes",
+                str(64 * 1024**2))  # fmt: skip
     try:
         assert srv.ready.wait(300), "cbserve serve did not get ready:\n" + "".join(srv.lines[-40:])
         owner = _listener(srv.port)
-        assert "ServeReplica" in owner and "OpenAIIngress" in owner, owner  # not ray::ProxyActor
+        assert "ProxyActor" in owner, owner
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="none", max_retries=0,
                                timeout=120)  # fmt: skip
         stream = client.completions.create(model=MODEL, prompt="Say hello.", max_tokens=8, temperature=0,
@@ -179,7 +181,7 @@ def test_cbserve_serve_direct_ingress_answers_on_its_port_without_the_proxy() ->
 
 
 def test_cbserve_serve_refuses_direct_ingress_on_a_cluster_it_does_not_start() -> None:
-    proc = subprocess.run([str(CLI), "serve", "--direct-ingress", "--ray-address", "auto"], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run([str(CLI), "serve", "--direct-ingress", "true", "--ray-address", "auto"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1
-    assert "--direct-ingress needs the Ray instance" in proc.stderr, proc.stderr
+    assert "--direct-ingress true needs the Ray instance" in proc.stderr, proc.stderr
