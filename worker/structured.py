@@ -217,8 +217,15 @@ class StructuredOutputs:
         live = self._advance(rows)
         # All allowed (-1). numpy, not torch.full: no trip through torch's thread pool for a small buffer.
         mask = torch.from_numpy(np.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=np.int32))
-        if live:
-            self._batcher().batch_fill_next_token_bitmask([m.matcher for _, m in live], mask, [j for j, _ in live])
+        # A sequence sampled several times at once (n > 1 at its fork) has one matcher for several rows: fill it
+        # once and copy the row (xgrammar's threads filling one matcher twice at the same time corrupt it).
+        first: dict[int, int] = {}
+        fill = [(j, m) for j, m in live if first.setdefault(id(m), j) == j]
+        if fill:
+            self._batcher().batch_fill_next_token_bitmask([m.matcher for _, m in fill], mask, [j for j, _ in fill])
+        for j, m in live:
+            if first[id(m)] != j:
+                mask[j] = mask[first[id(m)]]
         return mask
 
 
