@@ -193,7 +193,6 @@ class ChannelReader:
         except asyncio.CancelledError:
             raise
         except asyncio.IncompleteReadError:
-            why = "its output channel closed"
             logger.warning("output channel %s to the engine closed", channel_id)
         except Exception as e:  # the engine actor died or was restarted: its requests are gone
             why = f"{type(e).__name__}"

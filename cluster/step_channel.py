@@ -75,10 +75,7 @@ class StepServer:
         self.address = StepAddress(host, self._listener.getsockname()[1], self.token)
 
     def serve(self) -> None:
-        conn = self._accept()
-        if conn is None:
-            return
-        with conn:
+        with self._accept() as conn:
             while True:
                 header = _recv_exactly(conn, _LENGTH.size)
                 if header is None:
@@ -96,14 +93,11 @@ class StepServer:
             reply = (False, f"{type(e).__name__}: {e}")
         return frame(dumps(reply))
 
-    def _accept(self) -> socket.socket | None:
+    def _accept(self) -> socket.socket:
         """The first connection that presents the token; the listener closes after it."""
         with self._listener:
             while True:
-                try:
-                    conn, peer = self._listener.accept()
-                except OSError:  # closed by shutdown()
-                    return None
+                conn, peer = self._listener.accept()
                 conn.settimeout(HANDSHAKE_TIMEOUT_S)
                 try:
                     token = _recv_exactly(conn, TOKEN_BYTES)
@@ -115,10 +109,6 @@ class StepServer:
                     return conn
                 logger.warning("step channel: refused a connection from %s without the token", peer)
                 conn.close()
-
-    def shutdown(self) -> None:
-        with contextlib.suppress(OSError):
-            self._listener.close()
 
 
 class StepClient:

@@ -139,8 +139,6 @@ class WorkerActor:
                 "node_id": ray.get_runtime_context().get_node_id(), "torch_threads": torch.get_num_threads()}
 
     def shutdown(self) -> None:
-        if self.step_server is not None:
-            self.step_server.shutdown()
         try:
             import torch.distributed as dist
 

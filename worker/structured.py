@@ -219,13 +219,19 @@ class StructuredOutputs:
         mask = torch.from_numpy(np.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=np.int32))
         # A sequence sampled several times at once (n > 1 at its fork) has one matcher for several rows: fill it
         # once and copy the row (xgrammar's threads filling one matcher twice at the same time corrupt it).
-        first: dict[int, int] = {}
-        fill = [(j, m) for j, m in live if first.setdefault(id(m), j) == j]
+        first: dict[int, int] = {}  # id(matcher) -> its first row
+        fill: list[tuple[int, _Matcher]] = []
+        copies: list[tuple[int, int]] = []  # (row, the row filled for its matcher)
+        for j, m in live:
+            k = first.setdefault(id(m), j)
+            if k == j:
+                fill.append((j, m))
+            else:
+                copies.append((j, k))
         if fill:
             self._batcher().batch_fill_next_token_bitmask([m.matcher for _, m in fill], mask, [j for j, _ in fill])
-        for j, m in live:
-            if first[id(m)] != j:
-                mask[j] = mask[first[id(m)]]
+        for j, k in copies:
+            mask[j] = mask[k]
         return mask
 
 
