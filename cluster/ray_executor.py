@@ -10,6 +10,7 @@ wall time of one execute minus the worker-reported forward time: what the hop co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class RayExecutor:
         self.stats = DispatchStats()
         self._cgraph: Any = None
         self._channels: list[StepClient] = []
+        self._watchers: list[asyncio.Future[None]] = []  # one per rank: closes the channels when it is gone
         self._last_done = 0.0  # perf_counter() when the last step's output came back
 
     @classmethod
@@ -110,9 +112,19 @@ class RayExecutor:
         return executor
 
     async def open_channels(self) -> None:
-        """Connect to every rank's step channel (cluster/step_channel.py)."""
+        """Connect to every rank's step channel (cluster/step_channel.py). The channels close the moment Ray
+        knows a rank is gone (its ``lifetime`` call fails), as an actor call to it would fail: the pending
+        step and every later one then fail and the replica rebuilds."""
         addresses = await asyncio.gather(*[w.open_step_channel.remote() for w in self.workers])
         self._channels = [await StepClient.connect(a) for a in addresses]
+        self._watchers = [asyncio.ensure_future(self._close_channels_when_gone(w.lifetime.remote()))
+                          for w in self.workers]
+
+    async def _close_channels_when_gone(self, lifetime: Any) -> None:
+        with contextlib.suppress(Exception):  # the rank died (or was killed at shutdown)
+            await lifetime
+        for channel in self._channels:
+            channel.close()
 
     def compile(self) -> None:
         """Build the compiled graph (scheduler -> all ranks); the step channel is used if it fails."""

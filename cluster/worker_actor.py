@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@ray.remote(max_restarts=0, max_concurrency=1)
+@ray.remote(max_restarts=0, max_concurrency=1, concurrency_groups={"lifetime": 1})
 class WorkerActor:
     def __init__(self, config: dict[str, Any], rank: int, replica: str) -> None:
         self.config = CBServeConfig.model_validate(config)
@@ -129,6 +130,12 @@ class WorkerActor:
         self.step_server = StepServer(self._execute, ray.util.get_node_ip_address())
         self.model_thread.submit(self.step_server.serve)
         return self.step_server.address
+
+    @ray.method(concurrency_group="lifetime")
+    def lifetime(self) -> None:
+        """Never returns: its reference fails the moment Ray knows this actor is gone. The step channel's
+        socket alone can outlive a lost node by a moment (its processes exit a little after its raylet)."""
+        threading.Event().wait()
 
     # ---- introspection (tests, health) --------------------------------------------------------
     def ping(self) -> dict[str, Any]:
