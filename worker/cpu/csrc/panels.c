@@ -154,11 +154,15 @@ const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float
 
 #ifdef __AVX512BF16__
 /* 16 float32 weights of k = 2j and of k = 2j + 1 -> the 16 columns' bfloat16 pairs, rounded to nearest even. */
-static inline void store_pairs(uint16_t *out, __m512 even, __m512 odd) {
+static inline __m512i pair_vector(__m512 even, __m512 odd) {
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* [even 0..15 | odd 0..15] */
-    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(interleave, both));
+    return _mm512_permutexvar_epi16(interleave, both);
+}
+
+static inline void store_pairs(uint16_t *out, __m512 even, __m512 odd) {
+    _mm512_storeu_si512(out, pair_vector(even, odd));
 }
 
 /* Q4_1 blocks -> pairs: byte [j][c] already holds the pair (2j, 2j + 1) of column c in its two nibbles. */
@@ -190,6 +194,29 @@ static void pairs_q8_0(const uint8_t *restrict blocks, int kn, uint16_t *restric
             }
         }
     }
+}
+
+void cb_q4_1_row_dot(const uint32_t *restrict a, int kp, const uint8_t *restrict panel, float *restrict acc48) {
+    __m512 acc[3];
+    for (int v = 0; v < 3; ++v) acc[v] = _mm512_loadu_ps(acc48 + 16 * v);
+    for (int b = 0; b < kp / (CB_QK / 2); ++b, panel += Q41_BLOCK_BYTES, a += CB_QK / 2) {
+        const float *d = (const float *)panel, *m = d + CB_NR;
+        const uint8_t *q = panel + 2 * CB_NR * 4;
+        const vf16 d0 = cb_load16(d), d1 = cb_load16(d + 16), d2 = cb_load16(d + 32);
+        const vf16 m0 = cb_load16(m), m1 = cb_load16(m + 16), m2 = cb_load16(m + 32);
+        for (int j = 0; j < CB_QK / 2; ++j) { /* the three column groups: three independent sums */
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[j]);
+            const uint8_t *qj = q + j * CB_NR;
+            const vi32x16 p0 = widen_u8(qj), p1 = widen_u8(qj + 16), p2 = widen_u8(qj + 32);
+            acc[0] = _mm512_dpbf16_ps(acc[0], x, (__m512bh)pair_vector((__m512)(d0 * to_float(p0 & 15) + m0),
+                                                                      (__m512)(d0 * to_float(p0 >> 4) + m0)));
+            acc[1] = _mm512_dpbf16_ps(acc[1], x, (__m512bh)pair_vector((__m512)(d1 * to_float(p1 & 15) + m1),
+                                                                      (__m512)(d1 * to_float(p1 >> 4) + m1)));
+            acc[2] = _mm512_dpbf16_ps(acc[2], x, (__m512bh)pair_vector((__m512)(d2 * to_float(p2 & 15) + m2),
+                                                                      (__m512)(d2 * to_float(p2 >> 4) + m2)));
+        }
+    }
+    for (int v = 0; v < 3; ++v) _mm512_storeu_ps(acc48 + 16 * v, acc[v]);
 }
 
 const uint16_t *cb_panel_pairs(int fmt, const uint8_t *panel, int k0, int kn, uint16_t *scratch) {
