@@ -87,9 +87,9 @@ def test_gguf_blocks_with_bf16_products_equal_bf16_dot_panels_of_their_values(
         assert packed_weight.panels.fmt == fmt  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0"])
-def test_one_row_q4_blocks_equal_the_tiled_path_bit_for_bit(kernels: CpuKernels, qtype: str) -> None:
-    """A decode step's single row takes its own path through Q4_1 blocks (decoded straight into the sums); it
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q8_0"])
+def test_one_row_through_blocks_equals_the_tiled_path_bit_for_bit(kernels: CpuKernels, qtype: str) -> None:
+    """A decode step's single row takes its own path through GGUF blocks (decoded straight into the sums); it
     must give what the tiled path gives the same row in a batch: the same products in the same order."""
     import numpy as np
     from cbserve.worker.cpu.gguf_blocks import QuantBlocks
@@ -98,7 +98,8 @@ def test_one_row_q4_blocks_equal_the_tiled_path_bit_for_bit(kernels: CpuKernels,
 
     w = np.random.default_rng(7).normal(0.0, 0.05, size=(150, 576)).astype(np.float32)  # a partial last panel
     blocks = QuantBlocks(qtype, torch.from_numpy(quantize(w, GGMLQuantizationType[qtype])))
-    packed = kernels.with_bf16_products(kernels.pack_q4_1(*blocks.q4_1()))
+    packed = kernels.pack_q8_0(*blocks.q8_0()) if qtype == "Q8_0" else kernels.pack_q4_1(*blocks.q4_1())
+    packed = kernels.with_bf16_products(packed)
     gen = torch.Generator().manual_seed(3)
     x, bias = torch.randn(2, 576, generator=gen), torch.randn(150, generator=gen)
     for b in (None, bias):

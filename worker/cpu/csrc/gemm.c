@@ -240,11 +240,11 @@ static void row_to_bf16(const float *restrict x, int k, int kp, uint16_t *restri
     for (; kk < 2 * kp; ++kk) out[kk] = kk < k ? cb_bf16_bits(x[kk]) : 0;
 }
 
-/* One row (a decode step's) against CB_FMT_Q4_1_BF16 panels, each panel's weights decoded straight into the
- * sums (cb_q4_1_row_dot): ~1.15x the tiled path at decode shapes, same bits. Called inside the parallel region (the panels are
- * shared out there); acc: 48 floats of the calling thread. */
-static void q4_1_row_panels(const uint32_t *ab, int kp, const uint8_t *wp, int64_t pbytes, int n, const float *bias,
-                            float *c, float *acc) {
+/* One row (a decode step's) against GGUF block panels under bfloat16 products, each panel's weights decoded
+ * straight into the sums (cb_blocks_row_dot): 1.1-1.2x the tiled path at decode shapes, same bits. Called
+ * inside the parallel region (the panels are shared out there); acc: 48 floats of the calling thread. */
+static void block_row_panels(int fmt, const uint32_t *ab, int kp, const uint8_t *wp, int64_t pbytes, int n,
+                             const float *bias, float *c, float *acc) {
     const int panels = (n + CB_NR - 1) / CB_NR;
 #pragma omp for schedule(static)
     for (int p = 0; p < panels; ++p) {
@@ -252,7 +252,7 @@ static void q4_1_row_panels(const uint32_t *ab, int kp, const uint8_t *wp, int64
         float tail_bias[CB_NR];
         const float *b = item_bias(bias, p, ncols, tail_bias);
         for (int j = 0; j < CB_NR; ++j) acc[j] = b ? b[j] : 0.0f;
-        cb_q4_1_row_dot(ab, kp, wp + p * pbytes, acc);
+        cb_blocks_row_dot(fmt, ab, kp, wp + p * pbytes, acc);
         memcpy(c + p * CB_NR, acc, sizeof(float) * (size_t)ncols);
     }
 }
@@ -270,8 +270,8 @@ static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k
         uint16_t pairs[CB_KC_MANY * CB_NR] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int i = 0; i < m; ++i) row_to_bf16(a + (int64_t)i * lda, k, kp, (uint16_t *)(ab + (int64_t)i * kp));
-        if (m == 1 && fmt == CB_FMT_Q4_1_BF16) {
-            q4_1_row_panels(ab, kp, wp, pbytes, n, bias, c, accbuf);
+        if (m == 1 && (fmt == CB_FMT_Q4_1_BF16 || fmt == CB_FMT_Q8_0_BF16)) {
+            block_row_panels(fmt, ab, kp, wp, pbytes, n, bias, c, accbuf);
         } else {
 #pragma omp for schedule(static)
             for (int item = 0; item < panels * row_blocks; ++item) {

@@ -196,7 +196,25 @@ static void pairs_q8_0(const uint8_t *restrict blocks, int kn, uint16_t *restric
     }
 }
 
-void cb_q4_1_row_dot(const uint32_t *restrict a, int kp, const uint8_t *restrict panel, float *restrict acc48) {
+static void q8_0_row_dot(const uint32_t *restrict a, int kp, const uint8_t *restrict panel, float *restrict acc48) {
+    __m512 acc[3];
+    for (int v = 0; v < 3; ++v) acc[v] = _mm512_loadu_ps(acc48 + 16 * v);
+    for (int b = 0; b < kp / (CB_QK / 2); ++b, panel += Q8_BLOCK_BYTES, a += CB_QK / 2) {
+        const float *d = (const float *)panel;
+        const int8_t *q = (const int8_t *)(panel + CB_NR * 4);
+        const vf16 dv[3] = {cb_load16(d), cb_load16(d + 16), cb_load16(d + 32)};
+        for (int j = 0; j < CB_QK / 2; ++j) { /* the three column groups: three independent sums */
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[j]);
+            const int8_t *qe = q + 2 * j * CB_NR, *qo = qe + CB_NR;
+            for (int v = 0; v < 3; ++v)
+                acc[v] = _mm512_dpbf16_ps(acc[v], x, (__m512bh)pair_vector((__m512)(dv[v] * to_float(widen_s8(qe + 16 * v))),
+                                                                          (__m512)(dv[v] * to_float(widen_s8(qo + 16 * v)))));
+        }
+    }
+    for (int v = 0; v < 3; ++v) _mm512_storeu_ps(acc48 + 16 * v, acc[v]);
+}
+
+static void q4_1_row_dot(const uint32_t *restrict a, int kp, const uint8_t *restrict panel, float *restrict acc48) {
     __m512 acc[3];
     for (int v = 0; v < 3; ++v) acc[v] = _mm512_loadu_ps(acc48 + 16 * v);
     for (int b = 0; b < kp / (CB_QK / 2); ++b, panel += Q41_BLOCK_BYTES, a += CB_QK / 2) {
@@ -217,6 +235,13 @@ void cb_q4_1_row_dot(const uint32_t *restrict a, int kp, const uint8_t *restrict
         }
     }
     for (int v = 0; v < 3; ++v) _mm512_storeu_ps(acc48 + 16 * v, acc[v]);
+}
+
+void cb_blocks_row_dot(int fmt, const uint32_t *a, int kp, const uint8_t *panel, float *acc48) {
+    if (fmt == CB_FMT_Q8_0_BF16)
+        q8_0_row_dot(a, kp, panel, acc48);
+    else
+        q4_1_row_dot(a, kp, panel, acc48);
 }
 
 const uint16_t *cb_panel_pairs(int fmt, const uint8_t *panel, int k0, int kn, uint16_t *scratch) {

@@ -51,11 +51,12 @@ const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float
  * cb_panel_chunk rounds (but for denormals, which the instruction flushes to zero). k0, kn: as there. */
 const uint16_t *cb_panel_pairs(int fmt, const uint8_t *panel, int k0, int kn, uint16_t *scratch);
 
-/* One row against one CB_FMT_Q4_1_BF16 panel, the weights decoded and rounded as cb_panel_pairs does but fed
- * to vdpbf16ps from registers (a decode step's one-row products read each weight once: no scratch round
- * trip). a: the row's kp bfloat16 pairs (kp = k / 2, k a multiple of CB_QK); acc48: the 48 column sums, in
- * and out. Bit for bit what the tiled path computes (the same products added in the same k order). */
-void cb_q4_1_row_dot(const uint32_t *a, int kp, const uint8_t *panel, float *acc48);
+/* One row against one CB_FMT_Q8_0_BF16 or CB_FMT_Q4_1_BF16 panel, the weights decoded and rounded as
+ * cb_panel_pairs does but fed to vdpbf16ps from registers (a decode step's one-row products read each weight
+ * once: no scratch round trip). a: the row's kp bfloat16 pairs (kp = k / 2, k a multiple of CB_QK); acc48:
+ * the 48 column sums, in and out. Bit for bit what the tiled path computes (the same products added in the
+ * same k order). */
+void cb_blocks_row_dot(int fmt, const uint32_t *a, int kp, const uint8_t *panel, float *acc48);
 #endif
 
 #endif
