@@ -240,13 +240,12 @@ static void row_to_bf16(const float *restrict x, int k, int kp, uint16_t *restri
     for (; kk < 2 * kp; ++kk) out[kk] = kk < k ? cb_bf16_bits(x[kk]) : 0;
 }
 
-/* One row (a decode step's) against GGUF block panels under bfloat16 products, each panel's weights decoded
- * straight into the sums (cb_blocks_row_dot): 1.1-1.2x the tiled path at decode shapes, same bits. Called
- * inside the parallel region (the panels are shared out there); acc: 48 floats of the calling thread. */
+/* The panels of one row's product shared out over the team (blocks_one_row's region; no barrier of its own:
+ * the region's end is one). acc: 48 floats of the calling thread. */
 static void block_row_panels(int fmt, const uint32_t *ab, int kp, const uint8_t *wp, int64_t pbytes, int n,
                              const float *bias, float *c, float *acc) {
     const int panels = (n + CB_NR - 1) / CB_NR;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int p = 0; p < panels; ++p) {
         const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
         float tail_bias[CB_NR];
@@ -257,11 +256,31 @@ static void block_row_panels(int fmt, const uint32_t *ab, int kp, const uint8_t 
     }
 }
 
+/* One row (a decode step's) against GGUF block panels under bfloat16 products: each panel's weights decoded
+ * straight into the sums (cb_blocks_row_dot: 1.1-1.2x the tiled path at decode shapes, same bits), and each
+ * thread rounds the row itself (a few hundred cycles) instead of waiting at a barrier for one thread to do it
+ * into an allocated buffer. */
+static void blocks_one_row(int fmt, const float *a, int k, const uint8_t *wp, int64_t pbytes, int n,
+                           const float *bias, float *c) {
+    const int kp = (k + 1) / 2;
+#pragma omp parallel
+    {
+        uint32_t row[kp];
+        float acc[CB_NR] __attribute__((aligned(64)));
+        row_to_bf16(a, k, kp, (uint16_t *)row);
+        block_row_panels(fmt, row, kp, wp, pbytes, n, bias, c, acc);
+    }
+}
+
 /* A's rows rounded to bfloat16 pairs, then every work item as linear_items does. */
 static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                               const float *bias, float *c, int64_t ldc) {
     const int kp = (k + 1) / 2, panels = (n + CB_NR - 1) / CB_NR, row_blocks = (m + CB_ROW_BLOCK - 1) / CB_ROW_BLOCK;
     const int64_t pbytes = cb_panel_bytes(fmt, k);
+    if (m == 1 && (fmt == CB_FMT_Q4_1_BF16 || fmt == CB_FMT_Q8_0_BF16)) {
+        blocks_one_row(fmt, a, k, wp, pbytes, n, bias, c);
+        return CB_OK;
+    }
     uint32_t *ab = malloc(sizeof(uint32_t) * (size_t)((int64_t)m * kp));
     if (!ab) return CB_ENOMEM;
 #pragma omp parallel
@@ -270,19 +289,15 @@ static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k
         uint16_t pairs[CB_KC_MANY * CB_NR] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int i = 0; i < m; ++i) row_to_bf16(a + (int64_t)i * lda, k, kp, (uint16_t *)(ab + (int64_t)i * kp));
-        if (m == 1 && (fmt == CB_FMT_Q4_1_BF16 || fmt == CB_FMT_Q8_0_BF16)) {
-            block_row_panels(fmt, ab, kp, wp, pbytes, n, bias, c, accbuf);
-        } else {
 #pragma omp for schedule(static)
-            for (int item = 0; item < panels * row_blocks; ++item) {
-                const int p = item / row_blocks, r0 = (item % row_blocks) * CB_ROW_BLOCK;
-                const int rows = m - r0 < CB_ROW_BLOCK ? m - r0 : CB_ROW_BLOCK;
-                const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
-                float tail_bias[CB_NR];
-                panel_rows_dot(fmt, ab + (int64_t)r0 * kp, kp, rows, kp, wp + p * pbytes,
-                               item_bias(bias, p, ncols, tail_bias), c + (int64_t)r0 * ldc + p * CB_NR, ldc, ncols,
-                               pairs, accbuf);
-            }
+        for (int item = 0; item < panels * row_blocks; ++item) {
+            const int p = item / row_blocks, r0 = (item % row_blocks) * CB_ROW_BLOCK;
+            const int rows = m - r0 < CB_ROW_BLOCK ? m - r0 : CB_ROW_BLOCK;
+            const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
+            float tail_bias[CB_NR];
+            panel_rows_dot(fmt, ab + (int64_t)r0 * kp, kp, rows, kp, wp + p * pbytes,
+                           item_bias(bias, p, ncols, tail_bias), c + (int64_t)r0 * ldc + p * CB_NR, ldc, ncols,
+                           pairs, accbuf);
         }
     }
     free(ab);
