@@ -240,35 +240,27 @@ static void row_to_bf16(const float *restrict x, int k, int kp, uint16_t *restri
     for (; kk < 2 * kp; ++kk) out[kk] = kk < k ? cb_bf16_bits(x[kk]) : 0;
 }
 
-/* The panels of one row's product shared out over the team (blocks_one_row's region; no barrier of its own:
- * the region's end is one). acc: 48 floats of the calling thread. */
-static void block_row_panels(int fmt, const uint32_t *ab, int kp, const uint8_t *wp, int64_t pbytes, int n,
-                             const float *bias, float *c, float *acc) {
-    const int panels = (n + CB_NR - 1) / CB_NR;
-#pragma omp for schedule(static) nowait
-    for (int p = 0; p < panels; ++p) {
-        const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
-        float tail_bias[CB_NR];
-        const float *b = item_bias(bias, p, ncols, tail_bias);
-        for (int j = 0; j < CB_NR; ++j) acc[j] = b ? b[j] : 0.0f;
-        cb_blocks_row_dot(fmt, ab, kp, wp + p * pbytes, acc);
-        memcpy(c + p * CB_NR, acc, sizeof(float) * (size_t)ncols);
-    }
-}
-
 /* One row (a decode step's) against GGUF block panels under bfloat16 products: each panel's weights decoded
  * straight into the sums (cb_blocks_row_dot: 1.1-1.2x the tiled path at decode shapes, same bits), and each
  * thread rounds the row itself (a few hundred cycles) instead of waiting at a barrier for one thread to do it
- * into an allocated buffer. */
+ * into an allocated buffer. The panel loop needs no barrier of its own: the region's end is one. */
 static void blocks_one_row(int fmt, const float *a, int k, const uint8_t *wp, int64_t pbytes, int n,
                            const float *bias, float *c) {
-    const int kp = (k + 1) / 2;
+    const int kp = (k + 1) / 2, panels = (n + CB_NR - 1) / CB_NR;
 #pragma omp parallel
     {
         uint32_t row[kp];
         float acc[CB_NR] __attribute__((aligned(64)));
         row_to_bf16(a, k, kp, (uint16_t *)row);
-        block_row_panels(fmt, row, kp, wp, pbytes, n, bias, c, acc);
+#pragma omp for schedule(static) nowait
+        for (int p = 0; p < panels; ++p) {
+            const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
+            float tail_bias[CB_NR];
+            const float *b = item_bias(bias, p, ncols, tail_bias);
+            for (int j = 0; j < CB_NR; ++j) acc[j] = b ? b[j] : 0.0f;
+            cb_blocks_row_dot(fmt, row, kp, wp + p * pbytes, acc);
+            memcpy(c + p * CB_NR, acc, sizeof(float) * (size_t)ncols);
+        }
     }
 }
 

@@ -154,15 +154,23 @@ const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float
 
 #ifdef __AVX512BF16__
 /* 16 float32 weights of k = 2j and of k = 2j + 1 -> the 16 columns' bfloat16 pairs, rounded to nearest even. */
-static inline __m512i pair_vector(__m512 even, __m512 odd) {
+static inline __m512i pair_vector(vf16 even, vf16 odd) {
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* [even 0..15 | odd 0..15] */
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)odd, (__m512)even); /* [even 0..15 | odd 0..15] */
     return _mm512_permutexvar_epi16(interleave, both);
 }
 
-static inline void store_pairs(uint16_t *out, __m512 even, __m512 odd) {
-    _mm512_storeu_si512(out, pair_vector(even, odd));
+/* The decoded pairs of 16 columns: Q4_1 bytes (low nibble k = 2j, high nibble k = 2j + 1) with their scales d
+ * and m; Q8_0 rows k = 2j and 2j + 1 with their scale d. One expression each, for the scratch path and the
+ * one-row path alike (their results must agree bit for bit). */
+static inline __m512i q4_1_pairs(vf16 d, vf16 m, const uint8_t *q) {
+    const vi32x16 pair = widen_u8(q);
+    return pair_vector(d * to_float(pair & 15) + m, d * to_float(pair >> 4) + m);
+}
+
+static inline __m512i q8_0_pairs(vf16 d, const int8_t *even, const int8_t *odd) {
+    return pair_vector(d * to_float(widen_s8(even)), d * to_float(widen_s8(odd)));
 }
 
 /* Q4_1 blocks -> pairs: byte [j][c] already holds the pair (2j, 2j + 1) of column c in its two nibbles. */
@@ -172,11 +180,9 @@ static void pairs_q4_1(const uint8_t *restrict blocks, int kn, uint16_t *restric
         const uint8_t *q = blocks + 2 * CB_NR * 4;
         for (int v = 0; v < 3; ++v) {
             const vf16 dv = cb_load16(d + 16 * v), mv = cb_load16(m + 16 * v);
-            for (int j = 0; j < CB_QK / 2; ++j) {
-                const vi32x16 pair = widen_u8(q + j * CB_NR + 16 * v);
-                const vf16 even = dv * to_float(pair & 15) + mv, odd = dv * to_float(pair >> 4) + mv;
-                store_pairs(out + ((b * CB_QK / 2 + j) * CB_NR + 16 * v) * 2, (__m512)even, (__m512)odd);
-            }
+            for (int j = 0; j < CB_QK / 2; ++j)
+                _mm512_storeu_si512(out + ((b * CB_QK / 2 + j) * CB_NR + 16 * v) * 2,
+                                    q4_1_pairs(dv, mv, q + j * CB_NR + 16 * v));
         }
     }
 }
@@ -187,15 +193,15 @@ static void pairs_q8_0(const uint8_t *restrict blocks, int kn, uint16_t *restric
         const int8_t *q = (const int8_t *)(blocks + CB_NR * 4);
         for (int v = 0; v < 3; ++v) {
             const vf16 dv = cb_load16(d + 16 * v);
-            for (int j = 0; j < CB_QK / 2; ++j) {
-                const vf16 even = dv * to_float(widen_s8(q + 2 * j * CB_NR + 16 * v));
-                const vf16 odd = dv * to_float(widen_s8(q + (2 * j + 1) * CB_NR + 16 * v));
-                store_pairs(out + ((b * CB_QK / 2 + j) * CB_NR + 16 * v) * 2, (__m512)even, (__m512)odd);
-            }
+            for (int j = 0; j < CB_QK / 2; ++j)
+                _mm512_storeu_si512(out + ((b * CB_QK / 2 + j) * CB_NR + 16 * v) * 2,
+                                    q8_0_pairs(dv, q + 2 * j * CB_NR + 16 * v, q + (2 * j + 1) * CB_NR + 16 * v));
         }
     }
 }
 
+/* One row's pairs a against one block panel, the pairs fed to vdpbf16ps from registers; j runs inside the
+ * column groups' loop so that the three sums are independent chains (each column still adds its k in order). */
 static void q8_0_row_dot(const uint32_t *restrict a, int kp, const uint8_t *restrict panel, float *restrict acc48) {
     __m512 acc[3];
     for (int v = 0; v < 3; ++v) acc[v] = _mm512_loadu_ps(acc48 + 16 * v);
@@ -203,12 +209,11 @@ static void q8_0_row_dot(const uint32_t *restrict a, int kp, const uint8_t *rest
         const float *d = (const float *)panel;
         const int8_t *q = (const int8_t *)(panel + CB_NR * 4);
         const vf16 dv[3] = {cb_load16(d), cb_load16(d + 16), cb_load16(d + 32)};
-        for (int j = 0; j < CB_QK / 2; ++j) { /* the three column groups: three independent sums */
+        for (int j = 0; j < CB_QK / 2; ++j) {
             const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[j]);
             const int8_t *qe = q + 2 * j * CB_NR, *qo = qe + CB_NR;
             for (int v = 0; v < 3; ++v)
-                acc[v] = _mm512_dpbf16_ps(acc[v], x, (__m512bh)pair_vector((__m512)(dv[v] * to_float(widen_s8(qe + 16 * v))),
-                                                                          (__m512)(dv[v] * to_float(widen_s8(qo + 16 * v)))));
+                acc[v] = _mm512_dpbf16_ps(acc[v], x, (__m512bh)q8_0_pairs(dv[v], qe + 16 * v, qo + 16 * v));
         }
     }
     for (int v = 0; v < 3; ++v) _mm512_storeu_ps(acc48 + 16 * v, acc[v]);
@@ -220,18 +225,12 @@ static void q4_1_row_dot(const uint32_t *restrict a, int kp, const uint8_t *rest
     for (int b = 0; b < kp / (CB_QK / 2); ++b, panel += Q41_BLOCK_BYTES, a += CB_QK / 2) {
         const float *d = (const float *)panel, *m = d + CB_NR;
         const uint8_t *q = panel + 2 * CB_NR * 4;
-        const vf16 d0 = cb_load16(d), d1 = cb_load16(d + 16), d2 = cb_load16(d + 32);
-        const vf16 m0 = cb_load16(m), m1 = cb_load16(m + 16), m2 = cb_load16(m + 32);
-        for (int j = 0; j < CB_QK / 2; ++j) { /* the three column groups: three independent sums */
+        const vf16 dv[3] = {cb_load16(d), cb_load16(d + 16), cb_load16(d + 32)};
+        const vf16 mv[3] = {cb_load16(m), cb_load16(m + 16), cb_load16(m + 32)};
+        for (int j = 0; j < CB_QK / 2; ++j) {
             const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[j]);
-            const uint8_t *qj = q + j * CB_NR;
-            const vi32x16 p0 = widen_u8(qj), p1 = widen_u8(qj + 16), p2 = widen_u8(qj + 32);
-            acc[0] = _mm512_dpbf16_ps(acc[0], x, (__m512bh)pair_vector((__m512)(d0 * to_float(p0 & 15) + m0),
-                                                                      (__m512)(d0 * to_float(p0 >> 4) + m0)));
-            acc[1] = _mm512_dpbf16_ps(acc[1], x, (__m512bh)pair_vector((__m512)(d1 * to_float(p1 & 15) + m1),
-                                                                      (__m512)(d1 * to_float(p1 >> 4) + m1)));
-            acc[2] = _mm512_dpbf16_ps(acc[2], x, (__m512bh)pair_vector((__m512)(d2 * to_float(p2 & 15) + m2),
-                                                                      (__m512)(d2 * to_float(p2 >> 4) + m2)));
+            for (int v = 0; v < 3; ++v)
+                acc[v] = _mm512_dpbf16_ps(acc[v], x, (__m512bh)q4_1_pairs(dv[v], mv[v], q + j * CB_NR + 16 * v));
         }
     }
     for (int v = 0; v < 3; ++v) _mm512_storeu_ps(acc48 + 16 * v, acc[v]);
