@@ -35,7 +35,7 @@ from .model_build import build_model
 from .model_info import head_dim_of, num_kv_heads_of
 from .model_loader import load_hf_config, resolve_model
 from .sampler import Sampler, step_seed
-from .spec_verify import race
+from .spec_verify import draw_one
 
 _DRAFT_SEED_SALT = 0x5EED5  # draft draws use their own stream, apart from the target's (seed, position)
 
@@ -200,5 +200,5 @@ class DraftModel:
             if row.seed is not None:
                 gen = torch.Generator(device=q.device)
                 gen.manual_seed(step_seed(row.seed ^ _DRAFT_SEED_SALT, len(row.token_ids)))
-            drafts[i].append(race(q, gen))
+            drafts[i].append(draw_one(q, gen))
             qs[i].append(q)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from cbserve.scheduler.outputs import TokenLogprob
 
-from .sampler import Sampler, SamplingRow, step_seed, token_logprobs
+from .sampler import Sampler, SamplingRow, draw, step_seed, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,10 @@ def _generator(row: SamplingRow, device: torch.device) -> torch.Generator | None
     return gen
 
 
-def race(probs: torch.Tensor, gen: torch.Generator | None) -> int:
-    """A draw from ``probs`` (unnormalised is fine): argmax of p / Exp(1) noise."""
-    noise = torch.empty_like(probs).exponential_(generator=gen)
-    return int((probs / noise).argmax())
+def draw_one(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """A draw from ``probs`` [vocab] (unnormalised is fine), by inverse CDF on one uniform number of ``gen``."""
+    u = torch.rand(1, dtype=torch.float64, generator=gen, device=probs.device)
+    return int(draw(probs.unsqueeze(0), u)[0])
 
 
 def accept_random(probs: torch.Tensor, drafts: Sequence[int], gens: Sequence[torch.Generator | None],
@@ -78,9 +78,9 @@ def accept_random(probs: torch.Tensor, drafts: Sequence[int], gens: Sequence[tor
             residual = (p / total - q[j].to(p.dtype)).clamp_min_(0.0) if total > 0.0 else p.clone()
             if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is right
                 residual = p.clone()
-        out.append(race(residual, gens[j]))
+        out.append(draw_one(residual, gens[j]))
         return out
-    out.append(race(probs[len(drafts)], gens[len(drafts)]))
+    out.append(draw_one(probs[len(drafts)], gens[len(drafts)]))
     return out
 
 

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker.sampler import Sampler, SamplingRow
+from cbserve.worker.sampler import Sampler, SamplingRow, _top_p, draw
 
 EOS = 2
 
@@ -42,6 +42,27 @@ def test_temperature_sampling_follows_the_distribution() -> None:
             assert abs(counts[tok] / 4000 - expected[tok].item()) < 0.03, (temp, tok)
 
 
+def test_draw_maps_each_uniform_to_its_cumulative_mass_interval() -> None:
+    # masses 0, 1, 0, 2, 1 (unnormalised, total 4): cumulative 0 | 1 | 1 | 3 | 4
+    probs = torch.tensor([[0.0, 1.0, 0.0, 2.0, 1.0]]).expand(7, -1)
+    u = torch.tensor([0.0, 0.2499, 0.25, 0.5, 0.7499, 0.75, 1.0], dtype=torch.float64)
+    # u * 4 in [0, 1) -> token 1, [1, 3) -> token 3, [3, 4) -> token 4; zero-mass tokens never; a product
+    # at the total (only u = 1 here, u < 1 when rounding meets it) -> the most likely token
+    assert draw(probs, u).tolist() == [1, 1, 3, 3, 3, 4, 3]
+
+
+def test_draw_matches_the_distribution_over_a_large_vocabulary() -> None:
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(1, 8192) * 3, -1)
+    probs[0, probs[0] < 1e-5] = 0.0  # masked tokens, as top-k / top-p / min-p leave them
+    tokens = torch.cat([draw(probs.expand(2500, -1), torch.rand(2500, dtype=torch.float64)) for _ in range(8)])
+    top = probs[0].topk(5)
+    for p, tok in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+        share = p / probs[0].sum().item()
+        assert abs((tokens == tok).double().mean().item() - share) < 4 * math.sqrt(share / 20000) + 1e-3
+    assert bool((probs[0][tokens] > 0).all())
+
+
 def test_top_k_keeps_only_the_k_best() -> None:
     logits = torch.tensor([[3.0, 2.9, 2.8, 0.0, -0.5, 2.7]])
     counts = _sample_many(logits, SamplingParams(temperature=1.0, top_k=2), 500)
@@ -54,6 +75,30 @@ def test_top_p_keeps_the_nucleus() -> None:
     counts = _sample_many(logits, SamplingParams(temperature=1.0, top_p=0.75), 2000)
     assert set(counts) == {0, 1}  # 0.5 < 0.75 so token 1 is needed; 0.8 >= 0.75 stops there
     assert abs(counts[0] / 2000 - 0.5 / 0.8) < 0.04
+
+
+def _nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    probs, order = logits.softmax(-1).sort(descending=True)
+    keep_sorted = (probs.cumsum(-1) - probs) < top_p
+    return torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
+
+
+def test_top_p_nucleus_equals_a_full_sort_whatever_its_size() -> None:
+    # peaked rows end within the first 64 tokens; flatter ones within 512 or 4096; the flattest need the
+    # whole row: every round of the search, in one batch, with per-row top_p (1.0: the row untouched)
+    torch.manual_seed(0)
+    logits = torch.randn(8, 8192) * torch.tensor([8.0, 6.0, 3.0, 2.0, 1.0, 0.3, 0.05, 4.0]).unsqueeze(1)
+    top_ps = [0.9, 0.95, 0.8, 0.9, 0.95, 0.99, 0.5, 1.0]
+    out = _top_p(logits, top_ps)
+    sizes = []
+    for i, p in enumerate(top_ps):
+        # top_p 1.0 keeps the row whole (a float32 cumulative sum reaches 1.0 before the row's end)
+        expected = _nucleus_by_full_sort(logits[i], p) if p < 1.0 else torch.ones(8192, dtype=torch.bool)
+        assert torch.equal(out[i] > float("-inf"), expected), i
+        assert torch.equal(out[i][expected], logits[i][expected])
+        sizes.append(int(expected.sum()))
+    assert min(sizes[:2]) <= 64 and any(64 < n <= 512 for n in sizes) and any(512 < n <= 4096 for n in sizes)
+    assert max(sizes[:7]) > 4096 and sizes[7] == 8192
 
 
 def test_min_p_drops_unlikely_tokens() -> None:
