@@ -7,6 +7,8 @@ Workloads (random word prompts, one token per word with the SmolLM2 tokenizer, f
   poisson  the same 64 requests as a Poisson process at --poisson-fraction (0.9) x the first server's burst
            request rate (one rate for every server, so their latencies compare at the same offered load);
   single   one request at a time (max concurrency 1), 16 requests of 128 tokens in and 128 out.
+Requests are greedy unless --temperature (and --top-p) say otherwise: the same sampling for every server
+and for the offline run (``--temperature 1.0`` is what the OpenAI client's default leaves to the server).
 Each server gets one warm-up request first. Reported per server and workload: output tok/s, TTFT, TPOT and
 ITL (median, p99); then the ratios issue 17's goals ask for (cbserve / vLLM burst throughput, TTFT and TPOT;
 served / offline throughput; single-request TPOT against llama.cpp). A server whose install is missing is
@@ -84,7 +86,7 @@ def build_workloads(args: argparse.Namespace) -> list[Workload]:
 def run_workloads(name: str, base_url: str, workloads: list[Workload], state: dict[str, Any],
                   args: argparse.Namespace, on_burst: Any = None) -> dict[str, Any]:
     """Run every workload against one server; ``state["poisson_rate"]`` is set from the first burst."""
-    client = ClientConfig(base_url=base_url, model="", ignore_eos=True)
+    client = client_config(base_url, args)
     out: dict[str, Any] = {}
     for wl in workloads:
         if wl.poisson:
@@ -112,6 +114,19 @@ def run_workloads(name: str, base_url: str, workloads: list[Workload], state: di
         if wl.name == "burst" and "poisson_rate" not in state and s["completed"]:
             state["poisson_rate"] = args.poisson_rate or args.poisson_fraction * s["request_throughput"]
     return out
+
+
+def client_config(base_url: str, args: argparse.Namespace) -> ClientConfig:
+    """The client every server gets: ignore_eos, and the run's sampling (top_p sent only when below 1)."""
+    extra = {"top_p": args.top_p} if args.top_p < 1.0 else {}
+    return ClientConfig(base_url=base_url, model="", ignore_eos=True, temperature=args.temperature, extra_body=extra)
+
+
+def offline_sampling(sampling: dict[str, float], max_tokens: int) -> Any:
+    """The offline run's SamplingParams for one request: the served requests' sampling."""
+    from cbserve import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
 
 
 # ---- servers ---------------------------------------------------------------------------------------------
@@ -230,8 +245,9 @@ def run_offline(workloads: list[Workload], args: argparse.Namespace) -> dict[str
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         req_file, out_file = Path(tmp) / "requests.json", Path(tmp) / "offline.json"
         req_file.write_text(json.dumps([asdict(r) for r in reqs]))
+        sampling = json.dumps({"temperature": args.temperature, "top_p": args.top_p})
         cmd = [sys.executable, __file__, "--offline-worker", str(req_file), str(out_file),
-               "--offline-kwargs", args.offline_kwargs]
+               "--offline-kwargs", args.offline_kwargs, sampling]
         print(f"[offline] cbserve.LLM on {len(reqs)} requests", flush=True)
         r = subprocess.run(cmd, timeout=args.request_timeout + args.ready_timeout)
         if r.returncode != 0 or not out_file.exists():
@@ -241,13 +257,13 @@ def run_offline(workloads: list[Workload], args: argparse.Namespace) -> dict[str
     return {"burst": {"summary": res, "label": "offline burst"}}
 
 
-def offline_worker(req_file: str, out_file: str, kwargs_json: str) -> int:
+def offline_worker(req_file: str, out_file: str, kwargs_json: str, sampling_json: str) -> int:
     from cbserve import LLM, SamplingParams
 
     reqs = [SampleRequest(**d) for d in json.loads(Path(req_file).read_text())]
     llm = LLM(**{"progress": False, **json.loads(kwargs_json)})
     llm.generate([reqs[0].prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    params = [offline_sampling(json.loads(sampling_json), r.output_len) for r in reqs]
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
     dur = time.perf_counter() - t0
@@ -281,6 +297,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--single-requests", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling of every request (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus of every request (1: off)")
     p.add_argument("--poisson-rate", type=float, default=None, help="req/s (default: from the first burst)")
     p.add_argument("--poisson-fraction", type=float, default=0.9)
     p.add_argument("--cbserve-args", default="", help="extra `cbserve serve` flags, one string")
@@ -307,7 +325,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--offline-worker":
-        return offline_worker(argv[1], argv[2], argv[4] if len(argv) > 4 else "{}")
+        return offline_worker(argv[1], argv[2], argv[4], argv[5])
     args = parse_args(argv)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     workloads = build_workloads(args)

@@ -146,6 +146,8 @@ class Sampler:
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
             return logits.argmax(dim=-1)
+        if not any(greedy):
+            return self._sample_random(logits, rows)
         tokens = logits.argmax(dim=-1)
         rand = [i for i, g in enumerate(greedy) if not g]
         rand_t = torch.tensor(rand, dtype=torch.long, device=logits.device)
@@ -177,7 +179,7 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     first token whose cumulative mass (float64) exceeds ``uniforms`` [rows] times the row's total, which is
     always a token of positive mass. A product rounded up to the total (u within 2^-53 of 1) takes the
     row's most likely token."""
-    cdf = probs.double().cumsum(dim=-1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     target = uniforms.to(cdf.dtype).unsqueeze(1) * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
     over = tokens >= probs.shape[1]
@@ -214,7 +216,8 @@ def _top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     k = 64
     while todo.numel():
         k = min(k, vocab)
-        top = probs[todo].topk(k, dim=-1).values  # descending
+        rows = probs if todo.numel() == probs.shape[0] else probs[todo]  # no copy in the first round
+        top = rows.topk(k, dim=-1).values  # descending
         before = top.cumsum(dim=-1) - top  # mass strictly above each token
         kept = before < p_t[todo]  # the first token is always kept (before = 0)
         found = (~kept).any(dim=-1) | (k == vocab)
@@ -222,7 +225,7 @@ def _top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
         threshold[todo[found]] = top[found].gather(1, n_kept[found] - 1)
         todo = todo[~found]
         k *= 8
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    return torch.where(probs < threshold, float("-inf"), logits)  # one pass (masked_fill copies, then fills)
 
 
 def _min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
