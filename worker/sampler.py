@@ -103,28 +103,35 @@ class Sampler:
         return _min_p(probs, [r.params.min_p for r in rows])
 
     def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Repetition (prompt + output), frequency and presence (output) penalties, on the (row, token)
+        entries they touch only: the distinct ids of each penalised row's history, in one batched gather /
+        scatter (a pass over whole rows cost 10-24 ms a step at 64 rows of 49,152 tokens)."""
         idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
         if not idx:
             return logits
-        logits = logits.clone()
-        vocab, dev = logits.shape[1], logits.device
-        for i in idx:
-            r, p = rows[i], rows[i].params
-            row = logits[i]
-            out_ids = torch.tensor(list(r.token_ids[r.num_prompt_tokens :]), dtype=torch.long, device=dev)
-            counts = torch.zeros(vocab, dtype=torch.float32, device=dev)
-            counts.index_add_(0, out_ids.clamp(max=vocab - 1), torch.ones_like(out_ids, dtype=torch.float32))
-            if p.repetition_penalty != 1.0:
-                seen = counts > 0
-                prompt_ids = torch.tensor(
-                    list(r.token_ids[: r.num_prompt_tokens]), dtype=torch.long, device=dev
-                )
-                seen[prompt_ids.clamp(max=vocab - 1)] = True
-                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                row = torch.where(seen, penalised, row)
-            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
-            logits[i] = row
-        return logits
+        dev, vocab = logits.device, logits.shape[1]
+        out_keys, out_counts = torch.unique(
+            _keys(idx, [rows[i].token_ids[rows[i].num_prompt_tokens :] for i in idx], vocab), return_counts=True
+        )
+        rep_rows = [i for i in idx if rows[i].params.repetition_penalty != 1.0]
+        prompt_keys = _keys(rep_rows, [rows[i].token_ids[: rows[i].num_prompt_tokens] for i in rep_rows], vocab)
+        keys = torch.unique(torch.cat([out_keys, prompt_keys]))  # sorted: every (row, token) seen
+        counts = torch.zeros(keys.shape[0], dtype=torch.float32)
+        counts[torch.searchsorted(keys, out_keys)] = out_counts.float()
+        row, tok = (keys // vocab).to(dev), (keys % vocab).to(dev)
+        counts = counts.to(dev)
+
+        def per_row(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=dev)[row]
+
+        rep = per_row([r.params.repetition_penalty for r in rows])
+        vals = logits[row, tok]
+        vals = torch.where(rep != 1.0, torch.where(vals > 0, vals / rep, vals * rep), vals)
+        freq = per_row([r.params.frequency_penalty for r in rows])
+        pres = per_row([r.params.presence_penalty for r in rows])
+        out = logits.clone()
+        out[row, tok] = vals - freq * counts - pres * (counts > 0).float()
+        return out
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         cloned = False
@@ -186,6 +193,17 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     if bool(over.any()):
         tokens[over] = probs[over].argmax(dim=-1)
     return tokens
+
+
+def _keys(rows: Sequence[int], ids: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
+    """row * vocab + token for every id of every row (ids >= vocab taken as the last token: the model
+    cannot have produced them), as one int64 tensor on the CPU."""
+    parts = [
+        torch.tensor(list(t), dtype=torch.long).clamp_(max=vocab - 1) + r * vocab
+        for r, t in zip(rows, ids, strict=True)
+        if len(t)
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
 def _top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:

@@ -152,6 +152,39 @@ def test_frequency_and_presence_penalties_use_output_counts() -> None:
     assert tokens == [1]
 
 
+def _penalised_row(row: torch.Tensor, r: SamplingRow) -> torch.Tensor:
+    """One row's penalties, written out for that row alone."""
+    p, vocab = r.params, row.shape[0]
+    counts = torch.zeros(vocab)
+    for t in r.token_ids[r.num_prompt_tokens :]:
+        counts[min(t, vocab - 1)] += 1
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        for t in r.token_ids[: r.num_prompt_tokens]:
+            seen[min(t, vocab - 1)] = True
+        row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row)
+    return row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+
+
+def test_batched_penalties_equal_each_row_penalised_alone() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300)
+    cases = [
+        (SamplingParams(repetition_penalty=1.3), [1, 2, 3, 4, 4], 3),
+        (SamplingParams(temperature=0.0), [5, 6, 7], 2),  # no penalty: untouched
+        (SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [9, 9, 9, 10, 11, 11], 2),
+        (SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.4), [20, 21, 299, 22, 22, 299], 3),
+        (SamplingParams(presence_penalty=1.0), [30, 31], 2),  # nothing generated yet
+        (SamplingParams(repetition_penalty=1.1, presence_penalty=0.1), list(range(40, 140)) + [500], 100),
+    ]
+    rows = [_row(sp, history=h, prompt_len=n) for sp, h, n in cases]
+    out = Sampler().process(logits.clone(), rows)
+    for i, r in enumerate(rows):
+        assert torch.equal(out[i], _penalised_row(logits[i], r)), i
+    assert torch.equal(out[1], logits[1])
+    assert not torch.equal(out[5], logits[5]) and out[5][299] != logits[5][299]  # id 500 counted at the last id
+
+
 def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 1.0]])  # EOS (2) best, then stop id 3
     sp = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(3,))
