@@ -98,7 +98,7 @@ class Sampler:
         temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32, device=dev)
         logits = logits / temps.unsqueeze(1)
         logits = _top_k(logits, [r.params.top_k for r in rows])
-        logits = _top_p(logits, [r.params.top_p for r in rows])
+        logits = _top_p(logits, [r.params.top_p for r in rows], self.kernels)
         probs = torch.softmax(logits, dim=-1)
         return _min_p(probs, [r.params.min_p for r in rows])
 
@@ -219,17 +219,28 @@ def _top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     return logits.masked_fill(active & (logits < kth), float("-inf"))
 
 
-def _top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
-    """Keep each row's nucleus: its most likely tokens until their mass reaches top_p (the first always kept).
-    The nucleus is searched in the row's k most likely tokens, k = 64, 512, 4096, then the whole row, so a
-    decode step pays for a full sort (117 ms for 64 rows of SmolLM2's 49,152 tokens) only where a nucleus
-    spreads past 4,096 tokens (topk of 64 takes 3 ms)."""
+def _top_p(logits: torch.Tensor, top_ps: list[float], kernels: CpuKernels | None = None) -> torch.Tensor:
+    """Keep each row's nucleus: its most likely tokens until their mass reaches top_p (the first always kept),
+    every token as likely as the last one kept included. On CPU with the C kernels the cut comes from a
+    weighted quickselect over each row (``cb_top_p_threshold_f32``: linear in the vocabulary whatever the
+    nucleus); elsewhere it is searched in the row's k most likely tokens, k = 64, 512, 4096, then the whole
+    row, so a full sort (117 ms for 64 rows of SmolLM2's 49,152 tokens on CPU) is paid only where a nucleus
+    spreads past 4,096 tokens."""
     if all(p >= 1.0 for p in top_ps):
         return logits
-    vocab = logits.shape[1]
     probs = logits.softmax(dim=-1)
-    p_t = torch.tensor(top_ps, dtype=torch.float32, device=logits.device).unsqueeze(1)
-    threshold = torch.zeros_like(p_t)  # the least probability kept (0: keep the row whole)
+    if kernels is not None and probs.device.type == "cpu":
+        threshold = kernels.top_p_threshold(probs, top_ps)
+    else:
+        threshold = _top_p_threshold_by_topk(probs, top_ps)
+    return torch.where(probs < threshold, float("-inf"), logits)  # one pass (masked_fill copies, then fills)
+
+
+def _top_p_threshold_by_topk(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """[rows, 1]: each row's least nucleus probability (0: the row kept whole), from growing top-k's."""
+    vocab = probs.shape[1]
+    p_t = torch.tensor(top_ps, dtype=torch.float32, device=probs.device).unsqueeze(1)
+    threshold = torch.zeros_like(p_t)
     todo = torch.nonzero(p_t.squeeze(1) < 1.0).squeeze(1)
     k = 64
     while todo.numel():
@@ -243,7 +254,7 @@ def _top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
         threshold[todo[found]] = top[found].gather(1, n_kept[found] - 1)
         todo = todo[~found]
         k *= 8
-    return torch.where(probs < threshold, float("-inf"), logits)  # one pass (masked_fill copies, then fills)
+    return threshold
 
 
 def _min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:

@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.worker.cpu.native import load_cpu_kernels
 from cbserve.worker.sampler import Sampler, SamplingRow, _top_p, draw
 
 EOS = 2
@@ -83,13 +84,22 @@ def _nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
 
 
-def test_top_p_nucleus_equals_a_full_sort_whatever_its_size() -> None:
+@pytest.mark.parametrize("backend", ["topk", "c_kernel"])
+def test_top_p_nucleus_equals_a_full_sort_whatever_its_size(backend: str) -> None:
     # peaked rows end within the first 64 tokens; flatter ones within 512 or 4096; the flattest need the
-    # whole row: every round of the search, in one batch, with per-row top_p (1.0: the row untouched)
+    # whole row: every round of the top-k search, in one batch, with per-row top_p (1.0: the row untouched);
+    # the C kernel's quickselect on the same rows
+    kernels = None
+    if backend == "c_kernel":
+        kernels = load_cpu_kernels().kernels
+        if kernels is None:
+            pytest.skip("no C compiler: the CPU kernels are not built here")
     torch.manual_seed(0)
     logits = torch.randn(8, 8192) * torch.tensor([8.0, 6.0, 3.0, 2.0, 1.0, 0.3, 0.05, 4.0]).unsqueeze(1)
+    logits[2, ::3] = float("-inf")  # tokens already masked (top_k, a grammar): probability 0
+    logits[3, 100:200] = logits[3, 50]  # ties at many values
     top_ps = [0.9, 0.95, 0.8, 0.9, 0.95, 0.99, 0.5, 1.0]
-    out = _top_p(logits, top_ps)
+    out = _top_p(logits, top_ps, kernels)
     sizes = []
     for i, p in enumerate(top_ps):
         # top_p 1.0 keeps the row whole (a float32 cumulative sum reaches 1.0 before the row's end)

@@ -216,6 +216,19 @@ class CpuKernels:
                                                     bitmask.stride(0)), "apply_token_bitmask")
         return logits
 
+    def top_p_threshold(self, probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+        """[rows, 1] float32: each row's least nucleus probability for its top_p (0: the row kept whole) of
+        ``probs`` [rows, vocab] float32 (non-negative)."""
+        ld = _rows(probs, "probs")
+        rows, vocab = probs.shape
+        if len(top_ps) != rows:
+            raise ValueError(f"{len(top_ps)} top_p values for {rows} rows")
+        p_t = torch.tensor(top_ps, dtype=torch.float32)
+        out = torch.empty(rows, 1, dtype=torch.float32)
+        _check(self._lib.cb_top_p_threshold_f32(probs.data_ptr(), ld, rows, vocab, p_t.data_ptr(), out.data_ptr()),
+               "top_p_threshold")
+        return out
+
     def rotary_(self, x: torch.Tensor, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> None:
         """Rotate x [m, heads * head_dim] in place (rotate-half convention) by ``positions`` [m] (int64),

@@ -113,6 +113,14 @@ CB_API int cb_rotary_f32(float *x, int64_t ldx, int m, int heads, int head_dim, 
 CB_API int cb_apply_token_bitmask_f32(float *logits, int64_t ld, int rows, int vocab, const int32_t *mask,
                                       int64_t mask_ld);
 
+/* ---- sampling (sampling.c) ------------------------------------------------------------------------------ */
+
+/* The top-p cut of each of rows rows of probabilities (ld floats apart, vocab tokens, non-negative): into
+ * threshold[r] the least probability of row r's nucleus (its most likely tokens while the mass before them is
+ * below top_p[r]); 0 where top_p[r] >= 1 or the row has no positive probability. */
+CB_API int cb_top_p_threshold_f32(const float *probs, int64_t ld, int rows, int vocab, const float *top_p,
+                                  float *threshold);
+
 /* ---- attention (attention.c) --------------------------------------------------------------------------- */
 
 /* One query token per sequence over its paged keys/values. q, out: [num_seqs, num_heads, head_dim];
