@@ -263,7 +263,8 @@ def offline_worker(req_file: str, out_file: str, kwargs_json: str, sampling_json
     reqs = [SampleRequest(**d) for d in json.loads(Path(req_file).read_text())]
     llm = LLM(**{"progress": False, **json.loads(kwargs_json)})
     llm.generate([reqs[0].prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    params = [offline_sampling(json.loads(sampling_json), r.output_len) for r in reqs]
+    sampling = json.loads(sampling_json)
+    params = [offline_sampling(sampling, r.output_len) for r in reqs]
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
     dur = time.perf_counter() - t0

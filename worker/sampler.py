@@ -165,20 +165,24 @@ class Sampler:
         return draw(self.probs(logits, rows), row_uniforms(rows, logits.device))
 
 
+def row_generator(row: SamplingRow, device: torch.device) -> torch.Generator | None:
+    """A seeded row's generator for this step, seeded from (seed, position); None for an unseeded row."""
+    if row.seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(step_seed(row.seed, len(row.token_ids)))
+    return gen
+
+
 def row_uniforms(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
-    """One uniform number in [0, 1) per row (float64): a seeded row's from its (seed, position) generator,
-    the others' from torch's default one."""
+    """One uniform number in [0, 1) per row (float64): a seeded row's from its ``row_generator``, the
+    others' from torch's default one."""
     u = torch.rand(len(rows), dtype=torch.float64, device=device)
     for i, r in enumerate(rows):
-        if r.seed is not None:
-            u[i] = seeded_uniform(step_seed(r.seed, len(r.token_ids)), device)
+        gen = row_generator(r, device)
+        if gen is not None:
+            u[i] = torch.rand((), dtype=torch.float64, generator=gen, device=device)
     return u
-
-
-def seeded_uniform(seed: int, device: torch.device) -> torch.Tensor:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return torch.rand((), dtype=torch.float64, generator=gen, device=device)
 
 
 def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -221,11 +225,11 @@ def _top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
 
 def _top_p(logits: torch.Tensor, top_ps: list[float], kernels: CpuKernels | None = None) -> torch.Tensor:
     """Keep each row's nucleus: its most likely tokens until their mass reaches top_p (the first always kept),
-    every token as likely as the last one kept included. On CPU with the C kernels the cut comes from a
-    weighted quickselect over each row (``cb_top_p_threshold_f32``: linear in the vocabulary whatever the
-    nucleus); elsewhere it is searched in the row's k most likely tokens, k = 64, 512, 4096, then the whole
-    row, so a full sort (117 ms for 64 rows of SmolLM2's 49,152 tokens on CPU) is paid only where a nucleus
-    spreads past 4,096 tokens."""
+    every token as likely as the last one kept included. On CPU with the C kernels the cut comes from one
+    pass of float-bit buckets and a quickselect in the bucket where the nucleus ends
+    (``cb_top_p_threshold_f32``: linear in the vocabulary whatever the nucleus); elsewhere it is searched in
+    the row's k most likely tokens, k = 64, 512, 4096, then the whole row, so a full sort (117 ms for 64 rows
+    of SmolLM2's 49,152 tokens on CPU) is paid only where a nucleus spreads past 4,096 tokens."""
     if all(p >= 1.0 for p in top_ps):
         return logits
     probs = logits.softmax(dim=-1)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from cbserve.scheduler.outputs import TokenLogprob
 
-from .sampler import Sampler, SamplingRow, draw, step_seed, token_logprobs
+from .sampler import Sampler, SamplingRow, draw, row_generator, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -39,14 +39,6 @@ class DraftGroup:
 
     def with_q(self, q: torch.Tensor | None) -> DraftGroup:
         return DraftGroup(self.owner, self.first_row, self.drafts, q)
-
-
-def _generator(row: SamplingRow, device: torch.device) -> torch.Generator | None:
-    if row.seed is None:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(step_seed(row.seed, len(row.token_ids)))
-    return gen
 
 
 def draw_one(probs: torch.Tensor, gen: torch.Generator | None) -> int:
@@ -121,7 +113,7 @@ def verify_drafts(
             if probs is None:
                 raise RuntimeError("random rows without probabilities")
             p = probs[[prob_index[base + j] for j in range(n)]]
-            gens = [_generator(srows[base + j], lg.device) for j in range(n)]
+            gens = [row_generator(srows[base + j], lg.device) for j in range(n)]
             tokens = accept_random(p, g.drafts, gens, g.q)
         lps = None
         if raw is not None and srows[base].params.logprobs is not None:

@@ -78,16 +78,17 @@ static inline uint32_t bucket_of(float x) {
 /* One row: p[0, vocab) non-negative, top_p < 1; buf: vocab floats, mass: CB_TOP_P_BUCKETS doubles. */
 static float row_threshold(const float *p, int vocab, double top_p, float *buf, double *mass) {
     memset(mass, 0, sizeof(double) * CB_TOP_P_BUCKETS);
-    float least = 0.0f;
     for (int t = 0; t < vocab; ++t)
-        if (p[t] > 0.0f) {
-            mass[bucket_of(p[t])] += p[t];
-            least = least == 0.0f || p[t] < least ? p[t] : least;
-        }
+        if (p[t] > 0.0f) mass[bucket_of(p[t])] += p[t];
     double above = 0.0;
     int cut = CB_TOP_P_BUCKETS - 1;
     for (; cut >= 0 && above + mass[cut] < top_p; --cut) above += mass[cut];
-    if (cut < 0) return least; /* the whole mass rounds below top_p: every positive token is kept */
+    if (cut < 0) { /* the whole mass rounds below top_p: every positive token is kept */
+        float least = 0.0f;
+        for (int t = 0; t < vocab; ++t)
+            if (p[t] > 0.0f && (least == 0.0f || p[t] < least)) least = p[t];
+        return least;
+    }
     int n = 0;
     for (int t = 0; t < vocab; ++t)
         if (p[t] > 0.0f && bucket_of(p[t]) == (uint32_t)cut) buf[n++] = p[t];
