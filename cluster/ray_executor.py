@@ -40,6 +40,7 @@ class DispatchStats:
     total_overhead_s: float = 0.0
     last_overhead_s: float = 0.0
     torch_threads: list[int] = field(default_factory=list)  # per rank, as the workers report them
+    pids: list[int] = field(default_factory=list)  # per rank: the worker processes (cluster/cpu_priority.py)
 
     def observe(self, overhead_s: float) -> None:
         self.num_calls += 1
@@ -101,6 +102,7 @@ class RayExecutor:
             raise
         executor = cls(workers, pg, num_blocks, {p["node_id"] for p in pings})
         executor.stats.torch_threads = [p["torch_threads"] for p in pings]
+        executor.stats.pids = [p["pid"] for p in pings]
         if config.compiled_graph:
             executor.compile()
         if executor._cgraph is None:

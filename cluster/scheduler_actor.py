@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -286,6 +287,7 @@ class SchedulerActor:
             ds = self.executor.stats
             d["compiled_graph"] = ds.compiled_graph
             d["worker_torch_threads"] = ds.torch_threads
+            d["engine_pids"] = [os.getpid(), *ds.pids]  # this actor's process, then the workers'
             d["dispatch_calls"] = ds.num_calls
             d["dispatch_overhead_ms_mean"] = 1000 * ds.mean_overhead_s
         return d

@@ -20,6 +20,12 @@ from typing import Any
 
 import pydantic
 from cbserve.cluster.config import CBServeConfig, known_device, servable_config
+from cbserve.cluster.cpu_priority import (
+    BACKGROUND_NICENESS,
+    EDGE_NICENESS,
+    WORKER_NICENESS_ENV,
+    background_ray_processes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,19 +89,33 @@ def init_ray(address: str | None) -> bool:
         return True
 
 
-def start_ray(args: argparse.Namespace, port: int) -> bool:
-    """Ray for ``cbserve serve``; True when the ingress serves HTTP itself (``--direct-ingress``). Ray Serve
-    reads the setting when its processes start, so it is put in the environment the local instance inherits
-    (harmless when a running cluster is joined instead: that one keeps its own)."""
-    env = direct_ingress_env(port) if args.direct_ingress != "false" else {}
+def start_ray(args: argparse.Namespace, port: int) -> tuple[bool, bool]:
+    """Ray for ``cbserve serve``: (this command started the Ray instance, the ingress serves HTTP itself
+    (``--direct-ingress``)). What Ray reads when its processes start (direct ingress; the actors' niceness,
+    cluster/cpu_priority.py) is put in the environment the local instance inherits, and taken back when a
+    running cluster is joined instead (that one keeps its own settings)."""
+    env = {**WORKER_NICENESS_ENV, **(direct_ingress_env(port) if args.direct_ingress != "false" else {})}
     os.environ.update(env)
     started = init_ray("local" if args.direct_ingress == "true" else args.ray_address)
-    direct = bool(env) and started
-    if not direct:  # joined a running cluster: the setting had no effect, take it back
+    direct = args.direct_ingress != "false" and started
+    if not started:
         for key in env:
             os.environ.pop(key, None)
     logger.info("HTTP served by %s", "the ingress replica (direct ingress)" if direct else "Serve's proxy")
-    return direct
+    return started, direct
+
+
+def background_local_ray(base: str, api_key: str | None) -> None:
+    """The Ray instance this command started: every process but the engines' (scheduler actors, model
+    workers) and the HTTP edge's behind them (cluster/cpu_priority.py), once the engine replicas are up and
+    say which processes are theirs."""
+    replicas = _replica_stats(base, api_key) or []
+    engines = [pid for r in replicas for pid in r.get("engine_pids", [])]
+    changed = background_ray_processes(os.getpid(), engines)
+    if changed:
+        print(f"cbserve: the engine (pids {', '.join(map(str, engines))}) first on the CPU; {len(changed)} other "
+              f"processes of the local Ray instance behind it (the HTTP edge at niceness {EDGE_NICENESS}, the rest "
+              f"at {BACKGROUND_NICENESS})", flush=True)
 
 
 def checked_config(args: argparse.Namespace) -> CBServeConfig:
@@ -136,15 +156,20 @@ def wait_ready(base: str, timeout_s: float, api_key: str | None = None) -> tuple
     return False, None
 
 
-def _failed_replicas(base: str, api_key: str | None) -> str | None:
+def _replica_stats(base: str, api_key: str | None) -> list[dict[str, Any]] | None:
+    """/stats' engine replicas; None when it does not answer."""
     req = urllib.request.Request(f"{base}/stats")
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
         with urllib.request.urlopen(req, timeout=5) as r:
-            replicas = json.loads(r.read()).get("replicas", [])
+            return list(json.loads(r.read()).get("replicas", []))
     except (urllib.error.URLError, OSError, ValueError):
         return None
+
+
+def _failed_replicas(base: str, api_key: str | None) -> str | None:
+    replicas = _replica_stats(base, api_key) or []
     errors = [f"engine replica {r.get('replica')}: {r.get('error')}" for r in replicas if r.get("state") == "failed"]
     return "; ".join(errors) or None
 
@@ -161,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
     from cbserve.cluster.app import build_app_from_config
     from ray import serve
 
-    direct = start_ray(args, config.port)
+    started, direct = start_ray(args, config.port)
     try:
         if config.device == "auto":  # the cluster decided the device: the KV budget can be checked now
             config = servable_config(config, config.resolved_device)
@@ -181,6 +206,8 @@ def main(args: argparse.Namespace) -> int:
         _shutdown(serve, ray, config)
         return _fail(failure)
     if ready:
+        if started:
+            background_local_ray(base, config.api_key)
         print("cbserve: engine replicas ready; Ctrl-C to stop", flush=True)
     else:
         print(f"cbserve: not ready after {args.ready_timeout:.0f}s; see {base}/health", flush=True)

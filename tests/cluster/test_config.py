@@ -388,7 +388,7 @@ def test_direct_ingress_follows_who_starts_ray(
     seen: list[str | None] = []
     monkeypatch.setattr(serve_cli, "init_ray", lambda a: seen.append(a) or starts)
     args = argparse.Namespace(direct_ingress=flag, ray_address=address)
-    assert serve_cli.start_ray(args, 8123) is want_direct and seen == [want_address]
+    assert serve_cli.start_ray(args, 8123) == (starts, want_direct) and seen == [want_address]
     env = {k: os.environ.get(k) for k in serve_cli.direct_ingress_env(8123)}
     if want_direct:
         assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"

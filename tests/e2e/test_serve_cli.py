@@ -89,6 +89,7 @@ def test_cbserve_serve_with_config_file_serves_times_out_and_stops_on_ctrl_c() -
         (stats,) = srv.get("/stats")["replicas"]  # on CPU by default: plain actor calls (the compiled graph:
         assert stats["compiled_graph"] is False and stats["dispatch_calls"] > 0  # openai_server/test_tp2)
         assert stats["worker_torch_threads"] == [len(os.sched_getaffinity(0))]  # every core, not Ray's one
+        _check_niceness(srv, stats["engine_pids"], owner)
         _check_request_timeout(srv, client)
         srv.proc.send_signal(signal.SIGINT)
         assert srv.proc.wait(timeout=90) == 0
@@ -148,6 +149,29 @@ def test_cbserve_serve_exits_with_the_engines_error_when_the_model_cannot_load(t
         assert "engine replicas ready" not in srv.output
     finally:
         srv.kill()
+
+
+def _check_niceness(srv: Serve, engine_pids: list[int], ingress: str) -> None:
+    """The engine (scheduler actor, model worker) first on the CPU, the HTTP edge (the ingress replica, Serve's
+    proxy) at niceness 10, the rest of the Ray instance cbserve started (its GCS...) at 19, the raylet left
+    as it was (cluster/cpu_priority.py)."""
+    import psutil
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert "first on the CPU" in srv.output
+    below = psutil.Process(srv.proc.pid).children(recursive=True)
+    titles = {p.pid: " ".join(p.cmdline()) for p in below}
+    scheduler, worker = engine_pids
+    assert "ray::SchedulerActor" in titles[scheduler] and "ray::WorkerActor" in titles[worker]
+    assert [psutil.Process(pid).nice() for pid in engine_pids] == [base, base]
+
+    def nice_of(part: str) -> int:
+        (pid,) = [pid for pid, title in titles.items() if part in title]
+        return psutil.Process(pid).nice()
+
+    assert [nice_of(ingress), nice_of("ray::ProxyActor"), nice_of("gcs_server")] == [10, 10, 19]
+    (raylet,) = [p for p in below if os.path.basename(p.cmdline()[0]) == "raylet"]
+    assert raylet.nice() == base and psutil.Process(srv.proc.pid).nice() == 19
 
 
 def _listener(port: int) -> str:

@@ -1,0 +1,171 @@
+"""cluster/cpu_priority.py on real processes: every thread of a process reniced, a process tree walked, and the
+sweep: the engines' processes, the raylet, Ray's idle pooled workers and a process that chose its own niceness
+left as they are, Serve's proxy at the edge's niceness, the rest behind. The served deployment's niceness is
+checked end to end in tests/e2e/test_serve_cli.py."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cbserve.cluster.cpu_priority import (
+    BACKGROUND_NICENESS,
+    EDGE_NICENESS,
+    WORKER_NICENESS_ENV,
+    background_ray_processes,
+    descendants,
+    set_niceness,
+)
+
+BASE = os.getpriority(os.PRIO_PROCESS, 0)  # what children of this test start at
+pytestmark = [
+    pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux /proc"),
+    pytest.mark.skipif(BASE >= EDGE_NICENESS - 2, reason="the tests run at the edge's niceness or behind it"),
+]
+
+# A process with three threads, printing its pid once they all run.
+THREADS = (
+    "import os, threading, time\n"
+    "ts = [threading.Thread(target=time.sleep, args=(60,), daemon=True) for _ in range(2)]\n"
+    "[t.start() for t in ts]\n"
+    "print(os.getpid(), flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def _niceness(tid: int) -> int:
+    return int(Path(f"/proc/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def _thread_niceness(pid: int) -> list[int]:
+    return [_niceness(int(t)) for t in os.listdir(f"/proc/{pid}/task")]
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen]]:
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # the whole tree, not just its root
+        p.wait()
+
+
+def _start(procs: list[subprocess.Popen], argv: list[str]) -> subprocess.Popen:
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    procs.append(p)
+    return p
+
+
+def _tree(procs: list[subprocess.Popen]) -> dict[str, int]:
+    """A root shell with a plain child, a child whose argv[0] is 'raylet', ones titled like an idle Ray worker
+    and like Serve's proxy, one standing for a model worker, one that will choose its niceness, and a grandchild
+    under the plain child."""
+    script = (
+        "sleep 60 & echo plain=$!; "
+        "sleep 60 & echo chose=$!; "
+        "(exec -a raylet sleep 60) & echo raylet=$!; "
+        "(exec -a ray::IDLE sleep 60) & echo idle=$!; "
+        "(exec -a ray::ProxyActor sleep 60) & echo proxy=$!; "
+        "(exec -a ray::WorkerActor sleep 60) & echo worker=$!; "
+        "bash -c 'sleep 60 & echo grandchild=$!; wait' & echo mid=$!; "
+        "wait"
+    )
+    root = _start(procs, ["bash", "-c", script])
+    pids = {"root": root.pid}
+    while len(pids) < 9:  # root and the eight above
+        key, value = root.stdout.readline().strip().split("=")
+        pids[key] = int(value)
+    return pids
+
+
+def test_set_niceness_reaches_every_thread(procs: list[subprocess.Popen]) -> None:
+    p = _start(procs, [sys.executable, "-c", THREADS])
+    pid = int(p.stdout.readline())
+    assert _thread_niceness(pid) == [BASE] * 3
+    assert set_niceness(pid, BASE + 1) is True
+    assert _thread_niceness(pid) == [BASE + 1] * 3
+    p.kill()
+    p.wait()
+    assert set_niceness(pid, BASE + 1) is False  # gone
+
+
+def test_descendants_walks_the_whole_tree(procs: list[subprocess.Popen]) -> None:
+    pids = _tree(procs)
+    below = descendants(pids["root"])
+    for key in ("plain", "chose", "raylet", "idle", "proxy", "worker", "mid", "grandchild"):
+        assert pids[key] in below, key
+    assert pids["root"] not in below and os.getpid() not in below
+
+
+def test_background_sweep_keeps_the_engine_the_raylet_and_idle_workers(procs: list[subprocess.Popen]) -> None:
+    pids = _tree(procs)
+    _wait_titles(pids)
+    set_niceness(pids["chose"], BASE + 1)
+    changed = background_ray_processes(pids["root"], engines=[pids["worker"]])
+    assert set(changed) == {pids[k] for k in ("root", "plain", "mid", "grandchild", "proxy")}
+    want = {"root": BACKGROUND_NICENESS, "plain": BACKGROUND_NICENESS, "grandchild": BACKGROUND_NICENESS,
+            "proxy": EDGE_NICENESS, "chose": BASE + 1, "raylet": BASE, "idle": BASE, "worker": BASE}  # fmt: skip
+    assert {key: _niceness(pids[key]) for key in want} == want
+
+
+def _wait_titles(pids: dict[str, int]) -> None:
+    """Until each exec -a child runs under its argv[0] (the subshell forks before it execs)."""
+    want = {"raylet": b"raylet", "idle": b"ray::IDLE", "proxy": b"ray::ProxyActor", "worker": b"ray::WorkerActor"}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        argv0 = {k: Path(f"/proc/{pids[k]}/cmdline").read_bytes().split(b"\0")[0] for k in want}
+        if argv0 == want:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"children did not exec: {argv0}")
+
+
+def test_bench_priority_layouts_match_what_cbserve_sets() -> None:
+    """benchmarks/bench_priority.py's two layouts: Ray's defaults, and the one this module's sweep and the
+    ingress's own call produce (so the A/B measures what `cbserve serve` runs)."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_priority.py"
+    spec = importlib.util.spec_from_file_location("bench_priority_under_test", script)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    titles = {"gcs": "/x/gcs_server", "raylet": "/x/raylet", "idle": "ray::IDLE", "proxy": "ray::ProxyActor",
+              "ingress": "ray::ServeReplica:cbserve:OpenAIIngress", "controller": "ray::ServeController",
+              "worker": "ray::WorkerActor", "scheduler": "ray::SchedulerActor"}  # fmt: skip
+    engine = {"worker", "scheduler"}
+
+    def layout(name: str) -> dict[str, int | None]:
+        return {k: bench._layout_niceness(name, t, k in engine) for k, t in titles.items()}
+
+    assert layout("ray") == {"gcs": 0, "raylet": None, "idle": None, "proxy": 15, "ingress": 15,
+                             "controller": 15, "worker": 15, "scheduler": 15}  # fmt: skip
+    assert layout("cbserve") == {"gcs": BACKGROUND_NICENESS, "raylet": None, "idle": None, "proxy": EDGE_NICENESS,
+                                 "ingress": EDGE_NICENESS, "controller": BACKGROUND_NICENESS, "worker": 0,
+                                 "scheduler": 0}  # fmt: skip
+
+
+@pytest.mark.parametrize("starts", [True, False])
+def test_only_a_ray_instance_cbserve_serve_starts_gets_its_actors_at_niceness_0(
+    monkeypatch: pytest.MonkeyPatch, starts: bool
+) -> None:
+    """`RAY_worker_niceness=0` goes into the environment the local instance inherits, and is taken back when a
+    running cluster is joined (that one keeps its own)."""
+    import argparse
+
+    from cbserve.cluster import serve_cli
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(serve_cli, "init_ray", lambda address: starts)
+    args = argparse.Namespace(direct_ingress="auto", ray_address=None)
+    assert serve_cli.start_ray(args, 8123) == (starts, starts)
+    want = WORKER_NICENESS_ENV if starts else dict.fromkeys(WORKER_NICENESS_ENV)
+    assert {k: os.environ.get(k) for k in WORKER_NICENESS_ENV} == want
