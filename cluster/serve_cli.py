@@ -94,7 +94,8 @@ def start_ray(args: argparse.Namespace, port: int) -> tuple[bool, bool]:
     (``--direct-ingress``)). What Ray reads when its processes start (direct ingress; the actors' niceness,
     cluster/cpu_priority.py) is put in the environment the local instance inherits, and taken back when a
     running cluster is joined instead (that one keeps its own settings)."""
-    env = {**WORKER_NICENESS_ENV, **(direct_ingress_env(port) if args.direct_ingress != "false" else {})}
+    niceness = {k: v for k, v in WORKER_NICENESS_ENV.items() if k not in os.environ}  # the user's value wins
+    env = {**niceness, **(direct_ingress_env(port) if args.direct_ingress != "false" else {})}
     os.environ.update(env)
     started = init_ray("local" if args.direct_ingress == "true" else args.ray_address)
     direct = args.direct_ingress != "false" and started

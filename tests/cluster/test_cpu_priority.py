@@ -169,3 +169,15 @@ def test_only_a_ray_instance_cbserve_serve_starts_gets_its_actors_at_niceness_0(
     assert serve_cli.start_ray(args, 8123) == (starts, starts)
     want = WORKER_NICENESS_ENV if starts else dict.fromkeys(WORKER_NICENESS_ENV)
     assert {k: os.environ.get(k) for k in WORKER_NICENESS_ENV} == want
+
+
+def test_a_users_ray_worker_niceness_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from cbserve.cluster import serve_cli
+
+    (key,) = WORKER_NICENESS_ENV
+    monkeypatch.setattr(os, "environ", {**os.environ, key: "5"})
+    monkeypatch.setattr(serve_cli, "init_ray", lambda address: True)
+    serve_cli.start_ray(argparse.Namespace(direct_ingress="auto", ray_address=None), 8123)
+    assert os.environ[key] == "5"
