@@ -26,17 +26,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 from cbserve.bench.deploy import local_deployment_process
-from cbserve.cluster.cpu_priority import BACKGROUND_NICENESS, EDGE_NICENESS, descendants, set_niceness
+from cbserve.cluster.cpu_priority import BACKGROUND_NICENESS, EDGE_NICENESS, set_niceness
 
 LAYOUTS = ("ray", "cbserve")
-
-
-def _title(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _layout_niceness(layout: str, title: str, engine: bool) -> int | None:
@@ -52,10 +46,15 @@ def _layout_niceness(layout: str, title: str, engine: bool) -> int | None:
 
 
 def apply_layout(layout: str, root: int, engine_pids: set[int]) -> None:
-    for pid in [root, *descendants(root)]:
-        nice = _layout_niceness(layout, _title(pid), pid in engine_pids)
+    tree = psutil.Process(root)
+    for process in [tree, *tree.children(recursive=True)]:
+        try:
+            title = (process.cmdline() or [""])[0]
+        except psutil.Error:
+            continue
+        nice = _layout_niceness(layout, title, process.pid in engine_pids)
         if nice is not None:
-            set_niceness(pid, nice)
+            set_niceness(process.pid, nice)
 
 
 def _stats(base_url: str) -> dict[str, Any]:

@@ -20,27 +20,30 @@ ready, raises every other process it started (``background_ray_processes``), lea
 inherit its niceness) and Ray's idle pooled workers. On a cluster it joins, only the ingress replicas move,
 and only where the cluster starts actors ahead of 10 (``RAY_worker_niceness`` below 10 on ``ray start``).
 
-Measured on 2 cores (BENCHMARKS.md, "CPU priority"). Linux only (``/proc``); elsewhere these do nothing.
+Measured on 2 cores (BENCHMARKS.md, "CPU priority"). Linux only (niceness per thread); elsewhere these do
+nothing.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable
-from pathlib import Path
+
+import psutil
 
 BACKGROUND_NICENESS = 19
 EDGE_NICENESS = 10
 WORKER_NICENESS_ENV = {"RAY_worker_niceness": "0"}  # what the raylet gives the actors it starts
-_PROC = Path("/proc")
+_LINUX = sys.platform.startswith("linux")
 
 
-def set_niceness(pid: int, niceness: int, proc: Path = _PROC) -> bool:
+def set_niceness(pid: int, niceness: int) -> bool:
     """Every thread of ``pid`` at ``niceness`` (Linux niceness is per thread; threads started later inherit
     it from the thread that starts them). False when the process is gone or not ours."""
     try:
-        tids = [int(t) for t in os.listdir(proc / str(pid) / "task")]
-    except OSError:
+        tids = [t.id for t in psutil.Process(pid).threads()]
+    except psutil.Error:
         return False
     done = False
     for tid in tids:
@@ -52,76 +55,42 @@ def set_niceness(pid: int, niceness: int, proc: Path = _PROC) -> bool:
     return done
 
 
-def niceness(pid: int) -> int:
-    return os.getpriority(os.PRIO_PROCESS, pid)
-
-
 def run_at_edge_niceness() -> None:
     """This process (an ingress replica) at the HTTP edge's niceness, unless it already runs behind that."""
-    if _PROC.is_dir() and niceness(0) < EDGE_NICENESS:
+    if _LINUX and os.getpriority(os.PRIO_PROCESS, 0) < EDGE_NICENESS:
         set_niceness(os.getpid(), EDGE_NICENESS)
 
 
-def _parents(proc: Path) -> dict[int, int]:
-    """pid -> parent pid of every process readable in ``proc``."""
-    out: dict[int, int] = {}
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        out[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return out
-
-
-def descendants(root: int, proc: Path = _PROC) -> list[int]:
-    """Every process below ``root`` (children, their children, ...)."""
-    children: dict[int, list[int]] = {}
-    for pid, ppid in _parents(proc).items():
-        children.setdefault(ppid, []).append(pid)
-    out: list[int] = []
-    stack = list(children.get(root, []))
-    while stack:
-        pid = stack.pop()
-        out.append(pid)
-        stack.extend(children.get(pid, []))
-    return out
-
-
-def _argv0(pid: int, proc: Path) -> bytes:
-    try:
-        return (proc / str(pid) / "cmdline").read_bytes().split(b"\0", 1)[0]
-    except OSError:
-        return b""
-
-
-def _target(pid: int, start: int, proc: Path) -> int | None:
-    """The niceness ``pid`` gets from the sweep (None: left as it is). ``start``: what the sweep found the
+def _target(process: psutil.Process, start: int) -> int | None:
+    """The niceness ``process`` gets from the sweep (None: left as it is). ``start``: what the sweep found the
     local instance's processes at (the root's niceness)."""
-    argv0 = _argv0(pid, proc)
-    if not argv0 or os.path.basename(argv0) == b"raylet" or argv0.startswith(b"ray::IDLE"):
-        return None
-    if argv0.startswith(b"ray::ProxyActor"):  # Serve's HTTP proxy: the edge, when direct ingress is off
-        return EDGE_NICENESS
     try:
-        chose = niceness(pid) > start  # the ingress replicas set their own
-    except OSError:
+        argv0 = (process.cmdline() or [""])[0]
+        chose = process.nice() > start  # the ingress replicas set their own
+    except psutil.Error:
         return None
+    if not argv0 or os.path.basename(argv0) == "raylet" or argv0.startswith("ray::IDLE"):
+        return None
+    if argv0.startswith("ray::ProxyActor"):  # Serve's HTTP proxy: the edge, when direct ingress is off
+        return EDGE_NICENESS
     return None if chose else BACKGROUND_NICENESS
 
 
-def background_ray_processes(root: int, engines: Iterable[int], proc: Path = _PROC) -> list[int]:
+def background_ray_processes(root: int, engines: Iterable[int]) -> list[int]:
     """``root`` (``cbserve serve``) and every process below it (the local Ray instance and what runs on it),
     except the engines' processes ``engines``, to the niceness ``_target`` says; returns the pids changed."""
-    if not proc.is_dir():
+    if not _LINUX:
         return []
     keep = set(engines)
-    start = niceness(root)
+    try:
+        tree = psutil.Process(root)
+        processes = [*tree.children(recursive=True), tree]
+        start = tree.nice()
+    except psutil.Error:
+        return []
     changed = []
-    for pid in [*descendants(root, proc), root]:
-        target = None if pid in keep else _target(pid, start, proc)
-        if target is not None and set_niceness(pid, target, proc):
-            changed.append(pid)
+    for process in processes:
+        target = None if process.pid in keep else _target(process, start)
+        if target is not None and set_niceness(process.pid, target):
+            changed.append(process.pid)
     return changed
