@@ -23,7 +23,7 @@ from cbserve.cluster.config import CBServeConfig, known_device, servable_config
 from cbserve.cluster.cpu_priority import (
     BACKGROUND_NICENESS,
     EDGE_NICENESS,
-    WORKER_NICENESS_ENV,
+    LOCAL_RAY_ENV,
     background_ray_processes,
 )
 
@@ -91,11 +91,11 @@ def init_ray(address: str | None) -> bool:
 
 def start_ray(args: argparse.Namespace, port: int) -> tuple[bool, bool]:
     """Ray for ``cbserve serve``: (this command started the Ray instance, the ingress serves HTTP itself
-    (``--direct-ingress``)). What Ray reads when its processes start (direct ingress; the actors' niceness,
-    cluster/cpu_priority.py) is put in the environment the local instance inherits, and taken back when a
-    running cluster is joined instead (that one keeps its own settings)."""
-    niceness = {k: v for k, v in WORKER_NICENESS_ENV.items() if k not in os.environ}  # the user's value wins
-    env = {**niceness, **(direct_ingress_env(port) if args.direct_ingress != "false" else {})}
+    (``--direct-ingress``)). What Ray reads when its processes start (direct ingress; the actors' niceness and
+    Serve's control loop period, cluster/cpu_priority.py) is put in the environment the local instance
+    inherits, and taken back when a running cluster is joined instead (that one keeps its own settings)."""
+    local = {k: v for k, v in LOCAL_RAY_ENV.items() if k not in os.environ}  # the user's value wins
+    env = {**local, **(direct_ingress_env(port) if args.direct_ingress != "false" else {})}
     os.environ.update(env)
     started = init_ray("local" if args.direct_ingress == "true" else args.ray_address)
     direct = args.direct_ingress != "false" and started

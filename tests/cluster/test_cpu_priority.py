@@ -18,7 +18,7 @@ import pytest
 from cbserve.cluster.cpu_priority import (
     BACKGROUND_NICENESS,
     EDGE_NICENESS,
-    WORKER_NICENESS_ENV,
+    LOCAL_RAY_ENV,
     background_ray_processes,
     set_niceness,
 )
@@ -148,8 +148,8 @@ def test_bench_priority_layouts_match_what_cbserve_sets() -> None:
 def test_only_a_ray_instance_cbserve_serve_starts_gets_its_actors_at_niceness_0(
     monkeypatch: pytest.MonkeyPatch, starts: bool
 ) -> None:
-    """`RAY_worker_niceness=0` goes into the environment the local instance inherits, and is taken back when a
-    running cluster is joined (that one keeps its own)."""
+    """`RAY_worker_niceness=0` and Serve's 0.5 s control loop go into the environment the local instance
+    inherits, and are taken back when a running cluster is joined (that one keeps its own)."""
     import argparse
 
     from cbserve.cluster import serve_cli
@@ -158,16 +158,16 @@ def test_only_a_ray_instance_cbserve_serve_starts_gets_its_actors_at_niceness_0(
     monkeypatch.setattr(serve_cli, "init_ray", lambda address: starts)
     args = argparse.Namespace(direct_ingress="auto", ray_address=None)
     assert serve_cli.start_ray(args, 8123) == (starts, starts)
-    want = WORKER_NICENESS_ENV if starts else dict.fromkeys(WORKER_NICENESS_ENV)
-    assert {k: os.environ.get(k) for k in WORKER_NICENESS_ENV} == want
+    want = LOCAL_RAY_ENV if starts else dict.fromkeys(LOCAL_RAY_ENV)
+    assert {k: os.environ.get(k) for k in LOCAL_RAY_ENV} == want
 
 
-def test_a_users_ray_worker_niceness_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("key", sorted(LOCAL_RAY_ENV))
+def test_a_value_the_user_set_for_the_local_ray_instance_is_kept(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
     import argparse
 
     from cbserve.cluster import serve_cli
 
-    (key,) = WORKER_NICENESS_ENV
     monkeypatch.setattr(os, "environ", {**os.environ, key: "5"})
     monkeypatch.setattr(serve_cli, "init_ray", lambda address: True)
     serve_cli.start_ray(argparse.Namespace(direct_ingress="auto", ray_address=None), 8123)

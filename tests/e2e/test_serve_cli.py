@@ -154,7 +154,7 @@ def test_cbserve_serve_exits_with_the_engines_error_when_the_model_cannot_load(t
 def _check_niceness(srv: Serve, engine_pids: list[int], ingress: str) -> None:
     """The engine (scheduler actor, model worker) first on the CPU, the HTTP edge (the ingress replica, Serve's
     proxy) at niceness 10, the rest of the Ray instance cbserve started (its GCS...) at 19, the raylet left
-    as it was (cluster/cpu_priority.py)."""
+    as it was; Serve's controller started with the 0.5 s control loop (cluster/cpu_priority.py)."""
     import psutil
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
@@ -172,6 +172,8 @@ def _check_niceness(srv: Serve, engine_pids: list[int], ingress: str) -> None:
     assert [nice_of(ingress), nice_of("ray::ProxyActor"), nice_of("gcs_server")] == [10, 10, 19]
     (raylet,) = [p for p in below if os.path.basename(p.cmdline()[0]) == "raylet"]
     assert raylet.nice() == base and psutil.Process(srv.proc.pid).nice() == 19
+    (controller,) = [pid for pid, title in titles.items() if "ray::ServeController" in title]
+    assert psutil.Process(controller).environ().get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S") == "0.5"
 
 
 def _listener(port: int) -> str:
