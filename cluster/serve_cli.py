@@ -110,7 +110,7 @@ def background_local_ray(base: str, api_key: str | None) -> None:
     """The Ray instance this command started: every process but the engines' (scheduler actors, model
     workers) and the HTTP edge's behind them (cluster/cpu_priority.py), once the engine replicas are up and
     say which processes are theirs."""
-    replicas = _replica_stats(base, api_key) or []
+    replicas = _replica_stats(base, api_key)
     engines = [pid for r in replicas for pid in r.get("engine_pids", [])]
     changed = background_ray_processes(os.getpid(), engines)
     if changed:
@@ -157,8 +157,8 @@ def wait_ready(base: str, timeout_s: float, api_key: str | None = None) -> tuple
     return False, None
 
 
-def _replica_stats(base: str, api_key: str | None) -> list[dict[str, Any]] | None:
-    """/stats' engine replicas; None when it does not answer."""
+def _replica_stats(base: str, api_key: str | None) -> list[dict[str, Any]]:
+    """/stats' engine replicas; none when it does not answer."""
     req = urllib.request.Request(f"{base}/stats")
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
@@ -166,11 +166,11 @@ def _replica_stats(base: str, api_key: str | None) -> list[dict[str, Any]] | Non
         with urllib.request.urlopen(req, timeout=5) as r:
             return list(json.loads(r.read()).get("replicas", []))
     except (urllib.error.URLError, OSError, ValueError):
-        return None
+        return []
 
 
 def _failed_replicas(base: str, api_key: str | None) -> str | None:
-    replicas = _replica_stats(base, api_key) or []
+    replicas = _replica_stats(base, api_key)
     errors = [f"engine replica {r.get('replica')}: {r.get('error')}" for r in replicas if r.get("state") == "failed"]
     return "; ".join(errors) or None
 
