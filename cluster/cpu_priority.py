@@ -8,15 +8,21 @@ the next barrier. Ray starts actor processes at niceness 15 (``RAY_worker_nicene
 0, so by default the model ran *behind* Ray's daemons. Three levels instead:
 - 0, the engine: the model workers, and the scheduler actor, which is on every step's path (behind the
   workers its replies wait for a core while the worker waits for its next step: 13-16 ms a step);
-- 10, the HTTP edge (``EDGE_NICENESS``: the ingress replicas set it themselves, and Serve's proxy): behind
+- 10, the HTTP edge (``EDGE``: the ingress replicas set it themselves, and Serve's proxy): behind
   the engine but with enough of the CPU to take requests in during a burst (at 19 a 64-request burst
   trickled into the engine: median TTFT 16-20 s instead of 3.5-4 s);
-- 19, everything else (``BACKGROUND_NICENESS``).
+- 19, everything else (``BACKGROUND``).
+Niceness sets a thread's share when the cores are contended, but under SCHED_OTHER a neighbour that wakes (a
+token to stream, a timer) still preempts a running OpenMP thread at once. So the edge also runs under
+SCHED_BATCH (it waits for a core to idle, the worker's between steps or a serial stretch, or for the next
+scheduler tick) and the rest under SCHED_IDLE (it runs on cores the others leave, with a sliver of the CPU
+when there are none: Ray's timers and health checks still run within the ~65 ms a burst's steps take). A
+burst's model worker got 1.74-1.79 cores instead of 1.66-1.75 (BENCHMARKS.md, "CPU policy").
 
 Raising one's own niceness needs no privilege, lowering it does; so ``cbserve serve``, when it starts the Ray
 instance, starts it with ``RAY_worker_niceness=0`` (actors start at 0) and, once the engine replicas are
 ready, raises every other process it started (``background_ray_processes``), leaving alone the engines'
-(their pids from ``/stats``), those that chose their own niceness, the raylet (the actors it starts later
+(their pids from ``/stats``), those that chose their own priority, the raylet (the actors it starts later
 inherit its niceness) and Ray's idle pooled workers. On a cluster it joins, only the ingress replicas move,
 and only where the cluster starts actors ahead of 10 (``RAY_worker_niceness`` below 10 on ``ray start``).
 
@@ -27,7 +33,7 @@ of Ray and cbserve; at 0.5 s 1.3% + 0.7%, and 0.12 cores in all. Every core-seco
 one the model's OpenMP team loses during a burst. The cost: Serve notices a replica change up to 0.4 s later
 (its health checks run every 10 s anyway).
 
-Measured on 2 cores (BENCHMARKS.md, "CPU priority"). Linux only (niceness per thread); elsewhere these do
+Measured on 2 cores (BENCHMARKS.md, "CPU priority"). Linux only (niceness and policy per thread); elsewhere these do
 nothing.
 """
 
@@ -36,20 +42,39 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import psutil
 
-BACKGROUND_NICENESS = 19
-EDGE_NICENESS = 10
+# Linux scheduling policies (os.SCHED_* exist on Linux only; the values are the kernel's).
+SCHED_OTHER = getattr(os, "SCHED_OTHER", 0)
+SCHED_BATCH = getattr(os, "SCHED_BATCH", 3)
+SCHED_IDLE = getattr(os, "SCHED_IDLE", 5)
+
+
+@dataclass(frozen=True)
+class Priority:
+    """Where a process's threads run on a node's CPU: ``niceness``, their share when the cores are contended,
+    and ``policy``: whether a thread that wakes may preempt a running one (SCHED_OTHER) or waits for an idle
+    core or the scheduler's tick (SCHED_BATCH), or runs only on cores nothing else wants (SCHED_IDLE, where the
+    kernel gives it the least weight and ignores its niceness)."""
+
+    niceness: int
+    policy: int = SCHED_OTHER
+
+
+ENGINE = Priority(0)
+EDGE = Priority(10, SCHED_BATCH)
+BACKGROUND = Priority(19, SCHED_IDLE)
 # What a Ray instance `cbserve serve` starts inherits (a value already in the environment wins): the actors'
 # niceness, which the raylet gives them (Ray's default 15), and the Serve controller's loop period (Ray's 0.1 s).
 LOCAL_RAY_ENV = {"RAY_worker_niceness": "0", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
 _LINUX = sys.platform.startswith("linux")
 
 
-def set_niceness(pid: int, niceness: int) -> bool:
-    """Every thread of ``pid`` at ``niceness`` (Linux niceness is per thread; threads started later inherit
-    it from the thread that starts them). False when the process is gone or not ours."""
+def set_priority(pid: int, priority: Priority) -> bool:
+    """Every thread of ``pid`` at ``priority`` (Linux niceness and policy are per thread; threads started later
+    inherit them from the thread that starts them). False when the process is gone or not ours."""
     try:
         tids = [t.id for t in psutil.Process(pid).threads()]
     except psutil.Error:
@@ -57,21 +82,24 @@ def set_niceness(pid: int, niceness: int) -> bool:
     done = False
     for tid in tids:
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+            os.sched_setscheduler(tid, priority.policy, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, priority.niceness)
             done = True
         except OSError:  # the thread ended meanwhile, or lowering niceness without the privilege
             continue
     return done
 
 
-def run_at_edge_niceness() -> None:
-    """This process (an ingress replica) at the HTTP edge's niceness, unless it already runs behind that."""
-    if _LINUX and os.getpriority(os.PRIO_PROCESS, 0) < EDGE_NICENESS:
-        set_niceness(os.getpid(), EDGE_NICENESS)
+def run_at_edge_priority() -> None:
+    """This process (an ingress replica) at the HTTP edge's priority; a niceness already behind the edge's
+    (a joined cluster's actors may start at Ray's 15) is kept."""
+    if _LINUX:
+        niceness = max(os.getpriority(os.PRIO_PROCESS, 0), EDGE.niceness)
+        set_priority(os.getpid(), Priority(niceness, EDGE.policy))
 
 
-def _target(process: psutil.Process, start: int) -> int | None:
-    """The niceness ``process`` gets from the sweep (None: left as it is). ``start``: what the sweep found the
+def _target(process: psutil.Process, start: int) -> Priority | None:
+    """The priority ``process`` gets from the sweep (None: left as it is). ``start``: what the sweep found the
     local instance's processes at (the root's niceness)."""
     try:
         argv0 = (process.cmdline() or [""])[0]
@@ -81,13 +109,13 @@ def _target(process: psutil.Process, start: int) -> int | None:
     if not argv0 or os.path.basename(argv0) == "raylet" or argv0.startswith("ray::IDLE"):
         return None
     if argv0.startswith("ray::ProxyActor"):  # Serve's HTTP proxy: the edge, when direct ingress is off
-        return EDGE_NICENESS
-    return None if chose else BACKGROUND_NICENESS
+        return EDGE
+    return None if chose else BACKGROUND
 
 
 def background_ray_processes(root: int, engines: Iterable[int]) -> list[int]:
     """``root`` (``cbserve serve``) and every process below it (the local Ray instance and what runs on it),
-    except the engines' processes ``engines``, to the niceness ``_target`` says; returns the pids changed."""
+    except the engines' processes ``engines``, to the priority ``_target`` says; returns the pids changed."""
     if not _LINUX:
         return []
     keep = set(engines)
@@ -100,6 +128,6 @@ def background_ray_processes(root: int, engines: Iterable[int]) -> list[int]:
     changed = []
     for process in processes:
         target = None if process.pid in keep else _target(process, start)
-        if target is not None and set_niceness(process.pid, target):
+        if target is not None and set_priority(process.pid, target):
             changed.append(process.pid)
     return changed

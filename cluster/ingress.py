@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from cbserve.cluster.config import CBServeConfig
-from cbserve.cluster.cpu_priority import run_at_edge_niceness
+from cbserve.cluster.cpu_priority import run_at_edge_priority
 from cbserve.cluster.engine_client import EngineClient
 from cbserve.cluster.metrics import IngressMetrics
 from cbserve.frontend.model_files import model_folder, read_model_files
@@ -95,10 +95,12 @@ class OpenAIIngress:
     async def __init__(self, config: dict[str, Any]) -> None:
         """Serve awaits this: the replica turns RUNNING (and, in a rolling update, takes traffic from the
         old version) only once its engine replicas loaded the model, or failed, or STARTUP_WAIT_S passed."""
-        run_at_edge_niceness()  # behind the engine on this node's cores (cluster/cpu_priority.py)
         self._setup(config)
         self.client.start(on_tick=self.metrics.refresh)
         await self.client.wait_started(STARTUP_WAIT_S)
+        # Behind the engine on this node's cores from now on (cluster/cpu_priority.py); its start-up work
+        # (a GGUF's conversion, the tokenizer) is done, and under SCHED_BATCH it took seconds longer.
+        run_at_edge_priority()
 
     def _setup(self, config: dict[str, Any]) -> None:
         folder = model_folder(CBServeConfig.model_validate(config).model)  # a GGUF: converted, in a child

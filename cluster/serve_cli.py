@@ -21,8 +21,7 @@ from typing import Any
 import pydantic
 from cbserve.cluster.config import CBServeConfig, known_device, servable_config
 from cbserve.cluster.cpu_priority import (
-    BACKGROUND_NICENESS,
-    EDGE_NICENESS,
+    EDGE,
     LOCAL_RAY_ENV,
     background_ray_processes,
 )
@@ -115,8 +114,8 @@ def background_local_ray(base: str, api_key: str | None) -> None:
     changed = background_ray_processes(os.getpid(), engines)
     if changed:
         print(f"cbserve: the engine (pids {', '.join(map(str, engines))}) first on the CPU; {len(changed)} other "
-              f"processes of the local Ray instance behind it (the HTTP edge at niceness {EDGE_NICENESS}, the rest "
-              f"at {BACKGROUND_NICENESS})", flush=True)
+              f"processes of the local Ray instance behind it (the HTTP edge at niceness "
+              f"{EDGE.niceness} under SCHED_BATCH, the rest under SCHED_IDLE)", flush=True)
 
 
 def checked_config(args: argparse.Namespace) -> CBServeConfig:

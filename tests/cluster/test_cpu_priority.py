@@ -1,6 +1,7 @@
-"""cluster/cpu_priority.py on real processes: every thread of a process reniced, and the sweep over a process
-tree (grandchildren included): the engines' processes, the raylet, Ray's idle pooled workers and a process that
-chose its own niceness left as they are, Serve's proxy at the edge's niceness, the rest behind. The served
+"""cluster/cpu_priority.py on real processes: every thread of a process reniced and put under SCHED_BATCH, and
+the sweep over a process tree (grandchildren included): the engines' processes, the raylet, Ray's idle pooled
+workers and a process that chose its own niceness left as they are, Serve's proxy at the edge's priority, the
+rest behind. The served
 deployment's niceness is checked end to end in tests/e2e/test_serve_cli.py."""
 
 from __future__ import annotations
@@ -16,17 +17,21 @@ from pathlib import Path
 
 import pytest
 from cbserve.cluster.cpu_priority import (
-    BACKGROUND_NICENESS,
-    EDGE_NICENESS,
+    BACKGROUND,
+    EDGE,
+    ENGINE,
     LOCAL_RAY_ENV,
+    SCHED_BATCH,
+    SCHED_OTHER,
+    Priority,
     background_ray_processes,
-    set_niceness,
+    set_priority,
 )
 
 BASE = os.getpriority(os.PRIO_PROCESS, 0)  # what children of this test start at
 pytestmark = [
     pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux /proc"),
-    pytest.mark.skipif(BASE >= EDGE_NICENESS - 2, reason="the tests run at the edge's niceness or behind it"),
+    pytest.mark.skipif(EDGE.niceness - 2 <= BASE, reason="the tests run at the edge's niceness or behind it"),
 ]
 
 # A process with three threads, printing its pid once they all run.
@@ -43,8 +48,13 @@ def _niceness(tid: int) -> int:
     return int(Path(f"/proc/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
 
 
-def _thread_niceness(pid: int) -> list[int]:
-    return [_niceness(int(t)) for t in os.listdir(f"/proc/{pid}/task")]
+def _thread_priorities(pid: int) -> list[Priority]:
+    return [Priority(_niceness(int(t)), os.sched_getscheduler(int(t))) for t in os.listdir(f"/proc/{pid}/task")]
+
+
+def _priority(pid: int) -> Priority:
+    (priority,) = set(_thread_priorities(pid))
+    return priority
 
 
 @pytest.fixture
@@ -85,26 +95,29 @@ def _tree(procs: list[subprocess.Popen]) -> dict[str, int]:
     return pids
 
 
-def test_set_niceness_reaches_every_thread(procs: list[subprocess.Popen]) -> None:
+def test_set_priority_reaches_every_thread(procs: list[subprocess.Popen]) -> None:
     p = _start(procs, [sys.executable, "-c", THREADS])
     pid = int(p.stdout.readline())
-    assert _thread_niceness(pid) == [BASE] * 3
-    assert set_niceness(pid, BASE + 1) is True
-    assert _thread_niceness(pid) == [BASE + 1] * 3
+    assert _thread_priorities(pid) == [Priority(BASE, SCHED_OTHER)] * 3
+    assert set_priority(pid, Priority(BASE + 1, SCHED_BATCH)) is True
+    assert _thread_priorities(pid) == [Priority(BASE + 1, SCHED_BATCH)] * 3
+    assert set_priority(pid, Priority(BASE + 2)) is True
+    assert _thread_priorities(pid) == [Priority(BASE + 2, SCHED_OTHER)] * 3
     p.kill()
     p.wait()
-    assert set_niceness(pid, BASE + 1) is False  # gone
+    assert set_priority(pid, Priority(BASE + 1)) is False  # gone
 
 
 def test_background_sweep_keeps_the_engine_the_raylet_and_idle_workers(procs: list[subprocess.Popen]) -> None:
     pids = _tree(procs)
     _wait_titles(pids)
-    set_niceness(pids["chose"], BASE + 1)
+    set_priority(pids["chose"], Priority(BASE + 1))
     changed = background_ray_processes(pids["root"], engines=[pids["worker"]])
     assert set(changed) == {pids[k] for k in ("root", "plain", "mid", "grandchild", "proxy")}
-    want = {"root": BACKGROUND_NICENESS, "plain": BACKGROUND_NICENESS, "grandchild": BACKGROUND_NICENESS,
-            "proxy": EDGE_NICENESS, "chose": BASE + 1, "raylet": BASE, "idle": BASE, "worker": BASE}  # fmt: skip
-    assert {key: _niceness(pids[key]) for key in want} == want
+    left = Priority(BASE, SCHED_OTHER)
+    want = {"root": BACKGROUND, "plain": BACKGROUND, "grandchild": BACKGROUND, "proxy": EDGE,
+            "chose": Priority(BASE + 1), "raylet": left, "idle": left, "worker": left}  # fmt: skip
+    assert {key: _priority(pids[key]) for key in want} == want
 
 
 def _wait_titles(pids: dict[str, int]) -> None:
@@ -135,13 +148,14 @@ def test_bench_priority_layouts_match_what_cbserve_sets() -> None:
     engine = {"worker", "scheduler"}
 
     def layout(name: str) -> dict[str, int | None]:
-        return {k: bench._layout_niceness(name, t, k in engine) for k, t in titles.items()}
+        return {k: bench._layout_priority(name, t, k in engine) for k, t in titles.items()}
 
-    assert layout("ray") == {"gcs": 0, "raylet": None, "idle": None, "proxy": 15, "ingress": 15,
-                             "controller": 15, "worker": 15, "scheduler": 15}  # fmt: skip
-    assert layout("cbserve") == {"gcs": BACKGROUND_NICENESS, "raylet": None, "idle": None, "proxy": EDGE_NICENESS,
-                                 "ingress": EDGE_NICENESS, "controller": BACKGROUND_NICENESS, "worker": 0,
-                                 "scheduler": 0}  # fmt: skip
+    ray, ray_actor = Priority(0), Priority(15)
+    assert layout("ray") == {"gcs": ray, "raylet": None, "idle": None, "proxy": ray_actor, "ingress": ray_actor,
+                             "controller": ray_actor, "worker": ray_actor, "scheduler": ray_actor}  # fmt: skip
+    assert layout("cbserve") == {"gcs": BACKGROUND, "raylet": None, "idle": None, "proxy": EDGE, "ingress": EDGE,
+                                 "controller": BACKGROUND, "worker": ENGINE, "scheduler": ENGINE}  # fmt: skip
+    assert layout("nice") == {k: v if v is None else Priority(v.niceness) for k, v in layout("cbserve").items()}
 
 
 @pytest.mark.parametrize("starts", [True, False])

@@ -153,8 +153,9 @@ def test_cbserve_serve_exits_with_the_engines_error_when_the_model_cannot_load(t
 
 def _check_niceness(srv: Serve, engine_pids: list[int], ingress: str) -> None:
     """The engine (scheduler actor, model worker) first on the CPU, the HTTP edge (the ingress replica, Serve's
-    proxy) at niceness 10, the rest of the Ray instance cbserve started (its GCS...) at 19, the raylet left
-    as it was; Serve's controller started with the 0.5 s control loop (cluster/cpu_priority.py)."""
+    proxy) at niceness 10 under SCHED_BATCH, the rest of the Ray instance cbserve started (its GCS...) at 19
+    under SCHED_IDLE, the raylet left as it was; Serve's controller started with the 0.5 s control loop
+    (cluster/cpu_priority.py)."""
     import psutil
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
@@ -163,15 +164,19 @@ def _check_niceness(srv: Serve, engine_pids: list[int], ingress: str) -> None:
     titles = {p.pid: " ".join(p.cmdline()) for p in below}
     scheduler, worker = engine_pids
     assert "ray::SchedulerActor" in titles[scheduler] and "ray::WorkerActor" in titles[worker]
-    assert [psutil.Process(pid).nice() for pid in engine_pids] == [base, base]
 
-    def nice_of(part: str) -> int:
+    def priority(pid: int) -> tuple[int, int]:
+        return psutil.Process(pid).nice(), os.sched_getscheduler(pid)
+
+    def priority_of(part: str) -> tuple[int, int]:
         (pid,) = [pid for pid, title in titles.items() if part in title]
-        return psutil.Process(pid).nice()
+        return priority(pid)
 
-    assert [nice_of(ingress), nice_of("ray::ProxyActor"), nice_of("gcs_server")] == [10, 10, 19]
+    assert [priority(pid) for pid in engine_pids] == [(base, os.SCHED_OTHER)] * 2
+    edge, rest = (10, os.SCHED_BATCH), (19, os.SCHED_IDLE)
+    assert [priority_of(ingress), priority_of("ray::ProxyActor"), priority_of("gcs_server")] == [edge, edge, rest]
     (raylet,) = [p for p in below if os.path.basename(p.cmdline()[0]) == "raylet"]
-    assert raylet.nice() == base and psutil.Process(srv.proc.pid).nice() == 19
+    assert priority(raylet.pid) == (base, os.SCHED_OTHER) and priority(srv.proc.pid) == rest
     (controller,) = [pid for pid, title in titles.items() if "ray::ServeController" in title]
     assert psutil.Process(controller).environ().get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S") == "0.5"
 
