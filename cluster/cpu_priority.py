@@ -13,11 +13,13 @@ the next barrier. Ray starts actor processes at niceness 15 (``RAY_worker_nicene
   trickled into the engine: median TTFT 16-20 s instead of 3.5-4 s);
 - 19, everything else (``BACKGROUND``).
 Niceness sets a thread's share when the cores are contended, but under SCHED_OTHER a neighbour that wakes (a
-token to stream, a timer) still preempts a running OpenMP thread at once. So the edge also runs under
-SCHED_BATCH (it waits for a core to idle, the worker's between steps or a serial stretch, or for the next
-scheduler tick) and the rest under SCHED_IDLE (it runs on cores the others leave, with a sliver of the CPU
-when there are none: Ray's timers and health checks still run within the ~65 ms a burst's steps take). A
-burst's model worker got 1.74-1.79 cores instead of 1.66-1.75 (BENCHMARKS.md, "CPU policy").
+token to stream, a timer) still preempts a running OpenMP thread at once. So both levels behind the engine
+also run under SCHED_BATCH: a waking thread waits for a core to idle (the worker's between steps, a serial
+stretch) or for the next scheduler tick. The neighbours get the same CPU, in the engine's gaps. SCHED_IDLE for
+the rest gave the worker a little more (1.76 cores of a burst against 1.74, 1.73 before), but Serve's
+controller and the CLI then starve while the engine is busy: a Ctrl-C during a burst took 32 s to exit
+instead of 25-26 s. Unlike SCHED_IDLE, SCHED_BATCH can be left again without a privilege
+(BENCHMARKS.md, "CPU policy").
 
 Raising one's own niceness needs no privilege, lowering it does; so ``cbserve serve``, when it starts the Ray
 instance, starts it with ``RAY_worker_niceness=0`` (actors start at 0) and, once the engine replicas are
@@ -33,8 +35,8 @@ of Ray and cbserve; at 0.5 s 1.3% + 0.7%, and 0.12 cores in all. Every core-seco
 one the model's OpenMP team loses during a burst. The cost: Serve notices a replica change up to 0.4 s later
 (its health checks run every 10 s anyway).
 
-Measured on 2 cores (BENCHMARKS.md, "CPU priority"). Linux only (niceness and policy per thread); elsewhere these do
-nothing.
+Measured on 2 cores (BENCHMARKS.md, "CPU priority" and "CPU policy"). Linux only (niceness and policy per
+thread); elsewhere these do nothing.
 """
 
 from __future__ import annotations
@@ -49,15 +51,13 @@ import psutil
 # Linux scheduling policies (os.SCHED_* exist on Linux only; the values are the kernel's).
 SCHED_OTHER = getattr(os, "SCHED_OTHER", 0)
 SCHED_BATCH = getattr(os, "SCHED_BATCH", 3)
-SCHED_IDLE = getattr(os, "SCHED_IDLE", 5)
 
 
 @dataclass(frozen=True)
 class Priority:
     """Where a process's threads run on a node's CPU: ``niceness``, their share when the cores are contended,
     and ``policy``: whether a thread that wakes may preempt a running one (SCHED_OTHER) or waits for an idle
-    core or the scheduler's tick (SCHED_BATCH), or runs only on cores nothing else wants (SCHED_IDLE, where the
-    kernel gives it the least weight and ignores its niceness)."""
+    core or the scheduler's tick (SCHED_BATCH)."""
 
     niceness: int
     policy: int = SCHED_OTHER
@@ -65,7 +65,7 @@ class Priority:
 
 ENGINE = Priority(0)
 EDGE = Priority(10, SCHED_BATCH)
-BACKGROUND = Priority(19, SCHED_IDLE)
+BACKGROUND = Priority(19, SCHED_BATCH)
 # What a Ray instance `cbserve serve` starts inherits (a value already in the environment wins): the actors'
 # niceness, which the raylet gives them (Ray's default 15), and the Serve controller's loop period (Ray's 0.1 s).
 LOCAL_RAY_ENV = {"RAY_worker_niceness": "0", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}

@@ -21,6 +21,7 @@ from typing import Any
 import pydantic
 from cbserve.cluster.config import CBServeConfig, known_device, servable_config
 from cbserve.cluster.cpu_priority import (
+    BACKGROUND,
     EDGE,
     LOCAL_RAY_ENV,
     background_ray_processes,
@@ -115,7 +116,7 @@ def background_local_ray(base: str, api_key: str | None) -> None:
     if changed:
         print(f"cbserve: the engine (pids {', '.join(map(str, engines))}) first on the CPU; {len(changed)} other "
               f"processes of the local Ray instance behind it (the HTTP edge at niceness "
-              f"{EDGE.niceness} under SCHED_BATCH, the rest under SCHED_IDLE)", flush=True)
+              f"{EDGE.niceness}, the rest at {BACKGROUND.niceness}, both under SCHED_BATCH)", flush=True)
 
 
 def checked_config(args: argparse.Namespace) -> CBServeConfig:

@@ -154,7 +154,7 @@ def test_cbserve_serve_exits_with_the_engines_error_when_the_model_cannot_load(t
 def _check_niceness(srv: Serve, engine_pids: list[int], ingress: str) -> None:
     """The engine (scheduler actor, model worker) first on the CPU, the HTTP edge (the ingress replica, Serve's
     proxy) at niceness 10 under SCHED_BATCH, the rest of the Ray instance cbserve started (its GCS...) at 19
-    under SCHED_IDLE, the raylet left as it was; Serve's controller started with the 0.5 s control loop
+    under SCHED_BATCH, the raylet left as it was; Serve's controller started with the 0.5 s control loop
     (cluster/cpu_priority.py)."""
     import psutil
 
@@ -173,7 +173,7 @@ def _check_niceness(srv: Serve, engine_pids: list[int], ingress: str) -> None:
         return priority(pid)
 
     assert [priority(pid) for pid in engine_pids] == [(base, os.SCHED_OTHER)] * 2
-    edge, rest = (10, os.SCHED_BATCH), (19, os.SCHED_IDLE)
+    edge, rest = (10, os.SCHED_BATCH), (19, os.SCHED_BATCH)
     assert [priority_of(ingress), priority_of("ray::ProxyActor"), priority_of("gcs_server")] == [edge, edge, rest]
     (raylet,) = [p for p in below if os.path.basename(p.cmdline()[0]) == "raylet"]
     assert priority(raylet.pid) == (base, os.SCHED_OTHER) and priority(srv.proc.pid) == rest
