@@ -112,6 +112,8 @@ def main() -> int:
     ap.add_argument("--cbserve-args", default="--dtype bfloat16")
     ap.add_argument("--out", default="benchmarks/results/priority.json")
     args = ap.parse_args()
+    if len(set(args.layouts)) < 2:
+        ap.error("--layouts: name at least two different layouts to compare")
     if os.geteuid() != 0:
         print("bench_priority: lowering a niceness back to Ray's defaults needs root", file=sys.stderr)
         return 2
