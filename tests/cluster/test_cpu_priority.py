@@ -1,8 +1,7 @@
 """cluster/cpu_priority.py on real processes: every thread of a process reniced and put under SCHED_BATCH, and
 the sweep over a process tree (grandchildren included): the engines' processes, the raylet, Ray's idle pooled
 workers and a process that chose its own niceness left as they are, Serve's proxy at the edge's priority, the
-rest behind. The served
-deployment's niceness is checked end to end in tests/e2e/test_serve_cli.py."""
+rest behind. The served deployment's priorities are checked end to end in tests/e2e/test_serve_cli.py."""
 
 from __future__ import annotations
 
@@ -147,7 +146,7 @@ def test_bench_priority_layouts_match_what_cbserve_sets() -> None:
               "worker": "ray::WorkerActor", "scheduler": "ray::SchedulerActor"}  # fmt: skip
     engine = {"worker", "scheduler"}
 
-    def layout(name: str) -> dict[str, int | None]:
+    def layout(name: str) -> dict[str, Priority | None]:
         return {k: bench._layout_priority(name, t, k in engine) for k, t in titles.items()}
 
     ray, ray_actor = Priority(0), Priority(15)

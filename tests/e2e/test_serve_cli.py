@@ -89,7 +89,7 @@ def test_cbserve_serve_with_config_file_serves_times_out_and_stops_on_ctrl_c() -
         (stats,) = srv.get("/stats")["replicas"]  # on CPU by default: plain actor calls (the compiled graph:
         assert stats["compiled_graph"] is False and stats["dispatch_calls"] > 0  # openai_server/test_tp2)
         assert stats["worker_torch_threads"] == [len(os.sched_getaffinity(0))]  # every core, not Ray's one
-        _check_niceness(srv, stats["engine_pids"], owner)
+        _check_priority(srv, stats["engine_pids"], owner)
         _check_request_timeout(srv, client)
         srv.proc.send_signal(signal.SIGINT)
         assert srv.proc.wait(timeout=90) == 0
@@ -151,7 +151,7 @@ def test_cbserve_serve_exits_with_the_engines_error_when_the_model_cannot_load(t
         srv.kill()
 
 
-def _check_niceness(srv: Serve, engine_pids: list[int], ingress: str) -> None:
+def _check_priority(srv: Serve, engine_pids: list[int], ingress: str) -> None:
     """The engine (scheduler actor, model worker) first on the CPU, the HTTP edge (the ingress replica, Serve's
     proxy) at niceness 10 under SCHED_BATCH, the rest of the Ray instance cbserve started (its GCS...) at 19
     under SCHED_BATCH, the raylet left as it was; Serve's controller started with the 0.5 s control loop
