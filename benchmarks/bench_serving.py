@@ -26,6 +26,7 @@ The peers live outside the repo; ``bash benchmarks/peers/setup_peers.sh`` instal
         "--use-compiled-graph false --worker-torch-threads 2"   # cbserve only, other flags
     .venv/bin/python benchmarks/bench_serving.py --servers cbserve llama --workloads single   # vs llama.cpp
     .venv/bin/python benchmarks/bench_serving.py --quick --servers cbserve offline   # smoke test, ~1 min
+    .venv/bin/python benchmarks/bench_serving.py --workloads burst --burst-rounds 3   # the goals on medians
 
 Results go to benchmarks/results/serving.json (and serving.png); server logs to benchmarks/results/logs/.
 """
@@ -68,12 +69,19 @@ class Workload:
     poisson: bool = False
 
 
-def build_workloads(args: argparse.Namespace) -> list[Workload]:
-    n, n1 = (8, 4) if args.quick else (args.num_requests, args.single_requests)
+def burst_rounds(args: argparse.Namespace) -> list[list[SampleRequest]]:
+    """The burst's requests in each of --burst-rounds rounds: round 0 the burst's own, every later round fresh
+    prompts (seed + 100 per round), so that no round finds the last one's prefixes cached."""
+    n = 8 if args.quick else args.num_requests
     io = ((16, 32), (8, 16)) if args.quick else ((64, 192), (64, 192))
+    return [sample_random(n, io[0], io[1], seed=args.seed + 100 * i) for i in range(args.burst_rounds)]
+
+
+def build_workloads(args: argparse.Namespace) -> list[Workload]:
+    n1 = 4 if args.quick else args.single_requests
     single = 32 if args.quick else 128
     single_out = 16 if args.quick else 128
-    burst = sample_random(n, io[0], io[1], seed=args.seed)
+    burst = burst_rounds(argparse.Namespace(**{**vars(args), "burst_rounds": 1}))[0]
     all_workloads = [
         Workload("burst", burst),
         Workload("poisson", burst, poisson=True),
@@ -111,8 +119,21 @@ def run_workloads(name: str, base_url: str, workloads: list[Workload], state: di
               f"tok/s, median TTFT {s['median_ttft_ms']:.0f} ms, median TPOT {s['median_tpot_ms']:.1f} ms",
               flush=True)
         out[wl.name] = doc
+        if wl.name == "burst" and args.burst_rounds > 1:
+            out["burst_rounds"] = [s, *more_bursts(name, client, load, args)]
         if wl.name == "burst" and "poisson_rate" not in state and s["completed"]:
             state["poisson_rate"] = args.poisson_rate or args.poisson_fraction * s["request_throughput"]
+    return out
+
+
+def more_bursts(name: str, client: ClientConfig, load: LoadConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Rounds 1.. of the burst (round 0 is the burst workload itself): their summaries."""
+    out = []
+    for i, reqs in enumerate(burst_rounds(args)[1:], start=1):
+        s = run_benchmark(client, reqs, load, warmup=0, label=f"{name} burst round {i}")["summary"]
+        print(f"[{name}] burst round {i}: {s['completed']}/{s['num_requests']} ok, {s['output_throughput']:.1f} "
+              f"tok/s", flush=True)
+        out.append(s)
     return out
 
 
@@ -240,42 +261,49 @@ def _run_peer(name: str, cmd: list[str], env: dict[str, str], port: int, workloa
 
 
 def run_offline(workloads: list[Workload], args: argparse.Namespace) -> dict[str, Any]:
-    """cbserve.LLM on the burst's requests, in a child process (its own threads and memory)."""
-    reqs = build_workloads(argparse.Namespace(**{**vars(args), "workloads": ["burst"]}))[0].requests
+    """cbserve.LLM on the burst's requests (every round's), in a child process (its own threads and memory)."""
+    rounds = burst_rounds(args)
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         req_file, out_file = Path(tmp) / "requests.json", Path(tmp) / "offline.json"
-        req_file.write_text(json.dumps([asdict(r) for r in reqs]))
+        req_file.write_text(json.dumps([[asdict(r) for r in reqs] for reqs in rounds]))
         sampling = json.dumps({"temperature": args.temperature, "top_p": args.top_p})
         cmd = [sys.executable, __file__, "--offline-worker", str(req_file), str(out_file),
                "--offline-kwargs", args.offline_kwargs, sampling]
-        print(f"[offline] cbserve.LLM on {len(reqs)} requests", flush=True)
+        print(f"[offline] cbserve.LLM on {len(rounds[0])} requests, {len(rounds)} round(s)", flush=True)
         r = subprocess.run(cmd, timeout=args.request_timeout + args.ready_timeout)
         if r.returncode != 0 or not out_file.exists():
             return {"skipped": f"offline run failed (exit {r.returncode})"}
         res = json.loads(out_file.read_text())
-    print(f"[offline] {res['output_throughput']:.1f} tok/s in {res['duration_s']:.1f} s", flush=True)
-    return {"burst": {"summary": res, "label": "offline burst"}}
+    for i, s in enumerate(res):
+        print(f"[offline] burst round {i}: {s['output_throughput']:.1f} tok/s in {s['duration_s']:.1f} s", flush=True)
+    out: dict[str, Any] = {"burst": {"summary": res[0], "label": "offline burst"}}
+    if len(res) > 1:
+        out["burst_rounds"] = res
+    return out
 
 
 def offline_worker(req_file: str, out_file: str, kwargs_json: str, sampling_json: str) -> int:
     from cbserve import LLM, SamplingParams
 
-    reqs = [SampleRequest(**d) for d in json.loads(Path(req_file).read_text())]
+    rounds = [[SampleRequest(**d) for d in reqs] for reqs in json.loads(Path(req_file).read_text())]
     llm = LLM(**{"progress": False, **json.loads(kwargs_json)})
-    llm.generate([reqs[0].prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.generate([rounds[0][0].prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     sampling = json.loads(sampling_json)
-    params = [offline_sampling(sampling, r.output_len) for r in reqs]
-    t0 = time.perf_counter()
-    outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
-    dur = time.perf_counter() - t0
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    n_in = sum(len(o.prompt_token_ids) for o in outs)
-    Path(out_file).write_text(json.dumps({
-        "duration_s": dur, "num_requests": len(reqs), "completed": len(outs), "failed": 0,
-        "total_input_tokens": n_in, "total_output_tokens": n_out, "output_throughput": n_out / dur,
-        "request_throughput": len(outs) / dur, "total_token_throughput": (n_in + n_out) / dur,
-        "engine_kwargs": json.loads(kwargs_json),
-    }))
+    results = []
+    for reqs in rounds:
+        params = [offline_sampling(sampling, r.output_len) for r in reqs]
+        t0 = time.perf_counter()
+        outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
+        dur = time.perf_counter() - t0
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        n_in = sum(len(o.prompt_token_ids) for o in outs)
+        results.append({
+            "duration_s": dur, "num_requests": len(reqs), "completed": len(outs), "failed": 0,
+            "total_input_tokens": n_in, "total_output_tokens": n_out, "output_throughput": n_out / dur,
+            "request_throughput": len(outs) / dur, "total_token_throughput": (n_in + n_out) / dur,
+            "engine_kwargs": json.loads(kwargs_json),
+        })
+    Path(out_file).write_text(json.dumps(results))
     llm.shutdown()
     return 0
 
@@ -298,6 +326,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--single-requests", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--burst-rounds", type=int, default=1,
+                   help="bursts per server, and offline, each on fresh prompts: the goal ratios then compare "
+                        "the rounds' medians (one burst on this machine moves ~10%% between runs)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling of every request (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus of every request (1: off)")
     p.add_argument("--poisson-rate", type=float, default=None, help="req/s (default: from the first burst)")
@@ -328,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--offline-worker":
         return offline_worker(argv[1], argv[2], argv[4], argv[5])
     args = parse_args(argv)
+    if args.burst_rounds < 1:
+        raise SystemExit(f"bench_serving: --burst-rounds must be at least 1 (got {args.burst_rounds})")
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     workloads = build_workloads(args)
     state: dict[str, Any] = {}

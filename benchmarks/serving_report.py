@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 WORKLOADS = ("burst", "poisson", "single")
@@ -10,8 +11,22 @@ METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"))
 
 
 def _summary(results: dict[str, Any], server: str, workload: str) -> dict[str, Any] | None:
+    """A workload's summary; for a burst run in rounds (--burst-rounds), each figure's median over the rounds."""
+    rounds = results.get(server, {}).get("burst_rounds") if workload == "burst" else None
+    if rounds and all(r.get("completed") for r in rounds):
+        keys = [k for k, v in rounds[0].items() if isinstance(v, (int, float)) and all(r.get(k) is not None
+                                                                                      for r in rounds)]
+        return {k: median(r[k] for r in rounds) for k in keys}
     s = results.get(server, {}).get(workload, {}).get("summary")
     return s if s and s.get("completed") else None
+
+
+def round_ratios(results: dict[str, Any], server: str, other: str) -> list[float] | None:
+    """``server``'s burst output tok/s over ``other``'s, round by round (None without rounds on both sides)."""
+    a, b = results.get(server, {}).get("burst_rounds"), results.get(other, {}).get("burst_rounds")
+    if not a or not b or len(a) != len(b):
+        return None
+    return [x["output_throughput"] / y["output_throughput"] for x, y in zip(a, b, strict=True)]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -48,6 +63,8 @@ def goal_ratios(results: dict[str, Any]) -> dict[str, Any]:
         bound = float(num)
         v["met"] = {">=": val >= bound, "<": val < bound, "<=": val <= bound}[op]
         out[k] = v
+    for key, other in (("burst_output_tput_cbserve_over_vllm", "vllm"), ("burst_served_over_offline", "offline")):
+        out[key]["rounds"] = round_ratios(results, "cbserve", other)
     out["cbserve_burst_dispatch"] = dispatch_overhead(results.get("cbserve", {}).get("burst", {}))
     return out
 
@@ -90,6 +107,9 @@ def format_report(doc: dict[str, Any]) -> str:
                 med, p99 = s.get(f"median_{key}_ms"), s.get(f"p99_{key}_ms")
                 row += f"{med:>10.1f}{p99:>10.1f}" if med is not None else f"{'-':>10}{'-':>10}"
             lines.append(row)
+        if res.get("burst_rounds"):
+            tput = ", ".join(f"{r['output_throughput']:.1f}" for r in res["burst_rounds"])
+            lines.append(f"{server:<9}burst rounds, out tok/s: {tput}")
     lines.append("")
     lines.append("Goals (issue 17):")
     for k, v in doc["ratios"].items():
@@ -97,7 +117,8 @@ def format_report(doc: dict[str, Any]) -> str:
             continue
         val = "n/a" if v["value"] is None else f"{v['value']:.3f}"
         met = {None: "", True: "met", False: "NOT met"}[v["met"]]
-        lines.append(f"  {k:<42}{val:>8}  goal {v['goal']:<7} {met}")
+        rounds = f" (medians; rounds {', '.join(f'{r:.3f}' for r in v['rounds'])})" if v.get("rounds") else ""
+        lines.append(f"  {k:<42}{val:>8}  goal {v['goal']:<7} {met}{rounds}")
     d = doc["ratios"].get("cbserve_burst_dispatch")
     if d and d.get("mean_overhead_ms") is not None:
         lines.append(f"  cbserve burst: {d['steps']} steps, mean step {d['mean_step_ms']:.1f} ms, Ray dispatch "

@@ -1,5 +1,6 @@
 """benchmarks/bench_serving.py's --temperature / --top-p: what every served request's body and the offline run's
-SamplingParams carry (the quick end-to-end run in tests/e2e covers the greedy default against a real server)."""
+SamplingParams carry; --burst-rounds: fresh prompts per round, and goal ratios of the rounds' medians (the quick
+end-to-end run in tests/e2e covers the greedy default and two rounds against a real server)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 from cbserve.bench.client import build_payload
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serving.py"
@@ -38,3 +40,30 @@ def test_sampling_flags_reach_the_served_requests_and_the_offline_run() -> None:
     assert body["temperature"] == 0.7 and body["top_p"] == 0.95
     params = bs.offline_sampling({"temperature": args.temperature, "top_p": args.top_p}, 12)
     assert not params.greedy and params.temperature == 0.7 and params.top_p == 0.95 and params.max_tokens == 12
+
+
+def test_burst_rounds_are_the_burst_then_fresh_prompts_of_the_same_shape() -> None:
+    bs = _bench_serving()
+    args = bs.parse_args(["--quick", "--burst-rounds", "3"])
+    rounds = bs.burst_rounds(args)
+    burst = bs.build_workloads(args)[0]
+    assert burst.name == "burst" and [r.prompt for r in rounds[0]] == [r.prompt for r in burst.requests]
+    assert [len(r) for r in rounds] == [8, 8, 8]
+    prompts = [{r.prompt for r in reqs} for reqs in rounds]
+    assert not (prompts[0] & prompts[1] or prompts[0] & prompts[2] or prompts[1] & prompts[2])
+
+
+def test_goal_ratios_compare_the_rounds_medians() -> None:
+    bs = _bench_serving()
+
+    def rounds(*tputs: float) -> dict:
+        return {"burst": {"summary": {"completed": 8, "output_throughput": tputs[0]}},
+                "burst_rounds": [{"completed": 8, "output_throughput": t} for t in tputs]}
+
+    results = {"cbserve": rounds(300.0, 400.0, 350.0), "offline": rounds(450.0, 400.0, 500.0)}
+    served = bs.goal_ratios(results)["burst_served_over_offline"]
+    assert served["value"] == pytest.approx(350.0 / 450.0) and served["met"] is False
+    assert served["rounds"] == pytest.approx([300 / 450, 1.0, 350 / 500])
+    one = {k: {"burst": v["burst"]} for k, v in results.items()}  # one round: the burst's own summary
+    served = bs.goal_ratios(one)["burst_served_over_offline"]
+    assert served["value"] == pytest.approx(300.0 / 450.0) and served["rounds"] is None

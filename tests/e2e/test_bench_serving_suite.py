@@ -1,7 +1,7 @@
 """benchmarks/bench_serving.py in --quick mode against a real ``cbserve serve`` (its own local Ray instance in a
 child process, the bundled SmolLM2) and cbserve offline, with vLLM and llama.cpp pointed at missing installs:
-the report has every field, sane values, skip lines for the peers, the CPU breakdown names Ray's actors, and
-the JSON and PNG are written."""
+the report has every field, sane values, skip lines for the peers, the CPU breakdown names Ray's actors, a
+second burst round on both sides, and the JSON and PNG are written."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_quick_run_reports_cbserve_and_skips_missing_peers(tmp_path: Path) -> No
     out = tmp_path / "results"
     cmd = [sys.executable, str(SCRIPT), "--quick", "--quiet", "--out-dir", str(out), "--cpu-breakdown",
            "--vllm-venv", str(tmp_path / "no-vllm"), "--llama-server", str(tmp_path / "no-llama-server"),
-           "--cbserve-args", "--max-num-seqs 16 --max-model-len 512"]
+           "--cbserve-args", "--max-num-seqs 16 --max-model-len 512", "--burst-rounds", "2"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=850)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "[vllm] SKIPPED: vLLM not installed" in r.stdout
@@ -58,8 +58,15 @@ def test_quick_run_reports_cbserve_and_skips_missing_peers(tmp_path: Path) -> No
     ratios = doc["ratios"]
     assert ratios["burst_output_tput_cbserve_over_vllm"]["value"] is None
     assert ratios["single_median_tpot_cbserve_over_llama"]["met"] is None
-    served = ratios["burst_served_over_offline"]["value"]
-    assert served == pytest.approx(res["cbserve"]["burst"]["summary"]["output_throughput"] / off["output_throughput"])
+    served_rounds, off_rounds = res["cbserve"]["burst_rounds"], res["offline"]["burst_rounds"]
+    assert [r["completed"] for r in served_rounds + off_rounds] == [8] * 4
+    assert served_rounds[0] == res["cbserve"]["burst"]["summary"] and off_rounds[0] == off
+    assert served_rounds[1]["total_output_tokens"] == off_rounds[1]["total_output_tokens"]  # the same requests
+    tput = [[r["output_throughput"] for r in rounds] for rounds in (served_rounds, off_rounds)]
+    served = ratios["burst_served_over_offline"]
+    assert served["value"] == pytest.approx(sum(tput[0]) / sum(tput[1]))  # the medians of two rounds
+    assert served["rounds"] == pytest.approx([a / b for a, b in zip(*tput, strict=True)])
+    assert "cbserve  burst rounds, out tok/s: " in r.stdout
     cpu = {row["process"]: row["cpu_s"] for row in res["cbserve"]["burst"]["cpu_breakdown"]["by_process"]}
     for name in ("ray::SchedulerActor", "ray::WorkerActor", "ray::ProxyActor", "client (benchmark)"):
         assert name in cpu, sorted(cpu)

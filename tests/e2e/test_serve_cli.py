@@ -154,8 +154,8 @@ def test_cbserve_serve_exits_with_the_engines_error_when_the_model_cannot_load(t
 def _check_priority(srv: Serve, engine_pids: list[int], ingress: str) -> None:
     """The engine (scheduler actor, model worker) first on the CPU, the HTTP edge (the ingress replica, Serve's
     proxy) at niceness 10 under SCHED_BATCH, the rest of the Ray instance cbserve started (its GCS...) at 19
-    under SCHED_BATCH, the raylet left as it was; Serve's controller started with the 0.5 s control loop
-    (cluster/cpu_priority.py)."""
+    under SCHED_BATCH, the raylet left as it was; Serve's controller started with the 0.5 s control loop and
+    the ingress replica with its code on its own event loop (cluster/cpu_priority.py)."""
     import psutil
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
@@ -179,6 +179,8 @@ def _check_priority(srv: Serve, engine_pids: list[int], ingress: str) -> None:
     assert priority(raylet.pid) == (base, os.SCHED_OTHER) and priority(srv.proc.pid) == rest
     (controller,) = [pid for pid, title in titles.items() if "ray::ServeController" in title]
     assert psutil.Process(controller).environ().get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S") == "0.5"
+    (ingress_pid,) = [pid for pid, title in titles.items() if ingress in title]
+    assert psutil.Process(ingress_pid).environ().get("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD") == "0"
 
 
 def _listener(port: int) -> str:
