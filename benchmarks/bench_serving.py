@@ -11,8 +11,11 @@ Requests are greedy unless --temperature (and --top-p) say otherwise: the same s
 and for the offline run (``--temperature 1.0`` is what the OpenAI client's default leaves to the server).
 Each server gets one warm-up request first. Reported per server and workload: output tok/s, TTFT, TPOT and
 ITL (median, p99); then the ratios issue 17's goals ask for (cbserve / vLLM burst throughput, TTFT and TPOT;
-served / offline throughput; single-request TPOT against llama.cpp). A server whose install is missing is
-skipped with a line saying so. Prints a table, writes ``serving.json`` and ``serving.png`` to --out-dir.
+served / offline throughput; single-request TPOT against llama.cpp). With --burst-rounds N the burst runs N
+times on fresh prompts: round 0 with the other workloads, then each later round starts every server afresh,
+runs only the burst, stops it, and runs offline (one round's figures minutes apart), and the burst's goal
+ratios compare the rounds' medians. A server whose install is missing is skipped with a line saying so.
+Prints a table, writes ``serving.json`` and ``serving.png`` to --out-dir.
 
 ``--cpu-breakdown`` samples, during cbserve's burst, the CPU seconds of every process of the deployment
 (Serve proxy, ingress replica, SchedulerActor, WorkerActor, GCS, raylet...) and of the client; with
@@ -40,11 +43,10 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,7 @@ from cbserve.bench.deploy import HOST, free_port, local_deployment_process, serv
 from cbserve.bench.runner import LoadConfig, run_benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_offline import offline_sampling, run_offline  # noqa: E402, F401 (offline_sampling: tests)
 from serving_report import format_report, goal_ratios, plot_serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,19 +72,19 @@ class Workload:
     poisson: bool = False
 
 
-def burst_rounds(args: argparse.Namespace) -> list[list[SampleRequest]]:
-    """The burst's requests in each of --burst-rounds rounds: round 0 the burst's own, every later round fresh
-    prompts (seed + 100 per round), so that no round finds the last one's prefixes cached."""
+def burst_requests(args: argparse.Namespace, round_index: int = 0) -> list[SampleRequest]:
+    """The burst's requests in a round of --burst-rounds: round 0 the burst workload's, every later round fresh
+    prompts of the same shape (seed + 100 per round), so that no round finds an earlier one's prefixes cached."""
     n = 8 if args.quick else args.num_requests
     io = ((16, 32), (8, 16)) if args.quick else ((64, 192), (64, 192))
-    return [sample_random(n, io[0], io[1], seed=args.seed + 100 * i) for i in range(args.burst_rounds)]
+    return sample_random(n, io[0], io[1], seed=args.seed + 100 * round_index)
 
 
 def build_workloads(args: argparse.Namespace) -> list[Workload]:
     n1 = 4 if args.quick else args.single_requests
     single = 32 if args.quick else 128
     single_out = 16 if args.quick else 128
-    burst = burst_rounds(argparse.Namespace(**{**vars(args), "burst_rounds": 1}))[0]
+    burst = burst_requests(args)
     all_workloads = [
         Workload("burst", burst),
         Workload("poisson", burst, poisson=True),
@@ -119,21 +122,8 @@ def run_workloads(name: str, base_url: str, workloads: list[Workload], state: di
               f"tok/s, median TTFT {s['median_ttft_ms']:.0f} ms, median TPOT {s['median_tpot_ms']:.1f} ms",
               flush=True)
         out[wl.name] = doc
-        if wl.name == "burst" and args.burst_rounds > 1:
-            out["burst_rounds"] = [s, *more_bursts(name, client, load, args)]
         if wl.name == "burst" and "poisson_rate" not in state and s["completed"]:
             state["poisson_rate"] = args.poisson_rate or args.poisson_fraction * s["request_throughput"]
-    return out
-
-
-def more_bursts(name: str, client: ClientConfig, load: LoadConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Rounds 1.. of the burst (round 0 is the burst workload itself): their summaries."""
-    out = []
-    for i, reqs in enumerate(burst_rounds(args)[1:], start=1):
-        s = run_benchmark(client, reqs, load, warmup=0, label=f"{name} burst round {i}")["summary"]
-        print(f"[{name}] burst round {i}: {s['completed']}/{s['num_requests']} ok, {s['output_throughput']:.1f} "
-              f"tok/s", flush=True)
-        out.append(s)
     return out
 
 
@@ -141,13 +131,6 @@ def client_config(base_url: str, args: argparse.Namespace) -> ClientConfig:
     """The client every server gets: ignore_eos, and the run's sampling (top_p sent only when below 1)."""
     extra = {"top_p": args.top_p} if args.top_p < 1.0 else {}
     return ClientConfig(base_url=base_url, model="", ignore_eos=True, temperature=args.temperature, extra_body=extra)
-
-
-def offline_sampling(sampling: dict[str, float], max_tokens: int) -> Any:
-    """The offline run's SamplingParams for one request: the served requests' sampling."""
-    from cbserve import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
 
 
 # ---- servers ---------------------------------------------------------------------------------------------
@@ -260,52 +243,41 @@ def _run_peer(name: str, cmd: list[str], env: dict[str, str], port: int, workloa
     return res
 
 
-def run_offline(workloads: list[Workload], args: argparse.Namespace) -> dict[str, Any]:
-    """cbserve.LLM on the burst's requests (every round's), in a child process (its own threads and memory)."""
-    rounds = burst_rounds(args)
-    with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
-        req_file, out_file = Path(tmp) / "requests.json", Path(tmp) / "offline.json"
-        req_file.write_text(json.dumps([[asdict(r) for r in reqs] for reqs in rounds]))
-        sampling = json.dumps({"temperature": args.temperature, "top_p": args.top_p})
-        cmd = [sys.executable, __file__, "--offline-worker", str(req_file), str(out_file),
-               "--offline-kwargs", args.offline_kwargs, sampling]
-        print(f"[offline] cbserve.LLM on {len(rounds[0])} requests, {len(rounds)} round(s)", flush=True)
-        r = subprocess.run(cmd, timeout=args.request_timeout + args.ready_timeout)
-        if r.returncode != 0 or not out_file.exists():
-            return {"skipped": f"offline run failed (exit {r.returncode})"}
-        res = json.loads(out_file.read_text())
-    for i, s in enumerate(res):
-        print(f"[offline] burst round {i}: {s['output_throughput']:.1f} tok/s in {s['duration_s']:.1f} s", flush=True)
-    out: dict[str, Any] = {"burst": {"summary": res[0], "label": "offline burst"}}
-    if len(res) > 1:
-        out["burst_rounds"] = res
-    return out
+def run_offline_burst(reqs: list[SampleRequest], args: argparse.Namespace, label: str) -> dict[str, Any]:
+    """cbserve.LLM on one burst's requests, in a child process (serving_offline.py)."""
+    print(f"[offline] {label}: cbserve.LLM on {len(reqs)} requests", flush=True)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
+    res = run_offline(reqs, args.offline_kwargs, sampling, args.request_timeout + args.ready_timeout)
+    if "skipped" in res:
+        return res
+    print(f"[offline] {label}: {res['output_throughput']:.1f} tok/s in {res['duration_s']:.1f} s", flush=True)
+    return {"burst": {"summary": res, "label": "offline burst"}}
 
 
-def offline_worker(req_file: str, out_file: str, kwargs_json: str, sampling_json: str) -> int:
-    from cbserve import LLM, SamplingParams
+RUNNERS = {"cbserve": run_cbserve, "vllm": run_vllm, "llama": run_llama}
 
-    rounds = [[SampleRequest(**d) for d in reqs] for reqs in json.loads(Path(req_file).read_text())]
-    llm = LLM(**{"progress": False, **json.loads(kwargs_json)})
-    llm.generate([rounds[0][0].prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    sampling = json.loads(sampling_json)
-    results = []
-    for reqs in rounds:
-        params = [offline_sampling(sampling, r.output_len) for r in reqs]
-        t0 = time.perf_counter()
-        outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
-        dur = time.perf_counter() - t0
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        n_in = sum(len(o.prompt_token_ids) for o in outs)
-        results.append({
-            "duration_s": dur, "num_requests": len(reqs), "completed": len(outs), "failed": 0,
-            "total_input_tokens": n_in, "total_output_tokens": n_out, "output_throughput": n_out / dur,
-            "request_throughput": len(outs) / dur, "total_token_throughput": (n_in + n_out) / dur,
-            "engine_kwargs": json.loads(kwargs_json),
-        })
-    Path(out_file).write_text(json.dumps(results))
-    llm.shutdown()
-    return 0
+
+def run_rounds(names: list[str], results: dict[str, Any], state: dict[str, Any], args: argparse.Namespace) -> None:
+    """Rounds 1.. of the burst (round 0 ran with the other workloads): in each round every server is started
+    afresh, runs the round's burst and is stopped, then offline runs it; so each round's figures are minutes
+    apart, and a drift of this machine's speed moves all of a round alike. A server that fails a round loses
+    its rounds (no median of fewer rounds than the others')."""
+    one = argparse.Namespace(**{**vars(args), "burst_rounds": 1, "cpu_breakdown": False, "py_spy": False})
+    for name in names:
+        results[name]["burst_rounds"] = [results[name]["burst"]["summary"]]
+    for i in range(1, args.burst_rounds):
+        reqs = burst_requests(args, i)
+        for name in [n for n in names if "burst_rounds" in results[n]]:
+            res = (run_offline_burst(reqs, one, f"burst round {i}") if name == "offline" else
+                   RUNNERS[name]([Workload("burst", reqs)], dict(state), one))
+            summary = res.get("burst", {}).get("summary")
+            if not summary or not summary.get("completed"):
+                print(f"[{name}] burst round {i} FAILED ({res.get('skipped', 'no request completed')}): its "
+                      f"rounds are dropped", flush=True)
+                del results[name]["burst_rounds"]
+                continue
+            results[name]["burst_rounds"].append(summary)
+            print(f"[{name}] burst round {i}: {summary['output_throughput']:.1f} tok/s", flush=True)
 
 
 # ---- main ------------------------------------------------------------------------------------------------
@@ -355,10 +327,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--offline-worker":
-        return offline_worker(argv[1], argv[2], argv[4], argv[5])
-    args = parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.burst_rounds < 1:
         raise SystemExit(f"bench_serving: --burst-rounds must be at least 1 (got {args.burst_rounds})")
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
@@ -367,13 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     t0 = time.perf_counter()
     for name in [s for s in SERVERS if s in args.servers]:
-        if name == "offline":
-            results[name] = run_offline(workloads, args)
-        else:
-            results[name] = {"cbserve": run_cbserve, "vllm": run_vllm, "llama": run_llama}[name](
-                workloads, state, args)
+        results[name] = (run_offline_burst(burst_requests(args), args, "burst") if name == "offline" else
+                         RUNNERS[name](workloads, state, args))
         if "skipped" in results[name]:
             print(f"[{name}] SKIPPED: {results[name]['skipped']}", flush=True)
+    if args.burst_rounds > 1:
+        run_rounds([n for n, r in results.items() if r.get("burst", {}).get("summary")], results, state, args)
     doc = {"config": {**vars(args), "poisson_rate": state.get("poisson_rate"),
                       "total_wall_s": time.perf_counter() - t0},
            "results": results, "ratios": goal_ratios(results)}

@@ -45,7 +45,7 @@ def test_sampling_flags_reach_the_served_requests_and_the_offline_run() -> None:
 def test_burst_rounds_are_the_burst_then_fresh_prompts_of_the_same_shape() -> None:
     bs = _bench_serving()
     args = bs.parse_args(["--quick", "--burst-rounds", "3"])
-    rounds = bs.burst_rounds(args)
+    rounds = [bs.burst_requests(args, i) for i in range(args.burst_rounds)]
     burst = bs.build_workloads(args)[0]
     assert burst.name == "burst" and [r.prompt for r in rounds[0]] == [r.prompt for r in burst.requests]
     assert [len(r) for r in rounds] == [8, 8, 8]
