@@ -250,7 +250,8 @@ def run_offline_burst(reqs: list[SampleRequest], args: argparse.Namespace, label
     res = run_offline(reqs, args.offline_kwargs, sampling, args.request_timeout + args.ready_timeout)
     if "skipped" in res:
         return res
-    print(f"[offline] {label}: {res['output_throughput']:.1f} tok/s in {res['duration_s']:.1f} s", flush=True)
+    print(f"[offline] {label}: {res['output_throughput']:.1f} tok/s in {res['duration_s']:.1f} s "
+          f"({res['cpu_s'] / res['duration_s']:.2f} cores)", flush=True)
     return {"burst": {"summary": res, "label": "offline burst"}}
 
 
@@ -262,11 +263,12 @@ def run_rounds(names: list[str], results: dict[str, Any], state: dict[str, Any],
     afresh, runs the round's burst and is stopped, then offline runs it; so each round's figures are minutes
     apart, and a drift of this machine's speed moves all of a round alike. A server that fails a round loses
     its rounds (no median of fewer rounds than the others')."""
-    one = argparse.Namespace(**{**vars(args), "burst_rounds": 1, "cpu_breakdown": False, "py_spy": False})
     for name in names:
         results[name]["burst_rounds"] = [results[name]["burst"]["summary"]]
     for i in range(1, args.burst_rounds):
         reqs = burst_requests(args, i)
+        one = argparse.Namespace(**{**vars(args), "burst_rounds": 1, "cpu_breakdown": False, "py_spy": False,
+                                    "out_dir": str(Path(args.out_dir) / f"round{i}")})  # its servers' logs
         for name in [n for n in names if "burst_rounds" in results[n]]:
             res = (run_offline_burst(reqs, one, f"burst round {i}") if name == "offline" else
                    RUNNERS[name]([Workload("burst", reqs)], dict(state), one))

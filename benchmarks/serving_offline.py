@@ -27,7 +27,8 @@ def offline_sampling(sampling: dict[str, float], max_tokens: int) -> Any:
 def run_offline(reqs: list[SampleRequest], engine_kwargs: str, sampling: dict[str, float],
                 timeout_s: float) -> dict[str, Any]:
     """One burst of ``reqs`` through ``cbserve.LLM(**engine_kwargs)`` in a child process: its summary (output
-    tok/s over the generate call, after one warm-up request), or ``{"skipped": why}``."""
+    tok/s over the generate call, after one warm-up request; ``cpu_s``, the CPU seconds the call took), or
+    ``{"skipped": why}``."""
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         req_file, out_file = Path(tmp) / "requests.json", Path(tmp) / "offline.json"
         req_file.write_text(json.dumps([asdict(r) for r in reqs]))
@@ -46,16 +47,16 @@ def offline_worker(req_file: str, out_file: str, kwargs_json: str, sampling_json
     llm.generate([reqs[0].prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     sampling = json.loads(sampling_json)
     params = [offline_sampling(sampling, r.output_len) for r in reqs]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
-    dur = time.perf_counter() - t0
+    dur, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     Path(out_file).write_text(json.dumps({
         "duration_s": dur, "num_requests": len(reqs), "completed": len(outs), "failed": 0,
         "total_input_tokens": n_in, "total_output_tokens": n_out, "output_throughput": n_out / dur,
         "request_throughput": len(outs) / dur, "total_token_throughput": (n_in + n_out) / dur,
-        "engine_kwargs": json.loads(kwargs_json),
+        "cpu_s": cpu_s, "engine_kwargs": json.loads(kwargs_json),
     }))
     llm.shutdown()
     return 0

@@ -62,6 +62,8 @@ def test_quick_run_reports_cbserve_and_skips_missing_peers(tmp_path: Path) -> No
     assert [r["completed"] for r in served_rounds + off_rounds] == [8] * 4
     assert served_rounds[0] == res["cbserve"]["burst"]["summary"] and off_rounds[0] == off
     assert served_rounds[1]["total_output_tokens"] == off_rounds[1]["total_output_tokens"]  # the same requests
+    assert (out / "round1" / "logs" / "cbserve_serve.log").stat().st_size > 0  # round 1 started its own server
+    assert 0 < off_rounds[1]["cpu_s"] < 10 * off_rounds[1]["duration_s"]
     tput = [[r["output_throughput"] for r in rounds] for rounds in (served_rounds, off_rounds)]
     served = ratios["burst_served_over_offline"]
     assert served["value"] == pytest.approx(sum(tput[0]) / sum(tput[1]))  # the medians of two rounds
