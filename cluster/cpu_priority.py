@@ -36,7 +36,8 @@ one the model's OpenMP team loses during a burst. The cost: Serve notices a repl
 (its health checks run every 10 s anyway). And the ingress replicas run their code on the replica's own event
 loop (``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``, part of Serve's throughput-optimized mode) instead of
 a second loop in a thread of its own: every streamed chunk then goes to the HTTP connection without a hand-off
-between the two loops' threads (0.147 ms of the ingress's CPU per streamed token against 0.165).
+between the two loops' threads (0.144 ms of the ingress's CPU per streamed token against 0.171, mean of 6 bursts
+each, alternated).
 
 Measured on 2 cores (BENCHMARKS.md, "CPU priority" and "CPU policy"). Linux only (niceness and policy per
 thread); elsewhere these do nothing.
