@@ -56,7 +56,7 @@ from cbserve.bench.deploy import HOST, free_port, local_deployment_process, serv
 from cbserve.bench.runner import LoadConfig, run_benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_offline import offline_sampling, run_offline  # noqa: E402, F401 (offline_sampling: tests)
+from serving_offline import run_offline  # noqa: E402
 from serving_report import format_report, goal_ratios, plot_serving  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,6 +4,7 @@ end-to-end run in tests/e2e covers the greedy default and two rounds against a r
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -24,12 +25,18 @@ def _bench_serving() -> ModuleType:
     return module
 
 
+def _offline() -> ModuleType:
+    """benchmarks/serving_offline.py, as bench_serving imports it (its folder is on sys.path once loaded)."""
+    _bench_serving()
+    return importlib.import_module("serving_offline")
+
+
 def test_requests_are_greedy_by_default() -> None:
     bs = _bench_serving()
     args = bs.parse_args([])
     body = build_payload(bs.client_config("http://127.0.0.1:1", args), "hi", 8)
     assert body["temperature"] == 0.0 and "top_p" not in body and body["ignore_eos"] is True
-    params = bs.offline_sampling({"temperature": args.temperature, "top_p": args.top_p}, 8)
+    params = _offline().offline_sampling({"temperature": args.temperature, "top_p": args.top_p}, 8)
     assert params.greedy and params.max_tokens == 8 and params.ignore_eos
 
 
@@ -38,7 +45,7 @@ def test_sampling_flags_reach_the_served_requests_and_the_offline_run() -> None:
     args = bs.parse_args(["--temperature", "0.7", "--top-p", "0.95"])
     body = build_payload(bs.client_config("http://127.0.0.1:1", args), "hi", 8)
     assert body["temperature"] == 0.7 and body["top_p"] == 0.95
-    params = bs.offline_sampling({"temperature": args.temperature, "top_p": args.top_p}, 12)
+    params = _offline().offline_sampling({"temperature": args.temperature, "top_p": args.top_p}, 12)
     assert not params.greedy and params.temperature == 0.7 and params.top_p == 0.95 and params.max_tokens == 12
 
 
