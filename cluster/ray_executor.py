@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,8 @@ class RayExecutor:
         self._cgraph: Any = None
         self._channels: list[StepClient] = []
         self._watchers: list[asyncio.Future[None]] = []  # one per rank: closes the channels when it is gone
+        self.rank_lost = False  # a rank's lifetime call failed: the group is broken, even while it is idle
+        self.on_rank_lost: Callable[[], None] | None = None  # called once when that happens (the engine loop)
         self._last_done = 0.0  # perf_counter() when the last step's output came back
 
     @classmethod
@@ -111,22 +114,31 @@ class RayExecutor:
             except BaseException:
                 executor.shutdown()
                 raise
+            executor.watch_ranks()
         return executor
 
     async def open_channels(self) -> None:
         """Connect to every rank's step channel (cluster/step_channel.py). The channels close the moment Ray
-        knows a rank is gone (its ``lifetime`` call fails), as an actor call to it would fail: the pending
-        step and every later one then fail and the replica rebuilds."""
+        knows a rank is gone (``watch_ranks``), as an actor call to it would fail: the pending step and every
+        later one then fail and the replica rebuilds."""
         addresses = await asyncio.gather(*[w.open_step_channel.remote() for w in self.workers])
         self._channels = [await StepClient.connect(a) for a in addresses]
-        self._watchers = [asyncio.ensure_future(self._close_channels_when_gone(w.lifetime.remote()))
-                          for w in self.workers]
 
-    async def _close_channels_when_gone(self, lifetime: Any) -> None:
+    def watch_ranks(self) -> None:
+        """One pending ``lifetime`` call per rank: when Ray knows a rank is gone (its node lost, its process
+        dead) the call fails, the step channels close and ``on_rank_lost`` tells the engine loop, which then
+        rebuilds the replica even when no step is pending (an idle replica would otherwise stay "ready")."""
+        self._watchers = [asyncio.ensure_future(self._when_gone(w.lifetime.remote())) for w in self.workers]
+
+    async def _when_gone(self, lifetime: Any) -> None:
         with contextlib.suppress(Exception):  # the rank died (or was killed at shutdown)
             await lifetime
         for channel in self._channels:
             channel.close()
+        if not self.rank_lost:
+            self.rank_lost = True
+            if self.on_rank_lost is not None:
+                self.on_rank_lost()
 
     def compile(self) -> None:
         """Build the compiled graph (scheduler -> all ranks); the step channel is used if it fails."""

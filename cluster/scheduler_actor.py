@@ -31,7 +31,7 @@ import ray
 from cbserve.cluster.config import CBServeConfig, check_kv_capacity
 from cbserve.cluster.metrics import EngineMetrics
 from cbserve.cluster.output_channel import ChannelServer, EngineFailure
-from cbserve.cluster.ray_executor import RayExecutor
+from cbserve.cluster.ray_executor import RayExecutor, WorkerGroupError
 from cbserve.cluster.step_channel import StepAddress
 from cbserve.scheduler.engine_core import EngineCore, tune_gc_for_serving
 from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
@@ -184,6 +184,7 @@ class SchedulerActor:
     async def _build(self) -> None:
         self.generation += 1
         self.executor = await RayExecutor.create(self.config, self.replica, f"{self.name}:workers")
+        self.executor.on_rank_lost = self._wake
         check_kv_capacity(self.config, self.executor.num_blocks, self.config.resolved_device)
         engine_config = self.config.engine_config(self.executor.num_blocks)
         self.engine = EngineCore(engine_config, self.executor, totals=self.totals)
@@ -202,6 +203,8 @@ class SchedulerActor:
         try:
             while True:
                 if not in_flight and not engine.has_unfinished_requests():
+                    if executor.rank_lost:  # found while idle: rebuild now, not on the next request
+                        raise WorkerGroupError(f"engine replica {self.replica} lost a worker rank")
                     await self._idle(engine)
                     continue
                 while len(in_flight) < depth and engine.has_unfinished_requests():
@@ -222,6 +225,10 @@ class SchedulerActor:
             for _, step in in_flight:
                 if step is not None:
                     step.cancel()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
 
     async def _idle(self, engine: EngineCore) -> None:
         assert self._wakeup is not None

@@ -63,3 +63,20 @@ def test_killed_worker_fails_in_flight_requests_and_replica_recovers(server: Ser
         r = client.completions.create(model=app.model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
         assert r.choices[0].text == server.expected[f"main:{PROMPTS[0]}"]
     assert app.stats()["0"]["routed_requests"] > before
+
+
+def test_worker_lost_while_idle_is_noticed_without_a_request(server: Server) -> None:
+    """An idle replica whose worker dies rebuilds at once (its rank's lifetime call fails), instead of staying
+    "ready" until the next request routed to it fails."""
+    from cbserve.cluster.engine_client import NAMESPACE, engine_actor_names
+
+    app = server.main
+    wait_for("every replica ready", app.healthy, 240, 1)
+    engine = ray.get_actor(engine_actor_names("main")[0], namespace=NAMESPACE)
+    stats = app.stats()["0"]
+    assert stats["num_in_flight"] == 0
+    generation, routed = stats["generation"], stats["routed_requests"]
+    ray.kill(ray.get(engine.worker_handles.remote())[0], no_restart=True)
+    wait_for("replica 0 rebuilt while idle", lambda: app.stats()["0"]["generation"] > generation and app.healthy(),
+             240, 0.5)
+    assert app.stats()["0"]["routed_requests"] == routed  # no request was needed to notice
