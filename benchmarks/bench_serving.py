@@ -255,7 +255,12 @@ def run_offline_burst(reqs: list[SampleRequest], args: argparse.Namespace, label
     return {"burst": {"summary": res, "label": "offline burst"}}
 
 
-RUNNERS = {"cbserve": run_cbserve, "vllm": run_vllm, "llama": run_llama}
+def run_one(name: str, workloads: list[Workload], burst: list[SampleRequest], state: dict[str, Any],
+            args: argparse.Namespace, label: str = "burst") -> dict[str, Any]:
+    """One server on ``workloads``, or offline on ``burst`` (the burst's requests, whatever the workloads)."""
+    if name == "offline":
+        return run_offline_burst(burst, args, label)
+    return {"cbserve": run_cbserve, "vllm": run_vllm, "llama": run_llama}[name](workloads, state, args)
 
 
 def run_rounds(names: list[str], results: dict[str, Any], state: dict[str, Any], args: argparse.Namespace) -> None:
@@ -270,8 +275,7 @@ def run_rounds(names: list[str], results: dict[str, Any], state: dict[str, Any],
         one = argparse.Namespace(**{**vars(args), "burst_rounds": 1, "cpu_breakdown": False, "py_spy": False,
                                     "out_dir": str(Path(args.out_dir) / f"round{i}")})  # its servers' logs
         for name in [n for n in names if "burst_rounds" in results[n]]:
-            res = (run_offline_burst(reqs, one, f"burst round {i}") if name == "offline" else
-                   RUNNERS[name]([Workload("burst", reqs)], dict(state), one))
+            res = run_one(name, [Workload("burst", reqs)], reqs, dict(state), one, f"burst round {i}")
             summary = res.get("burst", {}).get("summary")
             if not summary or not summary.get("completed"):
                 print(f"[{name}] burst round {i} FAILED ({res.get('skipped', 'no request completed')}): its "
@@ -325,21 +329,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=1800.0)
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.burst_rounds < 1:
+        p.error(f"--burst-rounds must be at least 1 (got {args.burst_rounds})")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.burst_rounds < 1:
-        raise SystemExit(f"bench_serving: --burst-rounds must be at least 1 (got {args.burst_rounds})")
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     workloads = build_workloads(args)
     state: dict[str, Any] = {}
     results: dict[str, Any] = {}
     t0 = time.perf_counter()
     for name in [s for s in SERVERS if s in args.servers]:
-        results[name] = (run_offline_burst(burst_requests(args), args, "burst") if name == "offline" else
-                         RUNNERS[name](workloads, state, args))
+        results[name] = run_one(name, workloads, burst_requests(args), state, args)
         if "skipped" in results[name]:
             print(f"[{name}] SKIPPED: {results[name]['skipped']}", flush=True)
     if args.burst_rounds > 1:

@@ -133,8 +133,7 @@ class SchedulerActor:
     def _abort(self, req_id: str, generation: int) -> None:
         if self.engine is not None and generation == self.generation:
             self.engine.abort_request(req_id)
-            if self._wakeup is not None:
-                self._wakeup.set()
+            self._wake()
 
     async def finish(self, req_id: str, index: int = 0) -> None:
         """A stop string was seen by the ingress: finish that sequence (reason "stop")."""
