@@ -141,20 +141,21 @@ class EngineClient:
         return list(await asyncio.gather(*[one(i) for i in range(len(self.engines))]))
 
     # ---- requests -----------------------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
         """Yields ``[]`` once the engine admitted the request, then batches of new outputs. Raises APIError
         on rejection, failure or timeout (``request_timeout_s``). Leaving early (client gone, stop string,
         timeout) aborts it in the engine."""
         timeout_s = self.config.request_timeout_s
+        return self._routed(request) if timeout_s is None else self._deadlined(request, timeout_s)
+
+    async def _deadlined(self, request: EngineRequest, timeout_s: float) -> AsyncIterator[list[RequestOutput]]:
+        """``_routed`` within ``timeout_s``: a timeout cancels the pending step of the stream, which aborts it."""
         loop = asyncio.get_running_loop()
-        deadline = None if timeout_s is None else loop.time() + timeout_s
+        deadline = loop.time() + timeout_s
         async with contextlib.aclosing(self._routed(request)) as stream:
             while True:
                 try:
-                    if deadline is None:
-                        item = await anext(stream)
-                    else:  # a timeout cancels the pending step of the stream: that aborts the request
-                        item = await asyncio.wait_for(anext(stream), max(0.0, deadline - loop.time()))
+                    item = await asyncio.wait_for(anext(stream), max(0.0, deadline - loop.time()))
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
@@ -163,9 +164,9 @@ class EngineClient:
                 yield item
 
     async def _routed(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
-        """``generate`` without the deadline. A replica that turns the request away before admitting it
-        (waiting queue full, or gone) is skipped and the next healthy replica is tried; the client sees a
-        429 / 503 only when none is left."""
+        """``generate`` without a deadline. A replica that turns the request away before admitting it (waiting
+        queue full, or gone) is skipped and the next healthy replica is tried; the client sees a 429 / 503 only
+        when none is left."""
         tried: set[int] = set()
         while True:
             try:

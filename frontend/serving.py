@@ -235,12 +235,12 @@ def sse_event(obj: BaseModel | dict[str, Any]) -> str:
     return f"data: {data}\n\n"
 
 
-async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
-    """Items of several async iterators as they come (one iterator: passed through unchanged)."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield item
-        return
+def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """Items of several async iterators as they come (one iterator: itself, no layer per item)."""
+    return streams[0] if len(streams) == 1 else _merged(streams)
+
+
+async def _merged(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[T]:
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(stream: AsyncIterator[T]) -> None:

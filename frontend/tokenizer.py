@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,25 @@ def apply_chat_template(
     )
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
+def ids_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``tokenizer.decode`` of a list of ids, as one function. For a fast tokenizer whose ``decode`` only calls
+    its Rust tokenizer (transformers' own ``decode``, no clean-up of tokenization spaces) that call is made
+    directly: the same text without the wrapper's argument checks, two of which run for every streamed token."""
+    from transformers import PreTrainedTokenizerFast
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    cls = type(tokenizer)
+    direct = (
+        backend is not None
+        and isinstance(tokenizer, PreTrainedTokenizerFast)
+        and cls.decode is PreTrainedTokenizerFast.decode
+        and cls._decode is PreTrainedTokenizerFast._decode
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    )
+    if direct:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
 
 @dataclass
 class DetokenizerUpdate:
@@ -88,6 +107,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
+        self._decode = ids_decoder(tokenizer, skip_special_tokens)
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop_str_in_output
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -108,9 +128,6 @@ class IncrementalDetokenizer:
     @property
     def output_token_ids(self) -> list[int]:
         return self._ids[self._num_context :]
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, token_ids: Sequence[int]) -> DetokenizerUpdate:
         """Feed newly generated token ids; returns the text that can be emitted now."""

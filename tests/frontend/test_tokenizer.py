@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cbserve.frontend.tokenizer import IncrementalDetokenizer, apply_chat_template, load_tokenizer
+from cbserve.frontend.tokenizer import IncrementalDetokenizer, apply_chat_template, ids_decoder, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +57,36 @@ def test_chat_template_renders_a_prompt(tok) -> None:  # noqa: ANN001
     assert "Hi there" in text and text.rstrip().endswith("assistant")
     with pytest.raises(ValueError):
         apply_chat_template(tok, [{"content": "no role"}])
+
+
+def test_ids_decoder_equals_the_tokenizers_decode(tok) -> None:  # noqa: ANN001
+    import random
+
+    rng = random.Random(0)
+    special = [tok.eos_token_id, tok.bos_token_id, *tok.all_special_ids]
+    for skip in (True, False):
+        decode = ids_decoder(tok, skip)
+        for _ in range(200):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 12))] + rng.sample(special, 1)
+            rng.shuffle(ids)
+            assert decode(ids) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_ids_decoder_keeps_what_the_wrapper_adds() -> None:
+    """A tokenizer that cleans up tokenization spaces, or overrides decode, is decoded through its wrapper."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, ".": 3, "'": 4, "s": 5}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    wp = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=True)
+    ids = [1, 2, 3, 1, 4, 5]
+    assert backend.decode(ids) != wp.decode(ids) == ids_decoder(wp, True)(ids)  # "world ." vs "world."
+
+    class Shouting(PreTrainedTokenizerFast):
+        def decode(self, token_ids, skip_special_tokens=False, **kw):  # noqa: ANN001, ANN003, ANN201
+            return super().decode(token_ids, skip_special_tokens, **kw).upper()
+
+    loud = Shouting(tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=False)
+    assert ids_decoder(loud, True)([1, 2]) == "HELLO WORLD"
