@@ -21,6 +21,7 @@ class FakeChannelServer:
         self.opened: list[str] = []
         self._server: asyncio.Server | None = None
         self._address: StepAddress | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
 
     async def address(self) -> StepAddress:
         if self._address is None:
@@ -28,7 +29,18 @@ class FakeChannelServer:
             self._address = StepAddress("127.0.0.1", self._server.sockets[0].getsockname()[1], b"t" * TOKEN_BYTES)
         return self._address
 
+    async def close(self) -> None:
+        """Stop serving and end every open connection (inside the test's event loop, before it closes)."""
+        if self._server is not None:
+            self._server.close()
+        for task in self._handlers:
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         await reader.readexactly(TOKEN_BYTES)
         channel_id = (await read_frame(reader)).decode()
         self.opened.append(channel_id)

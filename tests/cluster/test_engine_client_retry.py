@@ -85,11 +85,19 @@ def _run(client: EngineClient, req_id: str = "r1") -> list[Any]:
         try:
             return [item async for item in client.generate(request)]
         finally:
-            for channel in client.channels:  # the fakes' channels stay open: close their readers
-                channel.close()
-                await asyncio.sleep(0)
+            await _close(client)
 
     return asyncio.run(collect())
+
+
+async def _close(client: EngineClient) -> None:
+    """The fakes' channels stay open: close their readers and servers inside the test's loop."""
+    tasks = [c._task for c in client.channels if c._task is not None]
+    for channel in client.channels:
+        channel.close()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for engine in client.engines:
+        await engine.channel.close()
 
 
 FULL = EngineFailure("queue_full", "waiting queue is full")
@@ -157,6 +165,7 @@ def test_a_request_past_its_timeout_is_aborted_with_504() -> None:
             loop.run_until_complete(collect())
         elapsed = loop.time() - t0
     finally:
+        loop.run_until_complete(_close(client))
         loop.close()
     assert info.value.status == 504 and "request_timeout_s" in str(info.value.body())
     assert info.value.body()["error"]["type"] == "timeout"
