@@ -27,7 +27,7 @@ openai = pytest.importorskip("openai")
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).with_name("cbserve")
 MODEL = "SmolLM2-135M-Instruct"
-TIMEOUT_S = 30  # request_timeout_s: far above an 8-token answer, far below 8000 tokens on a CPU
+TIMEOUT_S = 12  # request_timeout_s: far above an 8-token answer (< 1 s), far below 8000 tokens on a CPU
 
 
 class Serve:
