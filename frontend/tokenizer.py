@@ -58,22 +58,22 @@ def apply_chat_template(
     )
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
+
 def ids_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """``tokenizer.decode`` of a list of ids, as one function. For a fast tokenizer whose ``decode`` only calls
     its Rust tokenizer (transformers' own ``decode``, no clean-up of tokenization spaces) that call is made
     directly: the same text without the wrapper's argument checks, two of which run for every streamed token."""
     from transformers import PreTrainedTokenizerFast
 
-    backend = getattr(tokenizer, "backend_tokenizer", None)
     cls = type(tokenizer)
     direct = (
-        backend is not None
-        and isinstance(tokenizer, PreTrainedTokenizerFast)
+        isinstance(tokenizer, PreTrainedTokenizerFast)
         and cls.decode is PreTrainedTokenizerFast.decode
         and cls._decode is PreTrainedTokenizerFast._decode
-        and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        and not tokenizer.clean_up_tokenization_spaces
     )
     if direct:
+        backend = tokenizer.backend_tokenizer
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -104,9 +104,7 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
     ) -> None:
-        self.tokenizer = tokenizer
         self.min_tokens = min_tokens
-        self.skip_special_tokens = skip_special_tokens
         self._decode = ids_decoder(tokenizer, skip_special_tokens)
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop_str_in_output
