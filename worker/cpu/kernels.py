@@ -161,6 +161,11 @@ class CpuKernels:
                                    panels.n, bias_ptr, out.data_ptr(), panels.n), "linear")
         return out
 
+    def set_amx(self, enable: bool) -> bool:
+        """Let blocks of 16 rows or more of bfloat16 products run on Intel AMX tiles (the default where the CPU,
+        the build and the OS allow it) or not; returns whether they do from now on. Process-wide."""
+        return bool(self._lib.cb_set_amx(int(enable)))
+
     def _check_panels(self, panels: Panels) -> None:
         size = self._lib.cb_packed_bytes(PANEL_FORMATS.get(panels.fmt, -1), panels.n, panels.k)
         if panels.data.dtype != torch.uint8 or panels.data.numel() != size or not panels.data.is_contiguous():

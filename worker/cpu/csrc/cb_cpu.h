@@ -86,10 +86,15 @@ CB_API int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float 
  * CB_FMT_F32 .. CB_FMT_Q4_1 multiply in float32 by the weight's exact float32 values. The bfloat16 formats
  * (CB_FMT_BF16_DOT, CB_FMT_Q8_0_BF16, CB_FMT_Q4_1_BF16) round each row of a and each (decoded) weight to
  * bfloat16 (to nearest even) and sum the products in float32, two k values a step (AVX-512 BF16's dot product
- * where the CPU has it): results within float32 rounding of bf16(a) @ bf16(W)^T computed in float32; the
- * three give the same products for the same decoded weights. */
+ * where the CPU has it; from 4 rows on, with k a multiple of 32, Intel AMX tiles where the CPU has them, 32 k
+ * values a step): results within float32 rounding of bf16(a) @ bf16(W)^T computed in float32; the three give
+ * the same products for the same decoded weights. */
 CB_API int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                      const float *bias, float *c, int64_t ldc);
+/* Whether blocks of 16 rows or more of bfloat16 products run on Intel AMX tiles (same rounding of the
+ * operands, float32 sums in a different order): enable = 0 turns that off, 1 back on where the CPU and
+ * the build have AMX and the OS grants the tile state. Returns whether AMX is used from now on. */
+CB_API int cb_set_amx(int enable);
 
 /* ---- elementwise (elementwise.c) ----------------------------------------------------------------------- */
 

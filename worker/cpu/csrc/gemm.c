@@ -32,6 +32,8 @@
 #define CB_KC_FEW 64
 #define CB_KC_MANY 256
 #define CB_MANY_ROWS 32
+/* rows from which bfloat16 products go to AMX tiles where there are some (amx.c) */
+#define CB_AMX_MIN_ROWS 4
 
 static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                               const float *bias, float *c, int64_t ldc);
@@ -264,6 +266,20 @@ static void blocks_one_row(int fmt, const float *a, int k, const uint8_t *wp, in
     }
 }
 
+/* A's rows rounded to bfloat16 pairs (padded with zero rows to a multiple of 16), then AMX tiles (amx.c). */
+static int linear_amx(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
+                      const float *bias, float *c, int64_t ldc) {
+    const int kp = (k + 1) / 2, mpad = (m + 15) / 16 * 16;
+    uint32_t *ab = malloc(sizeof(uint32_t) * (size_t)((int64_t)mpad * kp));
+    if (!ab) return CB_ENOMEM;
+    memset(ab + (int64_t)m * kp, 0, sizeof(uint32_t) * (size_t)((int64_t)(mpad - m) * kp));
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < m; ++i) row_to_bf16(a + (int64_t)i * lda, k, kp, (uint16_t *)(ab + (int64_t)i * kp));
+    const int rc = cb_linear_amx(fmt, ab, kp, m, wp, cb_panel_bytes(fmt, k), n, bias, c, ldc);
+    free(ab);
+    return rc;
+}
+
 /* A's rows rounded to bfloat16 pairs, then every work item as linear_items does. */
 static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                               const float *bias, float *c, int64_t ldc) {
@@ -273,6 +289,7 @@ static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k
         blocks_one_row(fmt, a, k, wp, pbytes, n, bias, c);
         return CB_OK;
     }
+    if (m >= CB_AMX_MIN_ROWS && kp % 16 == 0 && cb_amx_ready()) return linear_amx(fmt, a, lda, m, k, wp, n, bias, c, ldc);
     uint32_t *ab = malloc(sizeof(uint32_t) * (size_t)((int64_t)m * kp));
     if (!ab) return CB_ENOMEM;
 #pragma omp parallel

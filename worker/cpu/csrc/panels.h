@@ -59,4 +59,11 @@ const uint16_t *cb_panel_pairs(int fmt, const uint8_t *panel, int k0, int kn, ui
 void cb_blocks_row_dot(int fmt, const uint32_t *a, int kp, const uint8_t *panel, float *acc48);
 #endif
 
+/* AMX tiles (amx.c). cb_amx_ready: the kernels were built with AMX, the kernel granted the tile state, and
+ * cb_set_amx did not turn them off. cb_linear_amx: c = ab @ W^T (+ bias) for a bfloat16-products format; ab:
+ * m rows of kp bfloat16 pairs, zero rows after them up to a multiple of 16; kp a multiple of 16. */
+int cb_amx_ready(void);
+int cb_linear_amx(int fmt, const uint32_t *ab, int64_t kp, int m, const uint8_t *wp, int64_t pbytes, int n,
+                  const float *bias, float *c, int64_t ldc);
+
 #endif
