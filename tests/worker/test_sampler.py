@@ -228,3 +228,15 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_top() -> None:
 def test_invalid_params_are_rejected(bad: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_greedy_tokens_equal_argmax_with_ties_and_infinities() -> None:
+    from cbserve.worker.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(-3, 4, (64, 1000), generator=gen).float()  # many ties in every row
+    logits[5] = float("-inf")
+    logits[6, 10:] = float("-inf")
+    logits[7, [3, 900]] = float("inf")
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert greedy_tokens(logits)[7].item() == 3 and greedy_tokens(logits)[5].item() == 0

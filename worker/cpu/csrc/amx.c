@@ -66,9 +66,10 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* 16 rows of C (acc: [16][48] float32, read and written) += a (16 rows of bfloat16 pairs, lda pairs apart)
- * against kn pairs of w ([kn][48][2]). */
-static inline void block16(const uint32_t *a, int64_t lda, const uint16_t *w, int kn, float *acc) {
+/* 16 rows of C += a (16 rows of bfloat16 pairs, lda pairs apart) against kn pairs of w ([kn][48][2]); the
+ * sums are read from acc ([16][48] float32) and written to out, ldo floats a row (acc itself, or C). */
+static inline void block16(const uint32_t *a, int64_t lda, const uint16_t *w, int kn, const float *acc, float *out,
+                           int64_t ldo) {
     _tile_loadd(0, acc, CB_NR * 4);
     _tile_loadd(1, acc + 16, CB_NR * 4);
     _tile_loadd(2, acc + 32, CB_NR * 4);
@@ -82,23 +83,34 @@ static inline void block16(const uint32_t *a, int64_t lda, const uint16_t *w, in
         _tile_dpbf16ps(1, 3, 5);
         _tile_dpbf16ps(2, 3, 6);
     }
-    _tile_stored(0, acc, CB_NR * 4);
-    _tile_stored(1, acc + 16, CB_NR * 4);
-    _tile_stored(2, acc + 32, CB_NR * 4);
+    _tile_stored(0, out, ldo * 4);
+    _tile_stored(1, out + 16, ldo * 4);
+    _tile_stored(2, out + 32, ldo * 4);
 }
 
-/* One work item: rows (padded to 16 in a and in accbuf) of a against one panel of kp pairs. */
+/* One work item: rows (padded to 16 in a and in accbuf) of a against one panel of kp pairs. The last chunk's
+ * full blocks (16 rows, 48 columns) are stored straight into C; the others go through accbuf. */
 static void panel_rows_amx(int fmt, const uint32_t *a, int64_t lda, int rows, int kp, const uint8_t *panel,
                            const float *bias, float *c, int64_t ldc, int ncols, uint16_t *pairs, float *accbuf) {
     const int blocks = (rows + 15) / 16;
-    for (int i = 0; i < blocks * 16; ++i)
-        for (int j = 0; j < CB_NR; ++j) accbuf[i * CB_NR + j] = bias ? bias[j] : 0.0f;
-    for (int k0 = 0; k0 < kp; k0 += CB_AMX_KC / 2) {
-        const int kn = kp - k0 < CB_AMX_KC / 2 ? kp - k0 : CB_AMX_KC / 2;
-        const uint16_t *w = cb_panel_pairs(fmt, panel, 2 * k0, 2 * kn, pairs);
-        for (int b = 0; b < blocks; ++b) block16(a + (int64_t)b * 16 * lda + k0, lda, w, kn, accbuf + b * 16 * CB_NR);
+    for (int i = 0; i < blocks * 16; ++i) {
+        if (bias) memcpy(accbuf + i * CB_NR, bias, sizeof(float) * CB_NR);
+        else memset(accbuf + i * CB_NR, 0, sizeof(float) * CB_NR);
     }
-    for (int i = 0; i < rows; ++i) memcpy(c + (int64_t)i * ldc, accbuf + i * CB_NR, sizeof(float) * (size_t)ncols);
+    int direct = 0; /* blocks of the last chunk stored into C */
+    for (int k0 = 0; k0 < kp; k0 += CB_AMX_KC / 2) {
+        const int kn = kp - k0 < CB_AMX_KC / 2 ? kp - k0 : CB_AMX_KC / 2, last = k0 + kn == kp;
+        const uint16_t *w = cb_panel_pairs(fmt, panel, 2 * k0, 2 * kn, pairs);
+        for (int b = 0; b < blocks; ++b) {
+            float *acc = accbuf + b * 16 * CB_NR;
+            const int to_c = last && ncols == CB_NR && (b + 1) * 16 <= rows;
+            block16(a + (int64_t)b * 16 * lda + k0, lda, w, kn, acc, to_c ? c + (int64_t)b * 16 * ldc : acc,
+                    to_c ? ldc : CB_NR);
+            direct += to_c;
+        }
+    }
+    for (int i = direct * 16; i < rows; ++i)
+        memcpy(c + (int64_t)i * ldc, accbuf + i * CB_NR, sizeof(float) * (size_t)ncols);
 }
 
 static inline const float *panel_bias(const float *bias, int p, int ncols, float *tail) {
