@@ -24,7 +24,7 @@
 #include <unistd.h>
 
 #define CB_AMX_KC 256        /* k values a chunk: 24 KB of decoded pairs */
-#define CB_AMX_ROW_BLOCK 192 /* rows a work item covers (its float32 partial sums: 36 KB) */
+#define CB_AMX_ROW_BLOCK 256 /* rows a work item covers at most (its float32 partial sums: 48 KB) */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -66,15 +66,14 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* 16 rows of C += a (16 rows of bfloat16 pairs, lda pairs apart) against kn pairs of w ([kn][48][2]); the
- * sums are read from acc ([16][48] float32) and written to out, ldo floats a row (acc itself, or C). */
-static inline void block16(const uint32_t *a, int64_t lda, const uint16_t *w, int kn, const float *acc, float *out,
-                           int64_t ldo) {
+/* 16 rows of C += a (the rows' A tiles, 1 KB each, k order) against kn pairs of w ([kn][48][2]); the sums are
+ * read from acc ([16][48] float32) and written to out, ldo floats a row (acc itself, or C). */
+static inline void block16(const uint32_t *a, const uint16_t *w, int kn, const float *acc, float *out, int64_t ldo) {
     _tile_loadd(0, acc, CB_NR * 4);
     _tile_loadd(1, acc + 16, CB_NR * 4);
     _tile_loadd(2, acc + 32, CB_NR * 4);
     for (int kk = 0; kk < kn; kk += 16) {
-        _tile_loadd(3, a + kk, lda * 4);
+        _tile_loadd(3, a + (int64_t)kk * 16, 64);
         const uint16_t *wk = w + (int64_t)kk * 2 * CB_NR;
         _tile_loadd(4, wk, CB_NR * 4);
         _tile_loadd(5, wk + 32, CB_NR * 4);
@@ -88,10 +87,11 @@ static inline void block16(const uint32_t *a, int64_t lda, const uint16_t *w, in
     _tile_stored(2, out + 32, ldo * 4);
 }
 
-/* One work item: rows (padded to 16 in a and in accbuf) of a against one panel of kp pairs. The last chunk's
- * full blocks (16 rows, 48 columns) are stored straight into C; the others go through accbuf. */
-static void panel_rows_amx(int fmt, const uint32_t *a, int64_t lda, int rows, int kp, const uint8_t *panel,
-                           const float *bias, float *c, int64_t ldc, int ncols, uint16_t *pairs, float *accbuf) {
+/* One work item: rows (padded to 16 in a and in accbuf) of a (A tiles, kp / 16 a row block) against one panel of
+ * kp pairs. The last chunk's full blocks (16 rows, 48 columns) are stored straight into C; the others go
+ * through accbuf. */
+static void panel_rows_amx(int fmt, const uint32_t *a, int rows, int kp, const uint8_t *panel, const float *bias,
+                           float *c, int64_t ldc, int ncols, uint16_t *pairs, float *accbuf) {
     const int blocks = (rows + 15) / 16;
     for (int i = 0; i < blocks * 16; ++i) {
         if (bias) memcpy(accbuf + i * CB_NR, bias, sizeof(float) * CB_NR);
@@ -104,7 +104,7 @@ static void panel_rows_amx(int fmt, const uint32_t *a, int64_t lda, int rows, in
         for (int b = 0; b < blocks; ++b) {
             float *acc = accbuf + b * 16 * CB_NR;
             const int to_c = last && ncols == CB_NR && (b + 1) * 16 <= rows;
-            block16(a + (int64_t)b * 16 * lda + k0, lda, w, kn, acc, to_c ? c + (int64_t)b * 16 * ldc : acc,
+            block16(a + ((int64_t)b * kp + k0) * 16, w, kn, acc, to_c ? c + (int64_t)b * 16 * ldc : acc,
                     to_c ? ldc : CB_NR);
             direct += to_c;
         }
@@ -123,24 +123,28 @@ static inline const float *panel_bias(const float *bias, int p, int ncols, float
 int cb_linear_amx(int fmt, const uint32_t *ab, int64_t kp, int m, const uint8_t *wp, int64_t pbytes, int n,
                   const float *bias, float *c, int64_t ldc) {
     const int panels = (n + CB_NR - 1) / CB_NR, row_blocks = (m + CB_AMX_ROW_BLOCK - 1) / CB_AMX_ROW_BLOCK;
-#pragma omp parallel
+    const int block_rows = (m < CB_AMX_ROW_BLOCK ? (m + 15) / 16 * 16 : CB_AMX_ROW_BLOCK);
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
     {
-        float accbuf[CB_AMX_ROW_BLOCK * CB_NR] __attribute__((aligned(64)));
+        float *accbuf = aligned_alloc(64, sizeof(float) * (size_t)block_rows * CB_NR);
         uint16_t pairs[CB_AMX_KC * CB_NR] __attribute__((aligned(64)));
-        configure_tiles();
+        failed = accbuf == NULL;
+        if (accbuf) configure_tiles();
 #pragma omp for schedule(static)
         for (int item = 0; item < panels * row_blocks; ++item) {
             const int p = item / row_blocks, r0 = (item % row_blocks) * CB_AMX_ROW_BLOCK;
             const int rows = m - r0 < CB_AMX_ROW_BLOCK ? m - r0 : CB_AMX_ROW_BLOCK;
             const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
             float tail_bias[CB_NR];
-            panel_rows_amx(fmt, ab + (int64_t)r0 * kp, kp, rows, (int)kp, wp + p * pbytes,
-                           panel_bias(bias, p, ncols, tail_bias), c + (int64_t)r0 * ldc + p * CB_NR, ldc, ncols,
-                           pairs, accbuf);
+            if (accbuf) panel_rows_amx(fmt, ab + (int64_t)r0 * kp, rows, (int)kp, wp + p * pbytes,
+                                       panel_bias(bias, p, ncols, tail_bias), c + (int64_t)r0 * ldc + p * CB_NR, ldc,
+                                       ncols, pairs, accbuf);
         }
-        _tile_release();
+        if (accbuf) _tile_release();
+        free(accbuf);
     }
-    return CB_OK;
+    return failed ? CB_ENOMEM : CB_OK;
 }
 
 #else /* no AMX in this build */

@@ -266,15 +266,21 @@ static void blocks_one_row(int fmt, const float *a, int k, const uint8_t *wp, in
     }
 }
 
-/* A's rows rounded to bfloat16 pairs (padded with zero rows to a multiple of 16), then AMX tiles (amx.c). */
+/* A's rows rounded to bfloat16 pairs in 16 x 16-pair tiles (zero rows up to a multiple of 16), then AMX (amx.c). */
 static int linear_amx(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                       const float *bias, float *c, int64_t ldc) {
     const int kp = (k + 1) / 2, mpad = (m + 15) / 16 * 16;
     uint32_t *ab = malloc(sizeof(uint32_t) * (size_t)((int64_t)mpad * kp));
     if (!ab) return CB_ENOMEM;
-    memset(ab + (int64_t)m * kp, 0, sizeof(uint32_t) * (size_t)((int64_t)(mpad - m) * kp));
+    const int kt = kp / 16; /* tiles of 16 rows x 16 pairs, each 1 KB contiguous: [row / 16][pair / 16][16][16] */
+    for (int i = m; i < mpad; ++i)
+        for (int t = 0; t < kt; ++t) memset(ab + ((int64_t)(i / 16) * kt + t) * 256 + (i % 16) * 16, 0, 64);
 #pragma omp parallel for schedule(static)
-    for (int i = 0; i < m; ++i) row_to_bf16(a + (int64_t)i * lda, k, kp, (uint16_t *)(ab + (int64_t)i * kp));
+    for (int i = 0; i < m; ++i) {
+        uint32_t row[kp];
+        row_to_bf16(a + (int64_t)i * lda, k, kp, (uint16_t *)row);
+        for (int t = 0; t < kt; ++t) memcpy(ab + ((int64_t)(i / 16) * kt + t) * 256 + (i % 16) * 16, row + 16 * t, 64);
+    }
     const int rc = cb_linear_amx(fmt, ab, kp, m, wp, cb_panel_bytes(fmt, k), n, bias, c, ldc);
     free(ab);
     return rc;

@@ -61,7 +61,8 @@ void cb_blocks_row_dot(int fmt, const uint32_t *a, int kp, const uint8_t *panel,
 
 /* AMX tiles (amx.c). cb_amx_ready: the kernels were built with AMX, the kernel granted the tile state, and
  * cb_set_amx did not turn them off. cb_linear_amx: c = ab @ W^T (+ bias) for a bfloat16-products format; ab:
- * m rows of kp bfloat16 pairs, zero rows after them up to a multiple of 16; kp a multiple of 16. */
+ * m rows of kp bfloat16 pairs (kp a multiple of 16), zero rows after them up to a multiple of 16, stored as
+ * 16-row x 16-pair tiles of 1 KB: tile (i / 16, j / 16) at ((i / 16) * kp / 16 + j / 16) * 256 pairs. */
 int cb_amx_ready(void);
 int cb_linear_amx(int fmt, const uint32_t *ab, int64_t kp, int m, const uint8_t *wp, int64_t pbytes, int n,
                   const float *bias, float *c, int64_t ldc);
