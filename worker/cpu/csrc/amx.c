@@ -133,7 +133,7 @@ int cb_linear_amx(int fmt, const uint32_t *ab, int64_t kp, int m, const uint8_t 
         if (accbuf) configure_tiles();
 #pragma omp for schedule(static)
         for (int item = 0; item < panels * row_blocks; ++item) {
-            const int p = item / row_blocks, r0 = (item % row_blocks) * CB_AMX_ROW_BLOCK;
+            const int p = item % panels, r0 = (item / panels) * CB_AMX_ROW_BLOCK; /* a row block stays in L2 */
             const int rows = m - r0 < CB_AMX_ROW_BLOCK ? m - r0 : CB_AMX_ROW_BLOCK;
             const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
             float tail_bias[CB_NR];
