@@ -1,0 +1,54 @@
+"""benchmarks/bench_linear.py: it times the paths it names (AMX only where the CPU has it) on the products it
+says, and restores the kernels' AMX switch."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from cbserve.worker.cpu import native as cpu_native
+from cbserve.worker.cpu.kernels import CpuKernels
+
+pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_linear.py"
+
+
+def _bench_linear() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_linear_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "bf16"])
+def test_packed_weights_multiply_as_the_shapes_say(kernels: CpuKernels, fmt: str) -> None:
+    bl = _bench_linear()
+    weights = bl.packed_weights(kernels, fmt)
+    assert set(weights) == set(bl.SHAPES)
+    for name, (n, k) in bl.SHAPES.items():
+        x = torch.randn(3, k)
+        f32 = kernels.linear(x, weights[name]["f32"], None)
+        bf16 = kernels.linear(x, weights[name]["bf16"], None)
+        assert f32.shape == bf16.shape == (3, n)
+        assert not torch.equal(f32, bf16)  # other products: bfloat16 operands
+        torch.testing.assert_close(bf16, f32, rtol=0.05, atol=0.05)
+
+
+def test_measure_reports_each_path_and_restores_amx(kernels: CpuKernels, capsys: pytest.CaptureFixture) -> None:
+    bl = _bench_linear()
+    has_amx = kernels.set_amx(True)
+    rows = bl.measure(kernels, "Q4_1", [1, 16], repeats=1)
+    paths = ["f32", "bf16 avx512", *(["bf16 amx"] if has_amx else [])]
+    assert [(r["rows"], r["path"]) for r in rows] == [(m, p) for m in (1, 16) for p in paths]
+    for r in rows:
+        assert r["ms"] > 0 and r["tflops"] == pytest.approx(bl.layer_flops(r["rows"]) / (r["ms"] / 1e3) / 1e12)
+        assert ("vs_avx512_bf16" in r) is (r["path"] == "bf16 amx")
+    assert [r["vs_f32"] for r in rows if r["path"] == "f32"] == [1.0, 1.0]
+    assert kernels.set_amx(True) is has_amx  # the switch is back on where AMX exists
+    assert len(capsys.readouterr().out.strip().splitlines()) == len(rows)
