@@ -162,18 +162,7 @@ def plot_serving(doc: dict[str, Any], out: str | Path) -> None:
         draw_cdfs([fig.add_subplot(grid[0, i]) for i in range(4)], runs)
     for col, (key, ylabel) in enumerate((("output_throughput", "output tok/s"),
                                          ("median_tpot_ms", "median TPOT (ms)"))):
-        ax = fig.add_subplot(grid[1, 2 * col:2 * col + 2])
-        width = 0.8 / max(1, len(results))
-        for i, (name, res) in enumerate(results.items()):
-            pts = [(j + i * width, (res.get(w, {}).get("summary") or {}).get(key)) for j, w in enumerate(WORKLOADS)]
-            pts = [(x, y) for x, y in pts if y]  # offline has no TPOT; a workload may not have run
-            bars = ax.bar([x for x, _ in pts], [y for _, y in pts], width, label=name)
-            ax.bar_label(bars, fmt="%.0f" if key == "output_throughput" else "%.1f", fontsize=7)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(WORKLOADS))], WORKLOADS)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3, axis="y")
-        if results:
-            ax.legend(fontsize=8)
+        _draw_bars(fig.add_subplot(grid[1, 2 * col:2 * col + 2]), results, key, ylabel)
     cfg = doc["config"]
     fig.suptitle(f"Serving benchmark, {cfg.get('cpu')} ({cfg.get('cores')} cores), commit {cfg.get('commit')}; "
                  f"burst CDFs on top", fontsize=10)
@@ -181,3 +170,42 @@ def plot_serving(doc: dict[str, Any], out: str | Path) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100, format="png")
     plt.close(fig)
+
+
+def bar_values(results: dict[str, Any], key: str) -> tuple[list[str], dict[str, list[tuple[int, float, list[float]]]]]:
+    """The workloads that ran, and per server its bars: (workload index, ``key``'s value, each round's value).
+    A burst run in rounds stands at its median over the rounds; offline has no TPOT, so no bar there."""
+    ran = [w for w in WORKLOADS if any(_summary(results, s, w) for s in results)]
+    bars: dict[str, list[tuple[int, float, list[float]]]] = {}
+    for name in results:
+        for j, w in enumerate(ran):
+            value = (_summary(results, name, w) or {}).get(key)
+            if value:
+                rounds = results[name].get("burst_rounds") if w == "burst" else None
+                bars.setdefault(name, []).append((j, value, [r[key] for r in rounds or [] if r.get(key)]))
+    return ran, bars
+
+
+def _draw_bars(ax: Any, results: dict[str, Any], key: str, ylabel: str) -> None:
+    """One group of bars per workload that ran, a colour per server (the same in both charts); a burst run in
+    rounds shows its median, each round a dot."""
+    ran, bars = bar_values(results, key)
+    width = 0.8 / max(1, len(results))
+    rounds_n = 0
+    for i, name in enumerate(results):
+        xs = [j + i * width for j, _, _ in bars.get(name, [])]
+        if not xs:
+            continue
+        drawn = ax.bar(xs, [v for _, v, _ in bars[name]], width, label=name, color=f"C{i}")
+        ax.bar_label(drawn, fmt="%.0f" if key == "output_throughput" else "%.1f", fontsize=8, label_type="center",
+                     color="white")  # inside the bar: the rounds' dots sit at its top
+        for x, (_, _, rounds) in zip(xs, bars[name], strict=True):
+            if len(rounds) > 1:
+                ax.plot([x] * len(rounds), rounds, "k.", markersize=4)
+                rounds_n = max(rounds_n, len(rounds))
+    labels = [f"{w}\n(median of {rounds_n} rounds, dots: each)" if w == "burst" and rounds_n else w for w in ran]
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ran))], labels)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, axis="y")
+    if bars:
+        ax.legend(fontsize=8)

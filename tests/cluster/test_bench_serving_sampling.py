@@ -74,3 +74,36 @@ def test_goal_ratios_compare_the_rounds_medians() -> None:
     one = {k: {"burst": v["burst"]} for k, v in results.items()}  # one round: the burst's own summary
     served = bs.goal_ratios(one)["burst_served_over_offline"]
     assert served["value"] == pytest.approx(300.0 / 450.0) and served["rounds"] is None
+
+
+def test_exit_status_follows_every_workload_cbserve_ran() -> None:
+    """A single-request run (no burst) that cbserve answered exits 0; a workload it answered none of, 1."""
+    bs = _bench_serving()
+    single, burst = bs.Workload("single", []), bs.Workload("burst", [])
+    answered = {"single": {"summary": {"completed": 16}}}
+    assert bs.cbserve_completed(answered, [single])
+    assert not bs.cbserve_completed(answered, [single, burst])
+    assert not bs.cbserve_completed({"single": {"summary": {"completed": 0}}}, [single])
+    assert not bs.cbserve_completed({"skipped": "server did not start"}, [single])
+
+
+def test_plot_bars_stand_at_the_rounds_median_for_the_workloads_that_ran() -> None:
+    """serving_report.bar_values: a burst in rounds stands at its median with each round beside it, a workload
+    no server ran gets no group, and offline (no TPOT) no TPOT bar."""
+    _bench_serving()
+    report = importlib.import_module("serving_report")
+
+    def burst(tok_s: float, tpot: float | None = None) -> dict:
+        return {"completed": 8, "output_throughput": tok_s, **({"median_tpot_ms": tpot} if tpot else {})}
+
+    results = {
+        "cbserve": {"burst": {"summary": burst(300, 100)}, "single": {"summary": burst(90, 10)},
+                    "burst_rounds": [burst(300, 100), burst(360, 90), burst(330, 95)]},
+        "offline": {"burst": {"summary": burst(400)}, "burst_rounds": [burst(400), burst(390), burst(420)]},
+    }
+    ran, tok = report.bar_values(results, "output_throughput")
+    assert ran == ["burst", "single"]
+    assert tok["cbserve"] == [(0, 330, [300, 360, 330]), (1, 90, [])]
+    assert tok["offline"] == [(0, 400, [400, 390, 420])]
+    _, tpot = report.bar_values(results, "median_tpot_ms")
+    assert set(tpot) == {"cbserve"} and tpot["cbserve"][0][1] == 95
