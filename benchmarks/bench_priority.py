@@ -7,13 +7,16 @@ Layouts (cluster/cpu_priority.py):
   ray      Ray's defaults: actor processes at niceness 15, Ray's own daemons (GCS, dashboard, agents...) at 0;
   nice     the engine (scheduler actor, model workers) and the raylet at 0, the HTTP edge (ingress replica,
            Serve's proxy) at 10, everything else at 19, all under SCHED_OTHER (cbserve before SCHED_BATCH);
-  cbserve  what `cbserve serve` sets: the niceness of `nice`, and SCHED_BATCH for the edge and the rest.
+  cbserve  what `cbserve serve` sets: the niceness of `nice`, and SCHED_BATCH for the edge and the rest;
+  batchsched  cbserve's, with the scheduler actor under SCHED_BATCH too (niceness 0): it then waits for the
+           scheduler tick instead of preempting the model's OpenMP team when a step's output arrives.
 The same server and client for both, so the machine's drift between runs hits both layouts alike. Lowering a
 niceness needs root (or CAP_SYS_NICE): run it as root.
 
     sudo .venv/bin/python benchmarks/bench_priority.py --rounds 4 --layouts ray cbserve
     sudo .venv/bin/python benchmarks/bench_priority.py --rounds 6 --layouts nice cbserve \
         --input-len 128 --output-len 128
+    sudo .venv/bin/python benchmarks/bench_priority.py --rounds 5 --layouts cbserve batchsched
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import psutil
 from cbserve.bench.deploy import local_deployment_process
 from cbserve.cluster.cpu_priority import BACKGROUND, EDGE, ENGINE, Priority, set_priority
 
-LAYOUTS = ("ray", "nice", "cbserve")
+LAYOUTS = ("ray", "nice", "cbserve", "batchsched")
 
 
 def _layout_priority(layout: str, title: str, engine: bool) -> Priority | None:
@@ -43,7 +46,8 @@ def _layout_priority(layout: str, title: str, engine: bool) -> Priority | None:
     if layout == "ray":
         return Priority(15 if title.startswith("ray::") else 0)
     if engine:
-        return ENGINE
+        scheduler = title.startswith("ray::SchedulerActor")
+        return Priority(ENGINE.niceness, EDGE.policy) if layout == "batchsched" and scheduler else ENGINE
     edge = title.startswith(("ray::ServeReplica", "ray::ProxyActor"))
     priority = EDGE if edge else BACKGROUND
     return Priority(priority.niceness) if layout == "nice" else priority

@@ -132,8 +132,9 @@ def _wait_titles(pids: dict[str, int]) -> None:
 
 
 def test_bench_priority_layouts_match_what_cbserve_sets() -> None:
-    """benchmarks/bench_priority.py's two layouts: Ray's defaults, and the one this module's sweep and the
-    ingress's own call produce (so the A/B measures what `cbserve serve` runs)."""
+    """benchmarks/bench_priority.py's layouts: Ray's defaults, the one this module's sweep and the ingress's own
+    call produce (so the A/B measures what `cbserve serve` runs), and that one with the scheduler actor under
+    SCHED_BATCH."""
     import importlib.util
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_priority.py"
@@ -155,6 +156,7 @@ def test_bench_priority_layouts_match_what_cbserve_sets() -> None:
     assert layout("cbserve") == {"gcs": BACKGROUND, "raylet": None, "idle": None, "proxy": EDGE, "ingress": EDGE,
                                  "controller": BACKGROUND, "worker": ENGINE, "scheduler": ENGINE}  # fmt: skip
     assert layout("nice") == {k: v if v is None else Priority(v.niceness) for k, v in layout("cbserve").items()}
+    assert layout("batchsched") == {**layout("cbserve"), "scheduler": Priority(0, SCHED_BATCH)}
 
 
 @pytest.mark.parametrize("starts", [True, False])
