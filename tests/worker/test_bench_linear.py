@@ -3,8 +3,7 @@ says, and restores the kernels' AMX switch."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 from types import ModuleType
 
@@ -14,21 +13,17 @@ from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.kernels import CpuKernels
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_linear.py"
 
 
-def _bench_linear() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_linear_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def bl(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """benchmarks/bench_linear.py, imported from its folder."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    return importlib.import_module("bench_linear")
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "bf16"])
-def test_packed_weights_multiply_as_the_shapes_say(kernels: CpuKernels, fmt: str) -> None:
-    bl = _bench_linear()
+def test_packed_weights_multiply_as_the_shapes_say(bl: ModuleType, kernels: CpuKernels, fmt: str) -> None:
     weights = bl.packed_weights(kernels, fmt)
     assert set(weights) == set(bl.SHAPES)
     for name, (n, k) in bl.SHAPES.items():
@@ -40,8 +35,9 @@ def test_packed_weights_multiply_as_the_shapes_say(kernels: CpuKernels, fmt: str
         torch.testing.assert_close(bf16, f32, rtol=0.05, atol=0.05)
 
 
-def test_measure_reports_each_path_and_restores_amx(kernels: CpuKernels, capsys: pytest.CaptureFixture) -> None:
-    bl = _bench_linear()
+def test_measure_reports_each_path_and_restores_amx(
+    bl: ModuleType, kernels: CpuKernels, capsys: pytest.CaptureFixture
+) -> None:
     has_amx = kernels.set_amx(True)
     rows = bl.measure(kernels, "Q4_1", [1, 16], repeats=1)
     paths = ["f32", "bf16 avx512", *(["bf16 amx"] if has_amx else [])]
