@@ -162,7 +162,7 @@ class CpuKernels:
         return out
 
     def set_amx(self, enable: bool) -> bool:
-        """Let blocks of 16 rows or more of bfloat16 products run on Intel AMX tiles (the default where the CPU,
+        """Let blocks of 4 rows or more of bfloat16 products run on Intel AMX tiles (the default where the CPU,
         the build and the OS allow it) or not; returns whether they do from now on. Process-wide."""
         return bool(self._lib.cb_set_amx(int(enable)))
 

@@ -91,7 +91,7 @@ CB_API int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float 
  * the same products for the same decoded weights. */
 CB_API int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                      const float *bias, float *c, int64_t ldc);
-/* Whether blocks of 16 rows or more of bfloat16 products run on Intel AMX tiles (same rounding of the
+/* Whether blocks of 4 rows or more of bfloat16 products run on Intel AMX tiles (same rounding of the
  * operands, float32 sums in a different order): enable = 0 turns that off, 1 back on where the CPU and
  * the build have AMX and the OS grants the tile state. Returns whether AMX is used from now on. */
 CB_API int cb_set_amx(int enable);
