@@ -156,7 +156,7 @@ def plot_serving(doc: dict[str, Any], out: str | Path) -> None:
     results = {k: v for k, v in doc["results"].items() if "skipped" not in v}
     fig = plt.figure(figsize=(16, 8.6))
     grid = fig.add_gridspec(2, 4)
-    ran = [w for w in WORKLOADS if any("requests" in res.get(w, {}) for res in results.values())]
+    ran = workloads_run(results)
     cdf_workload = ran[0] if ran else "burst"  # the burst's when it ran, else the first workload that did
     runs = [{**res[cdf_workload], "label": name} for name, res in results.items()
             if "requests" in res.get(cdf_workload, {})]
@@ -174,10 +174,15 @@ def plot_serving(doc: dict[str, Any], out: str | Path) -> None:
     plt.close(fig)
 
 
+def workloads_run(results: dict[str, Any]) -> list[str]:
+    """The workloads some server answered, in WORKLOADS' order."""
+    return [w for w in WORKLOADS if any(_summary(results, s, w) for s in results)]
+
+
 def bar_values(results: dict[str, Any], key: str) -> tuple[list[str], dict[str, list[tuple[int, float, list[float]]]]]:
     """The workloads that ran, and per server its bars: (workload index, ``key``'s value, each round's value).
     A burst run in rounds stands at its median over the rounds; offline has no TPOT, so no bar there."""
-    ran = [w for w in WORKLOADS if any(_summary(results, s, w) for s in results)]
+    ran = workloads_run(results)
     bars: dict[str, list[tuple[int, float, list[float]]]] = {}
     for name in results:
         for j, w in enumerate(ran):
