@@ -16,36 +16,30 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
+from pathlib import Path
 from typing import Any
+
+HERE = str(Path(__file__).resolve().parent)
 
 
 def burst(seed: int, dtype: str) -> dict[str, float]:
-    """The benchmark's burst (64 random prompts of 64-192 tokens, outputs of 64-192, greedy, ignore_eos) on a
-    thread of its own, after one warm-up request: output tok/s and the process's cores over the call."""
+    """The serving benchmark's burst (64 random prompts of 64-192 tokens, outputs of 64-192, greedy,
+    ignore_eos) through ``serving_offline.offline_summary`` on a thread of its own: output tok/s and the
+    process's cores over the generate call."""
     import torch
     from cbserve.bench.datasets import sample_random
-
-    from cbserve import LLM, SamplingParams
+    from serving_offline import offline_summary
 
     reqs, result = sample_random(64, (64, 192), (64, 192), seed=seed), {}
 
     def run() -> None:
         torch.set_num_threads(len(os.sched_getaffinity(0)))
-        llm = LLM(progress=False, dtype=dtype)
-        llm.generate([reqs[0].prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0) for r in reqs]
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
-        dur = time.perf_counter() - t0
-        result.update(tok_s=sum(len(o.outputs[0].token_ids) for o in outs) / dur,
-                      cores=(time.process_time() - cpu0) / dur)
-        llm.shutdown()
+        result.update(offline_summary(reqs, {"dtype": dtype}, {"temperature": 0.0}))
 
     thread = threading.Thread(target=run, name="cbserve-model")
     thread.start()
     thread.join()
-    return result
+    return {"tok_s": result["output_throughput"], "cores": result["cpu_s"] / result["duration_s"]}
 
 
 def in_actor(seed: int, dtype: str) -> dict[str, float]:
@@ -54,8 +48,9 @@ def in_actor(seed: int, dtype: str) -> dict[str, float]:
     import ray
 
     cores = len(os.sched_getaffinity(0))
+    path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)  # serving_offline, in the actor
     ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cores)}})
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cores), "PYTHONPATH": path}})
     try:
         runner = ray.remote(num_cpus=1)(_Runner).remote()
         return ray.get(runner.run.remote(seed, dtype))

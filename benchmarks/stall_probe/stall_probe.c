@@ -66,7 +66,7 @@ static void all_cpus(void) {
 }
 
 static void take_items(int me) {
-    for (int i; (i = atomic_fetch_add(&pool.next, 1)) < ITEMS;) {
+    while (atomic_fetch_add(&pool.next, 1) < ITEMS) {
         atomic_store(&pool.holding[me], 1);
         work(ITEM_US);
         atomic_store(&pool.holding[me], 0);
