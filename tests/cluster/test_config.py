@@ -283,7 +283,7 @@ def test_cbserve_serve_deploys_with_host_port_route_prefix_and_app_name(
     from ray import serve
 
     calls: dict[str, object] = {}
-    monkeypatch.setattr(serve_cli, "init_ray", lambda address: calls.update(ray_address=address) or False)
+    monkeypatch.setattr(serve_cli, "init_ray", lambda address, dashboard: calls.update(ray_address=address) or False)
     monkeypatch.setattr(serve, "start", lambda http_options: calls.update(http=http_options))
     monkeypatch.setattr(serve, "run", lambda app, **kw: calls.update(run=kw, app=app))
     monkeypatch.setattr(serve, "delete", lambda name: calls.update(deleted=name))
@@ -386,8 +386,8 @@ def test_direct_ingress_follows_who_starts_ray(
 ) -> None:
     monkeypatch.setattr(os, "environ", dict(os.environ))
     seen: list[str | None] = []
-    monkeypatch.setattr(serve_cli, "init_ray", lambda a: seen.append(a) or starts)
-    args = argparse.Namespace(direct_ingress=flag, ray_address=address)
+    monkeypatch.setattr(serve_cli, "init_ray", lambda a, dashboard: seen.append(a) or starts)
+    args = argparse.Namespace(direct_ingress=flag, ray_address=address, ray_dashboard=False)
     assert serve_cli.start_ray(args, 8123) == (starts, want_direct) and seen == [want_address]
     env = {k: os.environ.get(k) for k in serve_cli.direct_ingress_env(8123)}
     if want_direct:
@@ -396,3 +396,32 @@ def test_direct_ingress_follows_who_starts_ray(
         assert env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8124"
     else:
         assert set(env.values()) == {None}
+
+
+@pytest.mark.parametrize(("argv", "address", "starts", "want"), [
+    ([], None, True, (None, False)),  # a Ray instance of its own: without Ray's dashboard
+    (["--ray-dashboard"], None, True, (None, True)),
+    (["--ray-dashboard", "--ray-address", "local"], "local", True, ("local", True)),
+])  # fmt: skip
+def test_ray_dashboard_reaches_the_ray_instance_cbserve_serve_starts(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], address: str | None, starts: bool, want: tuple
+) -> None:
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    seen: list[tuple] = []
+    monkeypatch.setattr(serve_cli, "init_ray", lambda a, dashboard: seen.append((a, dashboard)) or starts)
+    serve_cli.start_ray(_parse(argv), 8123)
+    assert seen == [want]
+
+
+def test_ray_dashboard_on_a_joined_cluster_is_refused_or_said(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cluster given by address keeps its own dashboard: the flag is refused; one found running (no address)
+    is joined and the log says the flag did not apply."""
+    assert serve_cli.main(_parse(["--ray-dashboard", "--ray-address", "auto", "--device", "cpu"])) == 1
+    assert "--ray-dashboard applies to the Ray instance `cbserve serve` starts" in capsys.readouterr().err
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(serve_cli, "init_ray", lambda a, dashboard: False)
+    with caplog.at_level("WARNING", logger=serve_cli.__name__):
+        assert serve_cli.start_ray(_parse(["--ray-dashboard"]), 8123) == (False, False)
+    assert "keeps its own dashboard setting" in caplog.text

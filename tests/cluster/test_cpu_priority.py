@@ -170,8 +170,8 @@ def test_only_a_ray_instance_cbserve_serve_starts_gets_its_actors_at_niceness_0(
     from cbserve.cluster import serve_cli
 
     monkeypatch.setattr(os, "environ", dict(os.environ))
-    monkeypatch.setattr(serve_cli, "init_ray", lambda address: starts)
-    args = argparse.Namespace(direct_ingress="auto", ray_address=None)
+    monkeypatch.setattr(serve_cli, "init_ray", lambda address, dashboard: starts)
+    args = argparse.Namespace(direct_ingress="auto", ray_address=None, ray_dashboard=False)
     assert serve_cli.start_ray(args, 8123) == (starts, starts)
     want = LOCAL_RAY_ENV if starts else dict.fromkeys(LOCAL_RAY_ENV)
     assert {k: os.environ.get(k) for k in LOCAL_RAY_ENV} == want
@@ -184,6 +184,6 @@ def test_a_value_the_user_set_for_the_local_ray_instance_is_kept(monkeypatch: py
     from cbserve.cluster import serve_cli
 
     monkeypatch.setattr(os, "environ", {**os.environ, key: "5"})
-    monkeypatch.setattr(serve_cli, "init_ray", lambda address: True)
-    serve_cli.start_ray(argparse.Namespace(direct_ingress="auto", ray_address=None), 8123)
+    monkeypatch.setattr(serve_cli, "init_ray", lambda address, dashboard: True)
+    serve_cli.start_ray(argparse.Namespace(direct_ingress="auto", ray_address=None, ray_dashboard=False), 8123)
     assert os.environ[key] == "5"

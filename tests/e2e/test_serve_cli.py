@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -90,6 +91,7 @@ def test_cbserve_serve_with_config_file_serves_times_out_and_stops_on_ctrl_c() -
         assert stats["compiled_graph"] is False and stats["dispatch_calls"] > 0  # openai_server/test_tp2)
         assert stats["worker_torch_threads"] == [len(os.sched_getaffinity(0))]  # every core, not Ray's one
         _check_priority(srv, stats["engine_pids"], owner)
+        _check_no_ray_dashboard_but_metrics_discovery(srv)
         _check_request_timeout(srv, client)
         srv.proc.send_signal(signal.SIGINT)
         assert srv.proc.wait(timeout=90) == 0
@@ -97,6 +99,26 @@ def test_cbserve_serve_with_config_file_serves_times_out_and_stops_on_ctrl_c() -
         assert "shutting down" in srv.output
     finally:
         srv.kill()
+
+
+def _check_no_ray_dashboard_but_metrics_discovery(srv: Serve) -> None:
+    """Its Ray instance runs without Ray's dashboard (no ``--ray-dashboard``): none of the dashboard's module
+    processes; Prometheus's service-discovery file is in the session dir all the same, and its target is
+    the node's metrics export port, where cbserve's series are."""
+    import psutil
+
+    cmdlines = [" ".join(p.cmdline()) for p in psutil.Process(srv.proc.pid).children(recursive=True)]
+    assert not [c for c in cmdlines if "ray-dashboard-" in c], cmdlines
+    (session,) = {m for c in cmdlines for m in re.findall(r"--session[-_]dir=(\S+)", c)}
+    (group,) = json.loads((Path(session) / "prom_metrics_service_discovery.json").read_text())
+    assert group["labels"] == {"job": "ray"}
+    (target,) = group["targets"]
+
+    def cbserve_series() -> bool:
+        with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as r:
+            return b"ray_cbserve_" in r.read()
+
+    wait_for("cbserve's series on the discovered metrics port", cbserve_series, 60, 2)
 
 
 def _check_request_timeout(srv: Serve, client: Any) -> None:
