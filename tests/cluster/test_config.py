@@ -397,31 +397,3 @@ def test_direct_ingress_follows_who_starts_ray(
     else:
         assert set(env.values()) == {None}
 
-
-@pytest.mark.parametrize(("argv", "address", "starts", "want"), [
-    ([], None, True, (None, False)),  # a Ray instance of its own: without Ray's dashboard
-    (["--ray-dashboard"], None, True, (None, True)),
-    (["--ray-dashboard", "--ray-address", "local"], "local", True, ("local", True)),
-])  # fmt: skip
-def test_ray_dashboard_reaches_the_ray_instance_cbserve_serve_starts(
-    monkeypatch: pytest.MonkeyPatch, argv: list[str], address: str | None, starts: bool, want: tuple
-) -> None:
-    monkeypatch.setattr(os, "environ", dict(os.environ))
-    seen: list[tuple] = []
-    monkeypatch.setattr(serve_cli, "init_ray", lambda a, dashboard: seen.append((a, dashboard)) or starts)
-    serve_cli.start_ray(_parse(argv), 8123)
-    assert seen == [want]
-
-
-def test_ray_dashboard_on_a_joined_cluster_is_refused_or_said(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
-) -> None:
-    """A cluster given by address keeps its own dashboard: the flag is refused; one found running (no address)
-    is joined and the log says the flag did not apply."""
-    assert serve_cli.main(_parse(["--ray-dashboard", "--ray-address", "auto", "--device", "cpu"])) == 1
-    assert "--ray-dashboard applies to the Ray instance `cbserve serve` starts" in capsys.readouterr().err
-    monkeypatch.setattr(os, "environ", dict(os.environ))
-    monkeypatch.setattr(serve_cli, "init_ray", lambda a, dashboard: False)
-    with caplog.at_level("WARNING", logger=serve_cli.__name__):
-        assert serve_cli.start_ray(_parse(["--ray-dashboard"]), 8123) == (False, False)
-    assert "keeps its own dashboard setting" in caplog.text

@@ -1,0 +1,46 @@
+"""`cbserve serve --ray-dashboard`: Ray's dashboard only where this command starts Ray (cluster/serve_cli.py);
+a joined cluster keeps its own setting, and the flag says so instead of doing nothing."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+from cbserve.cluster import serve_cli
+from cbserve.cluster.serve_cli import add_arguments
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize(("argv", "address", "starts", "want"), [
+    ([], None, True, (None, False)),  # a Ray instance of its own: without Ray's dashboard
+    (["--ray-dashboard"], None, True, (None, True)),
+    (["--ray-dashboard", "--ray-address", "local"], "local", True, ("local", True)),
+])  # fmt: skip
+def test_ray_dashboard_reaches_the_ray_instance_cbserve_serve_starts(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], address: str | None, starts: bool, want: tuple
+) -> None:
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    seen: list[tuple] = []
+    monkeypatch.setattr(serve_cli, "init_ray", lambda a, dashboard: seen.append((a, dashboard)) or starts)
+    serve_cli.start_ray(_parse(argv), 8123)
+    assert seen == [want]
+
+
+def test_ray_dashboard_on_a_joined_cluster_is_refused_or_said(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cluster given by address keeps its own dashboard: the flag is refused; one found running (no address)
+    is joined and the log says the flag did not apply."""
+    assert serve_cli.main(_parse(["--ray-dashboard", "--ray-address", "auto", "--device", "cpu"])) == 1
+    assert "--ray-dashboard applies to the Ray instance `cbserve serve` starts" in capsys.readouterr().err
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setattr(serve_cli, "init_ray", lambda a, dashboard: False)
+    with caplog.at_level("WARNING", logger=serve_cli.__name__):
+        assert serve_cli.start_ray(_parse(["--ray-dashboard"]), 8123) == (False, False)
+    assert "keeps its own dashboard setting" in caplog.text
