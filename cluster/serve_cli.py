@@ -207,7 +207,10 @@ def main(args: argparse.Namespace) -> int:
 
     started, direct = start_ray(args, config.port)
     if started and not args.ray_dashboard:  # what Ray's dashboard would have written
-        logger.info("Prometheus service discovery file: %s", write_for_local_ray())
+        try:
+            logger.info("Prometheus service discovery file: %s", write_for_local_ray())
+        except OSError as e:  # serving goes on; Prometheus then needs the metrics port configured by hand
+            logger.warning("could not write Prometheus's service-discovery file: %s", e)
     try:
         if config.device == "auto":  # the cluster decided the device: the KV budget can be checked now
             config = servable_config(config, config.resolved_device)

@@ -44,3 +44,27 @@ def test_ray_dashboard_on_a_joined_cluster_is_refused_or_said(
     with caplog.at_level("WARNING", logger=serve_cli.__name__):
         assert serve_cli.start_ray(_parse(["--ray-dashboard"]), 8123) == (False, False)
     assert "keeps its own dashboard setting" in caplog.text
+
+
+@pytest.mark.parametrize(("address", "dashboard", "running", "want"), [
+    ("local", True, False, [{"address": "local", "include_dashboard": True}]),
+    ("local", False, False, [{"address": "local", "include_dashboard": False}]),
+    (None, False, False, [{"address": "auto"}, {"include_dashboard": False}]),  # none running: start one
+    (None, True, True, [{"address": "auto"}]),  # one running: joined as it is
+    ("auto", True, True, [{"address": "auto"}]),
+])  # fmt: skip
+def test_init_ray_asks_for_the_dashboard_only_when_it_starts_ray(
+    monkeypatch: pytest.MonkeyPatch, address: str | None, dashboard: bool, running: bool, want: list[dict]
+) -> None:
+    import ray
+
+    calls: list[dict] = []
+
+    def init(**kwargs: object) -> None:
+        calls.append(kwargs)
+        if kwargs.get("address") == "auto" and not running:
+            raise ConnectionError("no cluster")
+
+    monkeypatch.setattr(ray, "init", init)
+    assert serve_cli.init_ray(address, dashboard) == (address == "local" or not running)
+    assert calls == want
