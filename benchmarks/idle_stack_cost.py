@@ -29,19 +29,15 @@ from cbserve.bench.deploy import local_deployment_process
 
 GROUPS = ("engine", "serve", "head", "agent", "monitors")
 _OFFLINE = r"""
-import json, sys, time
+import json, sys
 from cbserve import LLM, SamplingParams
 from cbserve.bench.datasets import sample_random
+from serving_offline import offline_burst
 llm = LLM(dtype="bfloat16", progress=False)
 llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
 for line in sys.stdin:
-    reqs = sample_random(64, (64, 192), (64, 192), seed=int(line))
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
-    t0, c0 = time.perf_counter(), time.process_time()
-    outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(json.dumps({"tok_s": n / dt, "cores": (time.process_time() - c0) / dt}), flush=True)
+    s = offline_burst(llm, sample_random(64, (64, 192), (64, 192), seed=int(line)), {"temperature": 0.0})
+    print(json.dumps({"tok_s": s["output_throughput"], "cores": s["cpu_s"] / s["duration_s"]}), flush=True)
 """
 
 
@@ -90,7 +86,7 @@ def main() -> int:
         frozen_groups(layout)  # refuses an unknown group before anything starts
     rows: list[dict] = []
     engine = subprocess.Popen([sys.executable, "-c", _OFFLINE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)  # fmt: skip
+                              text=True, cwd=Path(__file__).parent)  # fmt: skip
     assert engine.stdin is not None and engine.stdout is not None
     flags = ["--dtype", "bfloat16", *(["--ray-dashboard"] if args.ray_dashboard else [])]
     with tempfile.TemporaryDirectory() as tmp, local_deployment_process({}, 600.0, Path(tmp) / "s.log", flags) as (

@@ -41,23 +41,29 @@ def run_offline(reqs: list[SampleRequest], engine_kwargs: str, sampling: dict[st
 
 def offline_summary(reqs: list[SampleRequest], engine_kwargs: dict[str, Any], sampling: dict[str, float]) -> dict:
     """``reqs`` through ``cbserve.LLM(**engine_kwargs)`` in this process, after one warm-up request: the burst's
-    summary (output tok/s over the generate call; ``cpu_s``, the process's CPU seconds during it)."""
+    summary (``offline_burst``)."""
     from cbserve import LLM, SamplingParams
 
     llm = LLM(**{"progress": False, **engine_kwargs})
     llm.generate([reqs[0].prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    summary = offline_burst(llm, reqs, sampling)
+    llm.shutdown()
+    return {**summary, "engine_kwargs": engine_kwargs}
+
+
+def offline_burst(llm: Any, reqs: list[SampleRequest], sampling: dict[str, float]) -> dict:
+    """One burst of ``reqs`` through a warm ``llm``: output tok/s over the generate call; ``cpu_s``, the
+    process's CPU seconds during it."""
     params = [offline_sampling(sampling, r.output_len) for r in reqs]
     t0, cpu0 = time.perf_counter(), time.process_time()
     outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
     dur, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
-    llm.shutdown()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     return {
         "duration_s": dur, "num_requests": len(reqs), "completed": len(outs), "failed": 0,
         "total_input_tokens": n_in, "total_output_tokens": n_out, "output_throughput": n_out / dur,
-        "request_throughput": len(outs) / dur, "total_token_throughput": (n_in + n_out) / dur,
-        "cpu_s": cpu_s, "engine_kwargs": engine_kwargs,
+        "request_throughput": len(outs) / dur, "total_token_throughput": (n_in + n_out) / dur, "cpu_s": cpu_s,
     }
 
 
