@@ -7,6 +7,7 @@ OpenAI's body shape. With ``api_key`` set, every route but /health needs ``Autho
 (401). Nothing here imports torch: the tokenizer and the model's numbers come from its files.
 """
 
+import contextlib
 import hmac
 import logging
 import time
@@ -41,6 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
+from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,21 @@ _SCHEMA_REF = "#/components/schemas/{model}"
 # Parsed by the routes themselves (to answer OpenAI-shaped 400s), so FastAPI does not see them: documented here.
 _DOCUMENTED_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ChatCompletionChunk)
 _ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in (400, 401, 404, 429, 503)}
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its body however the response ends. Starlette's leaves a body cut short
+    (the client went away: ``send`` raised, or Serve cancelled the handler) suspended at its last ``yield``,
+    to be closed whenever the garbage collector gets to it; only then would the request's generators run
+    their ``finally`` blocks, the engine's abort among them, and the request ran on to its end meanwhile."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 class OpenAIApp(FastAPI):
@@ -158,8 +175,9 @@ class OpenAIIngress:
 
     async def _accounted(self, route: str, start: float, body: AsyncIterator[Any]) -> AsyncIterator[Any]:
         try:
-            async for chunk in body:
-                yield chunk
+            async with contextlib.aclosing(body):  # type: ignore[type-var]
+                async for chunk in body:
+                    yield chunk
         finally:
             self.metrics.in_flight(-1)
             self.metrics.observe_http(route, 200, time.perf_counter() - start)
@@ -170,7 +188,7 @@ class OpenAIIngress:
             return result
         if isinstance(result, AsyncIterator):
             headers = {"Cache-Control": "no-cache"}
-            return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+            return ClosingStreamingResponse(result, media_type="text/event-stream", headers=headers)
         if isinstance(result, BaseModel):
             result = result.model_dump()
         return JSONResponse(result)

@@ -202,17 +202,20 @@ class OpenAIServing:
         self, deltas: AsyncIterator[list[SeqDelta]], states: list[RequestState], fmt: Formatter,
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        try:
-            for chunk in fmt.start_chunks():
-                yield sse_event(chunk)
-            async for batch in deltas:
-                for chunk in fmt.chunks(batch):
+        """The SSE lines of a streamed answer. Closed early (the client went away), it closes ``deltas`` at
+        once, which releases the engine's stream (aborting the request), rather than when it is collected."""
+        async with contextlib.aclosing(deltas):  # type: ignore[type-var]
+            try:
+                for chunk in fmt.start_chunks():
                     yield sse_event(chunk)
-            if include_usage:
-                yield sse_event(fmt.usage_chunk(_usage(states)))
-        except APIError as e:
-            yield sse_event(e.body())
-        yield "data: [DONE]\n\n"
+                async for batch in deltas:
+                    for chunk in fmt.chunks(batch):
+                        yield sse_event(chunk)
+                if include_usage:
+                    yield sse_event(fmt.usage_chunk(_usage(states)))
+            except APIError as e:
+                yield sse_event(e.body())
+            yield "data: [DONE]\n\n"
 
 
 def _response_id(prefix: str, request_id: str | None) -> str:

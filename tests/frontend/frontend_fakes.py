@@ -3,6 +3,7 @@ engine that replays scripted outputs."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -57,6 +58,7 @@ class ScriptedEngine:
         try:
             yield []
             for batch in self.script(request):
+                await asyncio.sleep(0)  # outputs arrive from elsewhere: other tasks run in between
                 yield batch
         finally:
             self.closed.append(request.req_id)
