@@ -5,6 +5,7 @@ on the context (like a greedy model), with EOS on cue."""
 
 from __future__ import annotations
 
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -272,8 +273,8 @@ def req(
     salt: str | None = None,
     **params: object,
 ) -> EngineRequest:
-    if isinstance(prompt, int):
-        prompt = [(hash(req_id) + i) % 500 for i in range(prompt)]
+    if isinstance(prompt, int):  # crc32, not hash(): the same prompt under every PYTHONHASHSEED
+        prompt = [(zlib.crc32(req_id.encode()) + i) % 500 for i in range(prompt)]
     return EngineRequest(
         req_id=req_id, prompt_token_ids=list(prompt), eos_token_id=EOS, priority=priority, cache_salt=salt,
         sampling_params=SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]

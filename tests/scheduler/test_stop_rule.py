@@ -90,8 +90,11 @@ def test_n_greater_than_one_children_use_the_rule() -> None:
 def test_beam_search_ends_beams_by_the_same_rule(min_tokens: int, want_stop: bool) -> None:
     """EOS becomes a candidate from the 2nd output token; with min_tokens=6 it may not end a beam."""
     engine, _ = make_engine(eos_after={"b": 2})
+    # A fixed prompt whose EOS hypothesis ranks among the beams (reference_beam_search agrees): for ~1 prompt
+    # in 100 the fake's EOS candidate never makes the top 2, and no beam can end with "stop" at all.
+    prompt = [11, 12, 13, 14, 15]
     engine.add_request(
-        req("b", 5, max_tokens=6, n=2, use_beam_search=True, temperature=0.0, min_tokens=min_tokens)
+        req("b", prompt, max_tokens=6, n=2, use_beam_search=True, temperature=0.0, min_tokens=min_tokens)
     )
     col = run(engine)
     reasons = {col.reasons[("b", i)] for i in range(2)}
