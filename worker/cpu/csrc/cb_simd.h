@@ -36,6 +36,52 @@ static inline int cb_max_threads(void) {
 #endif
 }
 
+/* Work items [0, items) shared so that a preempted thread does not hold the others up. Each thread owns a
+ * contiguous share (the static schedule's: the same items, in the same order, on a quiet machine) and takes
+ * items from its front; a thread whose share is done takes the last items of the others' shares, one at a
+ * time. On a machine the engine shares with a server's other processes, a thread the kernel preempts
+ * mid-region no longer leaves its partner to wait at the region's end for the whole rest of its share, only
+ * for the item it holds. A share is (front, back) in one 64-bit word: the owner's fetch-add moves the front,
+ * a thief's compare-and-swap the back, so each item is taken exactly once. Every item writes outputs of its
+ * own, so which thread runs it changes no result. */
+#define CB_MAX_SHARES 64
+
+typedef struct {
+    uint64_t range __attribute__((aligned(64))); /* front (low 32 bits), back (high 32 bits) */
+} cb_share_t;
+
+/* Before the parallel region: one share per thread the region may have; returns how many. */
+static inline int cb_shares_init(cb_share_t *shares, int items) {
+    int n = cb_max_threads();
+    n = n < 1 ? 1 : (n > CB_MAX_SHARES ? CB_MAX_SHARES : n);
+    for (int t = 0; t < n; ++t) {
+        const uint64_t lo = (uint64_t)((int64_t)items * t / n), hi = (uint64_t)((int64_t)items * (t + 1) / n);
+        shares[t].range = hi << 32 | lo;
+    }
+    return n;
+}
+
+/* Inside the region: the calling thread's next item, or -1 when none is left anywhere. */
+static inline int cb_share_next(cb_share_t *shares, int nshares) {
+#ifdef _OPENMP
+    const int me = omp_get_thread_num();
+#else
+    const int me = 0;
+#endif
+    if (me < nshares) {
+        const uint64_t r = __atomic_fetch_add(&shares[me].range, 1, __ATOMIC_RELAXED);
+        if ((uint32_t)r < (uint32_t)(r >> 32)) return (int)(uint32_t)r;
+    }
+    for (int v = 1; v < nshares; ++v) {
+        cb_share_t *other = &shares[(me + v) % nshares];
+        uint64_t r = __atomic_load_n(&other->range, __ATOMIC_RELAXED);
+        while ((uint32_t)r < (uint32_t)(r >> 32))
+            if (__atomic_compare_exchange_n(&other->range, &r, r - (1ull << 32), 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+                return (int)(r >> 32) - 1;
+    }
+    return -1;
+}
+
 /* The bfloat16 nearest to x (ties to even), as its 16 bits; torch's float32 -> bfloat16 conversion for every
  * finite x (NaN is not expected here: weights and activations are checked finite upstream). */
 static inline uint16_t cb_bf16_bits(float x) {

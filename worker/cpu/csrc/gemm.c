@@ -14,7 +14,9 @@
  * same float32 arithmetic. benchmarks/bench_cpu.py prints the rates; BENCHMARKS.md has the runs.
  *
  * Each C element is one dot product summed in k order (from the bias, or zero) by one thread, so results
- * do not depend on the thread count, the chunking or the format the same values were packed in.
+ * do not depend on the thread count, the chunking or the format the same values were packed in. The items
+ * are shared out by cb_share_next (cb_simd.h): a thread's own contiguous share first, then what is left of
+ * the others', so a thread preempted mid-product leaves its partner the rest of its share to do.
  */
 #include <stdlib.h>
 
@@ -135,12 +137,13 @@ static void linear_items(int fmt, const float *a, int64_t lda, int m, int k, con
                          const float *bias, float *c, int64_t ldc) {
     const int64_t pbytes = cb_panel_bytes(fmt, k);
     const int panels = (n + CB_NR - 1) / CB_NR, row_blocks = (m + CB_ROW_BLOCK - 1) / CB_ROW_BLOCK;
+    cb_share_t shares[CB_MAX_SHARES];
+    const int nshares = cb_shares_init(shares, panels * row_blocks);
 #pragma omp parallel
     {
         float scratch[(CB_KC_MANY + 1) * CB_NR] __attribute__((aligned(64))); /* + the pad row of an odd k */
         float accbuf[CB_ROW_BLOCK * CB_NR] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-        for (int item = 0; item < panels * row_blocks; ++item) {
+        for (int item; (item = cb_share_next(shares, nshares)) >= 0;) {
             const int p = item / row_blocks, r0 = (item % row_blocks) * CB_ROW_BLOCK;
             const int rows = m - r0 < CB_ROW_BLOCK ? m - r0 : CB_ROW_BLOCK;
             const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
@@ -249,13 +252,14 @@ static void row_to_bf16(const float *restrict x, int k, int kp, uint16_t *restri
 static void blocks_one_row(int fmt, const float *a, int k, const uint8_t *wp, int64_t pbytes, int n,
                            const float *bias, float *c) {
     const int kp = (k + 1) / 2, panels = (n + CB_NR - 1) / CB_NR;
+    cb_share_t shares[CB_MAX_SHARES];
+    const int nshares = cb_shares_init(shares, panels);
 #pragma omp parallel
     {
         uint32_t row[kp];
         float acc[CB_NR] __attribute__((aligned(64)));
         row_to_bf16(a, k, kp, (uint16_t *)row);
-#pragma omp for schedule(static) nowait
-        for (int p = 0; p < panels; ++p) {
+        for (int p; (p = cb_share_next(shares, nshares)) >= 0;) {
             const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
             float tail_bias[CB_NR];
             const float *b = item_bias(bias, p, ncols, tail_bias);
@@ -298,14 +302,15 @@ static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k
     if (m >= CB_AMX_MIN_ROWS && kp % 16 == 0 && cb_amx_ready()) return linear_amx(fmt, a, lda, m, k, wp, n, bias, c, ldc);
     uint32_t *ab = malloc(sizeof(uint32_t) * (size_t)((int64_t)m * kp));
     if (!ab) return CB_ENOMEM;
+    cb_share_t shares[CB_MAX_SHARES];
+    const int nshares = cb_shares_init(shares, panels * row_blocks);
 #pragma omp parallel
     {
         float accbuf[CB_ROW_BLOCK * CB_NR] __attribute__((aligned(64)));
         uint16_t pairs[CB_KC_MANY * CB_NR] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int i = 0; i < m; ++i) row_to_bf16(a + (int64_t)i * lda, k, kp, (uint16_t *)(ab + (int64_t)i * kp));
-#pragma omp for schedule(static)
-        for (int item = 0; item < panels * row_blocks; ++item) {
+        for (int item; (item = cb_share_next(shares, nshares)) >= 0;) {
             const int p = item / row_blocks, r0 = (item % row_blocks) * CB_ROW_BLOCK;
             const int rows = m - r0 < CB_ROW_BLOCK ? m - r0 : CB_ROW_BLOCK;
             const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
