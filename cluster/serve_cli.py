@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import urllib.error
@@ -236,13 +237,27 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(f"cbserve: not ready after {args.ready_timeout:.0f}s; see {base}/health", flush=True)
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("cbserve: shutting down", flush=True)
+        print(f"cbserve: shutting down ({wait_for_stop()})", flush=True)
     finally:
         _shutdown(serve, ray, config)
     return 0
+
+
+def wait_for_stop() -> str:
+    """Block until SIGINT (Ctrl-C) or SIGTERM arrives; the signal's name. Both are caught here whatever this
+    process inherited: a shell without job control starts its background commands with SIGINT ignored, and
+    the server must still stop (Serve, then Ray, shut down) on ``kill -INT``, as on a service manager's SIGTERM."""
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt as e:
+        return str(e) or "SIGINT"
 
 
 def _shutdown(serve: Any, ray: Any, config: CBServeConfig) -> None:
