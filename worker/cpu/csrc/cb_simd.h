@@ -44,7 +44,7 @@ static inline int cb_max_threads(void) {
  * for the item it holds. A share is (front, back) in one 64-bit word: the owner's fetch-add moves the front,
  * a thief's compare-and-swap the back, so each item is taken exactly once. Every item writes outputs of its
  * own, so which thread runs it changes no result. */
-#define CB_MAX_SHARES 64
+#define CB_MAX_SHARES 256 /* threads with a share of their own (16 KB of stack); more only take others' items */
 
 typedef struct {
     uint64_t range __attribute__((aligned(64))); /* front (low 32 bits), back (high 32 bits) */
@@ -72,7 +72,8 @@ static inline int cb_share_next(cb_share_t *shares, int nshares) {
         const uint64_t r = __atomic_fetch_add(&shares[me].range, 1, __ATOMIC_RELAXED);
         if ((uint32_t)r < (uint32_t)(r >> 32)) return (int)(uint32_t)r;
     }
-    for (int v = 1; v < nshares; ++v) {
+    for (int v = 1; v <= nshares; ++v) { /* every other share (all of them for a thread beyond the shares) */
+        if ((me + v) % nshares == me) continue;
         cb_share_t *other = &shares[(me + v) % nshares];
         uint64_t r = __atomic_load_n(&other->range, __ATOMIC_RELAXED);
         while ((uint32_t)r < (uint32_t)(r >> 32))
