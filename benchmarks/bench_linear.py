@@ -1,12 +1,16 @@
-"""The C kernels' linear products on the bundled SmolLM2's four shapes, timed per path: float32 products,
-bfloat16 products on AVX-512 BF16 (``vdpbf16ps``), and, where the CPU has Intel AMX, bfloat16 products on AMX
-tiles. Weights in the bundled model's format (GGUF Q4_1 blocks) or as bfloat16 pairs; random values.
+"""The C kernels' linear products on the bundled SmolLM2's four shapes, timed per ISA build and path beside
+torch's own products of the same float32 weights: float32 products, bfloat16 products (AVX-512 BF16's
+``vdpbf16ps``, or FMAs on rounded values without it), and, where the CPU has Intel AMX, bfloat16 products on
+AMX tiles; ``F.linear`` (MKL) and oneDNN's packed weight as torch runs them. Weights in the bundled model's
+format (GGUF Q4_1 blocks) or as bfloat16 pairs; random values.
 
-    .venv/bin/python benchmarks/bench_linear.py                        # rows 1..2048, the machine's threads
-    .venv/bin/python benchmarks/bench_linear.py --rows 64 256 --threads 1 --out /tmp/linear.json
+    .venv/bin/python benchmarks/bench_linear.py                        # every ISA build this CPU runs
+    .venv/bin/python benchmarks/bench_linear.py --isa avx2 --rows 64 256 --threads 1 --out /tmp/linear.json
 
-Prints one row per (row count, path): milliseconds for the four products of one decoder layer, TFLOP/s, and
-each path's speed against the float32 products (and AMX's against AVX-512 BF16's). Min of --repeats."""
+Prints the CPU, the build, its measured FMA peak and copy bandwidth, then one row per (row count, path):
+milliseconds for the four products of one decoder layer, GFLOP/s, each path's speed against the C kernels'
+float32 products, the float32 products' share of the FMA peak, and at one row their share of the memory
+roofline (the weights' bytes over the copy bandwidth). Min of --repeats."""
 
 from __future__ import annotations
 
@@ -14,12 +18,17 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from cbserve.worker.cpu.gguf_blocks import QuantBlocks
 from cbserve.worker.cpu.kernels import CpuKernels, Panels
-from cbserve.worker.cpu.native import load_cpu_kernels
+from cbserve.worker.cpu.linear import pack_weight as pack_onednn
+from cbserve.worker.cpu.linear import packed_linear, packing_supported
+from cbserve.worker.cpu.native import load_cpu_kernels, supported_levels
+from cpu_info import copy_bandwidth_gbs, describe, fma_peak_gflops
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
@@ -42,16 +51,26 @@ def packed_weights(kernels: CpuKernels, fmt: str, seed: int = 0) -> dict[str, di
     return out
 
 
-def time_layer(kernels: CpuKernels, weights: dict[str, dict[str, Panels]], kind: str, rows: int,
-               repeats: int) -> float:
-    """Min seconds of the four products of one layer at ``rows`` rows, ``kind`` panels."""
+def torch_products(kernels: CpuKernels, weights: dict[str, dict[str, Panels]]) -> dict[str, Callable]:
+    """torch's products of the same float32 weights: ``F.linear`` and, where torch has it, oneDNN's packing."""
+    dense = {name: kernels.unpack(weights[name]["f32"]) for name in SHAPES}
+    paths: dict[str, Callable] = {"torch F.linear": lambda name, x: F.linear(x, dense[name])}
+    if all(packing_supported(w) for w in dense.values()):
+        packed = {name: pack_onednn(w) for name, w in dense.items()}
+        paths["torch onednn"] = lambda name, x: packed_linear(x, packed[name], None)
+    return paths
+
+
+def time_layer(product: Callable[[str, torch.Tensor], object], rows: int, repeats: int) -> float:
+    """Min seconds of the four products of one layer at ``rows`` rows."""
     xs = {name: torch.randn(rows, k) for name, (_, k) in SHAPES.items()}
     best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for name in SHAPES:
-            kernels.linear(xs[name], weights[name][kind], None)
-        best = min(best, time.perf_counter() - t0)
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for name in SHAPES:
+                product(name, xs[name])
+            best = min(best, time.perf_counter() - t0)
     return best
 
 
@@ -59,56 +78,92 @@ def layer_flops(rows: int) -> float:
     return 2.0 * rows * sum(n * k for n, k in SHAPES.values())
 
 
-def measure(kernels: CpuKernels, fmt: str, rows_list: list[int], repeats: int) -> list[dict[str, object]]:
+def _paths(kernels: CpuKernels, weights: dict[str, dict[str, Panels]], has_amx: bool) -> dict[str, tuple]:
+    """path -> (product, AMX on): the C kernels' paths, then torch's."""
+    bf16 = "bf16 avx512" if "avx512_bf16" in kernels.isa_features else "bf16 fma"
+    paths: dict[str, tuple] = {"f32": (lambda name, x: kernels.linear(x, weights[name]["f32"], None), False),
+                               bf16: (lambda name, x: kernels.linear(x, weights[name]["bf16"], None), False)}
+    if has_amx:
+        paths["bf16 amx"] = (paths[bf16][0], True)
+    return paths | {name: (fn, False) for name, fn in torch_products(kernels, weights).items()}
+
+
+def measure(kernels: CpuKernels, fmt: str, rows_list: list[int], repeats: int, peak_gflops: float | None = None,
+            roofline_ms: float | None = None) -> list[dict[str, object]]:
+    """One row per (row count, path); ``peak_gflops``: the f32 rows' share of it as "of_peak";
+    ``roofline_ms`` (one row's weight bytes over the copy bandwidth): the one-row f32 share as "of_roofline"."""
     weights = packed_weights(kernels, fmt)
     has_amx = kernels.set_amx(True)
-    results = []
+    paths, results = _paths(kernels, weights, has_amx), []
     for rows in rows_list:
-        time_layer(kernels, weights, "f32", rows, 1)  # warm-up: pages, caches
-        paths = {"f32": ("f32", False), "bf16 avx512": ("bf16", False)}
-        if has_amx:
-            paths["bf16 amx"] = ("bf16", True)
+        time_layer(paths["f32"][0], rows, 1)  # warm-up: pages, caches
         secs = {}
-        for path, (kind, amx) in paths.items():
+        for path, (product, amx) in paths.items():
             kernels.set_amx(amx)
-            secs[path] = time_layer(kernels, weights, kind, rows, repeats)
+            secs[path] = time_layer(product, rows, repeats)
         for path, s in secs.items():
-            row = {"rows": rows, "path": path, "ms": 1e3 * s, "tflops": layer_flops(rows) / s / 1e12,
+            row = {"rows": rows, "path": path, "ms": 1e3 * s, "gflops": layer_flops(rows) / s / 1e9,
                    "vs_f32": secs["f32"] / s}
-            if path == "bf16 amx":
-                row["vs_avx512_bf16"] = secs["bf16 avx512"] / s
+            if path == "f32" and peak_gflops:
+                row["of_peak"] = row["gflops"] / peak_gflops
+            if path == "f32" and rows == 1 and roofline_ms:
+                row["of_roofline"] = roofline_ms / row["ms"]
             results.append(row)
-            extra = f"  {row['vs_avx512_bf16']:.2f}x AVX-512 BF16" if "vs_avx512_bf16" in row else ""
-            print(f"{rows:5d} rows  {path:12s} {row['ms']:9.3f} ms  {row['tflops']:6.3f} TF/s  "
-                  f"{row['vs_f32']:5.2f}x f32{extra}", flush=True)
+            print(_line(row), flush=True)
     kernels.set_amx(True)
     return results
+
+
+def _line(row: dict) -> str:
+    extra = f"  {100 * row['of_peak']:3.0f}% of FMA peak" if "of_peak" in row else ""
+    extra += f"  {100 * row['of_roofline']:3.0f}% of memory roofline" if "of_roofline" in row else ""
+    return (f"{row['rows']:5d} rows  {row['path']:15s} {row['ms']:9.3f} ms  {row['gflops']:7.1f} GFLOP/s  "
+            f"{row['vs_f32']:5.2f}x C f32{extra}")
+
+
+def weight_bytes(weights: dict[str, dict[str, Panels]]) -> int:
+    return sum(w["f32"].nbytes for w in weights.values())
+
+
+def run_isa(isa: str, args: argparse.Namespace, bandwidth: float) -> dict[str, object] | None:
+    load = load_cpu_kernels(isa)
+    if load.kernels is None:
+        print(f"bench_linear: no {isa} C kernels on this machine: {load.reason}", file=sys.stderr)
+        return None
+    kernels = load.kernels
+    peak = fma_peak_gflops(isa, torch.get_num_threads())
+    roofline_ms = 1e3 * weight_bytes(packed_weights(kernels, args.format)) / (bandwidth * 1e9)
+    amx = kernels.set_amx(True)
+    print(f"\n{describe(isa)}: {args.format} weights, AMX {'on' if amx else 'not available'}, FMA peak "
+          f"{peak or float('nan'):.1f} GFLOP/s, copy bandwidth {bandwidth:.1f} GB/s")
+    results = measure(kernels, args.format, args.rows, args.repeats, peak, roofline_ms)
+    return {"isa": isa, "cpu": describe(isa), "amx": amx, "fma_peak_gflops": peak, "results": results}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024, 2048])
     ap.add_argument("--format", choices=["Q4_1", "bf16"], default="Q4_1", help="the weights' storage")
+    ap.add_argument("--isa", nargs="+", choices=["avx512", "avx2", "scalar"], default=None,
+                    help="the builds to time (default: every level this CPU runs)")
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     if min(args.rows) < 1 or args.repeats < 1:
         ap.error("--rows and --repeats must be at least 1")
-    load = load_cpu_kernels()
-    if load.kernels is None:
-        print(f"bench_linear: no C kernels on this machine: {load.reason}", file=sys.stderr)
-        return 2
+    levels = args.isa or list(supported_levels())
+    if unknown := set(levels) - set(supported_levels()):
+        ap.error(f"this CPU does not run {sorted(unknown)}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    amx = load.kernels.set_amx(True)
-    print(f"{args.format} weights, {torch.get_num_threads()} threads, AMX {'on' if amx else 'not available'}")
-    results = measure(load.kernels, args.format, args.rows, args.repeats)
+    bandwidth = copy_bandwidth_gbs()
+    runs = [r for r in (run_isa(isa, args, bandwidth) for isa in levels) if r is not None]
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"format": args.format, "threads": torch.get_num_threads(),
-                                        "amx": amx, "results": results}, indent=1))
-    return 0
+                                        "copy_bandwidth_gbs": bandwidth, "runs": runs}, indent=1))
+    return 0 if runs else 2
 
 
 if __name__ == "__main__":

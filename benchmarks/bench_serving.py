@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"config": {**vars(args), "poisson_rate": state.get("poisson_rate"),
                       "total_wall_s": time.perf_counter() - t0},
            "results": results, "ratios": goal_ratios(results)}
-    doc["config"].update(_machine())
+    doc["config"].update(_machine(), cpu_isa=_cbserve_isa(args))
     out = Path(args.out_dir) / "serving.json"
     out.write_text(json.dumps(doc, indent=1))
     print(format_report(doc))
@@ -371,6 +371,16 @@ def _machine() -> dict[str, Any]:
 
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "commit": git_commit(ROOT),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _cbserve_isa(args: argparse.Namespace) -> str:
+    """The ISA level of cbserve's C kernels in this run: the --cpu-isa of --cbserve-args, else the CPU's best."""
+    from cbserve.worker.cpu.native import resolve_isa
+
+    extra = shlex.split(args.cbserve_args)
+    asked = next((extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--cpu-isa"), "auto")
+    asked = next((a.split("=", 1)[1] for a in extra if a.startswith("--cpu-isa=")), asked)
+    return resolve_isa(asked)
 
 
 if __name__ == "__main__":

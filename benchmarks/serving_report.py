@@ -90,7 +90,8 @@ def format_report(doc: dict[str, Any]) -> str:
     results = doc["results"]
     head = (f"{'server':<9}{'workload':<9}{'ok':>6}{'out tok/s':>10}" +
             "".join(f"{n + ' med':>10}{n + ' p99':>10}" for _, n in METRICS) + "  (ms)")
-    lines = [f"Serving benchmark on {doc['config'].get('cpu')} ({doc['config'].get('cores')} cores), "
+    lines = [f"Serving benchmark on {doc['config'].get('cpu')} ({doc['config'].get('cores')} cores, cbserve's "
+             f"{doc['config'].get('cpu_isa', '?')} kernels), "
              f"commit {doc['config'].get('commit')}, poisson rate {doc['config'].get('poisson_rate')}",
              "NOTE: a shared machine gives noisy numbers.", head, "-" * len(head)]
     for server, res in results.items():

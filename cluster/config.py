@@ -19,6 +19,7 @@ from cbserve.worker.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     DTYPE_BYTES,
     AttentionBackendName,
+    CpuIsaName,
     CpuOpsName,
     Device,
     Dtype,
@@ -47,6 +48,7 @@ class CBServeConfig(BaseModel):
     dtype: Dtype = "auto"  # float32 on CPU, bfloat16 on CUDA
     device: Device = "auto"  # cuda when the Ray cluster has a GPU, else cpu
     cpu_ops: CpuOpsName = "auto"  # CPU kernels (worker/cpu/)
+    cpu_isa: CpuIsaName = "auto"  # which build of the C kernels: avx512, avx2, scalar; auto = the CPU's best
     cpu_compact_weights: bool = True  # native CPU kernels read exact compact weights
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA-graph capture of decode steps
@@ -222,6 +224,7 @@ class CBServeConfig(BaseModel):
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             cpu_ops=self.cpu_ops,
+            cpu_isa=self.cpu_isa,
             cpu_compact_weights=self.cpu_compact_weights,
             seed=self.seed,
             tensor_parallel_size=self.tensor_parallel_size,

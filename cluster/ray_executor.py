@@ -42,6 +42,7 @@ class DispatchStats:
     last_overhead_s: float = 0.0
     torch_threads: list[int] = field(default_factory=list)  # per rank, as the workers report them
     pids: list[int] = field(default_factory=list)  # per rank: the worker processes (cluster/cpu_priority.py)
+    cpu: list[dict[str, Any] | None] = field(default_factory=list)  # per rank: CPU ops, ISA level, probe
 
     def observe(self, overhead_s: float) -> None:
         self.num_calls += 1
@@ -106,6 +107,7 @@ class RayExecutor:
         executor = cls(workers, pg, num_blocks, {p["node_id"] for p in pings})
         executor.stats.torch_threads = [p["torch_threads"] for p in pings]
         executor.stats.pids = [p["pid"] for p in pings]
+        executor.stats.cpu = [p["cpu"] for p in pings]
         if config.compiled_graph:
             executor.compile()
         if executor._cgraph is None:

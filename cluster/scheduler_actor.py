@@ -294,6 +294,7 @@ class SchedulerActor:
             d["compiled_graph"] = ds.compiled_graph
             d["worker_torch_threads"] = ds.torch_threads
             d["engine_pids"] = [os.getpid(), *ds.pids]  # this actor's process, then the workers'
+            d["worker_cpu"] = ds.cpu  # per rank: cpu_ops, the C kernels' ISA level, the start-up probe
             d["dispatch_calls"] = ds.num_calls
             d["dispatch_overhead_ms_mean"] = 1000 * ds.mean_overhead_s
         return d

@@ -143,7 +143,8 @@ class WorkerActor:
 
         loaded = self.runner is not None
         return {"rank": self.rank, "replica": self.replica, "pid": os.getpid(), "loaded": loaded,
-                "node_id": ray.get_runtime_context().get_node_id(), "torch_threads": torch.get_num_threads()}
+                "node_id": ray.get_runtime_context().get_node_id(), "torch_threads": torch.get_num_threads(),
+                "cpu": self.runner.cpu_report if self.runner is not None else None}
 
     def shutdown(self) -> None:
         try:

@@ -12,9 +12,10 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash"]
 CpuOpsName = Literal["auto", "native", "onednn", "torch"]
+CpuIsaName = Literal["auto", "avx512", "avx2", "scalar"]
 
 _DTYPES, _DEVICES = get_args(Dtype), get_args(Device)
-_BACKENDS, _CPU_OPS = get_args(AttentionBackendName), get_args(CpuOpsName)
+_BACKENDS, _CPU_OPS, _CPU_ISAS = get_args(AttentionBackendName), get_args(CpuOpsName), get_args(CpuIsaName)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
@@ -52,6 +53,7 @@ class ModelConfig:
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False
     cpu_ops: CpuOpsName = "auto"
+    cpu_isa: CpuIsaName = "auto"
     cpu_compact_weights: bool = True
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -74,6 +76,11 @@ class ModelConfig:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
         if self.cpu_ops not in _CPU_OPS:
             raise ValueError(f"cpu_ops must be one of {_CPU_OPS}, got {self.cpu_ops!r}")
+        if self.cpu_isa not in _CPU_ISAS:
+            raise ValueError(f"cpu_isa must be one of {_CPU_ISAS}, got {self.cpu_isa!r}")
+        if self.cpu_isa != "auto" and self.cpu_ops not in ("auto", "native"):
+            raise ValueError(f"cpu_isa={self.cpu_isa!r} picks a build of the C kernels, which cpu_ops="
+                             f"{self.cpu_ops!r} does not run (use cpu_ops 'auto' or 'native')")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.kv_cache_memory_bytes < 1:

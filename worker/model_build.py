@@ -40,6 +40,7 @@ class BuiltModel:
     backend_cls: type
     dtype: torch.dtype  # the model's and its KV cache's: float32 for bfloat16 products on the CPU kernels
     kernels: CpuKernels | None  # the CPU C kernels the model runs on (native ops), else None
+    cpu_report: dict[str, Any]  # CpuOps.report(): mode, ISA level, probe figures (/stats)
 
 
 def build_model(
@@ -53,11 +54,11 @@ def build_model(
 ) -> BuiltModel:
     """The model of ``folder`` with its weights loaded, in eval mode; on CPU its weights packed for the kernels
     (the GGUF blocks kept when ``cpu_compact_weights``)."""
-    ops = resolve_cpu_ops(config.cpu_ops, device, dtype)
+    ops = resolve_cpu_ops(config.cpu_ops, device, dtype, config.cpu_isa, probe_shape(hf_config))
     if ops.bf16_products:  # bfloat16 on the C kernels: a float32 model and KV cache, bfloat16 products
         dtype = torch.float32
         logger.info("dtype bfloat16 on the CPU kernels: linear layers multiply in bfloat16, the rest is float32")
-    backend_cls = get_attention_backend(config.attention_backend, device, ops.native)
+    backend_cls = get_attention_backend(config.attention_backend, device, ops.native, config.cpu_isa)
     model_cls = model_class(hf_config)  # NotImplementedError naming what is supported
     with default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, backend_cls, max_model_len, ops)
@@ -66,4 +67,11 @@ def build_model(
     if device.type == "cpu":
         compact = config.cpu_compact_weights and ops.native
         model.finish_loading(load_gguf_blocks(folder) if compact else None, compact)
-    return BuiltModel(model, ops.mode, backend_cls, dtype, ops.kernels)
+    return BuiltModel(model, ops.mode, backend_cls, dtype, ops.kernels, ops.report())
+
+
+def probe_shape(hf_config: Any) -> tuple[int, int]:
+    """The model's hidden size and MLP width (a mixture of experts': one expert's), for the cpu_ops probe."""
+    hidden = int(hf_config.hidden_size)
+    inter = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "moe_intermediate_size", None)
+    return hidden, int(inter or 4 * hidden)

@@ -68,6 +68,7 @@ class ModelRunner:
                             progress and tp_rank() == 0)
         self.model, self.cpu_ops, self.backend_cls = built.model, built.cpu_ops, built.backend_cls
         self.dtype = built.dtype  # float32 for bfloat16 products on the CPU kernels (see cpu/ops.py)
+        self.cpu_report = built.cpu_report  # the CPU path: mode, kernels' ISA level, probe figures (/stats)
         if self.device.type == "cpu":
             tune_malloc_for_cpu_inference()  # after the weights are placed: they stay in their own mappings
         self.eos_token_ids = list(read_eos_token_ids(self.model_folder))

@@ -66,13 +66,14 @@ def _randomize_norms(model: torch.nn.Module) -> None:
                 p.copy_(p + 0.3 * torch.randn(p.shape, generator=gen))
 
 
-def make_family_model(folder: Path, family: str) -> Path:
-    """Save a tiny random ``family`` model (seeded, safetensors in small shards) and a tokenizer."""
+def make_family_model(folder: Path, family: str, overrides: dict[str, Any] | None = None) -> Path:
+    """Save a tiny random ``family`` model (seeded, safetensors in small shards) and a tokenizer;
+    ``overrides``: config values other than the family's (e.g. a head_dim the C kernels specialise)."""
     import transformers
 
     cfg_name, model_name, extra = FAMILIES[family]
     torch.manual_seed(1234)
-    cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra})
+    cfg = getattr(transformers, cfg_name)(**{**COMMON, **extra, **(overrides or {})})
     model = getattr(transformers, model_name)(cfg).eval()
     _randomize_norms(model)
     model.save_pretrained(folder, max_shard_size="100KB")

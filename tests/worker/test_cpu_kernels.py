@@ -130,7 +130,7 @@ def test_resolve_cpu_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="float32 or bfloat16 products, not torch.float16"):
         cpu_ops.resolve_cpu_ops("native", cpu, torch.float16)
     assert cpu_ops.resolve_cpu_ops("auto", cpu, torch.float16).mode == "onednn"
-    monkeypatch.setattr(cpu_ops, "load_cpu_kernels", lambda: KernelLoad(None, "no compiler in this test"))
+    monkeypatch.setattr(cpu_ops, "load_cpu_kernels", lambda isa="auto": KernelLoad(None, "no compiler in this test"))
     assert cpu_ops.resolve_cpu_ops("auto", cpu, torch.float32) == cpu_ops.CpuOps("onednn", None)
     with pytest.raises(ValueError, match="no compiler in this test"):
         cpu_ops.resolve_cpu_ops("native", cpu, torch.float32)

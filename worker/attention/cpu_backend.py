@@ -86,10 +86,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None,
-        softcap: float | None = None,
+        softcap: float | None = None, kernels: CpuKernels | None = None,
     ) -> None:
+        """``kernels``: the model's build of the C kernels (its ``cpu_isa``); None: the CPU's best build."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap)
-        self._kernels = require_cpu_kernels()
+        self._kernels = kernels if kernels is not None else require_cpu_kernels()
 
     def prepare(self, metadata: AttentionMetadata) -> PreparedAttention:
         metadata.prepared = self.cpu_prepared(metadata)

@@ -29,14 +29,14 @@ def _load(name: str) -> type[AttentionBackend]:
 
 
 def get_attention_backend(
-    name: str, device: torch.device | str, native_cpu: bool = True
+    name: str, device: torch.device | str, native_cpu: bool = True, cpu_isa: str = "auto"
 ) -> type[AttentionBackend]:
     """The backend class for ``name`` ("auto" | "torch" | "cpu" | "triton" | "flash") on ``device``.
 
     "auto" picks cpu on CPU when ``native_cpu`` (the model runs on cbserve's C kernels, see cpu/ops.py) and
     the kernels build, else torch; on CUDA it tries triton, then flash,
     and falls back to torch. Asking for "cpu"/"triton"/"flash" explicitly raises ValueError when it cannot
-    be used.
+    be used. ``cpu_isa``: the build of the C kernels the "cpu" backend needs (cpu/native.py).
     """
     device = torch.device(device)
     if name == "torch":
@@ -44,7 +44,7 @@ def get_attention_backend(
     if name == "auto" and device.type == "cpu" and not native_cpu:
         return TorchAttentionBackend
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
-        return _cpu_backend(device, explicit=name == "cpu")
+        return _cpu_backend(device, name == "cpu", cpu_isa)
     if name in _LAZY_BACKENDS:
         if device.type != "cuda":
             raise ValueError(f"attention backend {name!r} needs a CUDA device, got {device}")
@@ -63,10 +63,10 @@ def get_attention_backend(
     return TorchAttentionBackend
 
 
-def _cpu_backend(device: torch.device, explicit: bool) -> type[AttentionBackend]:
+def _cpu_backend(device: torch.device, explicit: bool, isa: str) -> type[AttentionBackend]:
     if device.type != "cpu":
         raise ValueError(f"attention backend 'cpu' needs a CPU device, got {device}")
-    load = load_cpu_kernels()
+    load = load_cpu_kernels(isa)
     if load.kernels is not None:
         return CpuAttentionBackend
     if explicit:

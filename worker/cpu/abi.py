@@ -48,6 +48,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {"cb_lin_t": LinearArgs, "cb_layer_
 
 # name -> (restype, argtypes). Pointers of any type (structs and arrays of them included) are c_void_p.
 FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
+    "cb_isa_features": (_I32, []),
     "cb_packed_bytes": (_I64, [_I32, _I32, _I32]),
     "cb_gemm_panel_width": (_I32, []),
     "cb_pack_weight_f32": (_I32, [_P, _I64, _I32, _I32, _P]),
@@ -69,8 +70,9 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
     "cb_llama_layers": (_I32, [_P, _P, _I32, _P, _P, _P, _P, _I64, _P, _I32]),
 }
 
-# The header's enums that Python numbers too: return codes and packed-weight formats.
+# The header's enums that Python numbers too: return codes, the build's ISA bits and packed-weight formats.
 RETURN_CODES = {"CB_OK": 0, "CB_ENOMEM": 1, "CB_EINVAL": 2, "CB_ERANGE": 3}
+ISA_FEATURES = {"avx2": 1, "avx512": 2, "avx512_bf16": 4, "amx": 8}
 PANEL_FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "bf16_dot": 4, "q8_0_bf16": 5, "q4_1_bf16": 6}
 
 _SCALARS: dict[str, CType] = {"int": _I32, "int32_t": _I32, "int64_t": _I64, "float": _F32}
@@ -170,6 +172,7 @@ def _struct_and_enum_differences(header: Header) -> list[str]:
             found = header.structs.get(name)
             problems.append(f"struct {name}: cb_cpu.h has {_fields_text(found)}, {cls.__name__} {_fields_text(fields)}")
     expected = RETURN_CODES | {f"CB_FMT_{k.upper()}": v for k, v in PANEL_FORMATS.items()}
+    expected |= {f"CB_ISA_{k.upper()}": v for k, v in ISA_FEATURES.items()}
     problems += [f"{k}: cb_cpu.h has {header.enums.get(k)}, abi.py {v}" for k, v in expected.items()
                  if header.enums.get(k) != v]
     return problems

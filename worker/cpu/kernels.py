@@ -84,11 +84,16 @@ def _block_shape(q: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor, fmt:
 class CpuKernels:
     """The loaded library's kernels (``abi.AbiMismatch`` when its header and the ctypes table disagree)."""
 
-    def __init__(self, path: Path, header: Path = abi.HEADER) -> None:
+    def __init__(self, path: Path, header: Path = abi.HEADER, isa: str = "") -> None:
         self.path = path
         self._lib = ctypes.CDLL(str(path))
         abi.bind(self._lib, header)
         self.panel_width = int(self._lib.cb_gemm_panel_width())
+        bits = int(self._lib.cb_isa_features())
+        # what the library was compiled for, from its own report: e.g. ("avx2", "avx512", "avx512_bf16")
+        self.isa_features = tuple(name for name, bit in abi.ISA_FEATURES.items() if bits & bit)
+        self.isa = isa or ("avx512" if "avx512" in self.isa_features else "avx2" if "avx2" in self.isa_features
+                           else "scalar")
 
     # ---- linear layers ----------------------------------------------------------------------------
     def _panels_out(self, fmt: str, n: int, k: int) -> torch.Tensor:

@@ -8,7 +8,10 @@ to its constructor as a ``CpuOps``.
   ``dtype="bfloat16"`` the linear layers' products are bfloat16 (``CpuOps.bf16_products``, see linear.py).
 - "onednn": linear weights packed for oneDNN; torch for everything else.
 - "torch": plain torch (``F.linear`` on MKL), the reference the others are tested against.
-- "auto": native when the kernels build (float32 or bfloat16), else onednn, else torch.
+- "auto": native when the kernels build (float32 or bfloat16) and, given the model's shapes, the start-up
+  probe (``probe.py``) finds their products no slower than torch's on this CPU; else onednn, else torch.
+
+``isa`` picks the kernels' build (``native.py``: "avx512", "avx2", "scalar"; "auto" the CPU's best).
 
 The modules take ``CpuOps.kernels`` when they are constructed; the weights, which exist only once loaded,
 are packed by ``pack_weights`` from the model's own post-load step (``models.causal_lm.CausalLM.finish_loading``).
@@ -27,6 +30,7 @@ from .gguf_blocks import QuantBlocks
 from .kernels import CpuKernels
 from .linear import pack_linear_weights
 from .native import load_cpu_kernels
+from .probe import ProbeResult, probe_linear
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,13 @@ class CpuOps(NamedTuple):
     mode: str
     kernels: CpuKernels | None
     bf16_products: bool = False
+    probe: ProbeResult | None = None  # cpu_ops "auto": the start-up probe's figures, when it ran
+
+    def report(self) -> dict[str, object]:
+        """What /stats shows of the CPU path: the mode, the kernels' ISA level and the probe's figures."""
+        return {"cpu_ops": self.mode, "cpu_isa": self.kernels.isa if self.kernels is not None else None,
+                "cpu_isa_features": list(self.kernels.isa_features) if self.kernels is not None else [],
+                "cpu_ops_probe": self.probe.as_dict() if self.probe is not None else None}
 
     @property
     def native(self) -> bool:
@@ -49,28 +60,50 @@ class CpuOps(NamedTuple):
 TORCH_OPS = CpuOps("torch", None)
 
 
-def resolve_cpu_ops(requested: str, device: torch.device, dtype: torch.dtype) -> CpuOps:
+def resolve_cpu_ops(requested: str, device: torch.device, dtype: torch.dtype, isa: str = "auto",
+                    probe_shape: tuple[int, int] | None = None) -> CpuOps:
     """The ops to build the model with. ValueError when "native" or "onednn" is asked for explicitly and
-    cannot be had. Not a CPU device: torch."""
+    cannot be had, or ``isa`` names a level this CPU cannot run. Not a CPU device: torch. ``probe_shape``
+    (the model's hidden and intermediate sizes): "auto" keeps the C kernels only where the probe finds them
+    no slower than torch."""
     if device.type != "cpu":
         return TORCH_OPS
     if requested in ("auto", "native"):
         if dtype not in (torch.float32, torch.bfloat16):
             reason = f"the C kernels run float32 or bfloat16 products, not {dtype}"
         else:
-            load = load_cpu_kernels()
+            load = load_cpu_kernels(isa)
             if load.kernels is not None:
-                return CpuOps("native", load.kernels, dtype == torch.bfloat16)
+                native = CpuOps("native", load.kernels, dtype == torch.bfloat16)
+                if requested == "native" or probe_shape is None:
+                    return native
+                return _probed(native, load.kernels, probe_shape)
             reason = load.reason
         if requested == "native":
             raise ValueError(f"cpu_ops='native' is not available: {reason}")
         logger.warning("CPU C kernels not used (%s); linear layers on oneDNN or torch instead", reason)
+    return _torch_ops(requested)
+
+
+def _torch_ops(requested: str, probe: ProbeResult | None = None) -> CpuOps:
     if requested in ("auto", "onednn"):
         if torch.backends.mkldnn.is_available():
-            return CpuOps("onednn", None)
+            return CpuOps("onednn", None, probe=probe)
         if requested == "onednn":
             raise ValueError("cpu_ops='onednn' is not available: torch was built without oneDNN")
-    return TORCH_OPS
+    return CpuOps("torch", None, probe=probe)
+
+
+def _probed(native: CpuOps, kernels: CpuKernels, shape: tuple[int, int]) -> CpuOps:
+    """cpu_ops "auto": the C kernels, unless the probe finds them slower than torch on this CPU."""
+    result = probe_linear(kernels, shape[0], shape[1], native.bf16_products)
+    if result.native_wins:
+        logger.info("cpu_ops auto: the %s C kernels (%s)", kernels.isa, result.summary())
+        return native._replace(probe=result)
+    chosen = _torch_ops("auto", result)
+    logger.warning("cpu_ops auto: %s, not the %s C kernels, which are slower on this CPU (%s); cpu_ops "
+                   "'native' forces them", chosen.mode, kernels.isa, result.summary())
+    return chosen
 
 
 def pack_weights(

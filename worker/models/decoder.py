@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from ..attention.cpu_backend import CpuAttentionBackend
 from ..cpu.kernels import CpuKernels
 from ..layers import (
     ColumnParallelLinear,
@@ -102,8 +103,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels, spec.gemma_norms)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, kernels, spec.gemma_norms)
         scale = spec.attn_scale if spec.attn_scale is not None else self.head_dim**-0.5
+        # the C attention runs on the model's own build of the kernels (its cpu_isa)
+        own = {"kernels": kernels} if kernels is not None and issubclass(backend_cls, CpuAttentionBackend) else {}
         self.attn = backend_cls(self.num_heads, self.num_kv_heads, self.head_dim, scale, spec.window(layer),
-                                spec.attn_softcap)
+                                spec.attn_softcap, **own)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, md: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]

@@ -60,6 +60,13 @@ typedef struct {
     int act; /* the gated MLP's activation: 0 SiLU, 1 GELU (tanh approximation) */
 } cb_model_t;
 
+/* ---- the build (gemm.c) --------------------------------------------------------------------------------- */
+
+/* What the library was compiled for (one build per ISA level, see ../native.py): CB_ISA_* bits, none for the
+ * scalar (portable) build. The loader checks them against the level it asked for. */
+enum { CB_ISA_AVX2 = 1, CB_ISA_AVX512 = 2, CB_ISA_AVX512_BF16 = 4, CB_ISA_AMX = 8 };
+CB_API int cb_isa_features(void);
+
 /* ---- packed weights (panels.c) ------------------------------------------------------------------------- */
 
 /* Bytes of W [n, k] packed as fmt; -1 for an unknown format or a k the format cannot hold. */

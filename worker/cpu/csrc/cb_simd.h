@@ -1,7 +1,13 @@
 /* Internal helpers of cbserve's CPU kernels (attention.c, gemm.c, elementwise.c, panels.c, layers.c): vector
  * types, loads and stores, a vectorisable exp. Nothing here is exported; the ABI is cb_cpu.h, included below.
- * Everything is float32. Vectors are GCC vector extensions, so the same source compiles to AVX-512, AVX2
- * or SSE, whatever -march allows (../native.py builds with -march=native).
+ * Everything is float32.
+ *
+ * The library is built once per ISA level (../native.py): AVX-512 (-march=native on an AVX-512 CPU, or
+ * x86-64-v4), AVX2 + FMA (x86-64-v3) and scalar (no ISA-specific code: portable C for baseline x86-64 or any
+ * other CPU). `vf` is one register of the level's width, CB_VW floats: 16 (zmm), 8 (ymm) or 4 (what the
+ * portable path's GCC vectors lower to). Kernels are written in vf and CB_VW and block their work for the
+ * level's register file (CB_VREGS), so that no value is wider than a register: a 64-byte vector on AVX2 is
+ * two ymm values the compiler keeps on the stack (2 GFLOP/s linear layers), not in registers.
  */
 #ifndef CB_SIMD_H
 #define CB_SIMD_H
@@ -14,19 +20,33 @@
 #include <omp.h>
 #endif
 
-typedef float vf16 __attribute__((vector_size(64), aligned(4)));
-typedef float vf8 __attribute__((vector_size(32), aligned(4)));
-typedef float vf4 __attribute__((vector_size(16), aligned(4)));
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CB_VW 16
+#define CB_VREGS 32
+#define CB_ISA_LEVEL "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CB_VW 8
+#define CB_VREGS 16
+#define CB_ISA_LEVEL "avx2"
+#else
+#define CB_VW 4
+#define CB_VREGS 16
+#define CB_ISA_LEVEL "scalar"
+#endif
 
+typedef float vf __attribute__((vector_size(CB_VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(CB_VW * 4), aligned(4)));
+
+static inline vf cb_load(const float *p) { return *(const vf *)p; }
+static inline void cb_store(float *p, vf v) { *(vf *)p = v; }
+static inline vf cb_splat(float x) { return (vf){0} + x; }
+
+/* 16-wide vectors, for the AVX-512-only paths (bfloat16 products, AMX). */
+#ifdef __AVX512F__
+typedef float vf16 __attribute__((vector_size(64), aligned(4)));
 static inline vf16 cb_load16(const float *p) { return *(const vf16 *)p; }
 static inline void cb_store16(float *p, vf16 v) { *(vf16 *)p = v; }
-
-static inline float cb_hsum16(vf16 v) {
-    const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
+#endif
 
 static inline int cb_max_threads(void) {
 #ifdef _OPENMP

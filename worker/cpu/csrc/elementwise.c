@@ -10,7 +10,7 @@
 #include <math.h>
 
 #include "cb_simd.h"
-#ifdef __AVX512F__
+#if CB_VW >= 8
 #include <immintrin.h>
 #endif
 
@@ -64,7 +64,9 @@ int cb_silu_mul_f32(const float *x, int64_t ldx, int m, int inter, float *out, i
     return CB_OK;
 }
 
-/* x: [m, 2 * inter] = [gate | up] per row -> out: [m, inter] = gelu_tanh(gate) * up. */
+/* x: [m, 2 * inter] = [gate | up] per row -> out: [m, inter] = gelu_tanh(gate) * up. GELU's tanh form as the
+ * logistic function it is, 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)) with u = sqrt(2 / pi) (g + 0.044715 g^3):
+ * vectorised like SiLU (libm's tanhf is a call per value), and accurate where 1 + tanh(u) is tiny. */
 int cb_gelu_tanh_mul_f32(const float *x, int64_t ldx, int m, int inter, float *out, int64_t ldo) {
     if (m < 0 || inter < 1 || ldx < 2 * (int64_t)inter || ldo < inter) return CB_EINVAL;
     const float k0 = 0.7978845608028654f, k1 = 0.044715f; /* sqrt(2 / pi), as torch's kBeta */
@@ -72,9 +74,16 @@ int cb_gelu_tanh_mul_f32(const float *x, int64_t ldx, int m, int inter, float *o
     for (int row = 0; row < m; ++row) {
         const float *g = x + (int64_t)row * ldx, *u = g + inter;
         float *o = out + (int64_t)row * ldo;
-        for (int i = 0; i < inter; ++i) {
-            const float v = g[i];
-            o[i] = 0.5f * v * (1.0f + tanhf(k0 * (v + k1 * v * v * v))) * u[i];
+        for (int i0 = 0; i0 < inter; i0 += CB_SILU_CHUNK) {
+            const int n = inter - i0 < CB_SILU_CHUNK ? inter - i0 : CB_SILU_CHUNK;
+            float e[CB_SILU_CHUNK];
+#pragma omp simd
+            for (int i = 0; i < n; ++i) {
+                const float v = g[i0 + i];
+                e[i] = cb_exp(-2.0f * k0 * (v + k1 * v * v * v));
+            }
+#pragma omp simd
+            for (int i = 0; i < n; ++i) o[i0 + i] = g[i0 + i] / (1.0f + e[i]) * u[i0 + i];
         }
     }
     return CB_OK;
@@ -117,10 +126,16 @@ int cb_apply_token_bitmask_f32(float *logits, int64_t ld, int rows, int vocab, c
             const int n = vocab - 32 * w < 32 ? vocab - 32 * w : 32;
             const uint32_t keep = bits[w] | (n < 32 ? ~0u << n : 0u); /* tokens past vocab stay untouched */
             if (keep == ~0u) continue;
-#ifdef __AVX512F__
+#if CB_VW == 16
             const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
             _mm512_mask_storeu_ps(row + 32 * w, (__mmask16)~keep, neg_inf);
             _mm512_mask_storeu_ps(row + 32 * w + 16, (__mmask16)(~keep >> 16), neg_inf);
+#elif CB_VW == 8 /* lane b of group g written where bit 8g + b of ~keep is set (masked lanes are not touched) */
+            const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+            for (int g = 0; g < 4; ++g) {
+                const __m256i drop = _mm256_and_si256(_mm256_set1_epi32((int)(~keep >> 8 * g)), lane_bit);
+                _mm256_maskstore_ps(row + 32 * w + 8 * g, _mm256_cmpeq_epi32(drop, lane_bit), _mm256_set1_ps(-INFINITY));
+            }
 #else
             for (int b = 0; b < n; ++b)
                 if (!(keep >> b & 1u)) row[32 * w + b] = -INFINITY;

@@ -5,8 +5,8 @@
  * A work item is one 48-column panel and up to CB_ROW_BLOCK rows of A. It walks K in chunks of 64 or 256:
  * the chunk's weights are decoded once into an L1-sized float32 scratch (or read in place for float32
  * panels), then every row tile of the item multiplies it, keeping an mr x 48 block of C in vector
- * registers (mr <= CB_MR: 8 rows x 3 vectors with AVX-512, 4 rows without) between a per-thread
- * accumulator buffer and the next chunk.
+ * registers (mr <= CB_MR rows by the panel's 48 columns in groups sized for the ISA level's registers, see
+ * below) between a per-thread accumulator buffer and the next chunk.
  *
  * Why its own kernel and not oneDNN or MKL: a decode step multiplies every weight by only a few rows (one
  * per running request), so its cost is reading the weights from memory. This loop reads each panel exactly
@@ -23,16 +23,33 @@
 #include "cb_simd.h"
 #include "panels.h"
 
-#ifdef __AVX512F__
-#define CB_MR 8 /* 24 accumulators + 3 weight vectors of the 32 zmm registers */
+/* Register blocking: a tile is mr rows (mr <= CB_MR) by nv vectors of CB_VW columns, nv * CB_VW dividing the
+ * panel's 48; a panel is covered by 48 / (nv * CB_VW) column groups, one after the other, each keeping its
+ * mr x nv accumulators in registers over the whole chunk. AVX-512 (32 zmm): 8 rows x 3 vectors, one group.
+ * AVX2 (16 ymm): up to 2 rows x 6 vectors (one group: each weight vector loaded once for both rows), else 4
+ * rows x 3 vectors in two groups of 24 columns (12 accumulators, 3 weights, a broadcast: the 16 registers).
+ * Scalar (4 lanes, 16 registers): 4 rows x 3 vectors in four groups. */
+#if CB_VW == 16
+#define CB_MR 8
+#define CB_NV(mr) 3
+#elif CB_VW == 8
+#define CB_MR 4
+#define CB_NV(mr) ((mr) <= 2 ? 6 : 3)
 #else
-#define CB_MR 4 /* vf16 is two ymm registers here: 12 accumulators x 2 + 3 x 2 weight halves */
+#define CB_MR 4
+#define CB_NV(mr) 3
 #endif
+#define CB_MAX_NV (CB_NR / CB_VW < 6 ? CB_NR / CB_VW : 6)
 #define CB_ROW_BLOCK 192 /* rows one work item covers when M is large (3-6% faster than 96 at 512-1024) */
-/* k values per chunk, multiples of CB_QK: 12 KB of decoded weights for few rows, 48 KB for many (measured
- * best for 1-22 and 64-1024 rows of SmolLM2's shapes) */
+/* k values per chunk, multiples of CB_QK: 12 KB of decoded weights for few rows, 48 KB for many with AVX-512
+ * (measured best for 1-22 and 64-1024 rows of SmolLM2's shapes), 24 KB with fewer registers, where each chunk
+ * is read once per column group (AVX2, 2-core Xeon: 121-125 GFLOP/s at 64-1024 rows against 95 with 48 KB) */
 #define CB_KC_FEW 64
+#if CB_VW == 16
 #define CB_KC_MANY 256
+#else
+#define CB_KC_MANY 128
+#endif
 #define CB_MANY_ROWS 32
 /* rows from which bfloat16 products go to AMX tiles where there are some (amx.c) */
 #define CB_AMX_MIN_ROWS 4
@@ -40,38 +57,48 @@
 static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                               const float *bias, float *c, int64_t ldc);
 
-/* An mr x 48 block of C over one chunk of kn k values. acc_io: the block's partial sums ([mr][48]), read
- * unless first (then the start is bias or zero) and written unless c (then the result goes to c, ncols
- * columns a row). */
+/* Columns [col, col + nv * CB_VW) of an mr x 48 block of C over one chunk of kn k values. acc_io: the block's
+ * partial sums ([mr][48]), read unless first (then the start is bias or zero) and written unless out (then
+ * the result goes to out, rows ldo floats apart). */
+static inline __attribute__((always_inline)) void tile_group(const int mr, const int nv, const float *restrict a,
+                                                             int64_t lda, const float *restrict w, int kn,
+                                                             int first, const float *bias, float *restrict acc_io,
+                                                             float *restrict out, int64_t ldo, int col) {
+    vf acc[CB_MR][CB_MAX_NV];
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nv; ++j) {
+            const int at = col + CB_VW * j;
+            acc[i][j] = !first ? cb_load(acc_io + i * CB_NR + at) : bias ? cb_load(bias + at) : (vf){0};
+        }
+    for (int kk = 0; kk < kn; ++kk) {
+        const float *wk = w + (int64_t)kk * CB_NR + col;
+        vf wv[CB_MAX_NV];
+        for (int j = 0; j < nv; ++j) wv[j] = cb_load(wk + CB_VW * j);
+        for (int i = 0; i < mr; ++i) {
+            const float x = a[i * lda + kk];
+            for (int j = 0; j < nv; ++j) acc[i][j] += x * wv[j];
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nv; ++j) {
+            const int at = col + CB_VW * j;
+            cb_store(out ? out + i * ldo + at : acc_io + i * CB_NR + at, acc[i][j]);
+        }
+}
+
+/* An mr x 48 block of C over one chunk, group by group; out: c (ncols columns a row) when this is the last
+ * chunk, else NULL (the partial sums stay in acc_io). */
 static inline __attribute__((always_inline)) void tile(const int mr, const float *restrict a, int64_t lda,
                                                        const float *restrict w, int kn, int first,
                                                        const float *bias, float *restrict acc_io,
                                                        float *restrict c, int64_t ldc, int ncols) {
-    vf16 acc[CB_MR][3];
-    for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < 3; ++j)
-            acc[i][j] = !first ? cb_load16(acc_io + i * CB_NR + 16 * j) : bias ? cb_load16(bias + 16 * j) : (vf16){0};
-    for (int kk = 0; kk < kn; ++kk) {
-        const float *wk = w + (int64_t)kk * CB_NR;
-        const vf16 w0 = cb_load16(wk), w1 = cb_load16(wk + 16), w2 = cb_load16(wk + 32);
-        for (int i = 0; i < mr; ++i) {
-            const float x = a[i * lda + kk];
-            acc[i][0] += x * w0;
-            acc[i][1] += x * w1;
-            acc[i][2] += x * w2;
-        }
-    }
-    for (int i = 0; i < mr; ++i) {
-        if (!c) {
-            for (int j = 0; j < 3; ++j) cb_store16(acc_io + i * CB_NR + 16 * j, acc[i][j]);
-        } else if (ncols == CB_NR) {
-            for (int j = 0; j < 3; ++j) cb_store16(c + i * ldc + 16 * j, acc[i][j]);
-        } else {
-            float tmp[CB_NR];
-            for (int j = 0; j < 3; ++j) cb_store16(tmp + 16 * j, acc[i][j]);
-            memcpy(c + i * ldc, tmp, sizeof(float) * (size_t)ncols);
-        }
-    }
+    const int nv = CB_NV(mr), gw = nv * CB_VW; /* constants once inlined */
+    float tmp[CB_MR * CB_NR] __attribute__((aligned(64))); /* a partial last panel's rows, cut to ncols after */
+    float *out = c && ncols < CB_NR ? tmp : c;
+    const int64_t ldo = out == tmp ? CB_NR : ldc;
+    for (int col = 0; col < CB_NR; col += gw) tile_group(mr, nv, a, lda, w, kn, first, bias, acc_io, out, ldo, col);
+    if (out == tmp)
+        for (int i = 0; i < mr; ++i) memcpy(c + i * ldc, tmp + i * CB_NR, sizeof(float) * (size_t)ncols);
 }
 
 /* mr as a compile-time constant in each case, so the accumulators stay in registers. */
@@ -153,6 +180,22 @@ static void linear_items(int fmt, const float *a, int64_t lda, int m, int k, con
                        ldc, ncols, scratch, accbuf);
         }
     }
+}
+
+int cb_isa_features(void) {
+    int f = 0;
+#if CB_VW == 8
+    f |= CB_ISA_AVX2;
+#elif CB_VW == 16
+    f |= CB_ISA_AVX2 | CB_ISA_AVX512;
+#endif
+#ifdef __AVX512BF16__
+    f |= CB_ISA_AVX512_BF16;
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+    f |= CB_ISA_AMX;
+#endif
+    return f;
 }
 
 /* a: [m, k] rows lda floats apart; wp: W [n, k] packed in format fmt (panels.c); bias: [n] or NULL;

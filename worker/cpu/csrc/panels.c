@@ -4,56 +4,45 @@
 
 #include "cb_simd.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if CB_VW >= 8
 #include <immintrin.h>
 #endif
 
-typedef int32_t vi32x16 __attribute__((vector_size(64)));
-
-/* 16 integers of 8 or 16 bits widened to int32 lanes. GCC turns __builtin_convertvector from 8-bit lanes
- * into scalar code, so these use the widening loads where the target has them. */
-#ifdef __AVX512F__
-static inline vi32x16 widen_u8(const uint8_t *p) {
-    return (vi32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+/* CB_VW integers of 8 or 16 bits widened to int32 lanes. GCC turns __builtin_convertvector from 8-bit lanes
+ * into scalar code, so these use the widening loads where the level has them. */
+#if CB_VW == 16
+static inline vi widen_u8(const uint8_t *p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi widen_s8(const int8_t *p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi widen_u16(const uint16_t *p) {
+    return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
 }
-static inline vi32x16 widen_s8(const int8_t *p) {
-    return (vi32x16)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-}
-static inline vi32x16 widen_u16(const uint16_t *p) {
-    return (vi32x16)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-}
-#elif defined(__AVX2__)
-static inline vi32x16 join(__m256i lo, __m256i hi) {
-    vi32x16 r;
-    memcpy(&r, &lo, 32);
-    memcpy((char *)&r + 32, &hi, 32);
-    return r;
-}
-static inline vi32x16 widen_u8(const uint8_t *p) {
-    return join(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
-}
-static inline vi32x16 widen_s8(const int8_t *p) {
-    return join(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)),
-                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
-}
-static inline vi32x16 widen_u16(const uint16_t *p) {
-    return join(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)),
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8))));
+#elif CB_VW == 8
+static inline vi widen_u8(const uint8_t *p) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi widen_s8(const int8_t *p) { return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi widen_u16(const uint16_t *p) {
+    return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
 }
 #else
-#define CB_WIDEN(name, type)                              \
-    static inline vi32x16 name(const type *p) {           \
-        vi32x16 r;                                        \
-        for (int i = 0; i < 16; ++i) r[i] = (int32_t)p[i]; \
-        return r;                                         \
+#define CB_WIDEN(name, type)                                  \
+    static inline vi name(const type *p) {                    \
+        vi r;                                                 \
+        for (int i = 0; i < CB_VW; ++i) r[i] = (int32_t)p[i]; \
+        return r;                                             \
     }
 CB_WIDEN(widen_u8, uint8_t)
 CB_WIDEN(widen_s8, int8_t)
 CB_WIDEN(widen_u16, uint16_t)
 #endif
 
-static inline vf16 to_float(vi32x16 v) { return __builtin_convertvector(v, vf16); }
+static inline vf to_float(vi v) { return __builtin_convertvector(v, vf); }
+static inline vi load_bits(const void *p) {
+    vi r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+static inline void store_bits(float *p, vi v) { memcpy(p, &v, sizeof v); }
+
+#define CB_PV (CB_NR / CB_VW) /* vectors per panel row */
 
 #define Q8_BLOCK_BYTES (CB_NR * 4 + CB_QK * CB_NR)          /* d[48] + q[32][48] = 1728 */
 #define Q41_BLOCK_BYTES (2 * CB_NR * 4 + CB_QK / 2 * CB_NR) /* d[48] + m[48] + q[16][48] = 1152 */
@@ -87,33 +76,31 @@ int cb_gemm_panel_width(void) { return CB_NR; }
 /* ---- decoding --------------------------------------------------------------------------------------- */
 
 static void chunk_bf16(const uint16_t *restrict src, int kn, float *restrict dst) {
-    for (int i = 0; i < kn * CB_NR; i += 16) {
-        const vi32x16 bits = widen_u16(src + i) << 16;
-        memcpy(dst + i, &bits, sizeof bits);
-    }
+    for (int i = 0; i < kn * CB_NR; i += CB_VW) store_bits(dst + i, widen_u16(src + i) << 16);
 }
 
-/* pairs [kn / 2][48][2] -> [kn][48] (kn even: the pad row of an odd k lands in the scratch's spare row) */
+/* pairs [kn / 2][48][2] -> [kn][48] (kn even: the pad row of an odd k lands in the scratch's spare row). A pair
+ * is one 32-bit word: k = 2j in its low half, 2j + 1 in its high half. */
 static void chunk_bf16_dot(const uint16_t *restrict src, int kn, float *restrict dst) {
+    const vi high = (vi){0} + (int32_t)0xFFFF0000u;
     for (int j = 0; j < (kn + 1) / 2; ++j)
-        for (int c = 0; c < CB_NR; ++c)
-            for (int h = 0; h < 2; ++h) {
-                const uint32_t bits = (uint32_t)src[(j * CB_NR + c) * 2 + h] << 16;
-                memcpy(dst + (int64_t)(2 * j + h) * CB_NR + c, &bits, 4);
-            }
+        for (int c = 0; c < CB_NR; c += CB_VW) {
+            const vi pair = load_bits(src + (j * CB_NR + c) * 2);
+            store_bits(dst + (int64_t)(2 * j) * CB_NR + c, pair << 16);
+            store_bits(dst + (int64_t)(2 * j + 1) * CB_NR + c, pair & high);
+        }
 }
 
 static void chunk_q8_0(const uint8_t *restrict blocks, int kn, float *restrict dst) {
     for (int b = 0; b < kn / CB_QK; ++b, blocks += Q8_BLOCK_BYTES) {
         const float *d = (const float *)blocks;
         const int8_t *q = (const int8_t *)(blocks + CB_NR * 4);
-        const vf16 d0 = cb_load16(d), d1 = cb_load16(d + 16), d2 = cb_load16(d + 32);
+        vf dv[CB_PV];
+        for (int v = 0; v < CB_PV; ++v) dv[v] = cb_load(d + CB_VW * v);
         for (int j = 0; j < CB_QK; ++j) {
             const int8_t *qj = q + j * CB_NR;
             float *o = dst + (int64_t)(b * CB_QK + j) * CB_NR;
-            cb_store16(o, d0 * to_float(widen_s8(qj)));
-            cb_store16(o + 16, d1 * to_float(widen_s8(qj + 16)));
-            cb_store16(o + 32, d2 * to_float(widen_s8(qj + 32)));
+            for (int v = 0; v < CB_PV; ++v) cb_store(o + CB_VW * v, dv[v] * to_float(widen_s8(qj + CB_VW * v)));
         }
     }
 }
@@ -122,23 +109,34 @@ static void chunk_q4_1(const uint8_t *restrict blocks, int kn, float *restrict d
     for (int b = 0; b < kn / CB_QK; ++b, blocks += Q41_BLOCK_BYTES) {
         const float *d = (const float *)blocks, *m = d + CB_NR;
         const uint8_t *q = blocks + 2 * CB_NR * 4;
-        for (int v = 0; v < 3; ++v) {
-            const vf16 dv = cb_load16(d + 16 * v), mv = cb_load16(m + 16 * v);
+        for (int v = 0; v < CB_PV; ++v) {
+            const vf dv = cb_load(d + CB_VW * v), mv = cb_load(m + CB_VW * v);
             for (int j = 0; j < CB_QK / 2; ++j) {
-                const vi32x16 pair = widen_u8(q + j * CB_NR + 16 * v);
-                float *o = dst + (int64_t)(b * CB_QK + 2 * j) * CB_NR + 16 * v;
+                const vi pair = widen_u8(q + j * CB_NR + CB_VW * v);
+                float *o = dst + (int64_t)(b * CB_QK + 2 * j) * CB_NR + CB_VW * v;
                 /* d * q is exact (an 11-bit float16 significand times 4 bits): one rounding, in the add */
-                cb_store16(o, dv * to_float(pair & 15) + mv);
-                cb_store16(o + CB_NR, dv * to_float(pair >> 4) + mv);
+                cb_store(o, dv * to_float(pair & 15) + mv);
+                cb_store(o + CB_NR, dv * to_float(pair >> 4) + mv);
             }
         }
+    }
+}
+
+/* In place: each of n float32 values rounded to the nearest bfloat16 (ties to even), as cb_round_bf16. */
+static void round_bf16(float *x, int64_t n) {
+    typedef uint32_t vu __attribute__((vector_size(CB_VW * 4), aligned(4)));
+    for (int64_t i = 0; i < n; i += CB_VW) {
+        vu bits;
+        memcpy(&bits, x + i, sizeof bits);
+        bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+        memcpy(x + i, &bits, sizeof bits);
     }
 }
 
 const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch) {
     if (fmt == CB_FMT_Q8_0_BF16 || fmt == CB_FMT_Q4_1_BF16) { /* decoded, then rounded as the kernel rounds */
         cb_panel_chunk(cb_storage_format(fmt), panel, k0, kn, scratch);
-        for (int64_t i = 0; i < (int64_t)kn * CB_NR; ++i) scratch[i] = cb_round_bf16(scratch[i]);
+        round_bf16(scratch, (int64_t)kn * CB_NR);
         return scratch;
     }
     switch (fmt) {
@@ -165,7 +163,7 @@ static inline __m512i pair_vector(vf16 even, vf16 odd) {
  * and m; Q8_0 rows k = 2j and 2j + 1 with their scale d. One expression each, for the scratch path and the
  * one-row path alike (their results must agree bit for bit). */
 static inline __m512i q4_1_pairs(vf16 d, vf16 m, const uint8_t *q) {
-    const vi32x16 pair = widen_u8(q);
+    const vi pair = widen_u8(q);
     return pair_vector(d * to_float(pair & 15) + m, d * to_float(pair >> 4) + m);
 }
 

@@ -1,0 +1,87 @@
+"""What CPU a benchmark ran on, and its ceilings: the model name and ISA level (named in every figure), the
+measured FMA peak (an unrolled loop of independent FMAs, compiled here for the level's vector width) and the
+measured memory copy bandwidth (the decode roofline's denominator)."""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from cbserve.bench.report import cpu_model
+from cbserve.worker.cpu import native
+
+_PEAK_SRC = r"""
+#include <stdio.h>
+#include <time.h>
+#include <omp.h>
+typedef float vf __attribute__((vector_size(VW * 4)));
+int main(void) {
+    const long iters = 20000000;
+    double best = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+#pragma omp parallel
+        {
+            const vf x = (vf){0} + 1.0f, y = (vf){0} + 1e-9f;
+            vf a0 = x, a1 = x + 1, a2 = x + 2, a3 = x + 3, a4 = x + 4, a5 = x + 5, a6 = x + 6, a7 = x + 7,
+               a8 = x + 8, a9 = x + 9, a10 = x + 10, a11 = x + 11;
+            for (long it = 0; it < iters; ++it) {
+                a0 = a0 * x + y; a1 = a1 * x + y; a2 = a2 * x + y; a3 = a3 * x + y; a4 = a4 * x + y;
+                a5 = a5 * x + y; a6 = a6 * x + y; a7 = a7 * x + y; a8 = a8 * x + y; a9 = a9 * x + y;
+                a10 = a10 * x + y; a11 = a11 * x + y;
+                __asm__ volatile("" : "+x"(a0), "+x"(a1), "+x"(a2), "+x"(a3), "+x"(a4), "+x"(a5), "+x"(a6),
+                                 "+x"(a7), "+x"(a8), "+x"(a9), "+x"(a10), "+x"(a11));
+            }
+            const vf a = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11;
+            volatile float sink = a[0];
+            (void)sink;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        const double s = (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
+        const double gf = omp_get_max_threads() * iters * 12.0 * VW * 2 / s / 1e9;
+        best = gf > best ? gf : best;
+    }
+    printf("%f\n", best);
+    return 0;
+}
+"""
+_MARCH = {"avx512": ("-march=native", "-DVW=16"), "avx2": ("-march=x86-64-v3", "-DVW=8"),
+          "scalar": ("-march=x86-64", "-DVW=4")}
+
+
+def describe(isa: str) -> str:
+    """e.g. 'AMD EPYC 7B13, avx2 build (CPU runs avx2, scalar), 2 threads'."""
+    return (f"{cpu_model()}, {isa} build (CPU runs {', '.join(native.supported_levels())}), "
+            f"{torch.get_num_threads()} threads")
+
+
+def fma_peak_gflops(isa: str, threads: int) -> float | None:
+    """float32 GFLOP/s of ``threads`` threads doing nothing but independent FMAs of the level's width (None
+    without a compiler)."""
+    cc = native._compiler()
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = Path(tmp) / "peak.c", Path(tmp) / "peak"
+        src.write_text(_PEAK_SRC)
+        flags = (*_MARCH[isa], "-O2", "-fopenmp") if native._is_x86() else ("-DVW=4", "-O2", "-fopenmp")
+        if subprocess.run([cc, *flags, str(src), "-o", str(exe)], capture_output=True).returncode != 0:
+            return None
+        out = subprocess.run([str(exe)], capture_output=True, text=True, env={"OMP_NUM_THREADS": str(threads)})
+        return float(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def copy_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes read + written per second copying a buffer far larger than the caches (torch's copy)."""
+    src = torch.ones(mib << 18)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best / 1e9

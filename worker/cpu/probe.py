@@ -1,0 +1,106 @@
+"""``cpu_ops="auto"``'s start-up probe: are the C kernels' linear products at least as fast as torch's on
+this CPU, at the model's own shapes?
+
+The C kernels are the default because on the CPUs they were tuned on they are faster than torch's
+(oneDNN / MKL) products. A CPU they were not tuned for must not get a default slower than the fallback
+it would otherwise run, so before the model is built the probe times one decode-shaped product (one row)
+and one prefill-shaped product (``PREFILL_ROWS`` rows) of a weight of the model's MLP shape (its hidden
+size in, up to ``MAX_COLUMNS`` of its gate/up columns out), each on the C kernels and on the torch path
+``auto`` would fall back to (oneDNN's packed weight where torch has oneDNN, else ``F.linear``), in the
+products' dtype. Each figure is the best of a few runs after a warm-up (tens of milliseconds in all). The
+C kernels are kept when the geometric mean of their time over torch's, across the two shapes, is at most
+1: no slower overall. The figures and the choice are logged and reported in ``/stats``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import CpuKernels
+from .linear import pack_weight, packed_linear, packing_supported
+
+DECODE_ROWS = 1
+PREFILL_ROWS = 128
+MAX_COLUMNS = 2048  # columns of the probe's weight at most (a large model's MLP would take seconds to pack)
+_MAX_SECONDS = 0.05  # per figure: stop repeating once this much time is spent
+_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Milliseconds per product at each row count, C kernels and torch, and what they decide."""
+
+    shape: tuple[int, int]  # the probe weight's [n, k]
+    rows: tuple[int, ...]
+    native_ms: tuple[float, ...]
+    torch_ms: tuple[float, ...]
+    torch_path: str  # "onednn" | "torch"
+
+    @property
+    def ratio(self) -> float:
+        """Geometric mean over the row counts of the C kernels' time over torch's (< 1: the C kernels win)."""
+        logs = [math.log(max(a, 1e-9) / max(b, 1e-9)) for a, b in zip(self.native_ms, self.torch_ms, strict=True)]
+        return math.exp(sum(logs) / len(logs))
+
+    @property
+    def native_wins(self) -> bool:
+        return self.ratio <= 1.0
+
+    def summary(self) -> str:
+        n, k = self.shape
+        parts = [f"{r} row{'s' if r > 1 else ''}: {a:.3f} vs {b:.3f} ms"
+                 for r, a, b in zip(self.rows, self.native_ms, self.torch_ms, strict=True)]
+        return (f"[{n}, {k}] products, C kernels vs {self.torch_path}: " + ", ".join(parts)
+                + f" (ratio {self.ratio:.2f})")
+
+    def as_dict(self) -> dict[str, object]:
+        return {"shape": list(self.shape), "rows": list(self.rows), "native_ms": list(self.native_ms),
+                "torch_ms": list(self.torch_ms), "torch_path": self.torch_path, "ratio": self.ratio,
+                "native_wins": self.native_wins}
+
+
+def best_ms(fn: Callable[[], object], repeats: int = _REPEATS, budget_s: float = _MAX_SECONDS) -> float:
+    """The fastest of up to ``repeats`` timed calls of ``fn`` after one warm-up call (fewer once ``budget_s``
+    is spent), in milliseconds."""
+    fn()
+    best, spent = math.inf, 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        best, spent = min(best, dt), spent + dt
+        if spent > budget_s:
+            break
+    return 1000 * best
+
+
+def _torch_product(weight: torch.Tensor, dtype: torch.dtype) -> tuple[str, Callable[[torch.Tensor], object]]:
+    """The product the torch fallback would run for this weight: oneDNN's packed weight where it applies."""
+    w = weight.to(dtype)
+    if packing_supported(w):
+        packed = pack_weight(w)
+        return "onednn", lambda x: packed_linear(x.to(dtype), packed, None)
+    return "torch", lambda x: F.linear(x.to(dtype), w)
+
+
+def probe_linear(kernels: CpuKernels, hidden: int, inter: int, bf16_products: bool = False,
+                 rows: tuple[int, ...] = (DECODE_ROWS, PREFILL_ROWS)) -> ProbeResult:
+    """Time a [min(2 * inter, MAX_COLUMNS), hidden] weight's products on the C kernels and on torch."""
+    n, k = min(2 * inter, MAX_COLUMNS), hidden
+    gen = torch.Generator().manual_seed(0)  # the global generator (request sampling) stays untouched
+    weight = torch.randn(n, k, generator=gen) * 0.02
+    panels = kernels.pack_weight(weight, "bf16_dot" if bf16_products else "f32")
+    path, torch_fn = _torch_product(weight, torch.bfloat16 if bf16_products else torch.float32)
+    native_ms, torch_ms = [], []
+    with torch.inference_mode():
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            native_ms.append(best_ms(lambda x=x: kernels.linear(x, panels, None)))
+            torch_ms.append(best_ms(lambda x=x: torch_fn(x)))
+    return ProbeResult((n, k), tuple(rows), tuple(native_ms), tuple(torch_ms), path)
