@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import subprocess
 import time
@@ -64,6 +63,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-hf-cb", action="store_true")
     p.add_argument("--systems", nargs="+", choices=list(CBSERVE_SYSTEMS), default=list(CBSERVE_SYSTEMS),
                    help="cbserve configurations to run (the last one named is the reference of the ratios)")
+    p.add_argument("--cpu-isa", choices=["auto", "avx512", "avx2", "scalar"], default="auto",
+                   help="the C kernels' build for the native systems (auto: the CPU's best)")
     p.add_argument("--out-dir", default="bench_results")
     return p.parse_args()
 
@@ -77,7 +78,8 @@ def _rate(fn: Any, flops: float, iters: int) -> float:
     return flops * iters / (time.perf_counter() - t0)
 
 
-def _matmul_fns(weights: list[torch.Tensor], blocks: list[Any] | None = None) -> dict[str, list[Any]]:
+def _matmul_fns(weights: list[torch.Tensor], blocks: list[Any] | None = None, isa: str = "auto"
+                ) -> dict[str, list[Any]]:
     """For each available library, one ``f(x)`` per weight computing ``x @ w.T``; with ``blocks`` (the GGUF
     blocks of each weight) also cbserve's kernel on its compact panels."""
     from cbserve.worker.cpu.linear import make_packed_weight, packing_supported
@@ -90,7 +92,7 @@ def _matmul_fns(weights: list[torch.Tensor], blocks: list[Any] | None = None) ->
     fns: dict[str, list[Any]] = {"torch BLAS": [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights]}
     if packing_supported(weights[0]):
         fns["oneDNN packed"] = [packed(w, None) for w in weights]
-    kernels = load_cpu_kernels().kernels
+    kernels = load_cpu_kernels(isa).kernels
     if kernels is not None:
         fns["cbserve f32 panels"] = [packed(w, kernels) for w in weights]
         if blocks is not None:
@@ -98,15 +100,16 @@ def _matmul_fns(weights: list[torch.Tensor], blocks: list[Any] | None = None) ->
     return fns
 
 
-def gemm_rates(n: int = 2048, iters: int = 10) -> dict[str, float]:
+def gemm_rates(n: int = 2048, iters: int = 10, isa: str = "auto") -> dict[str, float]:
     """Sustained fp32 FLOP/s of a large square matmul through torch's BLAS (MKL), oneDNN with a pre-packed
     weight and cbserve's panel kernel; the fastest is the machine's practical roofline."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     with torch.inference_mode():
-        return {name: _rate(lambda f=fs[0]: f(a), 2 * n**3, iters) for name, fs in _matmul_fns([b]).items()}
+        return {name: _rate(lambda f=fs[0]: f(a), 2 * n**3, iters) for name, fs in _matmul_fns([b], None, isa).items()}
 
 
-def decode_gemm_rates(model: torch.nn.Module, rows: int, blocks: dict[str, Any], iters: int = 3) -> dict[str, float]:
+def decode_gemm_rates(model: torch.nn.Module, rows: int, blocks: dict[str, Any], iters: int = 3,
+                      isa: str = "auto") -> dict[str, float]:
     """FLOP/s of one decode step's matmuls alone, per library: every linear weight of the model (and the LM
     head) in turn against ``rows`` tokens, the weights streamed from memory as in a real step. This, not
     the large square GEMM, bounds a decode step on a CPU. ``blocks``: the checkpoint's GGUF blocks by name."""
@@ -118,7 +121,7 @@ def decode_gemm_rates(model: torch.nn.Module, rows: int, blocks: dict[str, Any],
     flops = sum(2 * rows * w.numel() for w in weights)
     with torch.inference_mode():
         return {name: _rate(lambda fs=fs: [f(x) for f, x in zip(fs, xs, strict=True)], flops, iters)
-                for name, fs in _matmul_fns(weights, by_weight if all(by_weight) else None).items()}
+                for name, fs in _matmul_fns(weights, by_weight if all(by_weight) else None, isa).items()}
 
 
 def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -190,8 +193,9 @@ def run_cbserve(prompts: list[list[int]], outs: list[int], args: argparse.Namesp
                 compact: bool) -> dict[str, Any]:
     from cbserve import LLM, SamplingParams
 
+    isa = {"cpu_isa": args.cpu_isa} if cpu_ops == "native" else {}
     llm = LLM(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=False, progress=False, cpu_ops=cpu_ops, cpu_compact_weights=compact)
+              enable_prefix_caching=False, progress=False, cpu_ops=cpu_ops, cpu_compact_weights=compact, **isa)
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
@@ -238,6 +242,16 @@ def plot(rows: list[dict[str, Any]], meta: str, path: Path) -> None:
     plt.close(fig)
 
 
+def _meta(args: argparse.Namespace, num_prompts: int) -> str:
+    """The plot's caption: the CPU and the C kernels' ISA build, threads, torch, the workload, the commit."""
+    from cbserve.bench.report import cpu_model
+    from cbserve.worker.cpu.native import resolve_isa
+
+    return (f"{cpu_model()}, C kernels {resolve_isa(args.cpu_isa)}, {torch.get_num_threads()} threads, torch "
+            f"{torch.__version__}; {num_prompts} reqs, prompts {args.min_prompt}-{args.max_prompt}, outputs "
+            f"{args.outputs}; commit {_commit()}")
+
+
 def main() -> int:
     args = parse_args()
     if args.threads:
@@ -254,11 +268,11 @@ def main() -> int:
     folder = resolve_model(None).folder
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts, outs = make_workload(args, model.config.vocab_size)
-    rates = gemm_rates()
+    rates = gemm_rates(isa=args.cpu_isa)
     rate = max(rates.values())
     flops = useful_flops(model, prompts, outs)
     blocks = load_gguf_blocks(folder)
-    decode_rates = {m: decode_gemm_rates(model, m, blocks) for m in (1, 8, 11, 16, 32, 64)}
+    decode_rates = {m: decode_gemm_rates(model, m, blocks, isa=args.cpu_isa) for m in (1, 8, 11, 16, 32, 64)}
     print("large fp32 GEMM: " + ", ".join(f"{k} {r / 1e9:.1f} GFLOP/s" for k, r in rates.items())
           + f" on {torch.get_num_threads()} threads; roofline = the fastest, {rate / 1e9:.1f} GFLOP/s")
     print(f"useful work {flops / 1e12:.2f} TFLOP; {len(prompts)} requests, {sum(outs)} output tokens")
@@ -285,9 +299,7 @@ def main() -> int:
         for name in [k for k in runs if k.startswith("cbserve")]:
             same = sum(ref["tokens"][i] == runs[name]["tokens"][i] for i in range(len(prompts)))
             print(f"greedy outputs of {name} identical to HF: {same}/{len(prompts)} requests")
-    meta = (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-            f"{torch.__version__}; {len(prompts)} reqs, prompts {args.min_prompt}-{args.max_prompt}, outputs "
-            f"{args.outputs}; commit {_commit()}")
+    meta = _meta(args, len(prompts))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_cpu.json").write_text(json.dumps(
