@@ -125,6 +125,34 @@ def weight_bytes(weights: dict[str, dict[str, Panels]]) -> int:
     return sum(w["f32"].nbytes for w in weights.values())
 
 
+def plot(runs: list[dict[str, object]], fmt: str, path: Path) -> None:
+    """GFLOP/s against rows, one panel per ISA build: each path, and the build's FMA peak."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4.2), squeeze=False, sharey=True)
+    for ax, run in zip(axes[0], runs, strict=True):
+        results = run["results"]
+        for path_name in dict.fromkeys(r["path"] for r in results):  # type: ignore[union-attr]
+            rows = [r for r in results if r["path"] == path_name]  # type: ignore[union-attr]
+            ax.plot([r["rows"] for r in rows], [r["gflops"] for r in rows], marker="o", label=path_name,
+                    linestyle="-" if not str(path_name).startswith("torch") else "--")
+        if run["fma_peak_gflops"]:
+            ax.axhline(run["fma_peak_gflops"], color="grey", linestyle=":", label="FMA peak")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{run['isa']} build", fontsize=10)
+        ax.set_xlabel("rows (tokens in the step)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("GFLOP/s, SmolLM2's 4 layer products")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(f"{str(runs[0]['cpu']).split(',')[0]}: C kernels ({fmt} weights) vs torch", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run_isa(isa: str, args: argparse.Namespace, bandwidth: float) -> dict[str, object] | None:
     load = load_cpu_kernels(isa)
     if load.kernels is None:
@@ -148,7 +176,7 @@ def main() -> int:
                     help="the builds to time (default: every level this CPU runs)")
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here, and a plot beside it")
     args = ap.parse_args()
     if min(args.rows) < 1 or args.repeats < 1:
         ap.error("--rows and --repeats must be at least 1")
@@ -163,6 +191,7 @@ def main() -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"format": args.format, "threads": torch.get_num_threads(),
                                         "copy_bandwidth_gbs": bandwidth, "runs": runs}, indent=1))
+        plot(runs, args.format, args.out.with_suffix(".png"))
     return 0 if runs else 2
 
 
