@@ -167,7 +167,8 @@ def plot_serving(doc: dict[str, Any], out: str | Path) -> None:
                                          ("median_tpot_ms", "median TPOT (ms)"))):
         _draw_bars(fig.add_subplot(grid[1, 2 * col:2 * col + 2]), results, key, ylabel)
     cfg = doc["config"]
-    fig.suptitle(f"Serving benchmark, {cfg.get('cpu')} ({cfg.get('cores')} cores), commit {cfg.get('commit')}; "
+    fig.suptitle(f"Serving benchmark, {cfg.get('cpu')} ({cfg.get('cores')} cores, cbserve's {cfg.get('cpu_isa', '?')} "
+                 f"kernels), commit {cfg.get('commit')}; "
                  f"{cdf_workload} CDFs on top", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     Path(out).parent.mkdir(parents=True, exist_ok=True)

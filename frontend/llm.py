@@ -42,8 +42,9 @@ PromptInput = str | list[int] | Messages
 class LLM:
     """An in-process engine. Keyword arguments: ``dtype``, ``device``, ``max_model_len``, ``block_size``,
     ``max_num_batched_tokens``, ``max_num_seqs``, ``kv_cache_memory_bytes``, ``num_kv_blocks``,
-    ``gpu_memory_utilization``, ``attention_backend``, ``enforce_eager``, ``cpu_ops``, ``cpu_compact_weights``,
-    ``seed``, ``enable_prefix_caching``, ``policy``, ``max_waiting``, ``progress``, ``speculative_config``
+    ``gpu_memory_utilization``, ``attention_backend``, ``enforce_eager``, ``cpu_ops``, ``cpu_isa``,
+    ``cpu_compact_weights``, ``seed``, ``enable_prefix_caching``, ``policy``, ``max_waiting``, ``progress``,
+    ``speculative_config``
     (vLLM's shape: ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
     "prompt_lookup_max": b}`` or ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}``)."""
 
