@@ -84,3 +84,17 @@ def test_shared_prefix_lands_on_one_replica_and_hits_its_cache(server: Server) -
     target = next(k for k, v in routed.items() if v == 4)
     hits = after[target]["prefix_cache_hits"] - before[target]["prefix_cache_hits"]
     assert hits >= 3 * 64, hits  # requests 2..4 reuse the cached prefix blocks
+
+
+def test_stats_report_each_workers_cpu_path(server: Server) -> None:
+    """/stats names, per worker, the CPU ops it runs, the C kernels' ISA build and cpu_ops auto's probe."""
+    from cbserve.worker.cpu.native import supported_levels
+
+    for replica in server.main.stats().values():
+        (cpu,) = replica["worker_cpu"]  # one rank
+        probe = cpu["cpu_ops_probe"]
+        assert probe is not None and probe["rows"] == [1, 128] and min(probe["native_ms"] + probe["torch_ms"]) > 0
+        assert cpu["cpu_ops"] == ("native" if probe["native_wins"] else "onednn")
+        if cpu["cpu_ops"] == "native":  # the CPU's best build, which reports its own ISA
+            assert cpu["cpu_isa"] == supported_levels()[0]
+            assert cpu["cpu_isa"] in cpu["cpu_isa_features"] or cpu["cpu_isa_features"] == []
