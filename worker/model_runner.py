@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -43,7 +44,9 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 128,
         progress: bool = True,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
+        """``weights``: HF-named tensors to load instead of the model folder's (see ``build_model``)."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if config.tensor_parallel_size != tp_world_size():
@@ -65,7 +68,7 @@ class ModelRunner:
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 0) or 1 << 30)
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         built = build_model(self.model_folder, self.hf_config, config, self.device, self.dtype, self.max_model_len,
-                            progress and tp_rank() == 0)
+                            progress and tp_rank() == 0, weights)
         self.model, self.cpu_ops, self.backend_cls = built.model, built.cpu_ops, built.backend_cls
         self.dtype = built.dtype  # float32 for bfloat16 products on the CPU kernels (see cpu/ops.py)
         self.cpu_report = built.cpu_report  # the CPU path: mode, kernels' ISA level, probe figures (/stats)

@@ -45,8 +45,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
 def compute_inv_freq(
     hf_config: Any, head_dim: int, layer_type: str | None = None, max_positions: int | None = None
 ) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] (float32) and the cos/sin scaling factor (of ``layer_type``'s rope
-    where the config has one per kind of layer).
+    """Inverse frequencies [head_dim/2] (float32, on the default device) and the cos/sin scaling factor (of
+    ``layer_type``'s rope where the config has one per kind of layer).
 
     longrope (Phi-3, "su"): the long factors when the served context (``max_positions``) exceeds
     ``original_max_position_embeddings``, else the short ones, for every position. HF instead switches a
@@ -76,8 +76,9 @@ def compute_inv_freq(
         orig = int(p.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
         if max_positions is not None and max_positions > orig:
             kw["seq_len"] = orig + 1
-    inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kw)
-    return inv.float(), float(scale)
+    with torch.device("cpu"):  # transformers makes some tensors on the default device, others on the given one
+        inv, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kw)
+    return inv.float().to(torch.get_default_device()), float(scale)
 
 
 class Rope(Protocol):

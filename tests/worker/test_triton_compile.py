@@ -1,8 +1,11 @@
-"""Compile every Triton kernel ahead of time for an H100 (sm_90, bf16) without needing a GPU.
+"""Compile every Triton kernel ahead of time for an H100 (sm_90, bf16; the attention kernels in float32 too)
+without needing a GPU.
 
 The interpreter runs kernels as Python, so it does not catch what only the compiler rejects (non-constexpr
 globals, type errors in tl ops, shared-memory overflow). ``triton.compile`` with an explicit GPUTarget
-runs the whole pipeline down to a cubin with the bundled ptxas, no driver required.
+runs the whole pipeline down to a cubin with the bundled ptxas, no driver required. The attention kernels'
+``DOT_PRECISION`` is the launchers' choice for the case's dtype (``triton_kernels.dot_precision``): float32
+products must compile without TF32 instructions.
 """
 
 from __future__ import annotations
@@ -41,30 +44,47 @@ _MERGE = dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", out_ptr=_PTR, stride_mo_re
               stride_mo_head="i32", stride_mo_split="i32", stride_ml_req="i32", stride_ml_head="i32",
               stride_o_tok="i32", stride_o_head="i32")
 
-CASES = [  # (kernel name, arg types, constexprs) at Llama-3-8B shapes (GQA 4, head_dim 128, block 16)
+
+
+def _fp32(types: dict[str, str]) -> dict[str, str]:
+    return {a: "*fp32" if t == _PTR else t for a, t in types.items()}
+
+
+# (kernel name, arg types, constexprs, dtype of the K/V cache) at Llama-3-8B shapes (GQA 4, head_dim 128, block
+# 16); the launchers' DOT_PRECISION for that dtype is added to the attention kernels' constexprs
+CASES = [
     ("_kv_write_kernel", _KV_WRITE, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8,
-                                         BLOCK_D=128)),
+                                         BLOCK_D=128), "bfloat16"),
     ("_prefill_kernel", _PREFILL, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
-                                       BLOCK_D=128, SOFTCAP=False)),
+                                       BLOCK_D=128, SOFTCAP=False), "bfloat16"),
     ("_decode_split_kernel", _DECODE, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, NUM_SPLITS=8, BLOCK_H=16,
-                                           BLOCK_N=64, BLOCK_D=128, SOFTCAP=False)),
+                                           BLOCK_N=64, BLOCK_D=128, SOFTCAP=False), "bfloat16"),
     # Gemma 2 shapes with logit soft-capping (GQA 2, head_dim 256 at 9B; 128 here for the shared memory)
     ("_prefill_kernel", _PREFILL, dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
-                                       BLOCK_D=128, SOFTCAP=True)),
+                                       BLOCK_D=128, SOFTCAP=True), "bfloat16"),
     ("_decode_split_kernel", _DECODE, dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, NUM_SPLITS=8, BLOCK_H=16,
-                                           BLOCK_N=64, BLOCK_D=128, SOFTCAP=True)),
-    ("_decode_merge_kernel", _MERGE, dict(NUM_SPLITS=8, HEAD_DIM=128, BLOCK_S=8, BLOCK_D=128)),
+                                           BLOCK_N=64, BLOCK_D=128, SOFTCAP=True), "bfloat16"),
+    ("_decode_merge_kernel", _MERGE, dict(NUM_SPLITS=8, HEAD_DIM=128, BLOCK_S=8, BLOCK_D=128), "bfloat16"),
+    # dtype: float32 (the launchers' tiles: 64 x 64 prefill, 64-key decode)
+    ("_prefill_kernel", _fp32(_PREFILL), dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
+                                              BLOCK_D=128, SOFTCAP=False), "float32"),
+    ("_decode_split_kernel", _fp32(_DECODE), dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, NUM_SPLITS=8,
+                                                  BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, SOFTCAP=False), "float32"),
 ]
 
 
 _SCRIPT = """
 import json, sys
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from cbserve.worker.attention import triton_jit
-for name, types, consts in json.loads(sys.argv[1]):
+from cbserve.worker.attention.triton_kernels import dot_precision
+for name, types, consts, dtype in json.loads(sys.argv[1]):
     fn = getattr(triton_jit, name)
+    if "DOT_PRECISION" in fn.arg_names:
+        consts["DOT_PRECISION"] = dot_precision(torch.empty(0, dtype=getattr(torch, dtype)))
     if set(types) | set(consts) != set(fn.arg_names):
         sys.exit(f"{name}: test signature out of date with the kernel {fn.arg_names}")
     sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
@@ -72,7 +92,7 @@ for name, types, consts in json.loads(sys.argv[1]):
                        options={"num_warps": 4, "num_stages": 2})
     if not k.asm.get("cubin") or k.metadata.shared > 227 * 1024:
         sys.exit(f"{name}: no cubin or too much shared memory ({k.metadata.shared})")
-    print(name, "shared", k.metadata.shared)
+    print(name, dtype, "shared", k.metadata.shared, "tf32", k.asm["ptx"].count("tf32"))
 """
 
 
@@ -89,4 +109,8 @@ def test_kernels_compile_for_sm90() -> None:
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(CASES)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("shared") == len(CASES), proc.stdout
+    lines = [line.split() for line in proc.stdout.splitlines() if " shared " in line]
+    assert len(lines) == len(CASES), proc.stdout
+    fp32 = [line for line in lines if line[1] == "float32"]
+    assert len(fp32) == 2, proc.stdout
+    assert all(line[-1] == "0" for line in fp32), f"TF32 instructions in float32 attention:\n{proc.stdout}"

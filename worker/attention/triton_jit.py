@@ -9,7 +9,9 @@
 
 Both attention kernels take a sliding window (the keys before it are skipped, tile by tile, and masked) and
 an optional logit soft-cap. Both run the same online-softmax step over one tile of keys (``_attend_tile``), in fp32
-in the exp2 domain (``qk_scale`` includes log2(e)). Page offsets are computed in int64.
+in the exp2 domain (``qk_scale`` includes log2(e)). Page offsets are computed in int64. ``DOT_PRECISION`` is
+the ``input_precision`` of their ``tl.dot``s: "ieee" for float32 caches (full float32 products, no TF32),
+"tf32" (Triton's default, which 16-bit operands ignore) otherwise.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def _kv_write_kernel(
 def _attend_tile(
     q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, keep, offs_d, d_mask, m_i, l_i, acc, qk_scale, softcap,
     stride_c_blk, stride_c_off, kv_head_off, BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step of ``q`` (rows x head dim) over the keys ``offs_n`` of a paged sequence
     (``n_mask``: keys that exist; ``keep``: rows x keys allowed, e.g. causal). Returns (m_i, l_i, acc).
@@ -60,7 +63,7 @@ def _attend_tile(
     page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
     kv_off = page * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_off + kv_head_off
     k = tl.load(k_cache_ptr + kv_off[None, :] + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-    s = tl.dot(q, k) * qk_scale
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     if SOFTCAP:  # cap * tanh(s / cap) = cap - 2 cap / (exp(2 s / cap) + 1); s and cap both carry log2(e)
         e = tl.exp2(s * (2.0 * 1.4426950408889634 / softcap))
         s = softcap - (2.0 * softcap) / (e + 1.0)
@@ -70,7 +73,7 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -83,7 +86,7 @@ def _prefill_kernel(
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_c_blk, stride_c_off, stride_c_head,
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -120,7 +123,7 @@ def _prefill_kernel(
         keep = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window) & n_mask[None, :]
         m_i, l_i, acc = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, keep, offs_d, d_mask, m_i, l_i, acc, qk_scale,
-            softcap, stride_c_blk, stride_c_off, kv_head * stride_c_head, BLOCK_SIZE, SOFTCAP,
+            softcap, stride_c_blk, stride_c_off, kv_head * stride_c_head, BLOCK_SIZE, SOFTCAP, DOT_PRECISION,
         )
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -136,6 +139,7 @@ def _decode_split_kernel(
     stride_mo_req, stride_mo_head, stride_mo_split, stride_ml_req, stride_ml_head,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -167,6 +171,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, bt_row, offs_n, n_mask, n_mask[None, :], offs_d, d_mask, m_i, l_i, acc,
             qk_scale, softcap, stride_c_blk, stride_c_off, kv_head * stride_c_head, BLOCK_SIZE, SOFTCAP,
+            DOT_PRECISION,
         )
     has = l_i > 0
     acc = acc / tl.where(has, l_i, 1.0)[:, None]

@@ -72,6 +72,12 @@ def _on_cuda(x: torch.Tensor) -> bool:
 _NO_WINDOW = 1 << 30  # a window no sequence reaches: the kernels' "no sliding window"
 
 
+def dot_precision(k_cache: torch.Tensor) -> str:
+    """The attention kernels' ``tl.dot`` input precision: "ieee" for a float32 cache (no TF32 rounding of
+    float32 operands), "tf32" (Triton's default; 16-bit operands ignore it) otherwise."""
+    return "ieee" if k_cache.dtype == torch.float32 else "tf32"
+
+
 def _window(window: int | None) -> int:
     if window is not None and window < 1:
         raise ValueError(f"window must be positive or None, got {window}")
@@ -144,7 +150,7 @@ def prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
         GROUP=num_q_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=bm,
         BLOCK_N=block_n or (64 if on_cuda else 32), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        SOFTCAP=softcap is not None,
+        SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(k_cache),
         **({"num_warps": 4, "num_stages": 2} if on_cuda else {}),
     )
     return out
@@ -221,5 +227,6 @@ def _decode_split(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n or (64 if on_cuda else 32),
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SOFTCAP=softcap is not None, **launch,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SOFTCAP=softcap is not None,
+        DOT_PRECISION=dot_precision(k_cache), **launch,
     )
