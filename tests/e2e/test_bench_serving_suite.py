@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cbserve.worker.cpu.native import supported_levels
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -31,8 +32,6 @@ def test_quick_run_reports_cbserve_and_skips_missing_peers(tmp_path: Path) -> No
     assert "[llama] SKIPPED: llama-server not found" in r.stdout
     assert "Goals (issue 17):" in r.stdout and "burst_served_over_offline" in r.stdout
     doc = json.loads((out / "serving.json").read_text())
-    from cbserve.worker.cpu.native import supported_levels
-
     assert doc["config"]["cpu_isa"] == supported_levels()[0]  # the ISA cbserve's kernels ran on, named
     assert f"cbserve's {doc['config']['cpu_isa']} kernels" in r.stdout
     assert (out / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,5 @@
-"""Compile every Triton kernel ahead of time for an H100 (sm_90, bf16; the attention kernels in float32 too)
+"""Compile every Triton kernel ahead of time for an H100 (sm_90, bf16; the attention kernels at head_dim 64, 128
+and 256, with the launchers' tiles for each head size, and in fp16 and float32 too)
 without needing a GPU.
 
 The interpreter runs kernels as Python, so it does not catch what only the compiler rejects (non-constexpr
@@ -46,31 +47,36 @@ _MERGE = dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", out_ptr=_PTR, stride_mo_re
 
 
 
-def _fp32(types: dict[str, str]) -> dict[str, str]:
-    return {a: "*fp32" if t == _PTR else t for a, t in types.items()}
+def _typed(types: dict[str, str], ptr: str) -> dict[str, str]:
+    return {a: ptr if t == _PTR else t for a, t in types.items()}
 
 
-# (kernel name, arg types, constexprs, dtype of the K/V cache) at Llama-3-8B shapes (GQA 4, head_dim 128, block
-# 16); the launchers' DOT_PRECISION for that dtype is added to the attention kernels' constexprs
+def _attention(head_dim: int, group: int, softcap: bool, dtype: str) -> list[tuple]:
+    """The prefill and decode-split kernels at ``head_dim``; the compile script adds the launchers' CUDA tiles
+    for that head size (``triton_kernels.cuda_tiles``: BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    ptr = {"bfloat16": _PTR, "float16": "*fp16", "float32": "*fp32"}[dtype]
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_D=head_dim, SOFTCAP=softcap)
+    return [("_prefill_kernel", _typed(_PREFILL, ptr), common, dtype),
+            ("_decode_split_kernel", _typed(_DECODE, ptr), dict(common, NUM_SPLITS=8, BLOCK_H=16), dtype)]
+
+
+# (kernel name, arg types, constexprs, dtype of the K/V cache); the launchers' DOT_PRECISION for that dtype is
+# added to the attention kernels' constexprs. Llama-3-8B shapes (GQA 4, head_dim 128, block 16) and head_dim 64
+# in bf16; Gemma 2 9B (GQA 2, head_dim 256, logit soft-capping) in bf16; Gemma 3 (head_dim 256) in fp16;
+# float32 at 128 and 256.
 CASES = [
     ("_kv_write_kernel", _KV_WRITE, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8,
                                          BLOCK_D=128), "bfloat16"),
-    ("_prefill_kernel", _PREFILL, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
-                                       BLOCK_D=128, SOFTCAP=False), "bfloat16"),
-    ("_decode_split_kernel", _DECODE, dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, NUM_SPLITS=8, BLOCK_H=16,
-                                           BLOCK_N=64, BLOCK_D=128, SOFTCAP=False), "bfloat16"),
-    # Gemma 2 shapes with logit soft-capping (GQA 2, head_dim 256 at 9B; 128 here for the shared memory)
-    ("_prefill_kernel", _PREFILL, dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
-                                       BLOCK_D=128, SOFTCAP=True), "bfloat16"),
-    ("_decode_split_kernel", _DECODE, dict(GROUP=2, HEAD_DIM=128, BLOCK_SIZE=16, NUM_SPLITS=8, BLOCK_H=16,
-                                           BLOCK_N=64, BLOCK_D=128, SOFTCAP=True), "bfloat16"),
     ("_decode_merge_kernel", _MERGE, dict(NUM_SPLITS=8, HEAD_DIM=128, BLOCK_S=8, BLOCK_D=128), "bfloat16"),
-    # dtype: float32 (the launchers' tiles: 64 x 64 prefill, 64-key decode)
-    ("_prefill_kernel", _fp32(_PREFILL), dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_N=64,
-                                              BLOCK_D=128, SOFTCAP=False), "float32"),
-    ("_decode_split_kernel", _fp32(_DECODE), dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, NUM_SPLITS=8,
-                                                  BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, SOFTCAP=False), "float32"),
+    *_attention(64, 4, False, "bfloat16"),
+    *_attention(128, 4, False, "bfloat16"),
+    *_attention(256, 2, True, "bfloat16"),
+    *_attention(256, 2, False, "float16"),
+    *_attention(128, 4, False, "float32"),
+    *_attention(256, 2, False, "float32"),
 ]
+_SHARED_MAX = 232448  # sm_90's shared memory per block, bytes
+_MAX_WORKERS = 4  # compile processes run side by side (at most one per CPU)
 
 
 _SCRIPT = """
@@ -80,24 +86,45 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from cbserve.worker.attention import triton_jit
-from cbserve.worker.attention.triton_kernels import dot_precision
+from cbserve.worker.attention.triton_kernels import cuda_tiles, dot_precision
+shared_max = int(sys.argv[2])
 for name, types, consts, dtype in json.loads(sys.argv[1]):
     fn = getattr(triton_jit, name)
+    options = {"num_warps": 4, "num_stages": 2}
     if "DOT_PRECISION" in fn.arg_names:
         consts["DOT_PRECISION"] = dot_precision(torch.empty(0, dtype=getattr(torch, dtype)))
+        tiles = cuda_tiles(consts["HEAD_DIM"])
+        if name == "_prefill_kernel":
+            consts.update(BLOCK_M=tiles.prefill_block_m, BLOCK_N=tiles.prefill_block_n)
+            options = {"num_warps": tiles.prefill_warps, "num_stages": tiles.num_stages}
+        else:
+            consts.update(BLOCK_N=tiles.decode_block_n)
+            options = {"num_warps": tiles.decode_warps, "num_stages": tiles.num_stages}
     if set(types) | set(consts) != set(fn.arg_names):
         sys.exit(f"{name}: test signature out of date with the kernel {fn.arg_names}")
     sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": 4, "num_stages": 2})
-    if not k.asm.get("cubin") or k.metadata.shared > 227 * 1024:
-        sys.exit(f"{name}: no cubin or too much shared memory ({k.metadata.shared})")
-    print(name, dtype, "shared", k.metadata.shared, "tf32", k.asm["ptx"].count("tf32"))
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=options)
+    if not k.asm.get("cubin") or k.metadata.shared > shared_max:
+        sys.exit(f"{name} {dtype} {consts}: no cubin or too much shared memory ({k.metadata.shared})")
+    print(name, dtype, "head_dim", consts["HEAD_DIM"], "shared", k.metadata.shared, "tf32",
+          k.asm["ptx"].count("tf32"))
 """
 
 
+def _compile(env: dict[str, str]) -> str:
+    """Compile CASES in up to _MAX_WORKERS processes side by side; returns their joined stdout."""
+    workers = max(1, min(_MAX_WORKERS, os.cpu_count() or 1))
+    procs = [subprocess.Popen([sys.executable, "-c", _SCRIPT, json.dumps(CASES[i::workers]), str(_SHARED_MAX)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(workers)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out + err
+    return "".join(out for out, _ in outs)
+
+
 def test_kernels_compile_for_sm90() -> None:
-    """In a fresh process without TRITON_INTERPRET: interpreted and compiled kernels cannot share one."""
+    """In fresh processes without TRITON_INTERPRET: interpreted and compiled kernels cannot share one."""
     if _TRITON_SPEC is None or not _TRITON_SPEC.submodule_search_locations:
         pytest.skip("triton is not installed")
     root = next(iter(_TRITON_SPEC.submodule_search_locations))
@@ -106,11 +133,14 @@ def test_kernels_compile_for_sm90() -> None:
         pytest.skip("no ptxas bundled with triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(CASES)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [line.split() for line in proc.stdout.splitlines() if " shared " in line]
-    assert len(lines) == len(CASES), proc.stdout
+    stdout = _compile(env)
+    lines = [line.split() for line in stdout.splitlines() if " shared " in line]
+    assert len(lines) == len(CASES), stdout
+    assert all(int(line[5]) <= _SHARED_MAX for line in lines), stdout
+    compiled = {(line[0], line[1], int(line[3])) for line in lines}
+    for kernel in ("_prefill_kernel", "_decode_split_kernel"):
+        assert {(kernel, "bfloat16", d) for d in (64, 128, 256)} <= compiled, stdout
+        assert {(kernel, "float16", 256), (kernel, "float32", 128), (kernel, "float32", 256)} <= compiled, stdout
     fp32 = [line for line in lines if line[1] == "float32"]
-    assert len(fp32) == 2, proc.stdout
-    assert all(line[-1] == "0" for line in fp32), f"TF32 instructions in float32 attention:\n{proc.stdout}"
+    assert len(fp32) == 4, stdout
+    assert all(line[-1] == "0" for line in fp32), f"TF32 instructions in float32 attention:\n{stdout}"

@@ -223,3 +223,26 @@ def test_default_num_splits(tk) -> None:
     assert tk.default_num_splits(1, 8, 32768) == 16
     assert tk.default_num_splits(256, 8, 32768) == 1
     assert 1 <= tk.default_num_splits(4, 8, 4096) <= 16
+
+
+def test_default_num_splits_stays_in_buckets(tk) -> None:
+    """NUM_SPLITS is a compile-time constant: every choice must be one of the few SPLIT_BUCKETS."""
+    assert tk.SPLIT_BUCKETS == (1, 2, 4, 8, 16)
+    seen = set()
+    for num_reqs in (1, 2, 3, 5, 7, 16, 33, 100, 256, 1024):
+        for num_kv_heads in (1, 2, 3, 4, 8, 16):
+            for max_len in (0, 1, 100, 257, 700, 1500, 3000, 5000, 10000, 32768, 131072):
+                for sms in (1, 20, 78, 108, 114, 132, 144):
+                    seen.add(tk.default_num_splits(num_reqs, num_kv_heads, max_len, sms))
+    assert seen == set(tk.SPLIT_BUCKETS)  # every bucket is reachable and nothing else is returned
+    assert tk.default_num_splits(1, 8, 32768, max_splits=12) == 8  # rounded down, never above max_splits
+
+
+def test_cuda_tiles_by_head_dim(tk) -> None:
+    """head_dim 256 takes smaller tiles than the 64 x 64 used up to 128."""
+    assert tk.cuda_tiles(64) == tk.cuda_tiles(128)
+    small, large = tk.cuda_tiles(128), tk.cuda_tiles(256)
+    assert (small.prefill_block_m, small.prefill_block_n, small.decode_block_n) == (64, 64, 64)
+    assert large.prefill_block_m * large.prefill_block_n < small.prefill_block_m * small.prefill_block_n
+    assert large.decode_block_n < small.decode_block_n
+    assert large.prefill_warps == 8

@@ -7,7 +7,8 @@ batch needs no re-basing: it gets views of the metadata tensors past the decodes
 
 The split count of the decode kernel is a launch constant. A CUDA-graph runner must fix it for the life of
 a captured graph: it sets ``metadata.decode_num_splits`` before capture (see worker/cuda_graphs.py);
-otherwise it is chosen per iteration from the batch size and the longest decode context.
+otherwise it is chosen per iteration from the batch size and the longest decode context, always one of
+``triton_kernels.SPLIT_BUCKETS`` (1, 2, 4, 8, 16), so the kernel is compiled for at most five split counts.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -76,6 +76,27 @@ def dot_precision(k_cache: torch.Tensor) -> str:
     """The attention kernels' ``tl.dot`` input precision: "ieee" for a float32 cache (no TF32 rounding of
     float32 operands), "tf32" (Triton's default; 16-bit operands ignore it) otherwise."""
     return "ieee" if k_cache.dtype == torch.float32 else "tf32"
+
+
+class CudaTiles(NamedTuple):
+    """Tile sizes and launch options of the attention kernels on CUDA for one head size."""
+
+    prefill_block_m: int
+    prefill_block_n: int
+    prefill_warps: int
+    decode_block_n: int
+    decode_warps: int
+    num_stages: int
+
+
+def cuda_tiles(head_dim: int) -> CudaTiles:
+    """The launchers' CUDA tiles for ``head_dim``. Up to 128: 64 x 64 prefill tiles, 64-key decode tiles,
+    4 warps. Above 128 (Gemma 2/3: 256) the 64 x 64 tiles spill registers on sm_90, so prefill takes
+    32 x 32 tiles on 8 warps and decode 32-key tiles on 4 warps (no spills; 34816 and 25600 bytes of
+    shared memory in bfloat16)."""
+    if head_dim <= 128:
+        return CudaTiles(64, 64, 4, 64, 4, 2)
+    return CudaTiles(32, 32, 8, 32, 4, 2)
 
 
 def _window(window: int | None) -> int:
@@ -142,18 +163,25 @@ def prefill_attention(
         return out
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     on_cuda = _on_cuda(q)
-    bm = block_m or (64 if on_cuda else 32)
+    tiles = cuda_tiles(head_dim)
+    bm = block_m or (tiles.prefill_block_m if on_cuda else 32)
     grid = (num_reqs, num_q_heads, triton.cdiv(max_query_len, bm))
     triton_jit._prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
         (head_dim**-0.5 if scale is None else scale) * _LOG2E, (softcap or 0.0) * _LOG2E, _window(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
         GROUP=num_q_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=bm,
-        BLOCK_N=block_n or (64 if on_cuda else 32), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        SOFTCAP=softcap is not None, DOT_PRECISION=dot_precision(k_cache),
-        **({"num_warps": 4, "num_stages": 2} if on_cuda else {}),
+        BLOCK_N=block_n or (tiles.prefill_block_n if on_cuda else 32),
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SOFTCAP=softcap is not None,
+        DOT_PRECISION=dot_precision(k_cache),
+        **({"num_warps": tiles.prefill_warps, "num_stages": tiles.num_stages} if on_cuda else {}),
     )
     return out
+
+
+# The split counts default_num_splits returns: NUM_SPLITS is a compile-time constant of the decode kernels,
+# so a fixed set bounds their specialisations to len(SPLIT_BUCKETS) per shape.
+SPLIT_BUCKETS = (1, 2, 4, 8, 16)
 
 
 def default_num_splits(
@@ -164,10 +192,12 @@ def default_num_splits(
     min_split_len: int = 256,
     max_splits: int = 16,
 ) -> int:
-    """Enough splits to give every SM ~2 programs, but no split shorter than ``min_split_len`` keys."""
+    """Enough splits to give every SM ~2 programs, but no split shorter than ``min_split_len`` keys, rounded
+    down to the nearest of ``SPLIT_BUCKETS``."""
     by_len = max(1, math.ceil(max_seq_len / min_split_len))
     by_occupancy = max(1, math.ceil(2 * num_sms / max(1, num_reqs * num_kv_heads)))
-    return int(min(max_splits, by_len, by_occupancy))
+    want = min(max_splits, by_len, by_occupancy)
+    return max((b for b in SPLIT_BUCKETS if b <= want), default=1)
 
 
 def decode_attention(
@@ -220,13 +250,14 @@ def _decode_split(
     num_kv_heads, num_splits = k_cache.shape[2], mid_o.shape[2]
     group = num_q_heads // num_kv_heads
     on_cuda = _on_cuda(q)
-    launch: dict[str, Any] = {"num_warps": 4, "num_stages": 2} if on_cuda else {}
+    tiles = cuda_tiles(head_dim)
+    launch: dict[str, Any] = {"num_warps": tiles.decode_warps, "num_stages": tiles.num_stages} if on_cuda else {}
     triton_jit._decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale * _LOG2E, (softcap or 0.0) * _LOG2E,
         _window(window), q.stride(0), q.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n or (64 if on_cuda else 32),
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n or (tiles.decode_block_n if on_cuda else 32),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SOFTCAP=softcap is not None,
         DOT_PRECISION=dot_precision(k_cache), **launch,
     )
