@@ -5,7 +5,7 @@ AMX tiles; ``F.linear`` (MKL) and oneDNN's packed weight as torch runs them. Wei
 format (GGUF Q4_1 blocks) or as bfloat16 pairs; random values.
 
     .venv/bin/python benchmarks/bench_linear.py                        # every ISA build this CPU runs
-    .venv/bin/python benchmarks/bench_linear.py --isa avx2 --rows 64 256 --threads 1 --out /tmp/linear.json
+    .venv/bin/python benchmarks/bench_linear.py --isa avx2 --rows 64 256 --threads 1 --out results/linear.json
 
 Prints the CPU, the build, its measured FMA peak and copy bandwidth, then one row per (row count, path):
 milliseconds for the four products of one decoder layer, GFLOP/s, each path's speed against the C kernels'

@@ -377,10 +377,9 @@ def _cbserve_isa(args: argparse.Namespace) -> str:
     """The ISA level of cbserve's C kernels in this run: the --cpu-isa of --cbserve-args, else the CPU's best."""
     from cbserve.worker.cpu.native import resolve_isa
 
-    extra = shlex.split(args.cbserve_args)
-    asked = next((extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--cpu-isa"), "auto")
-    asked = next((a.split("=", 1)[1] for a in extra if a.startswith("--cpu-isa=")), asked)
-    return resolve_isa(asked)
+    flag = argparse.ArgumentParser(add_help=False)
+    flag.add_argument("--cpu-isa", default="auto")
+    return resolve_isa(flag.parse_known_args(shlex.split(args.cbserve_args))[0].cpu_isa)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,12 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define CB_VW 16
 #define CB_VREGS 32
-#define CB_ISA_LEVEL "avx512"
 #elif defined(__AVX2__) && defined(__FMA__)
 #define CB_VW 8
 #define CB_VREGS 16
-#define CB_ISA_LEVEL "avx2"
 #else
 #define CB_VW 4
 #define CB_VREGS 16
-#define CB_ISA_LEVEL "scalar"
 #endif
 
 typedef float vf __attribute__((vector_size(CB_VW * 4), aligned(4)));
@@ -39,13 +36,11 @@ typedef int32_t vi __attribute__((vector_size(CB_VW * 4), aligned(4)));
 
 static inline vf cb_load(const float *p) { return *(const vf *)p; }
 static inline void cb_store(float *p, vf v) { *(vf *)p = v; }
-static inline vf cb_splat(float x) { return (vf){0} + x; }
 
 /* 16-wide vectors, for the AVX-512-only paths (bfloat16 products, AMX). */
 #ifdef __AVX512F__
 typedef float vf16 __attribute__((vector_size(64), aligned(4)));
 static inline vf16 cb_load16(const float *p) { return *(const vf16 *)p; }
-static inline void cb_store16(float *p, vf16 v) { *(vf16 *)p = v; }
 #endif
 
 static inline int cb_max_threads(void) {
