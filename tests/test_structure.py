@@ -11,30 +11,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# top-level folder -> package name (pyproject's package-dir)
-PACKAGES = {
-    "cbserve": "cbserve",
-    "scheduler": "cbserve.scheduler",
-    "worker": "cbserve.worker",
-    "frontend": "cbserve.frontend",
-    "cluster": "cbserve.cluster",
-    "bench": "cbserve.bench",
-}
+PACKAGE = ROOT / "cbserve"
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 
 def _source_files() -> Iterator[tuple[str, Path]]:
     """(module name, path) of every module of the distribution."""
-    for folder, package in PACKAGES.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            rel = path.relative_to(ROOT / folder).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            yield ".".join([package, *parts]), path
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        yield ".".join(p for p in rel.parts if p != "__init__"), path
 
 
 def _all_python_files() -> Iterator[Path]:
-    for folder in [*PACKAGES, "benchmarks", "dashboards", "tests"]:
+    for folder in ["cbserve", "benchmarks", "dashboards", "tests"]:
         yield from sorted((ROOT / folder).rglob("*.py"))
 
 
@@ -149,6 +139,6 @@ FORBIDDEN = {
 def test_import_directions(folder: str) -> None:
     bad = {
         str(path.relative_to(ROOT)): sorted(_top_imports(path) & FORBIDDEN[folder])
-        for path in sorted((ROOT / folder).rglob("*.py"))
+        for path in sorted((PACKAGE / folder).rglob("*.py"))
     }
     assert {k: v for k, v in bad.items() if v} == {}

@@ -5,20 +5,23 @@ CPU runs gives HF transformers' greedy tokens."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import pytest
 import torch
+from family_testlib import load_hf, make_family_model, prompts
+from worker_testlib import hf_greedy, run_engine
+
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu import ops as cpu_ops
+from cbserve.worker.cpu import probe as cpu_probe
 from cbserve.worker.cpu.kernels import CpuKernels
-from cbserve.worker.cpu.probe import ProbeResult, probe_linear
+from cbserve.worker.cpu.probe import ProbeResult, probe_cached, probe_linear, verdict_path
 from cbserve.worker.executor import LocalExecutor
-from family_testlib import load_hf, make_family_model, prompts
-from worker_testlib import hf_greedy, run_engine
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 CPU = torch.device("cpu")
@@ -46,7 +49,7 @@ def test_auto_follows_a_stand_in_probe(wins: bool, monkeypatch: pytest.MonkeyPat
         seen.append((kernels.isa, hidden, inter, bf16))
         return _result((1.0, 1.0), (2.0, 2.0)) if wins else _result((2.0, 2.0), (1.0, 1.0))
 
-    monkeypatch.setattr(cpu_ops, "probe_linear", stand_in)
+    monkeypatch.setattr(cpu_ops, "probe_cached", stand_in)
     with caplog.at_level(logging.INFO, logger="cbserve.worker.cpu.ops"):
         ops = cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96))
     assert seen == [("scalar", 64, 96, False)]  # the requested build is the one probed
@@ -68,6 +71,32 @@ def test_the_real_probe_times_both_paths(kernels: CpuKernels) -> None:
     assert all(t > 0 for t in (*r.native_ms, *r.torch_ms))
     assert r.torch_path in ("onednn", "torch")
     assert probe_linear(kernels, 64, 4096).shape == (2048, 64)  # the probe's weight stays small
+
+
+def test_a_verdict_is_taken_once_per_machine_and_shared(kernels: CpuKernels, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas starting together on one machine take one verdict: the first probes under the lock, the others
+    read what it kept (so every replica runs the same path); a damaged file is probed again."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    lib = CpuKernels(Path(shutil.copy(kernels.path, tmp_path / kernels.path.name)), isa=kernels.isa)
+    calls = []
+
+    def counted(*args: object) -> ProbeResult:
+        calls.append(args)
+        return probe_linear(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_probe, "probe_linear", counted)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: probe_cached(lib, 64, 96), range(4)))
+    assert len(calls) == 1 and all(r == results[0] for r in results)
+    path = verdict_path(lib, 64, 96, False)
+    assert path.parent == tmp_path and ProbeResult.from_dict(json.loads(path.read_text())) == results[0]
+    assert probe_cached(lib, 64, 128) != results[0] and len(calls) == 2  # another shape: its own verdict
+    path.write_text("{not json")
+    again = probe_cached(lib, 64, 96)
+    assert len(calls) == 3 and again != results[0] and probe_cached(lib, 64, 96) == again
 
 
 def test_cpu_isa_is_validated() -> None:

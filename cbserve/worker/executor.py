@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterable
 
 import torch
+
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 from .config import ModelConfig

@@ -11,9 +11,10 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol, TypeVar
 
+from pydantic import BaseModel
+
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
-from pydantic import BaseModel
 
 from .output import OutputProcessor, RequestState, SeqDelta
 from .protocol import (

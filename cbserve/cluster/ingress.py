@@ -15,6 +15,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from ray import serve
+from starlette.types import Receive, Scope, Send
+
 from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.cpu_priority import run_at_edge_priority
 from cbserve.cluster.engine_client import EngineClient
@@ -38,11 +44,6 @@ from cbserve.frontend.protocol import (
 from cbserve.frontend.serving import OpenAIServing
 from cbserve.frontend.tokenizer import load_tokenizer
 from cbserve.frontend.validation import ServedModel, parse_body
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
-from ray import serve
-from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 

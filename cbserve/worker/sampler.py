@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
 from cbserve.scheduler.outputs import TokenLogprob
 from cbserve.scheduler.sampling_params import SamplingParams
 

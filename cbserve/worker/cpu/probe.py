@@ -10,14 +10,22 @@ size in, up to ``MAX_COLUMNS`` of its gate/up columns out), each on the C kernel
 products' dtype. Each figure is the best of a few runs after a warm-up (tens of milliseconds in all). The
 C kernels are kept when the geometric mean of their time over torch's, across the two shapes, is at most
 1: no slower overall. The figures and the choice are logged and reported in ``/stats``.
+
+A verdict is kept beside the kernel library it was taken with (``probe_cached``): every engine replica and
+every restart on one machine runs the same path, so replicas answer one request with the same numbers, and
+replicas that start together take turns (a file lock) instead of timing each other's contention.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +72,15 @@ class ProbeResult:
                 "torch_ms": list(self.torch_ms), "torch_path": self.torch_path, "ratio": self.ratio,
                 "native_wins": self.native_wins}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> ProbeResult:
+        def floats(key: str) -> tuple[float, ...]:
+            return tuple(float(v) for v in d[key])  # type: ignore[attr-defined]
+
+        shape = tuple(int(v) for v in d["shape"])  # type: ignore[attr-defined]
+        rows = tuple(int(v) for v in d["rows"])  # type: ignore[attr-defined]
+        return cls((shape[0], shape[1]), rows, floats("native_ms"), floats("torch_ms"), str(d["torch_path"]))
+
 
 def best_ms(fn: Callable[[], object], repeats: int = _REPEATS, budget_s: float = _MAX_SECONDS) -> float:
     """The fastest of up to ``repeats`` timed calls of ``fn`` after one warm-up call (fewer once ``budget_s``
@@ -104,3 +121,40 @@ def probe_linear(kernels: CpuKernels, hidden: int, inter: int, bf16_products: bo
             native_ms.append(best_ms(lambda x=x: kernels.linear(x, panels, None)))
             torch_ms.append(best_ms(lambda x=x: torch_fn(x)))
     return ProbeResult((n, k), tuple(rows), tuple(native_ms), tuple(torch_ms), path)
+
+
+def verdict_path(kernels: CpuKernels, hidden: int, inter: int, bf16_products: bool,
+                 rows: tuple[int, ...] = (DECODE_ROWS, PREFILL_ROWS)) -> Path:
+    """Where the probe's verdict for this library, shape, dtype and torch build is kept: beside the library,
+    whose name already hashes its sources, compiler flags and CPU."""
+    key = json.dumps([kernels.path.name, hidden, inter, bf16_products, list(rows), torch.__version__])
+    return kernels.path.with_name(f"probe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
+
+
+def probe_cached(kernels: CpuKernels, hidden: int, inter: int, bf16_products: bool = False) -> ProbeResult:
+    """``probe_linear``'s verdict, taken once per library, shape and torch build on this machine: read back
+    when it is kept, else probed under an exclusive lock (so concurrent starters wait for the first one's
+    verdict) and kept. A folder that cannot be written only costs the sharing: the probe runs each time."""
+    path = verdict_path(kernels, hidden, inter, bf16_products)
+    try:
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            kept = _read_verdict(path)
+            if kept is not None:
+                return kept
+            result = probe_linear(kernels, hidden, inter, bf16_products)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(result.as_dict()))
+            tmp.replace(path)
+            return result
+    except OSError:
+        return probe_linear(kernels, hidden, inter, bf16_products)
+
+
+def _read_verdict(path: Path) -> ProbeResult | None:
+    try:
+        return ProbeResult.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):  # a damaged file: probe again
+        return None

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
 from cbserve.scheduler.sampling_params import StructuredSpec
 
 if TYPE_CHECKING:

@@ -9,10 +9,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
+
 from cbserve.scheduler.errors import RequestRejectedError
 from cbserve.scheduler.limits import resolve_max_tokens
 from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
-from pydantic import BaseModel, ValidationError
 
 from .field_policy import FieldPolicy
 from .protocol import APIError, ChatCompletionRequest, ChatMessage, SamplingFields

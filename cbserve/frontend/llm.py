@@ -13,6 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from cbserve.scheduler import (
     CacheConfig,
     EngineConfig,
@@ -22,7 +24,6 @@ from cbserve.scheduler import (
     tune_gc_for_serving,
 )
 from cbserve.scheduler.sampling_params import SamplingParams
-from tqdm.auto import tqdm
 
 from .model_files import read_model_files
 from .output import CompletionOutput, GenerateOutput, OutputProcessor

@@ -14,13 +14,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.output_channel import ChannelReader, EngineFailure
 from cbserve.cluster.router import NoHealthyReplicaError, Router
 from cbserve.cluster.scheduler_actor import SchedulerActor
 from cbserve.frontend.protocol import APIError
 from cbserve.scheduler.request import EngineRequest, RequestOutput
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 logger = logging.getLogger(__name__)
 

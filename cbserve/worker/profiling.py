@@ -6,6 +6,7 @@ import logging
 from typing import Protocol
 
 import torch
+
 from cbserve.scheduler.sampling_params import SamplingParams
 
 from .attention.backend import KVCache

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from cbserve.scheduler.outputs import TokenLogprob
 
 from .sampler import Sampler, SamplingRow, draw, row_generator, token_logprobs

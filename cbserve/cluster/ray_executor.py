@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.step_channel import StepClient, dumps
 from cbserve.cluster.worker_actor import WorkerActor
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
 from cbserve.scheduler.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from cbserve.worker.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
@@ -26,7 +28,6 @@ from cbserve.worker.config import (
     ModelConfig,
 )
 from cbserve.worker.model_info import SUPPORTED_MODEL_TYPES, ModelInfo, read_model_info
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 logger = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ import urllib.request
 from typing import Any
 
 import pydantic
+
 from cbserve.cluster.config import CBServeConfig, known_device, servable_config
 from cbserve.cluster.cpu_priority import (
     BACKGROUND,
@@ -203,8 +204,9 @@ def main(args: argparse.Namespace) -> int:
         return _fail("--ray-dashboard applies to the Ray instance `cbserve serve` starts; the cluster at "
                      f"--ray-address {args.ray_address} keeps its own dashboard setting")
     import ray
-    from cbserve.cluster.app import build_app_from_config
     from ray import serve
+
+    from cbserve.cluster.app import build_app_from_config
 
     started, direct = start_ray(args, config.port)
     if started and not args.ray_dashboard:  # what Ray's dashboard would have written

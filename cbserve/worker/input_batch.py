@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+
 from cbserve.scheduler.outputs import CachedRequestData, NewRequestData
 from cbserve.scheduler.sampling_params import SamplingParams
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from cbserve.cluster.config import CBServeConfig, known_device, servable_config
 from ray.serve import Application
+
+from cbserve.cluster.config import CBServeConfig, known_device, servable_config
 
 
 def build_app(args: dict[str, Any] | CBServeConfig | None = None) -> Application:

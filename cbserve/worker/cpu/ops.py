@@ -30,7 +30,7 @@ from .gguf_blocks import QuantBlocks
 from .kernels import CpuKernels
 from .linear import pack_linear_weights
 from .native import load_cpu_kernels
-from .probe import ProbeResult, probe_linear
+from .probe import ProbeResult, probe_cached
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _torch_ops(requested: str, probe: ProbeResult | None = None) -> CpuOps:
 
 def _probed(native: CpuOps, kernels: CpuKernels, shape: tuple[int, int]) -> CpuOps:
     """cpu_ops "auto": the C kernels, unless the probe finds them slower than torch on this CPU."""
-    result = probe_linear(kernels, shape[0], shape[1], native.bf16_products)
+    result = probe_cached(kernels, shape[0], shape[1], native.bf16_products)
     if result.native_wins:
         logger.info("cpu_ops auto: the %s C kernels (%s)", kernels.isa, result.summary())
         return native._replace(probe=result)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+
 from cbserve.scheduler.outputs import TokenLogprob
 
 from .input_batch import PromptLogprobRows

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import ray
+
 from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.metrics import WorkerMetrics
 from cbserve.cluster.step_channel import StepAddress, StepServer

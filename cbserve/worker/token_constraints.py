@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+
 from cbserve.scheduler.sampling_params import SamplingParams
 
 

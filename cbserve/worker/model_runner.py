@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 
 from .attention.backend import KVCache

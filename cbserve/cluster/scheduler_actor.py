@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+
 from cbserve.cluster.config import CBServeConfig, check_kv_capacity
 from cbserve.cluster.metrics import EngineMetrics
 from cbserve.cluster.output_channel import ChannelServer, EngineFailure
