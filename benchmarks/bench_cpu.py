@@ -261,9 +261,10 @@ def main() -> int:
     # cbserve's workers set these glibc malloc options; set them for the whole process first so that the
     # HF runs get them too and the ratios measure the engines, not the allocator.
     print(f"glibc malloc tuned for every system in this run: {tune_malloc_for_cpu_inference()}")
+    from transformers import AutoModelForCausalLM
+
     from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
     from cbserve.worker.model_loader import resolve_model
-    from transformers import AutoModelForCausalLM
 
     folder = resolve_model(None).folder
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -23,14 +23,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from cpu_info import copy_bandwidth_gbs, describe, fma_peak_gflops
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
 from cbserve.worker.cpu.gguf_blocks import QuantBlocks
 from cbserve.worker.cpu.kernels import CpuKernels, Panels
 from cbserve.worker.cpu.linear import pack_weight as pack_onednn
 from cbserve.worker.cpu.linear import packed_linear, packing_supported
 from cbserve.worker.cpu.native import load_cpu_kernels, supported_levels
-from cpu_info import copy_bandwidth_gbs, describe, fma_peak_gflops
-from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 kv heads of 64, intermediate 1536: (n, k) of each product.
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}

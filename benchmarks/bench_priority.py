@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
 from cbserve.bench.deploy import local_deployment_process
 from cbserve.cluster.cpu_priority import BACKGROUND, EDGE, ENGINE, Priority, set_priority
 

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from cbserve.bench.report import cpu_model
 from cbserve.worker.cpu import native
 

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import psutil
+
 from cbserve.bench.deploy import local_deployment_process
 
 GROUPS = ("engine", "serve", "head", "agent", "monitors")

@@ -27,8 +27,9 @@ def burst(seed: int, dtype: str) -> dict[str, float]:
     ignore_eos) through ``serving_offline.offline_summary`` on a thread of its own: output tok/s and the
     process's cores over the generate call."""
     import torch
-    from cbserve.bench.datasets import sample_random
     from serving_offline import offline_summary
+
+    from cbserve.bench.datasets import sample_random
 
     reqs, result = sample_random(64, (64, 192), (64, 192), seed=seed), {}
 

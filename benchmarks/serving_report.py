@@ -152,6 +152,7 @@ def plot_serving(doc: dict[str, Any], out: str | Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from cbserve.bench.plots import draw_cdfs
 
     results = {k: v for k, v in doc["results"].items() if "skipped" not in v}

@@ -98,6 +98,7 @@ class CBServeConfig(BaseModel):
     # tool_choice "auto": the model's tool-call format ("auto": from its chat template; "none": refused)
     tool_call_parser: Literal["auto", "none", "hermes", "llama3_json"] = "auto"
     request_timeout_s: float | None = Field(None, gt=0.0)  # a longer request is aborted (HTTP 504)
+    node_tuning: Literal["engine-first", "off"] = "engine-first"  # the node's CPU for the engine (node_tuning.py)
 
     @field_validator("speculative_config", mode="before")
     @classmethod

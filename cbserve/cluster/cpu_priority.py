@@ -28,19 +28,19 @@ ready, raises every other process it started (``background_ray_processes``), lea
 inherit its niceness) and Ray's idle pooled workers. On a cluster it joins, only the ingress replicas move,
 and only where the cluster starts actors ahead of 10 (``RAY_worker_niceness`` below 10 on ``ray start``).
 
-The same Ray instance is also told to idle quietly (``LOCAL_RAY_ENV``): Serve's controller runs its control loop
-every 0.5 s instead of every 0.1 s (``RAY_SERVE_CONTROL_LOOP_INTERVAL_S``). At 10 Hz that loop, and the GCS
-work it causes, was the largest CPU user of an idle server: 3.5% + 1.9% of a core, out of 0.19 cores for all
-of Ray and cbserve; at 0.5 s 1.3% + 0.7%, and 0.12 cores in all. Every core-second the neighbours take is
-one the model's OpenMP team loses during a burst. The cost: Serve notices a replica change up to 0.4 s later
-(its health checks run every 10 s anyway). And the ingress replicas run their code on the replica's own event
-loop (``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``, part of Serve's throughput-optimized mode) instead of
+The same Ray instance is also told to idle quietly (the ``engine-first`` profile of ``node_tuning.py``): Serve's
+controller runs its control loop every 0.5 s instead of every 0.1 s (``RAY_SERVE_CONTROL_LOOP_INTERVAL_S``). At 10
+Hz that loop, and the GCS work it causes, was the largest CPU user of an idle server: 3.5% + 1.9% of a core, out of
+0.19 cores for all of Ray and cbserve; at 0.5 s 1.3% + 0.7%, and 0.12 cores in all. Every core-second the
+neighbours take is one the model's OpenMP team loses during a burst. The cost: Serve notices a replica change up to
+0.4 s later (its health checks run every 10 s anyway). And the ingress replicas run their code on the replica's own
+event loop (``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``, part of Serve's throughput-optimized mode) instead of
 a second loop in a thread of its own: every streamed chunk then goes to the HTTP connection without a hand-off
 between the two loops' threads (0.144 ms of the ingress's CPU per streamed token against 0.171, mean of 6 bursts
 each, alternated).
 
-Measured on 2 cores (BENCHMARKS.md, "CPU priority" and "CPU policy"). Linux only (niceness and policy per
-thread); elsewhere these do nothing.
+Measured on 2 cores. Linux only (niceness and policy per thread); elsewhere these do nothing. All of it is the
+``engine-first`` node-tuning profile (``node_tuning.py``); ``node_tuning: off`` turns it off.
 """
 
 from __future__ import annotations
@@ -70,14 +70,6 @@ class Priority:
 ENGINE = Priority(0)
 EDGE = Priority(10, SCHED_BATCH)
 BACKGROUND = Priority(19, SCHED_BATCH)
-# What a Ray instance `cbserve serve` starts inherits (a value already in the environment wins): the actors'
-# niceness, which the raylet gives them (Ray's default 15), the Serve controller's loop period (Ray's 0.1 s),
-# and Serve replicas' code on the replica's own event loop (Ray's default: a second loop in its own thread).
-LOCAL_RAY_ENV = {
-    "RAY_worker_niceness": "0",
-    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
-    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
-}
 _LINUX = sys.platform.startswith("linux")
 
 

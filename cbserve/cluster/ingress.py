@@ -22,9 +22,9 @@ from ray import serve
 from starlette.types import Receive, Scope, Send
 
 from cbserve.cluster.config import CBServeConfig
-from cbserve.cluster.cpu_priority import run_at_edge_priority
 from cbserve.cluster.engine_client import EngineClient
 from cbserve.cluster.metrics import IngressMetrics
+from cbserve.cluster.node_tuning import node_tuning
 from cbserve.frontend.model_files import model_folder, read_model_files
 from cbserve.frontend.protocol import (
     APIError,
@@ -116,9 +116,9 @@ class OpenAIIngress:
         self._setup(config)
         self.client.start(on_tick=self.metrics.refresh)
         await self.client.wait_started(STARTUP_WAIT_S)
-        # Behind the engine on this node's cores from now on (cluster/cpu_priority.py); its start-up work
-        # (a GGUF's conversion, the tokenizer) is done, and under SCHED_BATCH it took seconds longer.
-        run_at_edge_priority()
+        # Behind the engine on this node's cores from now on, when the node tuning says so (cluster/node_tuning.py);
+        # its start-up work (a GGUF's conversion, the tokenizer) is done, and under SCHED_BATCH it took seconds longer.
+        node_tuning(self.config.node_tuning).edge_started()
 
     def _setup(self, config: dict[str, Any]) -> None:
         folder = model_folder(CBServeConfig.model_validate(config).model)  # a GGUF: converted, in a child
@@ -138,7 +138,8 @@ class OpenAIIngress:
         cfg = self.config
         vocab = files.vocab_size or len(tokenizer)
         served = ServedModel(
-            cfg.model_name, cfg.max_model_len, cfg.max_n, vocab, cfg.ordering == "priority", cfg.tool_call_parser
+            cfg.model_name, cfg.max_model_len, cfg.max_n, vocab, cfg.ordering == "priority", cfg.tool_call_parser,
+            cfg.reasoning_parser, cfg.disable_any_whitespace,
         )
         self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids)
         self.metrics = IngressMetrics(cfg.model_name)

@@ -22,13 +22,8 @@ from typing import Any
 import pydantic
 
 from cbserve.cluster.config import CBServeConfig, known_device, servable_config
-from cbserve.cluster.cpu_priority import (
-    BACKGROUND,
-    EDGE,
-    LOCAL_RAY_ENV,
-    background_ray_processes,
-)
 from cbserve.cluster.metrics_discovery import write_for_local_ray
+from cbserve.cluster.node_tuning import NodeTuning, environment_for_ray, node_tuning
 
 logger = logging.getLogger(__name__)
 
@@ -104,36 +99,19 @@ def init_ray(address: str | None, include_dashboard: bool = False) -> bool:
         return True
 
 
-def start_ray(args: argparse.Namespace, port: int) -> tuple[bool, bool]:
+def start_ray(args: argparse.Namespace, port: int, tuning: NodeTuning) -> tuple[bool, bool]:
     """Ray for ``cbserve serve``: (this command started the Ray instance, the ingress serves HTTP itself
-    (``--direct-ingress``)). What Ray reads when its processes start (direct ingress; the actors' niceness and
-    Serve's control loop period, cluster/cpu_priority.py) is put in the environment the local instance
-    inherits, and taken back when a running cluster is joined instead (that one keeps its own settings)."""
-    local = {k: v for k, v in LOCAL_RAY_ENV.items() if k not in os.environ}  # the user's value wins
-    env = {**local, **(direct_ingress_env(port) if args.direct_ingress != "false" else {})}
-    os.environ.update(env)
-    started = init_ray("local" if args.direct_ingress == "true" else args.ray_address, args.ray_dashboard)
+    (``--direct-ingress``)). What Ray reads when its processes start (direct ingress, and the node-tuning
+    profile's settings: cluster/node_tuning.py) is in the environment only while Ray starts; a running cluster
+    that is joined keeps its own settings."""
+    env = {**tuning.ray_env, **(direct_ingress_env(port) if args.direct_ingress != "false" else {})}
+    with environment_for_ray(env):
+        started = init_ray("local" if args.direct_ingress == "true" else args.ray_address, args.ray_dashboard)
     direct = args.direct_ingress != "false" and started
-    if not started:
-        for key in env:
-            os.environ.pop(key, None)
-        if args.ray_dashboard:
-            logger.warning("--ray-dashboard: joined a running Ray cluster, which keeps its own dashboard setting")
+    if not started and args.ray_dashboard:
+        logger.warning("--ray-dashboard: joined a running Ray cluster, which keeps its own dashboard setting")
     logger.info("HTTP served by %s", "the ingress replica (direct ingress)" if direct else "Serve's proxy")
     return started, direct
-
-
-def background_local_ray(base: str, api_key: str | None) -> None:
-    """The Ray instance this command started: every process but the engines' (scheduler actors, model
-    workers) and the HTTP edge's behind them (cluster/cpu_priority.py), once the engine replicas are up and
-    say which processes are theirs."""
-    replicas = _replica_stats(base, api_key)
-    engines = [pid for r in replicas for pid in r.get("engine_pids", [])]
-    changed = background_ray_processes(os.getpid(), engines)
-    if changed:
-        print(f"cbserve: the engine (pids {', '.join(map(str, engines))}) first on the CPU; {len(changed)} other "
-              f"processes of the local Ray instance behind it (the HTTP edge at niceness "
-              f"{EDGE.niceness}, the rest at {BACKGROUND.niceness}, both under SCHED_BATCH)", flush=True)
 
 
 def checked_config(args: argparse.Namespace) -> CBServeConfig:
@@ -208,7 +186,9 @@ def main(args: argparse.Namespace) -> int:
 
     from cbserve.cluster.app import build_app_from_config
 
-    started, direct = start_ray(args, config.port)
+    tuning = node_tuning(config.node_tuning)
+    logger.info("node tuning: %s", tuning.name)
+    started, direct = start_ray(args, config.port, tuning)
     if started and not args.ray_dashboard:  # what Ray's dashboard would have written
         try:
             logger.info("Prometheus service discovery file: %s", write_for_local_ray())
@@ -234,7 +214,8 @@ def main(args: argparse.Namespace) -> int:
         return _fail(failure)
     if ready:
         if started:
-            background_local_ray(base, config.api_key)
+            engines = [pid for r in _replica_stats(base, config.api_key) for pid in r.get("engine_pids", [])]
+            tuning.engines_ready(os.getpid(), engines)
         print("cbserve: engine replicas ready; Ctrl-C to stop", flush=True)
     else:
         print(f"cbserve: not ready after {args.ready_timeout:.0f}s; see {base}/health", flush=True)

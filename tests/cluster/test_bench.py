@@ -7,6 +7,7 @@ import math
 import statistics
 
 import pytest
+
 from cbserve.bench.client import RequestResult
 from cbserve.bench.datasets import WORDS, load_sharegpt, parse_range, sample_random
 from cbserve.bench.metrics import (

@@ -13,6 +13,7 @@ import pytest
 
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
+
 from cbserve.bench.client import ClientConfig  # noqa: E402
 from cbserve.bench.datasets import sample_random  # noqa: E402
 from cbserve.bench.runner import LoadConfig, run_benchmark  # noqa: E402

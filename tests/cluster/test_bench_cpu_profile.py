@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from cbserve.bench.cpu_profile import CpuSampler, format_cpu_table, process_label, top_frames
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"

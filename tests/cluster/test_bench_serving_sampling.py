@@ -11,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
 from cbserve.bench.client import build_payload
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serving.py"

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pydantic
 import pytest
+
 from cbserve.cluster import serve_cli
 from cbserve.cluster.config import CBServeConfig, ConfigError, check_kv_capacity, servable_config
+from cbserve.cluster.node_tuning import node_tuning
 from cbserve.cluster.serve_cli import add_arguments, config_from_args
 from cbserve.scheduler.config import SpeculativeConfig
 from cbserve.worker.model_info import default_model_path, read_model_info
@@ -386,14 +388,22 @@ def test_direct_ingress_follows_who_starts_ray(
 ) -> None:
     monkeypatch.setattr(os, "environ", dict(os.environ))
     seen: list[str | None] = []
-    monkeypatch.setattr(serve_cli, "init_ray", lambda a, dashboard: seen.append(a) or starts)
+    keys = serve_cli.direct_ingress_env(8123)
+    at_start: dict[str, str | None] = {}
+
+    def init(a: str | None, dashboard: bool) -> bool:
+        seen.append(a)
+        at_start.update({k: os.environ.get(k) for k in keys})  # what the Ray processes it starts inherit
+        return starts
+
+    monkeypatch.setattr(serve_cli, "init_ray", init)
     args = argparse.Namespace(direct_ingress=flag, ray_address=address, ray_dashboard=False)
-    assert serve_cli.start_ray(args, 8123) == (starts, want_direct) and seen == [want_address]
-    env = {k: os.environ.get(k) for k in serve_cli.direct_ingress_env(8123)}
-    if want_direct:
-        assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
-        assert env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8123"  # the one port: --port
-        assert env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8124"
+    assert serve_cli.start_ray(args, 8123, node_tuning("off")) == (starts, want_direct) and seen == [want_address]
+    if flag != "false":
+        assert at_start["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+        assert at_start["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8123"  # the one port: --port
+        assert at_start["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8124"
     else:
-        assert set(env.values()) == {None}
+        assert set(at_start.values()) == {None}
+    assert {k: os.environ.get(k) for k in keys} == dict.fromkeys(keys)  # taken back once Ray started
 

@@ -15,17 +15,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from cbserve.cluster.cpu_priority import (
     BACKGROUND,
     EDGE,
     ENGINE,
-    LOCAL_RAY_ENV,
     SCHED_BATCH,
     SCHED_OTHER,
     Priority,
     background_ray_processes,
     set_priority,
 )
+from cbserve.cluster.node_tuning import PROFILES, environment_for_ray, node_tuning
 
 BASE = os.getpriority(os.PRIO_PROCESS, 0)  # what children of this test start at
 pytestmark = [
@@ -159,31 +160,60 @@ def test_bench_priority_layouts_match_what_cbserve_sets() -> None:
     assert layout("batchsched") == {**layout("cbserve"), "scheduler": Priority(0, SCHED_BATCH)}
 
 
+ENGINE_FIRST = PROFILES["engine-first"]
+
+
 @pytest.mark.parametrize("starts", [True, False])
-def test_only_a_ray_instance_cbserve_serve_starts_gets_its_actors_at_niceness_0(
-    monkeypatch: pytest.MonkeyPatch, starts: bool
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_the_node_tuning_profile_reaches_only_the_ray_instance_being_started(
+    monkeypatch: pytest.MonkeyPatch, starts: bool, profile: str
 ) -> None:
-    """`RAY_worker_niceness=0` and Serve's 0.5 s control loop go into the environment the local instance
-    inherits, and are taken back when a running cluster is joined (that one keeps its own)."""
+    """engine-first: `RAY_worker_niceness=0` and Serve's 0.5 s control loop are in the environment the Ray
+    processes start with; off: Ray's defaults. Either way the environment is as it was once Ray started (a
+    joined cluster keeps its own settings)."""
     import argparse
 
     from cbserve.cluster import serve_cli
 
-    monkeypatch.setattr(os, "environ", dict(os.environ))
-    monkeypatch.setattr(serve_cli, "init_ray", lambda address, dashboard: starts)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in ENGINE_FIRST.ray_env})
+    at_start: dict[str, str | None] = {}
+
+    def init(address: str | None, dashboard: bool) -> bool:
+        at_start.update({k: os.environ.get(k) for k in ENGINE_FIRST.ray_env})
+        return starts
+
+    monkeypatch.setattr(serve_cli, "init_ray", init)
     args = argparse.Namespace(direct_ingress="auto", ray_address=None, ray_dashboard=False)
-    assert serve_cli.start_ray(args, 8123) == (starts, starts)
-    want = LOCAL_RAY_ENV if starts else dict.fromkeys(LOCAL_RAY_ENV)
-    assert {k: os.environ.get(k) for k in LOCAL_RAY_ENV} == want
+    assert serve_cli.start_ray(args, 8123, node_tuning(profile)) == (starts, starts)
+    assert at_start == (dict(ENGINE_FIRST.ray_env) if profile == "engine-first" else dict.fromkeys(at_start))
+    assert {k: os.environ.get(k) for k in ENGINE_FIRST.ray_env} == dict.fromkeys(ENGINE_FIRST.ray_env)
 
 
-@pytest.mark.parametrize("key", sorted(LOCAL_RAY_ENV))
+@pytest.mark.parametrize("key", sorted(ENGINE_FIRST.ray_env))
 def test_a_value_the_user_set_for_the_local_ray_instance_is_kept(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
-    import argparse
-
-    from cbserve.cluster import serve_cli
-
     monkeypatch.setattr(os, "environ", {**os.environ, key: "5"})
-    monkeypatch.setattr(serve_cli, "init_ray", lambda address, dashboard: True)
-    serve_cli.start_ray(argparse.Namespace(direct_ingress="auto", ray_address=None, ray_dashboard=False), 8123)
+    with environment_for_ray(ENGINE_FIRST.ray_env) as added:
+        assert os.environ[key] == "5" and key not in added
     assert os.environ[key] == "5"
+
+
+def test_profile_off_leaves_every_process_as_it_was(tmp_path: Path) -> None:
+    """The off profile changes no process's priority (engine-first's sweep is tested above on the same kind
+    of tree), and an unknown profile name is refused."""
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert PROFILES["off"].engines_ready(os.getpid(), []) == []
+        assert psutil.Process(child.pid).nice() == BASE
+        PROFILES["off"].edge_started()
+        assert os.getpriority(os.PRIO_PROCESS, 0) == BASE
+    finally:
+        child.kill()
+        child.wait()
+    with pytest.raises(ValueError, match="node_tuning must be one of"):
+        node_tuning("fast")
+    from cbserve.cluster.config import CBServeConfig
+
+    with pytest.raises(ValueError, match="node_tuning"):
+        CBServeConfig(node_tuning="fast")  # type: ignore[arg-type]

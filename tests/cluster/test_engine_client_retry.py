@@ -13,6 +13,8 @@ import asyncio
 from typing import Any
 
 import pytest
+from channel_fakes import FakeChannelServer
+
 from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.engine_client import EngineClient
 from cbserve.cluster.output_channel import ChannelReader, EngineFailure
@@ -20,7 +22,6 @@ from cbserve.cluster.router import Router
 from cbserve.frontend.protocol import APIError
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from cbserve.scheduler.sampling_params import SamplingParams
-from channel_fakes import FakeChannelServer
 
 
 class _Remote:

@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from cbserve.cluster.ingress import ClosingStreamingResponse, OpenAIIngress
 from starlette.requests import ClientDisconnect
+
+from cbserve.cluster.ingress import ClosingStreamingResponse, OpenAIIngress
 
 
 class _Body:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from cbserve.cluster import metrics as cm
 from cbserve.scheduler.stats import (
     FinishedRequestStats,

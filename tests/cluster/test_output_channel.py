@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from channel_fakes import FakeChannelServer
+
 from cbserve.cluster.output_channel import ChannelBuffer, ChannelReader, ChannelServer, EngineFailure
 from cbserve.cluster.step_channel import TOKEN_BYTES, frame
 from cbserve.scheduler.request import RequestOutput
-from channel_fakes import FakeChannelServer
 
 
 def _out(req_id: str, token: int) -> RequestOutput:

@@ -7,7 +7,9 @@ import argparse
 import os
 
 import pytest
+
 from cbserve.cluster import serve_cli
+from cbserve.cluster.node_tuning import node_tuning
 from cbserve.cluster.serve_cli import add_arguments
 
 
@@ -28,7 +30,7 @@ def test_ray_dashboard_reaches_the_ray_instance_cbserve_serve_starts(
     monkeypatch.setattr(os, "environ", dict(os.environ))
     seen: list[tuple] = []
     monkeypatch.setattr(serve_cli, "init_ray", lambda a, dashboard: seen.append((a, dashboard)) or starts)
-    serve_cli.start_ray(_parse(argv), 8123)
+    serve_cli.start_ray(_parse(argv), 8123, node_tuning("off"))
     assert seen == [want]
 
 
@@ -42,7 +44,7 @@ def test_ray_dashboard_on_a_joined_cluster_is_refused_or_said(
     monkeypatch.setattr(os, "environ", dict(os.environ))
     monkeypatch.setattr(serve_cli, "init_ray", lambda a, dashboard: False)
     with caplog.at_level("WARNING", logger=serve_cli.__name__):
-        assert serve_cli.start_ray(_parse(["--ray-dashboard"]), 8123) == (False, False)
+        assert serve_cli.start_ray(_parse(["--ray-dashboard"]), 8123, node_tuning("off")) == (False, False)
     assert "keeps its own dashboard setting" in caplog.text
 
 

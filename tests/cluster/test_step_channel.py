@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 import pytest
+
 from cbserve.cluster.step_channel import StepAddress, StepClient, StepError, StepServer, dumps
 
 

@@ -26,8 +26,9 @@ def local_serve_app(args: dict[str, Any], name: str) -> Iterator[str]:
     """A local Ray (4 CPUs) serving cbserve's app built from ``args`` on a free port; yields its URL once
     /health answers, shuts Serve and Ray down after."""
     import ray
-    from cbserve.cluster.app import build_app
     from ray import serve
+
+    from cbserve.cluster.app import build_app
 
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     port = free_port()
@@ -61,8 +62,9 @@ def derive_tp2_model(dst: Path, num_layers: int = 4, num_kv_heads: int = 2) -> P
     """The bundled SmolLM2-135M with its first ``num_layers`` layers and its first ``num_kv_heads`` KV heads
     (with their query heads): 6 heads and 2 KV heads divide by a tensor-parallel size of 2."""
     import torch
-    from cbserve.worker.model_loader import resolve_model
     from safetensors.torch import load_file, save_file
+
+    from cbserve.worker.model_loader import resolve_model
 
     src = resolve_model(None).folder
     cfg = json.loads((src / "config.json").read_text())

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from cbserve.worker.cpu.native import supported_levels
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from cbserve.bench.deploy import free_port as deploy_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,8 +94,9 @@ def ray_session_dir() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def app_url(ray_session_dir: Path) -> Iterator[str]:
-    from cbserve.cluster.app import build_app
     from ray import serve
+
+    from cbserve.cluster.app import build_app
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

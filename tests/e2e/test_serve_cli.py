@@ -205,6 +205,19 @@ def _check_priority(srv: Serve, engine_pids: list[int], ingress: str) -> None:
     assert psutil.Process(ingress_pid).environ().get("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD") == "0"
 
 
+def _check_untuned(srv: Serve) -> None:
+    """``--node-tuning off``: no process reniced or moved to SCHED_BATCH, Ray's own actor niceness (15) and
+    Serve's own control loop period."""
+    import psutil
+
+    assert "first on the CPU" not in srv.output and "node tuning: off" in srv.output
+    below = psutil.Process(srv.proc.pid).children(recursive=True)
+    assert all(os.sched_getscheduler(p.pid) == os.SCHED_OTHER for p in below if p.is_running())
+    (controller,) = [p for p in below if "ray::ServeController" in " ".join(p.cmdline())]
+    assert controller.nice() == min(psutil.Process(srv.proc.pid).nice() + 15, 19)  # Ray's own actor niceness
+    assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in controller.environ()
+
+
 def _listener(port: int) -> str:
     """The command line of the process listening on ``port`` of this machine ("" when none)."""
     import psutil
@@ -216,13 +229,15 @@ def _listener(port: int) -> str:
 
 
 def test_cbserve_serve_without_direct_ingress_serves_through_the_proxy() -> None:
-    """``--direct-ingress false``: Serve's proxy listens on --port and streams the ingress's answers."""
+    """``--direct-ingress false``: Serve's proxy listens on --port and streams the ingress's answers. With
+    ``--node-tuning off`` every process of the Ray instance keeps the OS's and Ray's defaults."""
     srv = Serve("--direct-ingress", "false", "--max-model-len", "512", "--kv-cache-memory-bytes",
-                str(64 * 1024**2))  # fmt: skip
+                str(64 * 1024**2), "--node-tuning", "off")  # fmt: skip
     try:
         assert srv.ready.wait(300), "cbserve serve did not get ready:\n" + "".join(srv.lines[-40:])
         owner = _listener(srv.port)
         assert "ProxyActor" in owner, owner
+        _check_untuned(srv)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="none", max_retries=0,
                                timeout=120)  # fmt: skip
         stream = client.completions.create(model=MODEL, prompt="Say hello.", max_tokens=8, temperature=0,

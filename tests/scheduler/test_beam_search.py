@@ -4,9 +4,10 @@ the same fake model."""
 from __future__ import annotations
 
 import pytest
+from sched_fakes import EOS, Collected, collect, make_engine, req, run, top_candidates
+
 from cbserve.scheduler import RequestRejectedError
 from cbserve.scheduler.beam_search import beam_score
-from sched_fakes import EOS, Collected, collect, make_engine, req, run, top_candidates
 
 
 def reference_beam_search(

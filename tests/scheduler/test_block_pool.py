@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from cbserve.scheduler.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from cbserve.scheduler import DuplicateRequestError, QueueFullError, RequestRejectedError
 from sched_fakes import (
     EOS,
     Collected,
@@ -16,6 +15,8 @@ from sched_fakes import (
     req,
     run,
 )
+
+from cbserve.scheduler import DuplicateRequestError, QueueFullError, RequestRejectedError
 
 
 # ---- admission ------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from cbserve.scheduler import EngineTotals, ModelRunnerOutput, QueueFullError, RequestRejectedError
 from sched_fakes import FakeExecutor, make_engine, req, run
+
+from cbserve.scheduler import EngineTotals, ModelRunnerOutput, QueueFullError, RequestRejectedError
 
 DELAY = 0.03
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from cbserve.scheduler import RequestRejectedError, resolve_max_tokens
 from sched_fakes import make_engine, req
+
+from cbserve.scheduler import RequestRejectedError, resolve_max_tokens
 
 
 def test_max_tokens_kept_or_filled_with_the_room_left() -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from cbserve.scheduler.policies import BatchPolicy, ContinuousPolicy, PrefillFirstPolicy
 from sched_fakes import FakeClock, make_engine, req, run
+
+from cbserve.scheduler.policies import BatchPolicy, ContinuousPolicy, PrefillFirstPolicy
 
 
 def sched(so: object) -> dict[str, int]:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from cbserve.scheduler import QueueFullError, RequestRejectedError, SpeculativeConfig
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sched_fakes import Collected, Overlapped, collect, make_engine, req, run
+
+from cbserve.scheduler import QueueFullError, RequestRejectedError, SpeculativeConfig
 
 PREFIXES = [[7, 7, 7, 7, 7, 7, 7, 7, 7], [1, 2, 3, 4, 5, 6], []]
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from cbserve.scheduler import RequestStatus
 from sched_fakes import Collected, Overlapped, collect, expected_tokens, make_engine, req, run
+
+from cbserve.scheduler import RequestStatus
 
 
 def scheduled(so: object) -> dict[str, int]:

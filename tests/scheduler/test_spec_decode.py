@@ -4,9 +4,10 @@ tokens within the budget, rollback of rejected drafts (blocks and computed token
 from __future__ import annotations
 
 import pytest
+from sched_fakes import make_engine, req, run
+
 from cbserve.scheduler import NgramProposer, RequestRejectedError, SchedulerConfig, SpeculativeConfig
 from cbserve.scheduler.config import EngineConfig
-from sched_fakes import make_engine, req, run
 
 SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import cbserve.scheduler
 import pytest
-from cbserve.scheduler import RequestStatus, SamplingParams, StopRule
 from sched_fakes import EOS, expected_tokens, make_engine, next_token, req, run
+
+import cbserve.scheduler
+from cbserve.scheduler import RequestStatus, SamplingParams, StopRule
 
 STOP, LENGTH = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
 SCHEDULER_DIR = Path(cbserve.scheduler.__file__).parent

@@ -10,6 +10,7 @@ from types import ModuleType
 
 import pytest
 import torch
+
 from cbserve.worker.cpu.kernels import CpuKernels
 from cbserve.worker.cpu.native import load_cpu_kernels
 

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.gguf_blocks import QuantBlocks
 from cbserve.worker.cpu.kernels import CpuKernels, Panels
-from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 

@@ -9,6 +9,7 @@ from types import ModuleType
 
 import pytest
 import torch
+
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.kernels import CpuKernels
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from worker_testlib import run_engine
+
 from cbserve.frontend.tokenizer import load_tokenizer
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
@@ -21,7 +23,6 @@ from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.kernels import CpuKernels
 from cbserve.worker.executor import LocalExecutor
 from cbserve.worker.model_loader import resolve_model
-from worker_testlib import run_engine
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 
@@ -62,9 +63,10 @@ def test_gguf_blocks_with_bf16_products_equal_bf16_dot_panels_of_their_values(
     """Kept compact, the blocks' decoded weights are rounded as the kernel reads them: the same products, bit
     for bit, as "bf16_dot" panels of the decoded float32 weight."""
     import numpy as np
-    from cbserve.worker.cpu.gguf_blocks import QuantBlocks
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
+
+    from cbserve.worker.cpu.gguf_blocks import QuantBlocks
 
     w = np.random.default_rng(m).normal(0.0, 0.05, size=(100, 320)).astype(np.float32)
     raw = quantize(w, GGMLQuantizationType[qtype])
@@ -92,9 +94,10 @@ def test_one_row_through_blocks_equals_the_tiled_path_bit_for_bit(kernels: CpuKe
     """A decode step's single row takes its own path through GGUF blocks (decoded straight into the sums); it
     must give what the tiled path gives the same row in a batch: the same products in the same order."""
     import numpy as np
-    from cbserve.worker.cpu.gguf_blocks import QuantBlocks
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
+
+    from cbserve.worker.cpu.gguf_blocks import QuantBlocks
 
     w = np.random.default_rng(7).normal(0.0, 0.05, size=(150, 576)).astype(np.float32)  # a partial last panel
     blocks = QuantBlocks(qtype, torch.from_numpy(quantize(w, GGMLQuantizationType[qtype])))

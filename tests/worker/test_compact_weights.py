@@ -10,6 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
+from worker_testlib import make_tiny_model
+
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.gguf_blocks import (
@@ -24,8 +27,6 @@ from cbserve.worker.cpu.linear import NativeWeight, make_packed_weight
 from cbserve.worker.model_info import default_model_path
 from cbserve.worker.model_loader import resolve_model
 from cbserve.worker.model_runner import ModelRunner
-from safetensors.torch import load_file
-from worker_testlib import make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 

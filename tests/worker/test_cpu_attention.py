@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from worker_testlib import fused_qkv, paged_metadata
+
 from cbserve.worker.attention import CpuAttentionBackend, TorchAttentionBackend, get_attention_backend
 from cbserve.worker.attention.cpu_backend import row_args
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.native import KernelLoad, load_cpu_kernels
-from worker_testlib import fused_qkv, paged_metadata
 
 HAVE_CC = cpu_native._compiler() is not None
 needs_kernels = pytest.mark.skipif(not HAVE_CC, reason="no C compiler on this machine")

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from worker_testlib import make_tiny_model
+
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.attention.torch_backend import _GatherBuffer
 from cbserve.worker.config import ModelConfig
@@ -20,7 +22,6 @@ from cbserve.worker.cpu.malloc import tune_malloc_for_cpu_inference
 from cbserve.worker.input_batch import RequestState, build_batch
 from cbserve.worker.layers import ColumnParallelLinear, RowParallelLinear
 from cbserve.worker.model_runner import ModelRunner
-from worker_testlib import make_tiny_model
 
 needs_onednn = pytest.mark.skipif(
     not packing_supported(torch.empty(2, 2)), reason="torch was built without oneDNN"

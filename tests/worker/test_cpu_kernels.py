@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from worker_testlib import make_tiny_model
+
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
@@ -18,7 +20,6 @@ from cbserve.worker.cpu.native import KernelLoad
 from cbserve.worker.input_batch import RequestState, build_batch
 from cbserve.worker.model_runner import ModelRunner
 from cbserve.worker.rotary import apply_rotary
-from worker_testlib import make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 

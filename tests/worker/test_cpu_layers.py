@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_testlib import make_family_model
+from worker_testlib import make_tiny_model
+
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.layers import NativeLayers
 from cbserve.worker.input_batch import RequestState, build_batch
 from cbserve.worker.model_runner import ModelRunner
-from family_testlib import make_family_model
-from worker_testlib import make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 BS = 4

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from worker_testlib import make_tiny_model
+
 from cbserve.scheduler.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker import model_build as model_build_module
@@ -23,7 +25,6 @@ from cbserve.worker.attention import AttentionMetadata, KVCache, TorchAttentionB
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cuda_graphs import PAD_SLOT, CaptureFn, maybe_capture_decode_graphs
 from cbserve.worker.model_runner import ModelRunner
-from worker_testlib import make_tiny_model
 
 BLOCK = 4
 BLOCKS_PER_REQ = 6

@@ -14,16 +14,17 @@ from typing import Any
 
 import pytest
 import torch
+from family_testlib import COMMON, FAMILIES, _randomize_norms, prompts
+from gguf_writer import write_gguf
+from test_model_families import PATHS, _check_logprobs
+from worker_testlib import hf_greedy, run_engine
+
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker import model_info, model_loader
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
 from cbserve.worker.executor import LocalExecutor
 from cbserve.worker.gguf_arch import GGUF_MODEL_TYPES
-from family_testlib import COMMON, FAMILIES, _randomize_norms, prompts
-from gguf_writer import write_gguf
-from test_model_families import PATHS, _check_logprobs
-from worker_testlib import hf_greedy, run_engine
 
 MAX_NEW = 12
 _DENSE = dict(num_hidden_layers=2, tie_word_embeddings=False)
@@ -137,8 +138,9 @@ def test_gguf_family_matches_hf(gguf_model: tuple[str, Path, Any], path: str,
 def test_gguf_architectures_are_the_ones_transformers_maps() -> None:
     """Every GGUF architecture cbserve loads is one transformers' GGUF loader maps, to a model type a family
     serves; every served family it maps is loaded (Mistral through "llama": gguf-py has no "mistral")."""
-    from cbserve.worker.models.registry import supported_model_types
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from cbserve.worker.models.registry import supported_model_types
 
     hf_name = {"qwen3moe": "qwen3_moe"}
     for arch, model_type in GGUF_MODEL_TYPES.items():

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from worker_testlib import hf_greedy, run_engine
+
 from cbserve.frontend.tokenizer import load_tokenizer
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker import model_info, model_loader
@@ -15,7 +17,6 @@ from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
 from cbserve.worker.executor import LocalExecutor
 from cbserve.worker.model_info import default_model_path
-from worker_testlib import hf_greedy, run_engine
 
 MAX_NEW = 12
 

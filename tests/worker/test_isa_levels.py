@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.kernels import CpuKernels
 

@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from worker_testlib import make_tiny_model, run_engine
+
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.executor import LocalExecutor
-from worker_testlib import make_tiny_model, run_engine
 
 BLOCK = 4
 

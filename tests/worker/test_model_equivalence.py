@@ -8,10 +8,11 @@ import random
 
 import pytest
 import torch
+from worker_testlib import VARIANTS, hf_greedy, make_tiny_model, run_engine
+
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.executor import LocalExecutor
-from worker_testlib import VARIANTS, hf_greedy, make_tiny_model, run_engine
 
 MAX_NEW = 20
 

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_testlib import FAMILIES, MAX_MODEL_LEN, load_hf, make_family_model, prompts
+from worker_testlib import hf_greedy, run_engine
+
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.executor import LocalExecutor
-from family_testlib import FAMILIES, MAX_MODEL_LEN, load_hf, make_family_model, prompts
-from worker_testlib import hf_greedy, run_engine
 
 MAX_NEW = 16
 PATHS = {"native": dict(cpu_ops="native", attention_backend="cpu"),

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.model_info import SUPPORTED_MODEL_TYPES
 from cbserve.worker.models import registry

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from worker_testlib import make_tiny_model, run_engine
+
 from cbserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.attention import get_attention_backend
@@ -17,7 +19,6 @@ from cbserve.worker.cpu.native import load_cpu_kernels
 from cbserve.worker.executor import LocalExecutor
 from cbserve.worker.kv_cache import copy_blocks
 from cbserve.worker.model_runner import ModelRunner
-from worker_testlib import make_tiny_model, run_engine
 
 BLOCK = 4
 

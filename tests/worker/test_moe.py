@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from cbserve.worker.cpu.linear import NativeWeight, pack_linear_weights
 from cbserve.worker.cpu.native import load_cpu_kernels
 from cbserve.worker.moe import MoEConfig, SparseMoeBlock, fused_experts, map_expert_name

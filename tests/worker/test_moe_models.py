@@ -11,15 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from moe_testlib import MOE_VARIANTS, make_tiny_moe
+from test_model_equivalence import _prompts  # mixed lengths around a shared prefix
+from test_tensor_parallel import BLOCK, NUM_BLOCKS, _free_port, _requests, _worker  # the TP=2 rank loop, shared
+from worker_testlib import hf_greedy, run_engine
+
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.executor import LocalExecutor
 from cbserve.worker.model_runner import ModelRunner
 from cbserve.worker.moe import SparseMoeBlock
-from moe_testlib import MOE_VARIANTS, make_tiny_moe
-from test_model_equivalence import _prompts  # mixed lengths around a shared prefix
-from test_tensor_parallel import BLOCK, NUM_BLOCKS, _free_port, _requests, _worker  # the TP=2 rank loop, shared
-from worker_testlib import hf_greedy, run_engine
 
 MAX_NEW = 16
 
@@ -101,8 +102,9 @@ def test_stacked_expert_checkpoint_loads_like_per_expert(tmp_path: Path, variant
 
 def test_no_cuda_graphs_for_moe_one_log_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              caplog: pytest.LogCaptureFixture) -> None:
-    from cbserve.worker import model_build as model_build_module
     from test_cuda_graphs_runner import GraphSafeTorchBackend, stand_in_capture
+
+    from cbserve.worker import model_build as model_build_module
 
     monkeypatch.setattr(model_build_module, "get_attention_backend", lambda *a, **k: GraphSafeTorchBackend)
     folder = make_tiny_moe(tmp_path / "m", "qwen3_moe")

@@ -8,11 +8,12 @@ import random
 
 import pytest
 import torch
+from worker_testlib import hf_greedy, make_tiny_model, run_engine
+
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.executor import LocalExecutor
 from cbserve.worker.token_constraints import banned_by_bad_words
-from worker_testlib import hf_greedy, make_tiny_model, run_engine
 
 BLOCK = 4
 

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from cbserve.worker.rotary import RotaryEmbedding
 from family_testlib import COMMON, FAMILIES
+
+from cbserve.worker.rotary import RotaryEmbedding
 
 HEAD_DIM = 16
 MAX_POSITIONS = 256

@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
+
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.cpu.native import load_cpu_kernels
 from cbserve.worker.sampler import Sampler, SamplingRow, _top_p, draw

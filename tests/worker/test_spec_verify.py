@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.sampler import Sampler, SamplingRow
 from cbserve.worker.spec_verify import DraftGroup, accept_greedy, accept_random, verify_drafts

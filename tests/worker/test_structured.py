@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from worker_testlib import run_engine
+
 from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.executor import LocalExecutor
 from cbserve.worker.sampler import Sampler, SamplingRow
 from cbserve.worker.structured import GrammarError, StructuredOutputs
-from worker_testlib import run_engine
 
 xgr = pytest.importorskip("xgrammar")
 BLOCK = 4
@@ -74,8 +75,9 @@ def test_sampler_applies_the_bitmask_to_constrained_rows_only(kernels: object, w
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama over SmolLM2's real tokenizer (xgrammar needs a real vocabulary)."""
-    from cbserve.worker.model_loader import resolve_model
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cbserve.worker.model_loader import resolve_model
 
     folder = tmp_path_factory.mktemp("structured") / "tiny"
     src = resolve_model(None).folder

@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from worker_testlib import make_tiny_model, run_engine
+
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.executor import LocalExecutor
 from cbserve.worker.model_runner import ModelRunner
-from worker_testlib import make_tiny_model, run_engine
 
 BLOCK, NUM_BLOCKS = 4, 64
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [11, 12, 13], list(range(40, 75))]

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from cbserve.worker.config import ModelConfig
-from cbserve.worker.executor import LocalExecutor
 from family_testlib import make_family_model
 from test_tensor_parallel import BLOCK, NUM_BLOCKS, _free_port, _requests, _worker
 from worker_testlib import run_engine
+
+from cbserve.worker.config import ModelConfig
+from cbserve.worker.executor import LocalExecutor
 
 
 @pytest.mark.timeout(300)

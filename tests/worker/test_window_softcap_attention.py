@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from worker_testlib import fused_qkv, paged_metadata
+
 from cbserve.worker.attention import CpuAttentionBackend, TorchAttentionBackend
 from cbserve.worker.cpu import native as cpu_native
-from worker_testlib import fused_qkv, paged_metadata
 
 needs_kernels = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 # (cached context, query tokens): decodes (one at a block boundary, one of a single token), a fresh prompt,

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.kernels import CpuKernels
 
@@ -53,9 +54,10 @@ def test_one_row_over_gguf_blocks_is_shared_the_same_way(kernels: CpuKernels, th
     """The one-row path of GGUF blocks under bfloat16 products (a decode step with one request) shares its
     panels the same way."""
     import numpy as np
-    from cbserve.worker.cpu.gguf_blocks import QuantBlocks
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
+
+    from cbserve.worker.cpu.gguf_blocks import QuantBlocks
 
     w = np.random.default_rng(7).normal(0.0, 0.05, size=(1000, 256)).astype(np.float32)
     blocks = QuantBlocks(qtype, torch.from_numpy(quantize(w, GGMLQuantizationType[qtype])))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, SchedulerConfig
 from cbserve.scheduler.outputs import ModelRunnerOutput
 from cbserve.scheduler.sampling_params import SamplingParams

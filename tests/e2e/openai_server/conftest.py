@@ -117,9 +117,10 @@ def _reference(tp2_model: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="package")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from cbserve.cluster.app import build_app
     from ray import serve
     from ray.serve.api import RunTarget
+
+    from cbserve.cluster.app import build_app
 
     tp2_model = derive_tp2_model(tmp_path_factory.mktemp("model") / TP2_MODEL)
     port = free_port()

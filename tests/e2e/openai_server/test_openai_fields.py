@@ -272,10 +272,11 @@ def test_openapi_documents_the_request_fields(server: Server) -> None:
 def test_lm_eval_loglikelihood_equals_hf_transformers(server: Server) -> None:
     lm_eval = pytest.importorskip("lm_eval")
     import torch
-    from cbserve.frontend.model_files import model_folder
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from transformers import AutoModelForCausalLM
+
+    from cbserve.frontend.model_files import model_folder
 
     assert lm_eval is not None
     folder = model_folder(None)
