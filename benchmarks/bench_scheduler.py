@@ -15,6 +15,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import Future
 
 from cbserve.scheduler import (
     CacheConfig,
@@ -27,6 +28,7 @@ from cbserve.scheduler import (
     SchedulerOutput,
     tune_gc_for_serving,
 )
+from cbserve.scheduler.outputs import done_future
 
 
 class FakeExecutor:
@@ -36,7 +38,10 @@ class FakeExecutor:
     def __init__(self) -> None:
         self.state: dict[str, list[int]] = {}  # req id -> [num known tokens, num computed]
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        return done_future(self.run(so))
+
+    def run(self, so: SchedulerOutput) -> ModelRunnerOutput:
         state = self.state
         for rid in so.finished_req_ids | so.preempted_req_ids:
             state.pop(rid, None)
@@ -83,7 +88,7 @@ def time_steps(
         t0 = time.perf_counter()
         so = engine.schedule()
         t1 = time.perf_counter()
-        out = executor.execute_model(so)
+        out = executor.run(so)
         t2 = time.perf_counter()
         if overlap:
             if previous is not None:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,7 +158,13 @@ class RayExecutor:
             self._cgraph = None
 
     # ---- Executor protocol ----------------------------------------------------------------
-    async def execute_model_async(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Send one step from the engine's event loop (the SchedulerActor's; the workers are driven from
+        nowhere else); its output's future. The ranks are watched while it runs: a lost rank fails it with
+        ``WorkerGroupError``, and cancelling the future cancels the step."""
+        return _as_concurrent(asyncio.ensure_future(self._run_step(scheduler_output)))
+
+    async def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         step = asyncio.ensure_future(self._execute(scheduler_output))
         try:
@@ -207,11 +214,6 @@ class RayExecutor:
                 self._pings[rank] = worker.ping.remote()
         return None
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The Executor protocol's blocking call: the workers are driven from the SchedulerActor's event loop
-        only (``execute_model_async``), never from two places at once."""
-        raise NotImplementedError("RayExecutor runs steps through execute_model_async")
-
     def _finish(self, out: ModelRunnerOutput | None, start: float) -> ModelRunnerOutput:
         """The hop's cost: wall time minus the worker's forward, from the later of the call and the end of
         the previous step (with async scheduling a call waits at the worker behind the one before)."""
@@ -238,6 +240,26 @@ class RayExecutor:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+
+def _as_concurrent(task: asyncio.Future[ModelRunnerOutput]) -> Future[ModelRunnerOutput]:
+    """A ``concurrent.futures.Future`` that follows ``task`` (its result, error or cancellation); cancelling it
+    cancels the task."""
+    future: Future[ModelRunnerOutput] = Future()
+
+    def settle(done: asyncio.Future[ModelRunnerOutput]) -> None:
+        if future.done():
+            return
+        if done.cancelled():
+            future.cancel()
+        elif done.exception() is not None:
+            future.set_exception(done.exception())  # type: ignore[arg-type]
+        else:
+            future.set_result(done.result())
+
+    task.add_done_callback(settle)
+    future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
+    return future
 
 
 def _remove_stale_placement_group(name: str) -> None:

@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import os
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +35,6 @@ from cbserve.cluster.ray_executor import RayExecutor, WorkerGroupError
 from cbserve.cluster.step_channel import StepAddress
 from cbserve.scheduler.engine_core import EngineCore, tune_gc_for_serving
 from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
-from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from cbserve.scheduler.stats import EngineTotals
 
@@ -193,38 +191,33 @@ class SchedulerActor:
         logger.info("engine replica %s ready (%d KV blocks)", self.replica, self.executor.num_blocks)
 
     async def _loop(self) -> None:
-        """schedule -> the workers -> update_from_output; the engine times each part. With async scheduling
-        the next step is scheduled and sent before the current one's output is back (two in flight), so the
-        hop, the update and the streaming overlap the worker's forward."""
+        """The engine's pipelined loop (``EngineCore.step_with_batch_queue``) on this actor's event loop: the
+        engine sends what it can, the oldest step's output is awaited (adds, aborts and stop-string finishes
+        come in meanwhile), applied and streamed out."""
         assert self.engine is not None and self.executor is not None and self._wakeup is not None
         engine, executor = self.engine, self.executor
-        depth = 2 if engine.config.scheduler.async_scheduling else 1
-        in_flight: deque[tuple[SchedulerOutput, asyncio.Future[ModelRunnerOutput] | None]] = deque()
         try:
             while True:
-                if not in_flight and not engine.has_unfinished_requests():
+                if not engine.has_work():
                     if executor.rank_lost:  # found while idle: rebuild now, not on the next request
                         raise WorkerGroupError(f"engine replica {self.replica} lost a worker rank")
                     await self._idle(engine)
                     continue
-                while len(in_flight) < depth and engine.has_unfinished_requests():
-                    so = engine.schedule()
-                    if so.is_empty:  # nothing to run (only aborts, or a batching window is open)
-                        in_flight.append((so, None))
-                        break
-                    in_flight.append((so, asyncio.ensure_future(executor.execute_model_async(so))))
-                so, step = in_flight.popleft()
-                if step is None and not in_flight:
-                    await asyncio.sleep(0.002)
-                out = ModelRunnerOutput() if step is None else await step
-                result = engine.update_from_output(so, out)
+                engine.submit_steps()
+                oldest = engine.oldest_step()
+                if oldest is None:
+                    continue
+                so, future = oldest
+                if so.is_empty and len(engine.batch_queue) == 1:
+                    await asyncio.sleep(0.002)  # nothing runs: let a batching window fill without spinning
+                else:
+                    await asyncio.wrap_future(future)
+                result = engine.complete_oldest_step()
                 self._dispatch(result.outputs)
-                self.metrics.observe_step(result, 0.0 if step is None else executor.stats.last_overhead_s)
+                self.metrics.observe_step(result, 0.0 if so.is_empty else executor.stats.last_overhead_s)
                 await asyncio.sleep(0)  # let add / abort / finish in
         finally:
-            for _, step in in_flight:
-                if step is not None:
-                    step.cancel()
+            engine.cancel_steps()
 
     def _wake(self) -> None:
         if self._wakeup is not None:

@@ -1,7 +1,13 @@
-"""EngineCore: ``step() = schedule -> executor.execute_model -> update_from_output``.
+"""EngineCore: ``step() = schedule -> executor.execute_model -> update_from_output``, and the pipelined loop
+over it, ``step_with_batch_queue``.
 
 The engine core owns every request's state and is the single source of truth for token ids. It is
-synchronous and single-threaded; the cluster's SchedulerActor drives it. Times: request timestamps use
+single-threaded; the offline ``LLM`` and the cluster's SchedulerActor drive it with the same loop. With async
+scheduling (``SchedulerConfig.async_scheduling``) up to two steps are in flight: the next one is scheduled and
+sent while the previous one runs at the workers, whose in-order execution fills in the tokens it needs
+(``outputs.py``); otherwise one. The executor returns a future per step (``Executor.execute_model``); a host
+on an event loop awaits the oldest one (``oldest_step``) and then applies it (``complete_oldest_step``), a
+blocking host calls ``step_with_batch_queue``. Times: request timestamps use
 the injected ``clock``; ``EngineRequest.arrival_time`` (``time.monotonic`` seconds) is honoured only
 when the clock is ``time.monotonic``, otherwise arrival is stamped with the clock at ``add_request``.
 
@@ -24,13 +30,14 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from .config import EngineConfig
 from .errors import DuplicateRequestError, QueueFullError, RequestRejectedError
 from .limits import resolve_max_tokens
 from .output_processor import OutputProcessor
-from .outputs import Executor, ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from .outputs import Executor, ModelRunnerOutput, SchedulerOutput, TokenLogprob, done_future
 from .request import EngineRequest, RequestOutput, RequestStatus
 from .scheduler import Scheduler, StepState
 from .sequence import Sequence, SequenceGroup, child_seq_id
@@ -97,6 +104,9 @@ class EngineCore:
         self._in_flight: deque[tuple[StepState, float, float]] = deque()
         self._updated_at = 0.0  # perf_counter() when the last update_from_output() returned
         self.totals = totals if totals is not None else EngineTotals()
+        # Steps sent to the executor and not yet applied, oldest first, with their output's future.
+        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
 
     # ---- requests in and out ----------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -282,9 +292,47 @@ class EngineCore:
         rollback(self.scheduler.kv, seq)
 
     def step(self) -> StepResult:
+        """One step on its own: schedule, run and apply it (never overlapped with another)."""
         so = self.schedule()
-        out = ModelRunnerOutput() if so.is_empty else self.executor.execute_model(so)
+        out = ModelRunnerOutput() if so.is_empty else self.executor.execute_model(so).result()
         return self.update_from_output(so, out)
+
+    # ---- the pipelined loop -----------------------------------------------------------------------
+    def submit_steps(self) -> None:
+        """Schedule and send steps until ``max_in_flight`` are in flight, there is nothing left to run, or a
+        step schedules nothing (only aborts to report, or a batching window is open)."""
+        while len(self.batch_queue) < self.max_in_flight and self.has_unfinished_requests():
+            so = self.schedule()
+            future = done_future(ModelRunnerOutput()) if so.is_empty else self.executor.execute_model(so)
+            self.batch_queue.append((so, future))
+            if so.is_empty:
+                return
+
+    def oldest_step(self) -> tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None:
+        """The oldest step in flight and its output's future; None when none is."""
+        return self.batch_queue[0] if self.batch_queue else None
+
+    def complete_oldest_step(self) -> StepResult:
+        """Apply the oldest step in flight; blocks until its output is back, raises the step's error."""
+        so, future = self.batch_queue.popleft()
+        return self.update_from_output(so, future.result())
+
+    def step_with_batch_queue(self) -> StepResult | None:
+        """One turn of the loop: send what can be sent, then wait for the oldest step and apply it. None when
+        there was nothing to run."""
+        self.submit_steps()
+        return self.complete_oldest_step() if self.batch_queue else None
+
+    def cancel_steps(self) -> None:
+        """Forget the steps in flight (their worker group is gone): their futures are cancelled."""
+        for _, future in self.batch_queue:
+            future.cancel()
+        self.batch_queue.clear()
+        self._in_flight.clear()
+
+    def has_work(self) -> bool:
+        """Requests unfinished or steps in flight: the loop has something to do."""
+        return self.has_unfinished_requests() or bool(self.batch_queue)
 
     def _count(self, st: StepState | None, spec: SpecDecodeStats | None = None) -> None:
         totals = self.totals

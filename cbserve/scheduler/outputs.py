@@ -26,6 +26,7 @@ Protocol (the scheduler is the single source of truth for token ids):
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -99,8 +100,20 @@ class ModelRunnerOutput:
 
 
 class Executor(Protocol):
-    """Runs one iteration on the workers. worker/ (LocalExecutor) and cluster/ (RayExecutor) implement it."""
+    """Runs iterations on the workers. worker/ (LocalExecutor) and cluster/ (RayExecutor) implement it.
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    ``execute_model`` sends one step and returns a future of its output at once (an executor that runs the step
+    in place returns it done: ``done_future``). The workers run the steps in the order they were sent, so the
+    engine may send the next step before the previous one's output is back (``EngineCore.step_with_batch_queue``).
+    A failed step's future holds the error."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]: ...
 
     def shutdown(self) -> None: ...
+
+
+def done_future(output: ModelRunnerOutput) -> Future[ModelRunnerOutput]:
+    """A future that already holds ``output``: what an executor that runs a step in place returns."""
+    future: Future[ModelRunnerOutput] = Future()
+    future.set_result(output)
+    return future

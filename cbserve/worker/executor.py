@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 import torch
 
@@ -45,8 +46,14 @@ class LocalExecutor:
             self.num_blocks * self.runner.block_bytes() / 2**20,
         )
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Runs the step in place: the future comes back done (or holding the step's error)."""
+        future: Future[ModelRunnerOutput] = Future()
+        try:
+            future.set_result(self.runner.execute_model(scheduler_output))
+        except Exception as e:
+            future.set_exception(e)
+        return future
 
     def shutdown(self) -> None:
         self.runner.shutdown()

@@ -17,7 +17,6 @@ import pytest
 
 from cbserve.cluster import serve_cli
 from cbserve.cluster.config import CBServeConfig, ConfigError, check_kv_capacity, servable_config
-from cbserve.cluster.node_tuning import node_tuning
 from cbserve.cluster.serve_cli import add_arguments, config_from_args
 from cbserve.scheduler.config import SpeculativeConfig
 from cbserve.worker.model_info import default_model_path, read_model_info
@@ -371,39 +370,3 @@ def test_speculative_config_from_yaml_and_flags(tmp_path: Path) -> None:
 def test_bad_speculative_configs_are_refused(bad: object, match: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=match):
         CBServeConfig(speculative_config=bad)
-
-
-@pytest.mark.parametrize(
-    ("flag", "address", "starts", "want_address", "want_direct"),
-    [
-        ("auto", None, True, None, True),  # no cluster running: this command starts Ray, the ingress serves HTTP
-        ("auto", None, False, None, False),  # joined a running cluster: Serve's proxy serves
-        ("true", None, True, "local", True),  # always a Ray instance of its own
-        ("false", "local", True, "local", False),
-    ],
-)
-def test_direct_ingress_follows_who_starts_ray(
-    monkeypatch: pytest.MonkeyPatch, flag: str, address: str | None, starts: bool, want_address: str | None,
-    want_direct: bool,
-) -> None:
-    monkeypatch.setattr(os, "environ", dict(os.environ))
-    seen: list[str | None] = []
-    keys = serve_cli.direct_ingress_env(8123)
-    at_start: dict[str, str | None] = {}
-
-    def init(a: str | None, dashboard: bool) -> bool:
-        seen.append(a)
-        at_start.update({k: os.environ.get(k) for k in keys})  # what the Ray processes it starts inherit
-        return starts
-
-    monkeypatch.setattr(serve_cli, "init_ray", init)
-    args = argparse.Namespace(direct_ingress=flag, ray_address=address, ray_dashboard=False)
-    assert serve_cli.start_ray(args, 8123, node_tuning("off")) == (starts, want_direct) and seen == [want_address]
-    if flag != "false":
-        assert at_start["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
-        assert at_start["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8123"  # the one port: --port
-        assert at_start["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8124"
-    else:
-        assert set(at_start.values()) == {None}
-    assert {k: os.environ.get(k) for k in keys} == dict.fromkeys(keys)  # taken back once Ray started
-

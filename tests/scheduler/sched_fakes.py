@@ -6,7 +6,7 @@ on the context (like a greedy model), with EOS on cue."""
 from __future__ import annotations
 
 import zlib
-from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from cbserve.scheduler import (
@@ -22,6 +22,7 @@ from cbserve.scheduler import (
     TokenLogprob,
 )
 from cbserve.scheduler.engine_core import StepResult
+from cbserve.scheduler.outputs import done_future
 
 VOCAB = 1000
 EOS = 999
@@ -93,7 +94,12 @@ class FakeExecutor:
         self.kv: list[list[tuple[int, int] | None]] = [[None] * bs for _ in range(self.num_blocks)]
         self.reqs: dict[str, WorkerReq] = {}
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """The Executor protocol: the step runs in place (``run``) and its future comes back done."""
+        return done_future(self.run(so))
+
+    def run(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """What the worker does with one step."""
         if self.keep_calls:
             self.calls.append(so)
         for rid in so.finished_req_ids | so.preempted_req_ids:
@@ -290,26 +296,20 @@ class Collected:
 
 
 class Overlapped:
-    """Drives an engine as the SchedulerActor does with async scheduling: step N+1 is scheduled, and run by
-    the in-order worker, before step N's output is applied (``engine.step()`` never overlaps)."""
+    """Drives an engine with its own pipelined loop, as the SchedulerActor does (``step_with_batch_queue``): with
+    async scheduling step N+1 is scheduled, and run by the in-order worker, before step N's output is applied
+    (``engine.step()`` never overlaps)."""
 
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
-        self.in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
 
     def step(self) -> list[StepResult]:
-        engine = self.engine
-        so = engine.schedule()
-        out = ModelRunnerOutput() if so.is_empty else engine.executor.execute_model(so)
-        self.in_flight.append((so, out))
-        results = []
-        while len(self.in_flight) > 1 or (self.in_flight and so.is_empty):
-            results.append(engine.update_from_output(*self.in_flight.popleft()))
-        return results
+        result = self.engine.step_with_batch_queue()
+        return [] if result is None else [result]
 
     @property
     def busy(self) -> bool:
-        return self.engine.has_unfinished_requests() or bool(self.in_flight)
+        return self.engine.has_work()
 
 
 def run(

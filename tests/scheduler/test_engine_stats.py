@@ -14,9 +14,9 @@ DELAY = 0.03
 
 
 class SlowExecutor(FakeExecutor):
-    def execute_model(self, so):  # type: ignore[no-untyped-def]
+    def run(self, so):  # type: ignore[no-untyped-def]
         time.sleep(DELAY)
-        return super().execute_model(so)
+        return super().run(so)
 
 
 def test_step_times_the_executor_hop() -> None:
@@ -35,7 +35,7 @@ def test_async_driver_gets_the_same_stats_without_timing() -> None:
     engine.add_request(req("a", 5, max_tokens=3))
     so = engine.schedule()
     time.sleep(DELAY)  # e.g. awaiting a Ray call, other coroutines running meanwhile
-    out = ex.execute_model(so)
+    out = ex.run(so)
     s = engine.update_from_output(so, out).scheduler_stats
     assert DELAY <= s.execute_time_s < DELAY + 1.0
     assert 0 < s.schedule_time_s < DELAY
@@ -56,7 +56,7 @@ def test_update_without_schedule_reports_no_execute_time() -> None:
     engine, _ = make_engine()
     engine.add_request(req("a", 5, max_tokens=3))
     so = engine.schedule()
-    engine.update_from_output(so, engine.executor.execute_model(so))
+    engine.update_from_output(so, engine.executor.run(so))
     # a second update for the same output (no schedule() in between) has no hop to measure
     assert engine.update_from_output(so, ModelRunnerOutput()).scheduler_stats.execute_time_s == 0.0
 

@@ -188,7 +188,7 @@ def test_async_scheduling_schedules_the_next_token_before_the_sample_is_back() -
     r = req("a", 6, max_tokens=5)
     engine.add_request(r)
     first = engine.schedule()  # the prompt: its last row is sampled
-    out1 = ex.execute_model(first)
+    out1 = ex.run(first)
     second = engine.schedule()  # scheduled before out1 is applied: one token, whose id the worker has
     assert scheduled(second) == {"a": 1}
     (cached,) = second.scheduled_cached_reqs
@@ -196,7 +196,7 @@ def test_async_scheduling_schedules_the_next_token_before_the_sample_is_back() -
     seq = engine.scheduler.seqs["a"]
     assert (seq.num_pending, seq.num_computed_tokens, seq.num_tokens) == (2, 7, 6)
     engine.check_integrity()
-    out2 = ex.execute_model(second)
+    out2 = ex.run(second)
     col = Collected()
     collect(engine.update_from_output(first, out1), col)
     collect(engine.update_from_output(second, out2), col)

@@ -4,6 +4,7 @@ the vocabulary-gathering LM head over the prompt rows) as TP=1 on the tiny model
 from __future__ import annotations
 
 import socket
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from worker_testlib import make_tiny_model, run_engine
 
-from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, done_future
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.executor import LocalExecutor
@@ -28,9 +29,9 @@ class _BroadcastExecutor:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
         dist.broadcast_object_list([so], src=0)
-        return self.runner.execute_model(so)
+        return done_future(self.runner.execute_model(so))
 
     def shutdown(self) -> None:
         dist.broadcast_object_list([None], src=0)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, SchedulerConfig
-from cbserve.scheduler.outputs import ModelRunnerOutput
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.attention import AttentionMetadata
 
@@ -94,19 +93,14 @@ def run_engine(
         if join_at_step.get(rid, 0) == 0:
             engine.add_request(EngineRequest(rid, list(prompt), params, eos_token_id=2))
     run = EngineRun()
-    in_flight: deque[tuple[object, object]] = deque()
-    while engine.has_unfinished_requests() or pending or in_flight:
+    while engine.has_work() or pending:
         for r in [r for r in pending if join_at_step[r[0]] <= run.steps]:
             engine.add_request(EngineRequest(r[0], list(r[1]), r[2], eos_token_id=2))
             pending.remove(r)
         run.steps += 1
-        if not async_scheduling:
-            _record(run, engine.step())
-        else:
-            so = engine.schedule()
-            in_flight.append((so, ModelRunnerOutput() if so.is_empty else executor.execute_model(so)))  # type: ignore
-            while len(in_flight) > 1 or (in_flight and so.is_empty):
-                _record(run, engine.update_from_output(*in_flight.popleft()))
+        result = engine.step_with_batch_queue()  # one step in flight, or two with async scheduling
+        if result is not None:
+            _record(run, result)
         if check:
             engine.check_integrity()
         if run.steps > 10_000:

@@ -1,5 +1,6 @@
-"""`cbserve serve --ray-dashboard`: Ray's dashboard only where this command starts Ray (cluster/serve_cli.py);
-a joined cluster keeps its own setting, and the flag says so instead of doing nothing."""
+"""How `cbserve serve` starts Ray (cluster/serve_cli.py): ``--ray-dashboard`` only where this command starts Ray
+(a joined cluster keeps its own setting, and the flag says so instead of doing nothing), and direct ingress
+where it starts Ray, with what Serve reads in the environment only while Ray starts."""
 
 from __future__ import annotations
 
@@ -70,3 +71,39 @@ def test_init_ray_asks_for_the_dashboard_only_when_it_starts_ray(
     monkeypatch.setattr(ray, "init", init)
     assert serve_cli.init_ray(address, dashboard) == (address == "local" or not running)
     assert calls == want
+
+
+@pytest.mark.parametrize(
+    ("flag", "address", "starts", "want_address", "want_direct"),
+    [
+        ("auto", None, True, None, True),  # no cluster running: this command starts Ray, the ingress serves HTTP
+        ("auto", None, False, None, False),  # joined a running cluster: Serve's proxy serves
+        ("true", None, True, "local", True),  # always a Ray instance of its own
+        ("false", "local", True, "local", False),
+    ],
+)
+def test_direct_ingress_follows_who_starts_ray(
+    monkeypatch: pytest.MonkeyPatch, flag: str, address: str | None, starts: bool, want_address: str | None,
+    want_direct: bool,
+) -> None:
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    seen: list[str | None] = []
+    keys = serve_cli.direct_ingress_env(8123)
+    at_start: dict[str, str | None] = {}
+
+    def init(a: str | None, dashboard: bool) -> bool:
+        seen.append(a)
+        at_start.update({k: os.environ.get(k) for k in keys})  # what the Ray processes it starts inherit
+        return starts
+
+    monkeypatch.setattr(serve_cli, "init_ray", init)
+    args = argparse.Namespace(direct_ingress=flag, ray_address=address, ray_dashboard=False)
+    assert serve_cli.start_ray(args, 8123, node_tuning("off")) == (starts, want_direct) and seen == [want_address]
+    if flag != "false":
+        assert at_start["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+        assert at_start["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == "8123"  # the one port: --port
+        assert at_start["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"] == "8124"
+    else:
+        assert set(at_start.values()) == {None}
+    assert {k: os.environ.get(k) for k in keys} == dict.fromkeys(keys)  # taken back once Ray started
+
