@@ -72,6 +72,11 @@ class Workload:
     poisson: bool = False
 
 
+def default_peers_dir() -> Path:
+    """Where benchmarks/peers/setup_peers.sh installs the peers by default (its $PEERS)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cbserve-peers"
+
+
 def burst_requests(args: argparse.Namespace, round_index: int = 0) -> list[SampleRequest]:
     """The burst's requests in a round of --burst-rounds: round 0 the burst workload's, every later round fresh
     prompts of the same shape (seed + 100 per round), so that no round finds an earlier one's prefixes cached."""
@@ -313,12 +318,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--poisson-fraction", type=float, default=0.9)
     p.add_argument("--cbserve-args", default="", help="extra `cbserve serve` flags, one string")
     p.add_argument("--offline-kwargs", default="{}", help="JSON of cbserve.LLM keyword arguments")
-    p.add_argument("--vllm-venv", default="/work/peers/vllm-venv")
-    p.add_argument("--vllm-model", default="/work/peers/smollm2-hf")
+    peers = default_peers_dir()
+    p.add_argument("--vllm-venv", default=str(peers / "vllm-venv"), help="(benchmarks/peers/setup_peers.sh)")
+    p.add_argument("--vllm-model", default=str(peers / "smollm2-hf"))
     p.add_argument("--vllm-args", default="--gpu-memory-utilization 0.15",
                    help="extra `vllm serve` flags, one string (on CPU --gpu-memory-utilization is the share of "
                         "RAM vLLM reserves, 0.92 by default: more than a shared 24 GiB machine has free)")
-    p.add_argument("--llama-server", default="/work/peers/llama/llama-server")
+    p.add_argument("--llama-server", default=str(peers / "llama" / "llama-server"))
     p.add_argument("--llama-parallel", type=int, default=64)
     p.add_argument("--llama-args", default="", help="extra llama-server flags, one string")
     p.add_argument("--gguf", default=None, help="GGUF for llama-server (default: the bundled SmolLM2)")

