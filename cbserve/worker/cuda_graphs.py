@@ -198,7 +198,7 @@ def maybe_capture_decode_graphs(runner: GraphedRunner, capture: CaptureFn | None
         runner.model, runner.kv_caches,
         max_batch=min(runner.max_num_seqs, runner.max_num_batched_tokens),
         max_model_len=runner.max_model_len, block_size=runner.block_size,
-        prepare=runner.model.model.layers[0].self_attn.attn.prepare, device=runner.device, capture=capture,
+        prepare=runner.model.prepare_attention, device=runner.device, capture=capture,
     )
     graphs.capture()
     return graphs

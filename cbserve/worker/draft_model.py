@@ -124,7 +124,7 @@ class DraftModel:
 
     def _hidden(self, batch: PreparedBatch) -> torch.Tensor:
         md = batch.metadata
-        self.model.model.layers[0].self_attn.attn.prepare(md)  # the draft's own plan (its heads, its buffer)
+        self.model.prepare_attention(md)  # the draft's own plan (its heads, its buffer)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, md)
 
     def run(self, batch: PreparedBatch) -> None:

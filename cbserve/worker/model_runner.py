@@ -168,9 +168,12 @@ class ModelRunner:
         out.forward_time_s = time.perf_counter() - t0
         return out
 
-    def _forward(self, batch: PreparedBatch) -> torch.Tensor | None:
-        """Logits of the batch's ``logits_rows`` (None when there are none)."""
-        return self._logits(batch, self._hidden(batch))
+    def forward_logits(self, batch: PreparedBatch, kv_caches: list[KVCache]) -> torch.Tensor | None:
+        """Logits of the batch's ``logits_rows`` (None when there are none), run eagerly over ``kv_caches``
+        (memory profiling runs it over a scratch cache)."""
+        self.model.prepare_attention(batch.metadata)
+        hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.metadata)
+        return self._logits(batch, hidden)
 
     def _logits(self, batch: PreparedBatch, hidden: torch.Tensor) -> torch.Tensor | None:
         if batch.logits_rows.numel() == 0:
@@ -184,7 +187,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(batch.input_ids.shape[0], md):
             hidden = self.graphs.run(batch.input_ids, batch.positions, md)
         else:
-            self.model.model.layers[0].self_attn.attn.prepare(md)  # once per step, for every layer
+            self.model.prepare_attention(md)  # once per step, for every layer
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, md)
         return hidden
 

@@ -23,11 +23,10 @@ class ProfiledRunner(Protocol):
     max_model_len: int
     max_num_batched_tokens: int
     max_num_seqs: int
-    kv_caches: list[KVCache]
 
     def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]: ...
 
-    def _forward(self, batch: PreparedBatch) -> torch.Tensor | None: ...
+    def forward_logits(self, batch: PreparedBatch, kv_caches: list[KVCache]) -> torch.Tensor | None: ...
 
 
 def dummy_batch(runner: ProfiledRunner, num_tokens: int, num_logits: int) -> PreparedBatch:
@@ -59,16 +58,17 @@ def profile_cuda_kv_budget(runner: ProfiledRunner, gpu_memory_utilization: float
     free, total = torch.cuda.mem_get_info(device)
     in_use_before = total - free  # weights, CUDA context, other processes
     scratch_blocks = -(-min(runner.max_num_batched_tokens, runner.max_model_len) // runner.block_size)
-    runner.kv_caches = runner.allocate_kv_cache(scratch_blocks)  # a scratch cache: no graphs captured on it
+    scratch = runner.allocate_kv_cache(scratch_blocks)  # a scratch cache: no graphs captured on it
     allocated_before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
-        logits = runner._forward(dummy_batch(runner, runner.max_num_batched_tokens, runner.max_num_seqs))
+        batch = dummy_batch(runner, runner.max_num_batched_tokens, runner.max_num_seqs)
+        logits = runner.forward_logits(batch, scratch)
         if logits is not None:
             torch.softmax(logits.float(), dim=-1)  # the sampler's float32 copy of the logits
     torch.cuda.synchronize(device)
     activation_peak = torch.cuda.max_memory_allocated(device) - allocated_before
-    runner.kv_caches = []
+    del scratch, batch, logits
     torch.cuda.empty_cache()
     budget = int(total * gpu_memory_utilization) - in_use_before - activation_peak
     logger.info(

@@ -102,7 +102,7 @@ def test_runner_packs_linears_but_keeps_the_tied_embedding(tied_folder: Path, cp
         ]
         batch = build_batch(states, {s.req_id: len(s.token_ids) for s in states}, 4, torch.device("cpu"))
         with torch.inference_mode():
-            outs.append(r._forward(batch))
+            outs.append(r.forward_logits(batch, r.kv_caches))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
 
 

@@ -157,10 +157,10 @@ def test_native_model_matches_the_torch_model(qwen2_folder: Path) -> None:
                                list(range(8 * i, 8 * i + 8)), 0) for i, n in enumerate((5, 19, 30))]
         prefill = build_batch(states, {s.req_id: len(s.token_ids) for s in states}, 4, torch.device("cpu"))
         with torch.inference_mode():
-            runner._forward(prefill)
+            runner.forward_logits(prefill, runner.kv_caches)
             for s in states:
                 s.num_computed_tokens = len(s.token_ids)
                 s.token_ids.append(7)
             decode = build_batch(states, {s.req_id: 1 for s in states}, 4, torch.device("cpu"))
-            logits.append(runner._forward(decode))
+            logits.append(runner.forward_logits(decode, runner.kv_caches))
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)

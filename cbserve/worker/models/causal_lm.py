@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from ..attention.backend import AttentionBackend, AttentionMetadata, KVCache, PreparedAttention
 from ..cpu.gguf_blocks import QuantBlocks
 from ..cpu.kernels import CpuKernels
 from ..cpu.layers import NativeLayers
@@ -89,6 +89,11 @@ class CausalLM(nn.Module):
         return self.spec.driver_blocker()
 
     # ---- running -----------------------------------------------------------------------------------
+    def prepare_attention(self, md: AttentionMetadata) -> PreparedAttention:
+        """The step's attention plan, built once for every layer (their backends share it): call it before
+        ``forward`` (a backend builds it on first use otherwise) or outside a captured CUDA graph."""
+        return self.model.layers[0].self_attn.attn.prepare(md)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], md: AttentionMetadata
     ) -> torch.Tensor:
