@@ -48,13 +48,13 @@ def matmul_flops(device: torch.device, n: int = 8192) -> float:
 def _batch(runner: Any, n: int, ctx: int, new_tokens: int, first_block: int = 0) -> Any:
     """``n`` requests with ``ctx`` tokens of context each, ``new_tokens`` of them computed this step."""
     from cbserve.scheduler.sampling_params import SamplingParams
-    from cbserve.worker.input_batch import RequestState, build_batch
+    from cbserve.worker.input_batch import CachedRequestState, build_batch
 
     bs = runner.block_size
     per = -(-ctx // bs)
     if first_block + n * per > runner.num_blocks:
         raise ValueError(f"{n} x {ctx} tokens need {n * per} blocks, the cache has {runner.num_blocks}")
-    states = [RequestState(f"b{r}", [7] * ctx, ctx - new_tokens, SamplingParams(),
+    states = [CachedRequestState(f"b{r}", [7] * ctx, ctx - new_tokens, SamplingParams(),
                            list(range(first_block + r * per, first_block + (r + 1) * per)), ctx - new_tokens)
               for r in range(n)]
     return build_batch(states, {s.req_id: new_tokens for s in states}, bs, runner.device)

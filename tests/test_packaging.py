@@ -4,6 +4,7 @@ bundled model; a subcommand whose extra is missing says what to install instead 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -24,9 +25,13 @@ def _packages_in_checkout() -> set[str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """Built from a copy of the sources (a build folder left in the checkout could add stale modules)."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "cbserve", src / "cbserve", ignore=shutil.ignore_patterns("__pycache__"))
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                        "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=300)
+                        "-w", str(out), str(src)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     (found,) = out.glob("cbserve-*.whl")
     return found

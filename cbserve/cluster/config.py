@@ -97,6 +97,12 @@ class CBServeConfig(BaseModel):
     max_n: int = Field(16, ge=1)  # largest n (or best_of) a request may ask for
     # tool_choice "auto": the model's tool-call format ("auto": from its chat template; "none": refused)
     tool_call_parser: Literal["auto", "none", "hermes", "llama3_json"] = "auto"
+    # reasoning models: chat answers' <think> text goes to reasoning_content (frontend/reasoning.py);
+    # "auto": from the chat template when it is unambiguous; "none" (or null): off
+    reasoning_parser: Literal["none", "auto", "qwen3", "deepseek_r1"] | None = "none"
+    # structured JSON in one fixed layout ({"a": 1, "b": [2, 3]}); false: any whitespace between its tokens
+    # (vLLM's default); a request's structured_outputs.disable_any_whitespace overrides it
+    disable_any_whitespace: bool = True
     request_timeout_s: float | None = Field(None, gt=0.0)  # a longer request is aborted (HTTP 504)
     node_tuning: Literal["engine-first", "off"] = "engine-first"  # the node's CPU for the engine (node_tuning.py)
 

@@ -43,7 +43,8 @@ REFUSED: dict[str, tuple[str, Harmless]] = {
     "audio": ("is not supported (text-only models)", _falsy),
     "modalities": ("only ['text'] is supported", lambda v: v in (None, ["text"])),
     "prediction": ("(predicted outputs) is not supported", _falsy),
-    "reasoning_effort": ("is not supported (no reasoning models)", _falsy),
+    "reasoning_effort": ("is not supported: cbserve cannot budget a model's reasoning (with a reasoning parser, "
+                         "chat_template_kwargs {\"enable_thinking\": false} turns Qwen3's thinking off)", _falsy),
     "verbosity": ("is not supported", _falsy),
     "web_search_options": ("is not supported", lambda v: v is None),  # {} turns web search on
     "functions": ("(deprecated) is not supported; use tools", _falsy),

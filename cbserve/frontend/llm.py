@@ -150,16 +150,17 @@ class LLM:
         try:
             for req_id, (text, ids), sp in zip(req_ids, encoded, params, strict=True):
                 self.engine.add_request(self.processor.add_request(req_id, ids, sp, prompt=text))
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step().outputs:
+            while self.engine.has_work():
+                result = self.engine.step_with_batch_queue()
+                for out in [] if result is None else result.outputs:
                     state = self.processor.requests.get(out.req_id)
                     if state is not None and state.process(out) is not None and state.finished:
                         progress.done(state.num_completion_tokens)
         except BaseException:
             for req_id in req_ids:
                 self.engine.abort_request(req_id)
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
+            while self.engine.has_work():
+                self.engine.step_with_batch_queue()
             raise
         finally:
             states = [self.processor.pop(r) for r in req_ids]

@@ -257,7 +257,16 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # the thinking of a model served with a reasoning parser (``reasoning.py``); ``reasoning`` is vLLM's newer
+    # name for the same text. Left out of the body when there is none.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        drop = {"reasoning_content", "reasoning"} if self.reasoning_content is None else set()
+        return {k: v for k, v in handler(self).items() if k not in drop}
 
 
 class ChatChoice(BaseModel):
@@ -280,6 +289,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # a piece of the thinking (``reasoning``: the same, vLLM's newer name)
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

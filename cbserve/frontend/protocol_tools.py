@@ -31,7 +31,7 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputsParams(BaseModel):
     """vLLM's ``structured_outputs``: exactly one of a JSON schema, any JSON object, a regular expression,
-    a list of choices or an EBNF grammar (xgrammar's dialect)."""
+    a list of choices or an EBNF grammar (xgrammar's dialect), and vLLM's ``disable_any_whitespace``."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -40,6 +40,9 @@ class StructuredOutputsParams(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # JSON (``json``, ``json_object``) in one fixed layout (true) or with any whitespace between its tokens
+    # (false); unset: the server's ``disable_any_whitespace``
+    disable_any_whitespace: bool | None = None
 
 
 class FunctionDefinition(BaseModel):

@@ -27,6 +27,7 @@ from .protocol import (
     UsageInfo,
     now,
 )
+from .reasoning import ReasoningMode, ReasoningStream, split_reasoning
 from .structured import ToolMode
 from .tool_calls import ToolCallStream, final_message, finish_reason_with_calls
 
@@ -177,18 +178,21 @@ class CompletionFormatter(_Base):
 
 
 class ChatFormatter(_Base):
-    """``tools``: how tool calls are read from each choice's text (None: the text is the content)."""
+    """``tools``: how tool calls are read from each choice's answer (None: the answer is the content);
+    ``reasoning``: how each choice's text splits into reasoning and answer (None: all answer)."""
 
     def __init__(
         self, req_id: str, model: str, tokenizer: Any, n: int, logprobs: bool, prompt_logprobs: bool = False,
-        tools: ToolMode | None = None,
+        tools: ToolMode | None = None, reasoning: ReasoningMode | None = None,
     ) -> None:
         super().__init__(req_id, model, tokenizer)
         self.n = n
         self.want_logprobs = logprobs
         self.want_prompt_logprobs = prompt_logprobs
         self.tools = tools
+        self.reasoning = reasoning
         self._streams: dict[int, ToolCallStream] = {}
+        self._thinking: dict[int, ReasoningStream] = {}
 
     def _entry(self, token_id: int, logprob: float) -> TopLogprob:
         text = self.token_text(token_id)
@@ -204,10 +208,13 @@ class ChatFormatter(_Base):
         return ChatLogprobs(content=content)
 
     def _message(self, out: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
-        if self.tools is None:
-            return ChatResponseMessage(role="assistant", content=out.text), out.finish_reason
-        content, calls = final_message(self.tools, out.text)
-        message = ChatResponseMessage(role="assistant", content=content, tool_calls=calls or None)
+        reasoning, answer = split_reasoning(self.reasoning, out.text) if self.reasoning else (None, out.text)
+        if self.tools is None or not answer:
+            message = ChatResponseMessage(content=answer, reasoning_content=reasoning, reasoning=reasoning)
+            return message, out.finish_reason
+        content, calls = final_message(self.tools, answer)
+        message = ChatResponseMessage(content=content, reasoning_content=reasoning, reasoning=reasoning,
+                                      tool_calls=calls or None)  # fmt: skip
         return message, finish_reason_with_calls(out.finish_reason, bool(calls))
 
     def response(self, choices: Choices, usage: UsageInfo) -> ChatCompletionResponse:
@@ -225,21 +232,34 @@ class ChatFormatter(_Base):
         return [self._chunk(i, DeltaMessage(role="assistant", content=""), None, None) for i in range(self.n)]
 
     def chunks(self, deltas: list[SeqDelta]) -> list[ChatCompletionChunk]:
-        if self.tools is not None:
-            return [self._tool_chunk(d) for d in deltas]
+        if self.tools is not None or self.reasoning is not None:
+            return [self._parsed_chunk(d) for d in deltas]
         return [
             self._chunk(d.index, DeltaMessage(content=d.text), self._logprobs(d.logprobs), d.finish_reason)
             for d in deltas
         ]
 
-    def _tool_chunk(self, d: SeqDelta) -> ChatCompletionChunk:
-        """A delta of a choice whose text may hold tool calls: content and tool-call pieces as they parse."""
-        stream = self._streams.get(d.index)
-        if stream is None:
-            stream = self._streams[d.index] = ToolCallStream(self.tools)  # type: ignore[arg-type]
-        content, calls = stream.feed(d.text, final=d.finish_reason is not None)
-        delta = DeltaMessage(content=content, tool_calls=calls or None)
-        finish = finish_reason_with_calls(d.finish_reason, stream.has_calls)
+    def _parsed_chunk(self, d: SeqDelta) -> ChatCompletionChunk:
+        """A delta of a choice whose text may hold reasoning and tool calls: reasoning, content and
+        tool-call pieces as they parse (tool calls from the answer only)."""
+        final = d.finish_reason is not None
+        reasoning, answer = "", d.text
+        if self.reasoning is not None:
+            thinking = self._thinking.get(d.index)
+            if thinking is None:
+                thinking = self._thinking[d.index] = ReasoningStream(self.reasoning)
+            reasoning, answer = thinking.feed(d.text, final)
+        content: str | None = answer or None
+        calls: list[Any] = []
+        finish = d.finish_reason
+        if self.tools is not None:
+            stream = self._streams.get(d.index)
+            if stream is None:
+                stream = self._streams[d.index] = ToolCallStream(self.tools)
+            content, calls = stream.feed(answer, final)
+            finish = finish_reason_with_calls(d.finish_reason, stream.has_calls)
+        delta = DeltaMessage(content=content, reasoning_content=reasoning or None, reasoning=reasoning or None,
+                             tool_calls=calls or None)  # fmt: skip
         return self._chunk(d.index, delta, self._logprobs(d.logprobs), finish)
 
     def _chunk(

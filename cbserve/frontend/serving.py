@@ -31,8 +31,9 @@ from .protocol import (
     UsageInfo,
     new_id,
 )
+from .reasoning import ReasoningMode, request_mode, resolve_reasoning_parser
 from .responses import ChatFormatter, CompletionFormatter, Formatter
-from .structured import GrammarValidator, request_spec, resolve_tool_parser, tool_setup
+from .structured import GrammarValidator, any_whitespace, request_spec, resolve_tool_parser, tool_setup
 from .validation import RequestValidator, ServedModel
 
 T = TypeVar("T")
@@ -57,7 +58,9 @@ class OpenAIServing:
         self.validator = RequestValidator(served, tokenizer)
         self.processor = OutputProcessor(tokenizer, eos_token_ids, engine.finish)
         self.grammars = GrammarValidator(tokenizer, served.vocab_size, eos_token_ids)
-        self.tool_parser = resolve_tool_parser(served.tool_call_parser, getattr(tokenizer, "chat_template", None))
+        template = getattr(tokenizer, "chat_template", None)
+        self.tool_parser = resolve_tool_parser(served.tool_call_parser, template)
+        self.reasoning_parser = resolve_reasoning_parser(served.reasoning_parser, template)
 
     # ---- endpoints ----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request_id: str | None = None) -> Answer:
@@ -72,7 +75,7 @@ class OpenAIServing:
         if echo_only and not req.echo:
             raise APIError(400, "max_tokens=0 needs echo=true (the prompt alone)", param="max_tokens")
         spec, param = request_spec(req)
-        await self._check_grammar(spec, param)
+        spec = await self._check_grammar(spec, param, req)
         prompts = [v.truncated(p, req.truncate_prompt_tokens)
                    for p in v.completion_prompts(req.prompt, req.add_special_tokens)]
         prompt_lp = req.prompt_logprobs
@@ -99,21 +102,37 @@ class OpenAIServing:
         if tool_spec is not None and spec is not None:
             raise APIError(400, f"a forced tool_choice cannot be combined with {param}", param="tool_choice")
         spec, param = (tool_spec, "tools") if tool_spec is not None else (spec, param)
-        await self._check_grammar(spec, param)
+        spec = await self._check_grammar(spec, param, req)
         prompt = v.chat_request_prompt(req, tools)
+        reasoning = self._reasoning_mode(req, prompt, spec is not None)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = v.sampling_params(req, len(prompt), max_tokens, logprobs, req.prompt_logprobs, spec)
         req_id = _response_id("chatcmpl", request_id or req.request_id)
         fmt = ChatFormatter(
             req_id, self.served.name, self.tokenizer, req.n, logprobs is not None, req.prompt_logprobs is not None,
-            tool_mode,
+            tool_mode, reasoning,
         )
         return await self._run(req_id, [prompt], [params], req, fmt)
 
-    async def _check_grammar(self, spec: StructuredSpec | None, param: str | None) -> None:
-        """Compile a structured-output spec off the event loop (a 400 when it does not compile)."""
-        if spec is not None:
-            await asyncio.to_thread(self.grammars.check, spec, param)
+    def _reasoning_mode(self, req: ChatCompletionRequest, prompt: list[int], constrained: bool) -> ReasoningMode | None:
+        """How the request's answers split into reasoning and content (None: no reasoning parser, or
+        thinking is off); the prompt's end says whether the output starts inside the reasoning."""
+        if self.reasoning_parser is None:
+            return None
+        tail = self.tokenizer.decode(prompt[-16:])
+        return request_mode(self.reasoning_parser, tail, req.chat_template_kwargs, constrained)
+
+    async def _check_grammar(
+        self, spec: StructuredSpec | None, param: str | None, req: SamplingFields
+    ) -> StructuredSpec | None:
+        """The spec the engine gets, compiled off the event loop (a 400 when it does not compile): JSON
+        with any whitespace unless the request (or else the server) disables it."""
+        if spec is None:
+            return None
+        if any_whitespace(req, self.served.disable_any_whitespace):
+            spec = await asyncio.to_thread(self.grammars.spaced, spec, param)
+        await asyncio.to_thread(self.grammars.check, spec, param)
+        return spec
 
     def models(self) -> ModelList:
         return ModelList(data=[self.model_card()])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,15 @@ def request_spec(req: SamplingFields) -> tuple[StructuredSpec | None, str | None
     if rf.json_schema is None or rf.json_schema.json_schema is None:
         raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
     return StructuredSpec("json", json.dumps(rf.json_schema.json_schema)), "response_format"
+
+
+def any_whitespace(req: SamplingFields, disable_any_whitespace: bool) -> bool:
+    """Whether a request's JSON may hold any whitespace between its tokens: its ``structured_outputs.
+    disable_any_whitespace`` when set, else the server's (``disable_any_whitespace``)."""
+    so = req.structured_outputs
+    if so is not None and so.disable_any_whitespace is not None:
+        return not so.disable_any_whitespace
+    return not disable_any_whitespace
 
 
 def _structured_outputs_spec(so: Any) -> StructuredSpec:
@@ -149,6 +159,7 @@ class GrammarValidator:
         self.stop_token_ids = [*stop_token_ids, *([eos] if eos is not None else [])]
         self._cache: Any = None
         self._lock = threading.Lock()
+        self._spaced: OrderedDict[StructuredSpec, StructuredSpec] = OrderedDict()
 
     def check(self, spec: StructuredSpec | None, param: str | None) -> None:
         if spec is None:
@@ -162,3 +173,29 @@ class GrammarValidator:
                 self._cache.get(spec)
         except GrammarError as e:
             raise APIError(400, str(e), param=param) from e
+
+    def spaced(self, spec: StructuredSpec, param: str | None) -> StructuredSpec:
+        """A JSON spec (``json``, ``json_object``) as the EBNF grammar of the same JSON with any whitespace
+        between its tokens (xgrammar's ``any_whitespace``; the workers compile JSON specs in one fixed layout,
+        ``{"a": 1, "b": [2, 3]}``); other specs as they are. A schema that does not convert is a 400."""
+        if spec.kind not in ("json", "json_object"):
+            return spec
+        with self._lock:
+            hit = self._spaced.get(spec)
+        if hit is not None:
+            return hit
+        import xgrammar as xgr
+
+        schema = spec.spec if spec.kind == "json" else '{"type": "object"}'
+        try:
+            json.loads(schema)
+            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=True, strict_mode=True)
+        except Exception as e:  # malformed JSON, or xgrammar's message on a schema it cannot convert
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            raise APIError(400, f"invalid {spec.kind} for structured output: {first}", param=param) from e
+        out = StructuredSpec("grammar", str(grammar))
+        with self._lock:
+            self._spaced[spec] = out
+            if len(self._spaced) > 256:
+                self._spaced.popitem(last=False)
+        return out

@@ -12,6 +12,11 @@
 A call's ``arguments`` is the raw JSON text of the model's output (not re-serialised), so the pieces a
 stream sends add up to exactly the final arguments. While an object is incomplete its arguments text holds
 back a trailing run of ``}`` and whitespace, which may close the call rather than the arguments.
+
+A forced call (``required``, ``named``) is a call whatever ends the output, as vLLM returns it: in a final
+text cut short (``max_tokens``, a stop string) inside its first call, that call counts as complete, its
+arguments the partial JSON as generated (a later call cut short is dropped: the complete ones are the answer,
+and a client that sends the answer back in its history would send arguments that are not JSON).
 """
 
 from __future__ import annotations
@@ -58,8 +63,9 @@ def _decode(text: str, pos: int) -> tuple[object, int] | None:
         return None
 
 
-def scan_call(text: str, pos: int) -> tuple[ParsedCall, int | None]:
-    """The call object at ``text[pos]`` (a ``{``) and the index after it (None while incomplete)."""
+def scan_call(text: str, pos: int, cut: bool = False) -> tuple[ParsedCall, int | None]:
+    """The call object at ``text[pos]`` (a ``{``) and the index after it (None while incomplete).
+    ``cut``: the text ends here for good (an incomplete call's arguments are all the rest)."""
     head = _HEAD.match(text, pos)
     whole = _decode(text, pos)
     if whole is not None:
@@ -76,19 +82,20 @@ def scan_call(text: str, pos: int) -> tuple[ParsedCall, int | None]:
         return ParsedCall(None, "", False), None
     name = json.loads(f'"{head.group(1)}"')
     args = _decode(text, head.end())
-    raw = text[head.end() : args[1]] if args is not None else text[head.end() :].rstrip(_WS + "}")
+    rest = text[head.end() :]
+    raw = text[head.end() : args[1]] if args is not None else (rest if cut else rest.rstrip(_WS + "}"))
     return ParsedCall(name, raw, False), None
 
 
-def scan_calls(text: str, pos: int, separators: str) -> tuple[list[ParsedCall], int]:
+def scan_calls(text: str, pos: int, separators: str, cut: bool = False) -> tuple[list[ParsedCall], int]:
     """Call objects from ``pos`` on, separated by whitespace and ``separators``; stops at anything else or at
-    an incomplete object. Returns the calls and where scanning stopped."""
+    an incomplete object. Returns the calls and where scanning stopped (``cut``: as in ``scan_call``)."""
     calls: list[ParsedCall] = []
     while True:
         pos = _skip(text, pos, _WS + separators)
         if pos >= len(text) or text[pos] != "{":
             return calls, pos
-        call, end = scan_call(text, pos)
+        call, end = scan_call(text, pos, cut)
         calls.append(call)
         if end is None:
             return calls, len(text)
@@ -145,7 +152,9 @@ def parse_required(text: str, final: bool) -> ParsedOutput:
     pos = _skip(text, 0)
     if pos >= len(text) or text[pos] != "[":
         return ParsedOutput(text if final else "")
-    calls, _ = scan_calls(text, pos + 1, ",")
+    calls, _ = scan_calls(text, pos + 1, ",", cut=final)
+    if final and len(calls) == 1 and not calls[0].complete and calls[0].name is not None:
+        calls[0].complete = True  # cut short in the first call: the forced call as far as it got
     return ParsedOutput("", calls)
 
 
@@ -154,7 +163,9 @@ def parse_named(name: str, text: str, final: bool) -> ParsedOutput:
     args = _decode(text, pos) if pos < len(text) else None
     if args is not None:
         return ParsedOutput("", [ParsedCall(name, text[pos : args[1]], True)])
-    return ParsedOutput(text if final else "", [] if final else [ParsedCall(name, text[pos:].rstrip(_WS + "}"), False)])
+    if final:  # cut short: the forced call as far as it got (nothing at all: empty content)
+        return ParsedOutput("", [ParsedCall(name, text[pos:], True)] if pos < len(text) else [])
+    return ParsedOutput("", [ParsedCall(name, text[pos:].rstrip(_WS + "}"), False)])
 
 
 def parse_tool_calls(mode: str, text: str, final: bool, name: str | None = None) -> ParsedOutput:

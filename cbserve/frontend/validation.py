@@ -25,8 +25,9 @@ M = TypeVar("M", bound=BaseModel)
 @dataclass(frozen=True)
 class ServedModel:
     """What requests are checked against: the served name, the context length the engines use, the
-    largest n / best_of, the vocabulary size (token-id prompts must stay inside it) and the
-    ``tool_call_parser`` setting ("auto": from the chat template)."""
+    largest n / best_of, the vocabulary size (token-id prompts must stay inside it), the
+    ``tool_call_parser`` and ``reasoning_parser`` settings ("auto": from the chat template) and whether
+    JSON output keeps one fixed layout unless a request asks otherwise (``disable_any_whitespace``)."""
 
     name: str
     max_model_len: int
@@ -34,6 +35,8 @@ class ServedModel:
     vocab_size: int
     priority_ordering: bool = False  # the engines order by request priority (else ``priority`` is refused)
     tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None  # None / "none": off
+    disable_any_whitespace: bool = True
 
 
 def parse_body(model_cls: type[M], body: bytes) -> M:

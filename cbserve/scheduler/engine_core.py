@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from .config import EngineConfig
 from .errors import DuplicateRequestError, QueueFullError, RequestRejectedError
 from .limits import resolve_max_tokens
-from .output_processor import OutputProcessor
 from .outputs import Executor, ModelRunnerOutput, SchedulerOutput, TokenLogprob, done_future
 from .request import EngineRequest, RequestOutput, RequestStatus
 from .scheduler import Scheduler, StepState
 from .sequence import Sequence, SequenceGroup, child_seq_id
+from .sequence_updater import SequenceUpdater
 from .spec_decode import rollback
 from .stats import EngineTotals, IterationStats, SchedulerStats, SpecDecodeStats
 
@@ -95,7 +95,7 @@ class EngineCore:
         self.clock = clock
         self.scheduler = Scheduler(config, clock)
         self.groups: dict[str, SequenceGroup] = {}
-        self.processor = OutputProcessor(self.scheduler, self.groups)
+        self.processor = SequenceUpdater(self.scheduler, self.groups)
         self._counter = 0
         self._pending_outputs: list[RequestOutput] = []
         self._pending_iter = IterationStats()

@@ -29,7 +29,7 @@ import torch
 
 from .attention.backend import KVCache
 from .config import ModelConfig
-from .input_batch import PreparedBatch, RequestState, build_batch
+from .input_batch import CachedRequestState, PreparedBatch, build_batch
 from .kv_cache import allocate_kv_cache, copy_blocks
 from .model_build import build_model
 from .model_info import head_dim_of, num_kv_heads_of
@@ -131,14 +131,14 @@ class DraftModel:
         """The target's batch through the draft: its cache gets the same positions."""
         self._hidden(batch)
 
-    def q_for(self, state: RequestState, drafts: list[int]) -> torch.Tensor | None:
+    def q_for(self, state: CachedRequestState, drafts: list[int]) -> torch.Tensor | None:
         """The draft's distributions for ``drafts`` of ``state`` (scheduled as proposed), else None."""
         p = self.proposals.get(state.req_id)
         if p is None or p.q is None or p.num_tokens != len(state.token_ids) or p.drafts[: len(drafts)] != drafts:
             return None
         return p.q[: len(drafts)]
 
-    def propose(self, states: list[RequestState], sampler: Sampler) -> dict[str, list[int]]:
+    def propose(self, states: list[CachedRequestState], sampler: Sampler) -> dict[str, list[int]]:
         """``k`` draft tokens for each of ``states`` (the requests that just sampled), by ``k`` draft steps."""
         rows = [
             s
@@ -166,14 +166,14 @@ class DraftModel:
             out[s.req_id] = d
         return out
 
-    def _view(self, i: int, s: RequestState, drafts: list[int]) -> RequestState:
+    def _view(self, i: int, s: CachedRequestState, drafts: list[int]) -> CachedRequestState:
         """Request ``s`` with its drafts so far, one token to compute (the last), its table extended by
         scratch blocks where its allocated ones end."""
         tokens = s.token_ids + drafts
         need = -(-len(tokens) // self.block_size)
         first = self.num_blocks + i * self.scratch_per_row
         blocks = s.block_ids[:need] + list(range(first, first + max(0, need - len(s.block_ids))))
-        return RequestState(
+        return CachedRequestState(
             s.req_id, tokens, s.num_prompt_tokens, s.sampling_params, blocks, len(tokens) - 1, 1, s.seed
         )
 

@@ -17,7 +17,7 @@ from .spec_verify import DraftGroup
 
 
 @dataclass
-class RequestState:
+class CachedRequestState:
     req_id: str
     token_ids: list[int]
     num_prompt_tokens: int
@@ -28,7 +28,7 @@ class RequestState:
     seed: int | None = None
 
     @classmethod
-    def from_new(cls, d: NewRequestData) -> RequestState:
+    def from_new(cls, d: NewRequestData) -> CachedRequestState:
         return cls(
             d.req_id,
             list(d.token_ids),
@@ -74,7 +74,7 @@ class PromptLogprobRows:
     num_top: int
 
 
-def prompt_logprob_rows(s: RequestState, start: int, end: int, first_row: int) -> PromptLogprobRows | None:
+def prompt_logprob_rows(s: CachedRequestState, start: int, end: int, first_row: int) -> PromptLogprobRows | None:
     """The prompt positions in [start, end) whose next token is a prompt token, for a request that asked
     for prompt logprobs (None when there are none this step)."""
     k = s.sampling_params.prompt_logprobs
@@ -84,7 +84,7 @@ def prompt_logprob_rows(s: RequestState, start: int, end: int, first_row: int) -
     return PromptLogprobRows(s.req_id, start, first_row, s.token_ids[start + 1 : stop + 1], k)
 
 
-def order_decode_first(states: list[RequestState], num_scheduled: Mapping[str, int]) -> list[RequestState]:
+def order_decode_first(states: list[CachedRequestState], num_scheduled: Mapping[str, int]) -> list[CachedRequestState]:
     decodes = [s for s in states if num_scheduled[s.req_id] == 1]
     prefills = [s for s in states if num_scheduled[s.req_id] != 1]
     return decodes + prefills
@@ -101,7 +101,7 @@ class _Samples:
     groups: list[DraftGroup] = field(default_factory=list)
     one_to_one: bool = False  # a logits row per sample row (a batch with drafts)
 
-    def add_drafts(self, s: RequestState, last_row: int, drafts: list[int]) -> None:
+    def add_drafts(self, s: CachedRequestState, last_row: int, drafts: list[int]) -> None:
         """A request with drafts: one logits and sample row per draft position plus one (row j's history
         holds the drafts before it). Only in batches built with ``spec``: their logits rows map 1:1."""
         owner = len(self.req_ids)
@@ -113,7 +113,7 @@ class _Samples:
             self.owner.append(owner)
             self.rows.append(SamplingRow(s.sampling_params, s.token_ids + drafts[:j], s.num_prompt_tokens, s.seed))
 
-    def add(self, s: RequestState, row: int) -> None:
+    def add(self, s: CachedRequestState, row: int) -> None:
         owner = len(self.req_ids)
         self.req_ids.append(s.req_id)
         self.logits_rows.append(row)
@@ -127,7 +127,7 @@ class _Samples:
                 self.logits_rows.append(row)
 
 
-def _check_scheduled(s: RequestState, n: int, num_tokens: int, has_drafts: bool, block_size: int) -> None:
+def _check_scheduled(s: CachedRequestState, n: int, num_tokens: int, has_drafts: bool, block_size: int) -> None:
     """``n`` tokens from ``s.num_computed_tokens`` must be known (drafts: end exactly at the last draft)
     and have KV slots."""
     end = s.num_computed_tokens + n
@@ -140,7 +140,7 @@ def _check_scheduled(s: RequestState, n: int, num_tokens: int, has_drafts: bool,
 
 
 def build_batch(
-    states: list[RequestState],
+    states: list[CachedRequestState],
     num_scheduled: Mapping[str, int],
     block_size: int,
     device: torch.device,
@@ -192,7 +192,7 @@ def build_batch(
 
 
 def _metadata(
-    states: list[RequestState], slots: list[int], query_lens: list[int], seq_lens: list[int], num_decodes: int,
+    states: list[CachedRequestState], slots: list[int], query_lens: list[int], seq_lens: list[int], num_decodes: int,
     block_size: int, device: torch.device,
 ) -> AttentionMetadata:
     max_blocks = max(len(s.block_ids) for s in states)

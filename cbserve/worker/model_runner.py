@@ -16,7 +16,7 @@ from .config import ModelConfig
 from .cpu.malloc import tune_malloc_for_cpu_inference
 from .cuda_graphs import CaptureFn, DecodeCUDAGraphs, maybe_capture_decode_graphs
 from .draft_model import DraftModel
-from .input_batch import PreparedBatch, RequestState, build_batch, order_decode_first
+from .input_batch import CachedRequestState, PreparedBatch, build_batch, order_decode_first
 from .kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, num_blocks_for_budget
 from .model_build import build_model
 from .model_info import head_dim_of, num_kv_heads_of, read_eos_token_ids
@@ -84,7 +84,7 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.graphs: DecodeCUDAGraphs | None = None
         self.num_blocks = 0
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, CachedRequestState] = {}
         self.draft: DraftModel | None = None  # speculative decoding with a draft model (draft_model.py)
         if config.draft_model is not None:
             self.draft = DraftModel(config, self.model_folder, vocab, block_size, max_num_seqs, self.max_model_len)
@@ -130,7 +130,7 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.drop(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = RequestState.from_new(new)
+            self.requests[new.req_id] = CachedRequestState.from_new(new)
         for cached in so.scheduled_cached_reqs:
             state = self.requests.get(cached.req_id)
             if state is None:

@@ -10,7 +10,7 @@ import torch
 from cbserve.scheduler.sampling_params import SamplingParams
 
 from .attention.backend import KVCache
-from .input_batch import PreparedBatch, RequestState, build_batch
+from .input_batch import CachedRequestState, PreparedBatch, build_batch
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def dummy_batch(runner: ProfiledRunner, num_tokens: int, num_logits: int) -> Pre
     while left > 0:
         n = min(chunk, left)
         rid = f"profile-{len(states)}"
-        states.append(RequestState(rid, [0] * n, n, SamplingParams(), list(range(nblocks)), 0))
+        states.append(CachedRequestState(rid, [0] * n, n, SamplingParams(), list(range(nblocks)), 0))
         sched[rid] = n
         left -= n
     batch = build_batch(states, sched, runner.block_size, runner.device)

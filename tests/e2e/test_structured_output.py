@@ -3,9 +3,10 @@
 
 - ``main`` at ``/``: the bundled SmolLM2-135M-Instruct (its chat template knows no tool-call format);
 - ``qwen`` at ``/qwen``: a tiny random Llama with SmolLM2's tokenizer and a Qwen2.5-style tool-calling chat
-  template, so ``tool_call_parser: auto`` picks the Hermes ``<tool_call>`` parser. Random weights never
-  write a tool call themselves: ``auto`` is driven end to end by forcing the text with a regex
-  (``structured_outputs``) and checked to return plain content otherwise.
+  template, so ``tool_call_parser: auto`` picks the Hermes ``<tool_call>`` parser, and the ``qwen3``
+  reasoning parser. Random weights never write a tool call or a ``<think>`` block themselves: both are
+  driven end to end by forcing the text with a regex (``structured_outputs``) and checked to return plain
+  content otherwise.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ class Person(BaseModel):
 
 def _make_qwen_model(folder: Path) -> Path:
     import torch
-    from cbserve.frontend.tokenizer import load_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cbserve.frontend.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -95,9 +97,10 @@ class Apps:
 
 @pytest.fixture(scope="module")
 def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apps]:
-    from cbserve.cluster.app import build_app
     from ray import serve
     from ray.serve.api import RunTarget
+
+    from cbserve.cluster.app import build_app
 
     qwen = _make_qwen_model(tmp_path_factory.mktemp("qwen") / "qwen-tools")
     port = free_port()
@@ -107,8 +110,8 @@ def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apps]:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run_many([
             RunTarget(build_app(dict(COMMON, max_num_seqs=16)), name="main", route_prefix="/"),
-            RunTarget(build_app(dict(COMMON, model=str(qwen), served_model_name="qwen")), name="qwen",
-                      route_prefix="/qwen"),
+            RunTarget(build_app(dict(COMMON, model=str(qwen), served_model_name="qwen", reasoning_parser="qwen3")),
+                      name="qwen", route_prefix="/qwen"),
         ], wait_for_applications_running=False)  # fmt: skip
         a = Apps(f"http://127.0.0.1:{port}")
         healthy = lambda p: a.client(p).with_options(timeout=5).models.list()  # noqa: E731
@@ -259,6 +262,30 @@ def test_auto_tool_calls_parsed_from_the_models_format(apps: Apps, stream: bool)
     plain = client.chat.completions.create(model="qwen", messages=ASK, tools=[WEATHER], max_tokens=8, seed=1)
     msg = plain.choices[0].message
     assert msg.tool_calls is None and isinstance(msg.content, str) and plain.choices[0].finish_reason == "length"
+
+
+def test_reasoning_split_token_for_token(apps: Apps) -> None:
+    """A forced ``<think>`` block then an answer: reasoning and content are the generated tokens (their
+    logprobs' texts) split at the tags, whole and streamed; ``enable_thinking: false`` makes it all content."""
+    client = apps.client("/qwen")
+    so = {"regex": "<think>[a-z ]{1,20}</think>[A-Za-z ]{1,20}"}
+    kw = dict(model="qwen", messages=ASK, max_tokens=80, temperature=0, logprobs=True)
+    r = client.chat.completions.create(**kw, extra_body={"structured_outputs": so})
+    msg, tokens = r.choices[0].message, [t.token for t in r.choices[0].logprobs.content]
+    assert msg.reasoning_content and msg.reasoning == msg.reasoning_content and msg.content
+    text = "".join(tokens).removesuffix("<|im_end|>")  # the EOS that ends the grammar is not text
+    assert text == f"<think>{msg.reasoning_content}</think>{msg.content}"
+    got = {"reasoning_content": "", "reasoning": "", "content": "", "tokens": ""}
+    for chunk in client.chat.completions.create(**kw, stream=True, extra_body={"structured_outputs": so}):
+        for c in chunk.choices:
+            for key in ("reasoning_content", "reasoning", "content"):
+                got[key] += getattr(c.delta, key, None) or ""
+            got["tokens"] += "".join(t.token for t in c.logprobs.content) if c.logprobs else ""
+    assert got == {"reasoning_content": msg.reasoning_content, "reasoning": msg.reasoning_content,
+                   "content": msg.content, "tokens": "".join(tokens)}  # fmt: skip
+    off = {"structured_outputs": so, "chat_template_kwargs": {"enable_thinking": False}}
+    plain = client.chat.completions.create(**kw, extra_body=off).choices[0].message
+    assert plain.content == text and getattr(plain, "reasoning_content", None) is None
 
 
 def test_multi_turn_tool_conversation(apps: Apps) -> None:

@@ -3,10 +3,11 @@ indices of n > 1 over several prompts, usage counts, EOS ids, best_of's final ou
 
 from __future__ import annotations
 
+from frontend_fakes import EOS, CharTokenizer, ids, out
+
 from cbserve.frontend.output import OutputProcessor
 from cbserve.scheduler.outputs import TokenLogprob
 from cbserve.scheduler.sampling_params import SamplingParams
-from frontend_fakes import EOS, CharTokenizer, ids, out
 
 
 def _processor(eos: tuple[int, ...] = (EOS,)) -> tuple[OutputProcessor, list[tuple[str, int]]]:

@@ -8,12 +8,13 @@ import json
 from typing import Any
 
 import pytest
+from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, out
+
 from cbserve.frontend.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from cbserve.frontend.serving import OpenAIServing
 from cbserve.frontend.validation import ServedModel, parse_body
 from cbserve.scheduler.outputs import TokenLogprob
 from cbserve.scheduler.request import EngineRequest
-from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, out
 
 SERVED = ServedModel(name="m", max_model_len=64, max_n=4, vocab_size=0x3000)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from cbserve.frontend.tokenizer import IncrementalDetokenizer, apply_chat_template, ids_decoder, load_tokenizer
 
 

@@ -9,6 +9,8 @@ import json
 from typing import Any
 
 import pytest
+from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, out
+
 from cbserve.frontend.protocol import APIError, ChatCompletionRequest
 from cbserve.frontend.serving import OpenAIServing
 from cbserve.frontend.structured import ToolMode, required_calls_schema, resolve_tool_parser, tool_setup
@@ -16,7 +18,6 @@ from cbserve.frontend.tool_calls import ToolCallStream, final_message
 from cbserve.frontend.tool_parsers import parse_tool_calls, parser_for_template
 from cbserve.frontend.validation import ServedModel, template_message
 from cbserve.scheduler.request import EngineRequest
-from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, out
 
 HERMES = (
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": {"c": true}}}\n'

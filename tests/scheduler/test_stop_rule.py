@@ -120,8 +120,8 @@ def _imports(module: str) -> set[str]:
 
 def test_dependencies_are_one_way() -> None:
     """beam search decides, the output processor applies; policies answer, the scheduler asks."""
-    assert "output_processor" not in _imports("beam_search")
-    assert "beam_search" in _imports("output_processor")
+    assert "sequence_updater" not in _imports("beam_search")
+    assert "beam_search" in _imports("sequence_updater")
     assert "scheduler" not in _imports("policies") and "engine_core" not in _imports("policies")
     assert "policies" in _imports("scheduler")
 

@@ -19,7 +19,7 @@ from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.linear import onednn_bf16_supported, pack_weight, packed_linear, packing_supported
 from cbserve.worker.cpu.malloc import tune_malloc_for_cpu_inference
-from cbserve.worker.input_batch import RequestState, build_batch
+from cbserve.worker.input_batch import CachedRequestState, build_batch
 from cbserve.worker.layers import ColumnParallelLinear, RowParallelLinear
 from cbserve.worker.model_runner import ModelRunner
 
@@ -97,7 +97,7 @@ def test_runner_packs_linears_but_keeps_the_tied_embedding(tied_folder: Path, cp
     for r in (packed, plain):
         r.init_kv_cache(32)
         states = [
-            RequestState(f"r{i}", list(range(5, 5 + n)), n, SamplingParams(), list(range(4 * i, 4 * i + 4)), 0)
+            CachedRequestState(f"r{i}", list(range(5, 5 + n)), n, SamplingParams(), list(range(4 * i, 4 * i + 4)), 0)
             for i, n in enumerate((3, 9, 14))
         ]
         batch = build_batch(states, {s.req_id: len(s.token_ids) for s in states}, 4, torch.device("cpu"))

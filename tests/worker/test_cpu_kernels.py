@@ -17,7 +17,7 @@ from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu import ops as cpu_ops
 from cbserve.worker.cpu.kernels import CpuKernels, Panels
 from cbserve.worker.cpu.native import KernelLoad
-from cbserve.worker.input_batch import RequestState, build_batch
+from cbserve.worker.input_batch import CachedRequestState, build_batch
 from cbserve.worker.model_runner import ModelRunner
 from cbserve.worker.rotary import apply_rotary
 
@@ -153,7 +153,7 @@ def test_native_model_matches_the_torch_model(qwen2_folder: Path) -> None:
     logits = []
     for runner in runners.values():
         runner.init_kv_cache(64)
-        states = [RequestState(f"r{i}", list(range(3 + i, 3 + i + n)), n, SamplingParams(),
+        states = [CachedRequestState(f"r{i}", list(range(3 + i, 3 + i + n)), n, SamplingParams(),
                                list(range(8 * i, 8 * i + 8)), 0) for i, n in enumerate((5, 19, 30))]
         prefill = build_batch(states, {s.req_id: len(s.token_ids) for s in states}, 4, torch.device("cpu"))
         with torch.inference_mode():

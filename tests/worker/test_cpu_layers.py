@@ -17,7 +17,7 @@ from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.layers import NativeLayers
-from cbserve.worker.input_batch import RequestState, build_batch
+from cbserve.worker.input_batch import CachedRequestState, build_batch
 from cbserve.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
@@ -55,7 +55,8 @@ def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return r
 
 
-def _forward(runner: ModelRunner, states: list[RequestState], counts: dict[str, int], native: bool) -> torch.Tensor:
+def _forward(runner: ModelRunner, states: list[CachedRequestState], counts: dict[str, int],
+             native: bool) -> torch.Tensor:
     model = runner.model
     saved, model.native_layers = model.native_layers, (model.native_layers if native else None)
     try:
@@ -69,7 +70,7 @@ def _forward(runner: ModelRunner, states: list[RequestState], counts: dict[str, 
         model.native_layers = saved
 
 
-def _same_step(runner: ModelRunner, states: list[RequestState], counts: dict[str, int]) -> None:
+def _same_step(runner: ModelRunner, states: list[CachedRequestState], counts: dict[str, int]) -> None:
     """The step through the driver and through the modules: equal hidden states and KV writes."""
     assert runner.model.native_layers is not None
     native = _forward(runner, states, counts, native=True)
@@ -84,7 +85,7 @@ def _same_step(runner: ModelRunner, states: list[RequestState], counts: dict[str
 
 def test_driver_equals_the_module_path_on_prefill_mixed_and_decode_steps(runner: ModelRunner) -> None:
     prompts = [list(range(5, 5 + n)) for n in (3, 11, 6)]
-    states = [RequestState(f"r{i}", p, len(p), SamplingParams(), list(range(10 * i, 10 * i + 10)), 0)
+    states = [CachedRequestState(f"r{i}", p, len(p), SamplingParams(), list(range(10 * i, 10 * i + 10)), 0)
               for i, p in enumerate(prompts)]
     _same_step(runner, states[:2], {"r0": 3, "r1": 7})  # prefill, r1 chunked
     states[0].token_ids.append(9)
@@ -119,7 +120,7 @@ def test_driver_follows_a_reallocated_kv_cache_without_holding_the_old_one(runne
     layers: NativeLayers = runner.model.native_layers
     old = runner.kv_caches
     probe = weakref.ref(old[0][0])
-    states = [RequestState("a", [5, 6, 7], 3, SamplingParams(), [0, 1], 0)]
+    states = [CachedRequestState("a", [5, 6, 7], 3, SamplingParams(), [0, 1], 0)]
     _forward(runner, states, {"a": 3}, native=True)
     assert layers.layers[0].k_cache == old[0][0].data_ptr()
     runner.init_kv_cache(32)  # a new cache, as after a restart of the engine

@@ -15,7 +15,7 @@ from .sequence import Sequence, SequenceGroup
 from .stats import FinishedRequestStats, IterationStats
 
 
-class OutputProcessor:
+class SequenceUpdater:
     def __init__(self, scheduler: Scheduler, groups: dict[str, SequenceGroup]) -> None:
         self.scheduler = scheduler
         self.groups = groups
