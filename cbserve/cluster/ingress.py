@@ -1,28 +1,27 @@
 """The Ray Serve ingress: an OpenAI-compatible HTTP API (FastAPI) in front of the engine replicas.
 
-A thin shell over the front end (``frontend/serving.py``): each route parses its body into the protocol
-model and hands it over. Routes: /v1/completions, /v1/chat/completions (SSE when ``stream``), /v1/models,
-/health, /tokenize, /detokenize, and /stats (engine replicas and router, for operators and tests). Errors use
-OpenAI's body shape. With ``api_key`` set, every route but /health needs ``Authorization: Bearer <key>``
-(401). Nothing here imports torch: the tokenizer and the model's numbers come from its files.
+A thin shell over the front end (``frontend/serving.py``): each route takes its typed body (FastAPI validates
+it against the protocol model, so /openapi.json documents it) and hands it over. Routes: /v1/completions,
+/v1/chat/completions (SSE when ``stream``), /v1/models, /health, /tokenize, /detokenize, and /stats (engine
+replicas and router, for operators and tests). Auth, HTTP metrics and OpenAI's error shape are the HTTP edge's
+(``http_edge.py``); the engine client stops in the app's lifespan. Nothing here imports torch: the tokenizer and
+the model's numbers come from its files.
 """
 
 import contextlib
-import hmac
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from ray import serve
-from starlette.types import Receive, Scope, Send
 
 from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.engine_client import EngineClient
+from cbserve.cluster.http_edge import ClosingStreamingResponse, HttpEdge, install_error_handlers
 from cbserve.cluster.metrics import IngressMetrics
 from cbserve.cluster.node_tuning import node_tuning
 from cbserve.frontend.model_files import model_folder, read_model_files
@@ -43,56 +42,43 @@ from cbserve.frontend.protocol import (
 )
 from cbserve.frontend.serving import OpenAIServing
 from cbserve.frontend.tokenizer import load_tokenizer
-from cbserve.frontend.validation import ServedModel, parse_body
+from cbserve.frontend.validation import ServedModel
 
 logger = logging.getLogger(__name__)
 
 STARTUP_WAIT_S = 900.0  # the longest a new ingress replica waits for its engines before it takes traffic
 _SCHEMA_REF = "#/components/schemas/{model}"
-# Parsed by the routes themselves (to answer OpenAI-shaped 400s), so FastAPI does not see them: documented here.
-_DOCUMENTED_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ChatCompletionChunk)
+_STREAM_CHUNKS = (ChatCompletionChunk,)  # documented as the SSE bodies of their routes
 _ERRORS: dict[int | str, dict[str, Any]] = {s: {"model": ErrorResponse} for s in (400, 401, 404, 429, 503)}
 
 
-class ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that closes its body however the response ends. Starlette's leaves a body cut short
-    (the client went away: ``send`` raised, or Serve cancelled the handler) suspended at its last ``yield``,
-    to be closed whenever the garbage collector gets to it; only then would the request's generators run
-    their ``finally`` blocks, the engine's abort among them, and the request ran on to its end meanwhile."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """The replica's engine client stops with the app (Serve runs the app's lifespan on the replica)."""
+    yield
+    ingress = getattr(app.state, "ingress", None)
+    if ingress is not None:
+        ingress.client.shutdown()
 
 
 class OpenAIApp(FastAPI):
-    """FastAPI whose /openapi.json also describes the request bodies and stream chunks of the routes."""
+    """FastAPI whose /openapi.json also describes the stream chunks (SSE bodies) of the streaming routes."""
 
     def openapi(self) -> dict[str, Any]:
         if self.openapi_schema is None:
             schema = super().openapi()
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in _DOCUMENTED_MODELS:
+            for model in _STREAM_CHUNKS:
                 body = model.model_json_schema(ref_template=_SCHEMA_REF)
                 components.update(body.pop("$defs", {}))
                 components[model.__name__] = body
         return self.openapi_schema
 
 
-def _doc(body: type[BaseModel] | None = None, stream: type[BaseModel] | None = None) -> dict[str, Any]:
-    """Route keywords documenting a request body parsed by hand and, for SSE, the stream's chunks."""
-    responses: dict[int | str, dict[str, Any]] = dict(_ERRORS)
-    if stream is not None:
-        sse = {"schema": {"$ref": _SCHEMA_REF.format(model=stream.__name__)}}
-        responses[200] = {"content": {"text/event-stream": sse}}
-    if body is None:
-        return {"responses": responses}
-    content = {"application/json": {"schema": {"$ref": _SCHEMA_REF.format(model=body.__name__)}}}
-    return {"responses": responses, "openapi_extra": {"requestBody": {"required": True, "content": content}}}
+def _streams(chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """Route responses: OpenAI's error bodies, and for a 200 with ``stream`` the SSE chunks' schema."""
+    sse = {"schema": {"$ref": _SCHEMA_REF.format(model=chunk.__name__)}}
+    return {**_ERRORS, 200: {"content": {"text/event-stream": sse}}}
 
 
 def _request_id(request: Request, body_id: str | None) -> str | None:
@@ -102,9 +88,22 @@ def _request_id(request: Request, body_id: str | None) -> str | None:
     return body_id or request.headers.get("x-request-id")
 
 
-api = OpenAIApp(title="cbserve", description="OpenAI-compatible LLM serving with continuous batching")
+def _response(result: Any) -> Response:
+    """A route's result as the response: a stream as SSE (closed however it ends), a model as JSON."""
+    if isinstance(result, Response):
+        return result
+    if isinstance(result, AsyncIterator):
+        headers = {"Cache-Control": "no-cache"}
+        return ClosingStreamingResponse(result, media_type="text/event-stream", headers=headers)
+    if isinstance(result, BaseModel):
+        result = result.model_dump()
+    return JSONResponse(result)
 
-Handler = Callable[[Request], Awaitable[Any]]
+
+api = OpenAIApp(title="cbserve", description="OpenAI-compatible LLM serving with continuous batching",
+                lifespan=_lifespan, responses=_ERRORS)
+api.add_middleware(HttpEdge)
+install_error_handlers(api)
 
 
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -143,131 +142,42 @@ class OpenAIIngress:
         )
         self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids)
         self.metrics = IngressMetrics(cfg.model_name)
-
-    def __del__(self) -> None:
-        client = getattr(self, "client", None)
-        if client is not None:
-            client.shutdown()
-
-    # ---- plumbing -----------------------------------------------------------------------------
-    async def _handle(self, route: str, request: Request, fn: Handler, auth: bool = True) -> Response:
-        """Auth, error mapping and metrics around one route. A streamed response counts as in flight, and
-        its duration runs, until its last byte is sent (or the client goes away)."""
-        start = time.perf_counter()
-        self.metrics.in_flight(1)
-        try:
-            if auth:
-                self._check_api_key(request)
-            result = await fn(request)
-        except APIError as e:
-            result = JSONResponse(e.body(), status_code=e.status)
-        except Exception as e:  # a bug: report it as such
-            logger.exception("internal error on %s", route)
-            err = APIError(500, f"internal server error: {type(e).__name__}: {e}", "internal_error")
-            result = JSONResponse(err.body(), status_code=500)
-        except BaseException:  # cancelled: the client went away before an answer
-            self.metrics.in_flight(-1)
-            raise
-        if isinstance(result, AsyncIterator):
-            return self._to_response(self._accounted(route, start, result))
-        self.metrics.in_flight(-1)
-        response = self._to_response(result)
-        self.metrics.observe_http(route, response.status_code, time.perf_counter() - start)
-        return response
-
-    async def _accounted(self, route: str, start: float, body: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        try:
-            async with contextlib.aclosing(body):  # type: ignore[type-var]
-                async for chunk in body:
-                    yield chunk
-        finally:
-            self.metrics.in_flight(-1)
-            self.metrics.observe_http(route, 200, time.perf_counter() - start)
-
-    @staticmethod
-    def _to_response(result: Any) -> Response:
-        if isinstance(result, Response):
-            return result
-        if isinstance(result, AsyncIterator):
-            headers = {"Cache-Control": "no-cache"}
-            return ClosingStreamingResponse(result, media_type="text/event-stream", headers=headers)
-        if isinstance(result, BaseModel):
-            result = result.model_dump()
-        return JSONResponse(result)
-
-    def _check_api_key(self, request: Request) -> None:
-        key = self.config.api_key
-        if not key:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            msg = "invalid or missing API key (Authorization: Bearer <key>)"
-            raise APIError(401, msg, "authentication_error")
+        api.state.ingress = self  # for the HTTP edge (auth, metrics) and the app's lifespan (shutdown)
 
     # ---- OpenAI routes ------------------------------------------------------------------------
-    @api.post("/v1/completions", response_model=CompletionResponse, **_doc(CompletionRequest, CompletionResponse))
-    async def completions(self, request: Request) -> Response:
-        async def run(r: Request) -> Any:
-            body = parse_body(CompletionRequest, await r.body())
-            return await self.serving.completions(body, _request_id(r, body.request_id))
+    @api.post("/v1/completions", response_model=CompletionResponse, responses=_streams(CompletionResponse))
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        return _response(await self.serving.completions(body, _request_id(request, body.request_id)))
 
-        return await self._handle("/v1/completions", request, run)
+    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_streams(ChatCompletionChunk))
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        return _response(await self.serving.chat(body, _request_id(request, body.request_id)))
 
-    @api.post(
-        "/v1/chat/completions", response_model=ChatCompletionResponse,
-        **_doc(ChatCompletionRequest, ChatCompletionChunk),
-    )
-    async def chat_completions(self, request: Request) -> Response:
-        async def run(r: Request) -> Any:
-            body = parse_body(ChatCompletionRequest, await r.body())
-            return await self.serving.chat(body, _request_id(r, body.request_id))
+    @api.get("/v1/models", response_model=ModelList)
+    async def models(self) -> Response:
+        return _response(self.serving.models())
 
-        return await self._handle("/v1/chat/completions", request, run)
-
-    @api.get("/v1/models", response_model=ModelList, **_doc())
-    async def models(self, request: Request) -> Response:
-        async def run(r: Request) -> Any:
-            return self.serving.models()
-
-        return await self._handle("/v1/models", request, run)
-
-    @api.get("/v1/models/{model:path}", response_model=ModelCard, **_doc())
-    async def model(self, model: str, request: Request) -> Response:
-        async def run(r: Request) -> Any:
-            return self.serving.model_card(model)
-
-        return await self._handle("/v1/models/{model}", request, run)
+    @api.get("/v1/models/{model:path}", response_model=ModelCard)
+    async def model(self, model: str) -> Response:
+        return _response(self.serving.model_card(model))
 
     # ---- operations ---------------------------------------------------------------------------
-    @api.get("/health", **_doc())
-    async def health(self, request: Request) -> Response:
-        async def run(r: Request) -> Any:
-            await self.client.refresh_health()
-            if not self.client.ready:
-                states = ", ".join(f"{h.get('replica')}: {h.get('state')}" for h in self.client.health)
-                raise APIError(503, f"engine replicas not ready ({states})", "service_unavailable")
-            return {"status": "ok", "replicas": self.client.health}
+    @api.get("/health")
+    async def health(self) -> Response:
+        await self.client.refresh_health()
+        if not self.client.ready:
+            states = ", ".join(f"{h.get('replica')}: {h.get('state')}" for h in self.client.health)
+            raise APIError(503, f"engine replicas not ready ({states})", "service_unavailable")
+        return _response({"status": "ok", "replicas": self.client.health})
 
-        return await self._handle("/health", request, run, auth=False)
+    @api.get("/stats")
+    async def stats(self) -> Response:
+        return _response({"model": self.config.model_name, "replicas": await self.client.stats()})
 
-    @api.get("/stats", **_doc())
-    async def stats(self, request: Request) -> Response:
-        async def run(r: Request) -> Any:
-            return {"model": self.config.model_name, "replicas": await self.client.stats()}
+    @api.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(self, body: TokenizeRequest) -> Response:
+        return _response(self.serving.tokenize(body))
 
-        return await self._handle("/stats", request, run)
-
-    @api.post("/tokenize", response_model=TokenizeResponse, **_doc(TokenizeRequest))
-    async def tokenize(self, request: Request) -> Response:
-        async def run(r: Request) -> Any:
-            return self.serving.tokenize(parse_body(TokenizeRequest, await r.body()))
-
-        return await self._handle("/tokenize", request, run)
-
-    @api.post("/detokenize", response_model=DetokenizeResponse, **_doc(DetokenizeRequest))
-    async def detokenize(self, request: Request) -> Response:
-        async def run(r: Request) -> Any:
-            return self.serving.detokenize(parse_body(DetokenizeRequest, await r.body()))
-
-        return await self._handle("/detokenize", request, run)
+    @api.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(self, body: DetokenizeRequest) -> Response:
+        return _response(self.serving.detokenize(body))

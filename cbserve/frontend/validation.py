@@ -6,6 +6,7 @@ request's SamplingParams built. Every problem is an APIError naming the field (H
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -50,9 +51,25 @@ def parse_body(model_cls: type[M], body: bytes) -> M:
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err.get("loc", ()))
-        raise APIError(400, f"{loc}: {err.get('msg')}", param=loc or None) from e
+        raise invalid_body_error(e.errors()) from e
+
+
+def invalid_body_error(errors: Sequence[Any], strip: tuple[str, ...] = ()) -> APIError:
+    """The 400 for a body that failed validation, naming the first bad field (``errors``: pydantic's, or
+    FastAPI's, whose locations start with ``strip``)."""
+    err = dict(errors[0]) if errors else {}
+    loc = [str(p) for p in err.get("loc", ())]
+    loc = loc[len(strip):] if tuple(loc[: len(strip)]) == strip else loc
+    kind = err.get("type", "")
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error") or err.get("msg")
+        return APIError(400, f"malformed JSON body: {detail}")
+    if kind in ("model_attributes_type", "dict_type") or (kind == "missing" and not loc):
+        return APIError(400, "the request body must be a JSON object")
+    if not loc:  # the body as a whole (a check across fields)
+        return APIError(400, str(err.get("msg", "invalid request body")))
+    name = ".".join(loc)
+    return APIError(400, f"{name}: {err.get('msg')}", param=name)
 
 
 class RequestValidator:

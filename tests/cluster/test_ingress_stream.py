@@ -1,16 +1,20 @@
-"""A streamed answer cut short at the HTTP edge (cluster/ingress.py) closes the generators behind it at
-once, so the request is aborted in the engine now, not when the garbage collector gets to it."""
+"""A streamed answer cut short at the HTTP edge (cluster/http_edge.py) closes the generators behind it at
+once, so the request is aborted in the engine now, not when the garbage collector gets to it; the edge counts
+the request in flight until then, and checks the API key first."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from starlette.requests import ClientDisconnect
 
-from cbserve.cluster.ingress import ClosingStreamingResponse, OpenAIIngress
+from cbserve.cluster.http_edge import ClosingStreamingResponse, HttpEdge
+from cbserve.cluster.ingress import _response
 
 
 class _Body:
@@ -41,14 +45,17 @@ class _Metrics:
 
 
 class _Ingress:
-    """The two stream methods of the ingress class, on a stand-in with only ``metrics`` (no engines, and no
-    instance of the Serve-wrapped class, whose finaliser needs a running Serve replica)."""
+    """What the HTTP edge reads of the ingress: its config's API key and its metrics."""
 
-    _accounted = OpenAIIngress.func_or_class._accounted
-    _to_response = staticmethod(OpenAIIngress.func_or_class._to_response)
-
-    def __init__(self) -> None:
+    def __init__(self, api_key: str | None = None) -> None:
         self.metrics = _Metrics()
+        self.config = SimpleNamespace(api_key=api_key)
+
+
+def _edge_scope(spec: str, ingress: _Ingress, headers: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
+    """The scope the edge sees inside the app: the app (whose state holds the ingress) and the matched route."""
+    app = SimpleNamespace(state=SimpleNamespace(ingress=ingress))
+    return {**_scope(spec), "app": app, "route": SimpleNamespace(path="/v1/completions"), "headers": headers or []}
 
 
 def _scope(spec: str) -> dict[str, Any]:
@@ -60,9 +67,9 @@ def test_a_client_gone_mid_stream_closes_the_body_before_the_response_returns(sp
     """ASGI 2.4: ``send`` raises once the client is gone; before 2.4: an ``http.disconnect`` arrives."""
     body = _Body()
     ingress = _Ingress()
-    ingress.metrics.in_flight(1)  # as _handle does before it hands a stream over
-    response = ingress._to_response(ingress._accounted("/v1/completions", 0.0, body.lines()))
+    response = _response(body.lines())
     assert isinstance(response, ClosingStreamingResponse)
+    edge = HttpEdge(response)
     sent: list[dict[str, Any]] = []
     gone = asyncio.Event()
 
@@ -80,9 +87,9 @@ def test_a_client_gone_mid_stream_closes_the_body_before_the_response_returns(sp
     async def serve() -> None:
         if spec == "2.4":
             with pytest.raises(ClientDisconnect):
-                await response(_scope(spec), receive, send)
+                await edge(_edge_scope(spec, ingress), receive, send)
         else:
-            await response(_scope(spec), receive, send)
+            await edge(_edge_scope(spec, ingress), receive, send)
         assert body.closed  # closed by the response itself, not later by the garbage collector
 
     asyncio.run(serve())
@@ -114,3 +121,31 @@ def test_a_stream_cancelled_while_it_sends_closes_the_body() -> None:
         assert body.closed
 
     asyncio.run(serve())
+
+
+@pytest.mark.parametrize(("path", "header", "status"), [
+    ("/v1/completions", b"", 401),
+    ("/v1/completions", b"Bearer wrong", 401),
+    ("/v1/completions", b"Bearer sekret", 200),
+    ("/health", b"", 200),  # open: load balancers ask it
+])  # fmt: skip
+def test_the_edge_checks_the_api_key_before_the_route(path: str, header: bytes, status: int) -> None:
+    ingress = _Ingress(api_key="sekret")
+    reached: list[str] = []
+
+    async def route(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+        await _response({"ok": True})(scope, receive, send)
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {**_edge_scope("2.4", ingress, [(b"authorization", header)] if header else []), "path": path,
+             "route": SimpleNamespace(path=path)}
+    asyncio.run(HttpEdge(route)(scope, None, send))
+    assert sent[0]["status"] == status and (reached == [path]) is (status == 200)
+    if status == 401:
+        assert json.loads(sent[1]["body"])["error"]["type"] == "authentication_error"
+    assert ingress.metrics.flight == 0 and ingress.metrics.observed == ([] if status == 401 else [(path, 200)])
