@@ -32,7 +32,8 @@ HEALTH_TIMEOUT_S = 5.0
 _FAILURE_STATUS = {
     "rejected": 400, "duplicate": 400, "queue_full": 429, "unavailable": 503, "aborted": 503, "timeout": 504,
 }
-# Failures that happen before admission and say nothing about the request itself: another replica may take it.
+# Failures that say nothing about the request itself (the replica was full, or is gone): another replica may take
+# it, before admission or, if none of its tokens came back yet, after.
 _TRY_ELSEWHERE = frozenset({"queue_full", "unavailable"})
 _FAILURE_TYPE = {
     "rejected": "invalid_request_error",
@@ -165,24 +166,31 @@ class EngineClient:
                 yield item
 
     async def _routed(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
-        """``generate`` without a deadline. A replica that turns the request away before admitting it (waiting
-        queue full, or gone) is skipped and the next healthy replica is tried; the client sees a 429 / 503 only
-        when none is left."""
+        """``generate`` without a deadline. A replica that turns the request away (waiting queue full, or gone),
+        or that fails after admitting it but before any token of it came back (its worker or scheduler died),
+        is skipped and the request runs on the next healthy replica, unseen by the client; it sees a 429 / 503
+        only when none is left, and an error after tokens were streamed (a retry would repeat them)."""
         tried: set[int] = set()
+        admitted = streamed = False
         while True:
             try:
                 idx = self.router.choose(request.prompt_token_ids, exclude=tried)
             except NoHealthyReplicaError as e:
                 raise APIError(503, f"{e}; retry later", "service_unavailable") from e
             tried.add(idx)
-            admitted = False
             async with contextlib.aclosing(self._attempt(idx, request)) as stream:
                 async for item in stream:
                     if isinstance(item, EngineFailure):
-                        if admitted or item.kind not in _TRY_ELSEWHERE or not self._another(tried):
+                        if streamed or item.kind not in _TRY_ELSEWHERE or not self._another(tried):
                             raise failure_to_api_error(item)
+                        if admitted:
+                            logger.warning("engine replica %d failed before request %s's first token (%s); "
+                                           "running it on another replica", idx, request.req_id, item.message)
                         break
+                    if not item and admitted:
+                        continue  # admitted again, by the replica that took the request over
                     admitted = True
+                    streamed = streamed or bool(item)  # outputs reached the caller: a retry would repeat them
                     yield item
                 else:
                     return

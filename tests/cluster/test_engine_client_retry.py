@@ -1,5 +1,6 @@
 """EngineClient.generate across replicas: a replica that refuses a request before admitting it (queue full,
-gone) is skipped for the next healthy one; failures after admission and bad requests are not retried; a
+gone), or is lost before the request's first token, is skipped for the next healthy one; failures after tokens
+were streamed and bad requests are not retried; a
 request past request_timeout_s is aborted in its engine and ends with HTTP 504.
 
 The engines are fakes with the SchedulerActor's shape (``add.remote`` answers admission, ``output_address``
@@ -131,7 +132,19 @@ def test_a_gone_replica_is_marked_down_and_skipped() -> None:
     assert client.router.healthy_replicas() == [1]
 
 
-def test_failure_after_admission_is_not_retried() -> None:
+def test_a_replica_lost_before_the_first_token_hands_the_request_over() -> None:
+    """Admitted, then the replica's worker died before any output: the request runs on the other replica, and
+    the caller sees one admission and the other replica's tokens."""
+    dying = FakeEngine([[], EngineFailure("unavailable", "engine replica 0 failed")])
+    other = FakeEngine([[], [_out(5)], [_out(6, True)]])
+    client = _client(dying, other)
+    client.router.add(1, 1000)
+    assert _run(client) == [[], [_out(5)], [_out(6, True)]]
+    assert (dying.calls, other.calls) == (1, 1) and client.router.healthy_replicas() == [1]
+    assert [r.outstanding_tokens for r in client.router.replicas] == [0, 1000] and client._routes == {}
+
+
+def test_failure_after_tokens_is_not_retried() -> None:
     dying, other = FakeEngine([[], [_out(1)], EngineFailure("unavailable", "lost")]), FakeEngine([[], [_out(2, True)]])
     client = _client(dying, other)
     client.router.add(1, 1000)
