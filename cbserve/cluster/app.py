@@ -25,4 +25,5 @@ def build_app_from_config(config: CBServeConfig) -> Application:
     """The app of an already checked configuration (``servable_config``)."""
     from cbserve.cluster.ingress import OpenAIIngress
 
-    return OpenAIIngress.bind(config.model_dump())
+    # Serve's own drain of a replica it stops (rollouts, scale-down) gives requests in flight as long
+    return OpenAIIngress.options(graceful_shutdown_timeout_s=config.shutdown_timeout + 5.0).bind(config.model_dump())

@@ -105,6 +105,9 @@ class CBServeConfig(BaseModel):
     disable_any_whitespace: bool = True
     request_timeout_s: float | None = Field(None, gt=0.0)  # a longer request is aborted (HTTP 504)
     node_tuning: Literal["engine-first", "off"] = "engine-first"  # the node's CPU for the engine (node_tuning.py)
+    # on SIGTERM / Ctrl-C and on an ingress replica's shutdown: seconds requests in flight get to finish (new ones
+    # get 503 meanwhile) before the rest are aborted
+    shutdown_timeout: float = Field(20.0, ge=0.0)
 
     @field_validator("speculative_config", mode="before")
     @classmethod

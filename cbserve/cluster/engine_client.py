@@ -250,6 +250,17 @@ class EngineClient:
         if idx is not None:
             self.engines[idx].finish.remote(req_id, index)
 
+    def fail_all(self, message: str) -> None:
+        """End every request in flight with ``message`` (a 503, or an error event in a stream), and abort each
+        in its engine."""
+        failure = EngineFailure("aborted", message)
+        for req_id, idx in list(self._routes.items()):
+            queue = self.channels[idx].queues.get(req_id)
+            if queue is not None:
+                queue.put_nowait([failure])
+            with contextlib.suppress(Exception):
+                self.engines[idx].abort.remote(req_id)
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Release every replica's workers and placement group, then end the actors (blocking)."""
         if self._watcher is not None:

@@ -2,8 +2,9 @@
 OpenAI error shape for bad bodies and for failures, and streamed bodies closed however a response ends.
 
 ``HttpEdge`` is an ASGI middleware on the ingress's FastAPI app: it checks ``Authorization: Bearer <key>``
-(every path but /health and the API docs; 401 otherwise) and counts a request as in flight, with its duration
-running, until its response's last byte is sent or the client goes away. It finds the ingress (its config and
+(every path but /health and the API docs; 401 otherwise), refuses requests while the ingress drains (503 with
+Retry-After) and counts a request as in flight, with its duration running, until its response's last byte is
+sent or the client goes away. It finds the ingress (its config and
 metrics) on ``app.state.ingress``; without one (the app outside Serve) it passes requests through.
 """
 
@@ -24,6 +25,8 @@ from cbserve.frontend.validation import invalid_body_error
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+DRAINING_PATHS = OPEN_PATHS | {"/stats"}  # still answered while the ingress drains
+RETRY_AFTER_S = 5  # what a request refused during a drain is told
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -68,6 +71,11 @@ class HttpEdge:
             if error is not None:
                 await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
                 return
+        if ingress.draining and scope["path"] not in DRAINING_PATHS:
+            error = APIError(503, "the server is shutting down; retry the request", "service_unavailable")
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            await JSONResponse(error.body(), status_code=503, headers=headers)(scope, receive, send)
+            return
         metrics, start, status = ingress.metrics, time.perf_counter(), [500]
 
         async def sending(message: Message) -> None:
@@ -76,9 +84,11 @@ class HttpEdge:
             await send(message)
 
         metrics.in_flight(1)
+        ingress.http_in_flight += 1
         try:
             await self.app(scope, receive, sending)
         finally:
+            ingress.http_in_flight -= 1
             metrics.in_flight(-1)
             route = scope.get("route")
             if route is not None:  # a known route (its template, not the path: bounded label values)

@@ -8,8 +8,10 @@ replicas and router, for operators and tests). Auth, HTTP metrics and OpenAI's e
 the model's numbers come from its files.
 """
 
+import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -142,7 +144,24 @@ class OpenAIIngress:
         )
         self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids)
         self.metrics = IngressMetrics(cfg.model_name)
+        self.draining = False  # set by drain(): new requests are refused
+        self.http_in_flight = 0  # requests the HTTP edge is answering
         api.state.ingress = self  # for the HTTP edge (auth, metrics) and the app's lifespan (shutdown)
+
+    async def drain(self) -> dict[str, int]:
+        """Graceful shutdown (``cbserve serve`` calls it on SIGTERM / Ctrl-C): stop admitting (new requests get
+        503 with Retry-After, /health turns 503 so balancers stop sending), let the requests in flight finish
+        for up to ``shutdown_timeout`` seconds, then end the rest with an error (aborted in their engines)."""
+        self.draining = True
+        at_start = self.http_in_flight
+        logger.info("draining: %d requests in flight, up to %gs", at_start, self.config.shutdown_timeout)
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        while self.http_in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.http_in_flight
+        if left:
+            self.client.fail_all("the server is shutting down; retry the request")
+        return {"in_flight": at_start, "aborted": left}
 
     # ---- OpenAI routes ------------------------------------------------------------------------
     @api.post("/v1/completions", response_model=CompletionResponse, responses=_streams(CompletionResponse))
@@ -164,6 +183,8 @@ class OpenAIIngress:
     # ---- operations ---------------------------------------------------------------------------
     @api.get("/health")
     async def health(self) -> Response:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable")
         await self.client.refresh_health()
         if not self.client.ready:
             states = ", ".join(f"{h.get('replica')}: {h.get('state')}" for h in self.client.health)

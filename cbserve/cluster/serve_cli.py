@@ -221,9 +221,25 @@ def main(args: argparse.Namespace) -> int:
         print(f"cbserve: not ready after {args.ready_timeout:.0f}s; see {base}/health", flush=True)
     try:
         print(f"cbserve: shutting down ({wait_for_stop()})", flush=True)
+        if ready:
+            drain(serve, config)
     finally:
         _shutdown(serve, ray, config)
     return 0
+
+
+def drain(serve: Any, config: CBServeConfig) -> None:
+    """The ingress's graceful drain (``OpenAIIngress.drain``): requests in flight finish for up to
+    ``shutdown_timeout`` seconds, new ones are refused meanwhile, the rest are aborted with an error."""
+    print(f"cbserve: draining (up to {config.shutdown_timeout:g}s for the requests in flight)", flush=True)
+    try:
+        handle = serve.get_app_handle(config.app_name)
+        done = handle.drain.remote().result(timeout_s=config.shutdown_timeout + 30.0)
+    except Exception as e:  # the app is going down either way: say so and shut down
+        print(f"cbserve: drain failed ({type(e).__name__}: {e})", flush=True)
+        return
+    print(f"cbserve: drained: {done['in_flight'] - done['aborted']} of {done['in_flight']} requests in flight "
+          f"finished, {done['aborted']} aborted", flush=True)
 
 
 def wait_for_stop() -> str:

@@ -189,6 +189,29 @@ def test_a_request_past_its_timeout_is_aborted_with_504() -> None:
     assert client._routes == {} and client.router.replicas[0].outstanding_tokens == 0
 
 
+def test_fail_all_ends_requests_in_flight_with_503_and_aborts_them() -> None:
+    """What the ingress's drain does with the requests left at its deadline."""
+    slow = FakeEngine([[], [_out(1)]], hang=True)
+    client = _client(slow)
+    got: list[Any] = []
+
+    async def collect() -> None:
+        async for item in client.generate(EngineRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4))):
+            got.append(item)
+            if len(got) == 2:
+                client.fail_all("the server is shutting down; retry the request")
+
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(APIError) as info:
+            loop.run_until_complete(collect())
+    finally:
+        loop.run_until_complete(_close(client))
+        loop.close()
+    assert info.value.status == 503 and "shutting down" in info.value.message
+    assert got == [[], [_out(1)]] and slow.aborted == ["r1"] and client._routes == {}
+
+
 def test_no_timeout_by_default_and_a_fast_request_is_untouched() -> None:
     assert _run(_client(FakeEngine([[], [_out(1, True)]]))) == [[], [_out(1, True)]]
     fast = FakeEngine([[], [_out(1, True)]])

@@ -47,9 +47,11 @@ class _Metrics:
 class _Ingress:
     """What the HTTP edge reads of the ingress: its config's API key and its metrics."""
 
-    def __init__(self, api_key: str | None = None) -> None:
+    def __init__(self, api_key: str | None = None, draining: bool = False) -> None:
         self.metrics = _Metrics()
         self.config = SimpleNamespace(api_key=api_key)
+        self.draining = draining
+        self.http_in_flight = 0
 
 
 def _edge_scope(spec: str, ingress: _Ingress, headers: list[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
@@ -149,3 +151,26 @@ def test_the_edge_checks_the_api_key_before_the_route(path: str, header: bytes, 
     if status == 401:
         assert json.loads(sent[1]["body"])["error"]["type"] == "authentication_error"
     assert ingress.metrics.flight == 0 and ingress.metrics.observed == ([] if status == 401 else [(path, 200)])
+
+
+@pytest.mark.parametrize(("path", "status"), [("/v1/completions", 503), ("/health", 200), ("/stats", 200)])
+def test_a_draining_edge_refuses_new_requests_with_retry_after(path: str, status: int) -> None:
+    """While the ingress drains, new requests get 503 with Retry-After; /health (whose route answers 503 itself)
+    and /stats still reach their routes."""
+    ingress = _Ingress(draining=True)
+
+    async def route(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert ingress.http_in_flight == 1  # counted while it runs: the drain waits for it
+        await _response({"ok": True})(scope, receive, send)
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {**_edge_scope("2.4", ingress), "path": path, "route": SimpleNamespace(path=path)}
+    asyncio.run(HttpEdge(route)(scope, None, send))
+    assert sent[0]["status"] == status and ingress.http_in_flight == 0
+    if status == 503:
+        assert (b"retry-after", b"5") in sent[0]["headers"]
+        assert json.loads(sent[1]["body"])["error"]["type"] == "service_unavailable"

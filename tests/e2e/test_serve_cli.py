@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -93,12 +94,53 @@ def test_cbserve_serve_with_config_file_serves_times_out_and_stops_on_ctrl_c() -
         _check_priority(srv, stats["engine_pids"], owner)
         _check_no_ray_dashboard_but_metrics_discovery(srv)
         _check_request_timeout(srv, client)
-        srv.proc.send_signal(signal.SIGINT)
-        assert srv.proc.wait(timeout=90) == 0
-        srv.reader.join(timeout=10)
-        assert "shutting down" in srv.output
+        _check_drain_on_sigterm(srv, client)
     finally:
         srv.kill()
+
+
+def _check_drain_on_sigterm(srv: Serve, client: Any) -> None:
+    """SIGTERM with streams in flight: /health turns 503 and a new request gets 503 with Retry-After while the
+    streams run to their end; then the command exits 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    started = threading.Semaphore(0)
+
+    def stream(i: int) -> int:
+        """Streams 48 tokens; the completion tokens the final usage chunk counts."""
+        chunks = client.completions.create(model=MODEL, prompt=f"Count to ten, take {i}:", max_tokens=48,
+                                           temperature=0, stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        first, tokens = True, 0
+        for chunk in chunks:
+            if first and chunk.choices:
+                first = False
+                started.release()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return tokens
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(stream, i) for i in range(4)]
+        for _ in futures:
+            assert started.acquire(timeout=60)
+        srv.proc.send_signal(signal.SIGTERM)
+
+        def refused() -> bool:
+            try:
+                srv.get("/health")
+                return False
+            except urllib.error.HTTPError as e:
+                return e.code == 503
+
+        wait_for("/health 503 while draining", refused, 30, 0.05)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert info.value.status_code == 503 and info.value.response.headers["retry-after"]
+        assert [f.result(timeout=120) for f in futures] == [48] * 4  # every stream ran to its end
+    assert srv.proc.wait(timeout=90) == 0
+    srv.reader.join(timeout=10)
+    assert "shutting down (SIGTERM)" in srv.output and "drained: 4 of 4 requests in flight finished" in srv.output
 
 
 def _check_no_ray_dashboard_but_metrics_discovery(srv: Serve) -> None:
