@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.cbserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup serve generate test lint bench clean
+.PHONY: setup serve generate test lint bench clean gpu-check
 
 setup: $(STAMP)
 
@@ -38,6 +38,19 @@ test: setup lint
 	@# Triton runs the CUDA kernels' tests interpreted on CPU (CUDA builds of torch bring their own).
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q triton
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+# `make gpu-check` proves the CUDA path on one GPU (benchmarks/gpu_check.py): PART=1 correctness, PART=2 speed, each
+# under 6 minutes, both by default; results merged into benchmarks/results/gpu/check.json beside their logs.
+# DRY_RUN=1 runs the same script on the CPU with tiny shapes (CI). It installs nothing: the GPU machines have
+# torch, triton, transformers and pytest but no network, and the tree reaches them without .venv.
+PART ?= all
+DRY_RUN ?= 0
+GPU_CHECK_ARGS ?=
+GPU_CHECK_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+
+gpu-check:
+	PYTHONPATH=.$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_CHECK_PYTHON) benchmarks/gpu_check.py --part $(PART) \
+		$(if $(filter 1 yes true,$(DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 from worker_testlib import fused_qkv, paged_metadata  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.cuda  # the GPU suite (`pytest -m cuda`): compiled on CUDA, interpreted on CPU
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 ATOL, RTOL = (2e-2, 2e-2) if CUDA else (2e-4, 2e-4)
 

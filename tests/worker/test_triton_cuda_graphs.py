@@ -21,6 +21,7 @@ from cbserve.worker.attention import AttentionMetadata, TorchAttentionBackend  #
 from cbserve.worker.cuda_graphs import DecodeCUDAGraphs, capture_sizes, graphs_supported  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
+pytestmark = pytest.mark.cuda  # the GPU suite (`pytest -m cuda`): compiled on CUDA, interpreted on CPU
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 ATOL = 2e-2 if CUDA else 1e-5
 HQ, HKV, D, BS, VOCAB = 4, 2, 64, 16, 50

@@ -17,6 +17,7 @@ if not CUDA:
 pytest.importorskip("triton")
 
 DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.cuda  # the GPU suite (`pytest -m cuda`): compiled on CUDA, interpreted on CPU
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 ATOL, RTOL = (2e-2, 2e-2) if CUDA else (2e-4, 2e-4)
 SCALE = 4 if CUDA else 1  # sequence length multiplier on a real GPU
