@@ -35,6 +35,8 @@ def test_the_probe_decides_by_the_geometric_mean_of_its_ratios() -> None:
     assert _result((0.5, 10.0), (1.0, 8.0)).native_wins  # 2x faster decode, 1.25x slower prefill
     assert not _result((0.5, 30.0), (1.0, 10.0)).native_wins  # 3x slower prefill outweighs it
     assert _result((1.0, 1.0), (1.0, 1.0)).native_wins  # a tie keeps the C kernels
+    assert _result((1.1, 1.1), (1.0, 1.0)).native_wins  # so does 10% slower: within the noise margin
+    assert not _result((1.3, 1.3), (1.0, 1.0)).native_wins
     r = _result((2.0, 2.0), (1.0, 1.0))
     assert r.ratio == pytest.approx(2.0) and r.as_dict()["native_wins"] is False
     assert "1 row: 2.000 vs 1.000 ms" in r.summary() and "ratio 2.00" in r.summary()
