@@ -139,6 +139,7 @@ def throughput_panels(b: Board) -> None:
     b.row("Throughput")
     b.panel("Finished requests / s", [(rate(C + "request_finished_total", by="reason"), "{{reason}}")], "reqps",
             stack=True)  # fmt: skip
+    b.panel("Embeddings / s (runner: pooling)", [(rate(C + "embedding_requests_total"), "embeddings")], "reqps")
     b.panel(
         "Tokens / s",
         [(rate(C + "prompt_tokens_total"), "prompt"), (rate(C + "generation_tokens_total"), "generation")],

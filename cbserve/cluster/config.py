@@ -27,7 +27,8 @@ from cbserve.worker.config import (
     Dtype,
     ModelConfig,
 )
-from cbserve.worker.model_info import SUPPORTED_MODEL_TYPES, ModelInfo, read_model_info
+from cbserve.worker.model_info import SUPPORTED_MODEL_TYPES, ModelInfo, locate_model, read_model_info
+from cbserve.worker.pooling_config import read_pooling_config
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class CBServeConfig(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     num_replicas: int = Field(1, ge=1)  # data-parallel engine replicas
     seed: int = 0
+    # "pooling": the model embeds (/v1/embeddings) instead of generating; pooling from its sentence-transformers
+    # files (worker/pooling_config.py); no prefix caching (a hit would skip tokens the pooling needs)
+    runner: Literal["generate", "pooling"] = "generate"
     # engine
     block_size: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
@@ -128,6 +132,8 @@ class CBServeConfig(BaseModel):
             raise ValueError("max_num_batched_tokens must be >= block_size")
         if not self.route_prefix.startswith("/"):
             raise ValueError("route_prefix must start with '/'")
+        if self.runner == "pooling" and self.speculative_config is not None:
+            raise ValueError("runner 'pooling' does not combine with speculative_config (nothing is generated)")
         return self
 
     # ---- construction -----------------------------------------------------------------------
@@ -205,6 +211,10 @@ class CBServeConfig(BaseModel):
     def engine_config(self, num_blocks: int) -> EngineConfig:
         if self.async_scheduling and self.speculative_config is not None:
             logger.info("speculative_config is set: the engine runs without async scheduling")
+        pooling = self.runner == "pooling"
+        if pooling and self.enable_prefix_caching:
+            logger.info("runner 'pooling': the engine runs without prefix caching (the pooling needs every "
+                        "token's hidden state)")
         return EngineConfig(
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,
@@ -218,9 +228,10 @@ class CBServeConfig(BaseModel):
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_blocks=num_blocks,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self.enable_prefix_caching and not pooling,
             ),
             speculative=self.speculative,
+            runner=self.runner,
         )
 
     def worker_model_config(self, rank: int = 0) -> ModelConfig:
@@ -240,6 +251,7 @@ class CBServeConfig(BaseModel):
             seed=self.seed,
             tensor_parallel_size=self.tensor_parallel_size,
             rank=rank,
+            runner=self.runner,
             **self._draft_fields(),
         )
 
@@ -269,6 +281,11 @@ def servable_config(config: CBServeConfig, device: str | None = None) -> CBServe
         info = read_model_info(config.model)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot load the model {config.model or DEFAULT_MODEL_NAME!r}: {e}") from e
+    if config.runner == "pooling":  # a sentence-transformers pipeline cbserve cannot run stops here
+        try:
+            read_pooling_config(locate_model(config.model).path)
+        except ValueError as e:
+            raise ConfigError(f"runner 'pooling': {e}") from e
     return check_servable(config, info, device)
 
 

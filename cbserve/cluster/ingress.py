@@ -2,8 +2,9 @@
 
 A thin shell over the front end (``frontend/serving.py``): each route takes its typed body (FastAPI validates
 it against the protocol model, so /openapi.json documents it) and hands it over. Routes: /v1/completions,
-/v1/chat/completions (SSE when ``stream``), /v1/models, /health, /tokenize, /detokenize, and /stats (engine
-replicas and router, for operators and tests). Auth, HTTP metrics and OpenAI's error shape are the HTTP edge's
+/v1/chat/completions (SSE when ``stream``), /v1/responses (and GET / DELETE /v1/responses/{id}:
+``frontend/responses_api.py``), /v1/models, /health, /tokenize, /detokenize, and /stats (engine replicas and
+router, for operators and tests). Auth, HTTP metrics and OpenAI's error shape are the HTTP edge's
 (``http_edge.py``); the engine client stops in the app's lifespan. Nothing here imports torch: the tokenizer and
 the model's numbers come from its files.
 """
@@ -36,15 +37,20 @@ from cbserve.frontend.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
 )
+from cbserve.frontend.protocol_responses import ResponseDeleted, ResponseObject, ResponsesRequest
+from cbserve.frontend.responses_api import ResponsesAPI
 from cbserve.frontend.serving import OpenAIServing
 from cbserve.frontend.tokenizer import load_tokenizer
 from cbserve.frontend.validation import ServedModel
+from cbserve.worker.pooling_config import read_pooling_config
 
 logger = logging.getLogger(__name__)
 
@@ -138,11 +144,13 @@ class OpenAIIngress:
         self.client = EngineClient(self.config, app_name, owner)
         cfg = self.config
         vocab = files.vocab_size or len(tokenizer)
+        pooling = read_pooling_config(folder) if cfg.runner == "pooling" else None
         served = ServedModel(
             cfg.model_name, cfg.max_model_len, cfg.max_n, vocab, cfg.ordering == "priority", cfg.tool_call_parser,
-            cfg.reasoning_parser, cfg.disable_any_whitespace,
+            cfg.reasoning_parser, cfg.disable_any_whitespace, runner=cfg.runner, pooling=pooling,
         )
         self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids)
+        self.responses = ResponsesAPI(self.serving)  # its store of responses is this replica's
         self.metrics = IngressMetrics(cfg.model_name)
         self.draining = False  # set by drain(): new requests are refused
         self.http_in_flight = 0  # requests the HTTP edge is answering
@@ -171,6 +179,22 @@ class OpenAIIngress:
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_streams(ChatCompletionChunk))
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         return _response(await self.serving.chat(body, _request_id(request, body.request_id)))
+
+    @api.post("/v1/responses", response_model=ResponseObject)
+    async def create_response(self, body: ResponsesRequest, request: Request) -> Response:
+        return _response(await self.responses.create(body, _request_id(request, body.request_id)))
+
+    @api.get("/v1/responses/{response_id}", response_model=ResponseObject)
+    async def get_response(self, response_id: str) -> Response:
+        return _response(self.responses.retrieve(response_id))
+
+    @api.delete("/v1/responses/{response_id}", response_model=ResponseDeleted)
+    async def delete_response(self, response_id: str) -> Response:
+        return _response(self.responses.delete(response_id))
+
+    @api.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
+        return _response(await self.serving.embeddings(body, _request_id(request, body.request_id)))
 
     @api.get("/v1/models", response_model=ModelList)
     async def models(self) -> Response:

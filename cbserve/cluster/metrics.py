@@ -135,6 +135,7 @@ ENGINE_SPECS: tuple[MetricSpec, ...] = (
     _c("num_preemptions", "Preemptions (running requests sent back to the waiting queue)."),
     _c("prompt_tokens", "Prompt tokens of requests that got their first token (prefill done)."),
     _c("generation_tokens", "Generated tokens."),
+    _c("embedding_requests", "Requests of a pooling engine (runner: pooling) that got their embedding."),
     _c("iteration_prefill_tokens", "Prefill tokens computed by the engine (chunks included)."),
     _c("iteration_decode_tokens", "Decode tokens computed by the engine."),
     _c("request_finished", "Finished requests by finish reason.", REASON, _each("reason", FINISH_REASONS)),
@@ -296,6 +297,7 @@ class EngineMetrics:
         m = self._m
         m.inc("prompt_tokens", it.num_prompt_tokens)
         m.inc("generation_tokens", it.num_generation_tokens)
+        m.inc("embedding_requests", it.num_embedding_requests)
         for ttft in it.ttfts:
             m.observe("time_to_first_token_seconds", ttft)
         for itl in it.inter_token_latencies:

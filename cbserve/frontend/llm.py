@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -23,13 +24,17 @@ from cbserve.scheduler import (
     SpeculativeConfig,
     tune_gc_for_serving,
 )
+from cbserve.scheduler.request import EngineRequest
 from cbserve.scheduler.sampling_params import SamplingParams
 
+from .embeddings import EmbeddingOutput, EmbeddingRequestOutput, pooling_params
 from .model_files import read_model_files
 from .output import CompletionOutput, GenerateOutput, OutputProcessor
 from .tokenizer import apply_chat_template, load_tokenizer
 
-__all__ = ["LLM", "CompletionOutput", "GenerateOutput", "SamplingParams"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "GenerateOutput", "SamplingParams"]
 
 # CPU-friendly engine defaults (the offline benchmark's sweet spot on a small CPU).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
@@ -45,7 +50,7 @@ class LLM:
     ``max_num_batched_tokens``, ``max_num_seqs``, ``kv_cache_memory_bytes``, ``num_kv_blocks``,
     ``gpu_memory_utilization``, ``attention_backend``, ``enforce_eager``, ``cpu_ops``, ``cpu_isa``,
     ``cpu_compact_weights``, ``seed``, ``enable_prefix_caching``, ``policy``, ``max_waiting``, ``progress``,
-    ``speculative_config``
+    ``runner`` ("pooling": ``embed`` instead of ``generate``; no prefix caching), ``speculative_config``
     (vLLM's shape: ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
     "prompt_lookup_max": b}`` or ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}``)."""
 
@@ -61,6 +66,10 @@ class LLM:
         progress = bool(kw.pop("progress", True))
         sched_kw = {k: kw.pop(k) for k in ("policy", "max_waiting", "ordering") if k in kw}
         prefix_caching = bool(kw.pop("enable_prefix_caching", True))
+        self.runner = kw.get("runner", "generate")
+        if self.runner == "pooling" and prefix_caching:
+            logger.info("runner 'pooling': no prefix caching (the pooling needs every token's hidden state)")
+            prefix_caching = False
         speculative = SpeculativeConfig.from_dict(kw.pop("speculative_config", None))
         model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
         unknown = (set(kw) - model_fields) | (set(kw) & {"draft_model", "num_speculative_tokens"})  # via spec config
@@ -90,6 +99,7 @@ class LLM:
                 enable_prefix_caching=prefix_caching,
             ),
             speculative=speculative,
+            runner=self.runner,
         )
         self.engine = EngineCore(self.engine_config, self.executor)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self._finish_on_stop)
@@ -107,6 +117,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[GenerateOutput]:
         """Generate for one prompt or a list of prompts; returns one GenerateOutput per prompt, in order."""
+        self._check_runner("generate", "generate")
         plist = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(plist))
         encoded = [self._encode(p) for p in plist]
@@ -120,6 +131,7 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[GenerateOutput]:
         """Generate replies to one conversation or a list of conversations (chat template applied)."""
+        self._check_runner("generate", "chat")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore
         encoded = []
         for conv in convs:
@@ -127,7 +139,48 @@ class LLM:
             encoded.append((self.tokenizer.decode(ids), ids))
         return self._run(encoded, _as_params_list(sampling_params, len(convs)), use_tqdm)
 
+    def embed(
+        self, prompts: str | list[int] | Sequence[str | list[int]], truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed one prompt or a list of prompts (text or token ids) with a ``runner="pooling"`` model; one output
+        per prompt, in order (``out.outputs.embedding``). ``truncate_prompt_tokens``: keep the last k tokens."""
+        self._check_runner("pooling", "embed")
+        encoded = [self._encode(p) for p in _as_prompt_list(prompts)]
+        if truncate_prompt_tokens is not None:
+            keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            encoded = [(text, ids[-keep:] if keep > 0 else []) for text, ids in encoded]
+        req_ids = [f"llm-{next(self._ids)}" for _ in encoded]
+        vectors: dict[str, list[float]] = {}
+        progress = _Progress(len(encoded), use_tqdm, "Embedding")
+        try:
+            for req_id, (_, ids) in zip(req_ids, encoded, strict=True):
+                self.engine.add_request(EngineRequest(req_id, ids, pooling_params()))
+            while self.engine.has_work():
+                result = self.engine.step_with_batch_queue()
+                for out in [] if result is None else result.outputs:
+                    if out.finished and out.embedding is not None:
+                        vectors[out.req_id] = out.embedding
+                        progress.done(0)
+        except BaseException:
+            self._abort_all(req_ids)
+            raise
+        finally:
+            progress.close()
+        return [EmbeddingRequestOutput(r, EmbeddingOutput(vectors[r]), ids, text)
+                for r, (text, ids) in zip(req_ids, encoded, strict=True)]
+
     # ---- internals ----------------------------------------------------------------------------
+    def _check_runner(self, runner: str, method: str) -> None:
+        if self.runner != runner:
+            raise ValueError(f"LLM.{method} needs runner={runner!r}; this LLM was built with runner={self.runner!r}")
+
+    def _abort_all(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self.engine.abort_request(req_id)
+        while self.engine.has_work():
+            self.engine.step_with_batch_queue()
+
     def _encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer(prompt)["input_ids"])
@@ -157,10 +210,7 @@ class LLM:
                     if state is not None and state.process(out) is not None and state.finished:
                         progress.done(state.num_completion_tokens)
         except BaseException:
-            for req_id in req_ids:
-                self.engine.abort_request(req_id)
-            while self.engine.has_work():
-                self.engine.step_with_batch_queue()
+            self._abort_all(req_ids)
             raise
         finally:
             states = [self.processor.pop(r) for r in req_ids]
@@ -203,8 +253,8 @@ def _as_params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int
 class _Progress:
     """The tqdm bar of one generate() call: finished prompts, with the output throughput."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = tqdm(total=total, desc="Generating", unit="req", disable=not enabled)
+    def __init__(self, total: int, enabled: bool, desc: str = "Generating") -> None:
+        self.bar = tqdm(total=total, desc=desc, unit="req", disable=not enabled)
         self.start = time.perf_counter()
         self.num_output_tokens = 0
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
 
+from .embeddings import Embedder, runner_error
 from .output import OutputProcessor, RequestState, SeqDelta
 from .protocol import (
     APIError,
@@ -23,6 +24,8 @@ from .protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ModelCard,
     ModelList,
     SamplingFields,
@@ -61,11 +64,13 @@ class OpenAIServing:
         template = getattr(tokenizer, "chat_template", None)
         self.tool_parser = resolve_tool_parser(served.tool_call_parser, template)
         self.reasoning_parser = resolve_reasoning_parser(served.reasoning_parser, template)
+        self.embedder = Embedder(self.validator, engine, served.pooling)
 
     # ---- endpoints ----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request_id: str | None = None) -> Answer:
         """``request_id``: the client's id (body ``request_id`` or the X-Request-Id header): the response id
         is ``cmpl-<id>``."""
+        self._check_runner("generate", "/v1/completions")
         v = self.validator
         v.check_request(req)
         if req.logprobs is not None and req.logprobs < 0:
@@ -91,6 +96,7 @@ class OpenAIServing:
         return await self._run(req_id, prompts, params, req, fmt)
 
     async def chat(self, req: ChatCompletionRequest, request_id: str | None = None) -> Answer:
+        self._check_runner("generate", "/v1/chat/completions")
         v = self.validator
         v.check_request(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -113,6 +119,16 @@ class OpenAIServing:
             tool_mode, reasoning,
         )
         return await self._run(req_id, [prompt], [params], req, fmt)
+
+    async def embeddings(self, req: EmbeddingRequest, request_id: str | None = None) -> EmbeddingResponse:
+        """``/v1/embeddings`` (runner "pooling"): one vector per input (``embeddings.py``); the response id is
+        ``embd-<id>``."""
+        self._check_runner("pooling", "/v1/embeddings")
+        return await self.embedder(req, request_id)
+
+    def _check_runner(self, runner: str, endpoint: str) -> None:
+        if self.served.runner != runner:
+            raise runner_error(self.served.runner, endpoint)
 
     def _reasoning_mode(self, req: ChatCompletionRequest, prompt: list[int], constrained: bool) -> ReasoningMode | None:
         """How the request's answers split into reasoning and content (None: no reasoning parser, or
@@ -178,7 +194,7 @@ class OpenAIServing:
         states = [state for state, _ in gens]
         deltas = merge_streams([self._deltas(state, outputs) for state, outputs in gens])
         if stream:
-            return self._sse(deltas, states, fmt, include_usage)
+            return self._sse(deltas, states, fmt, include_usage, gens)
         async for _ in deltas:
             pass
         return fmt.response([c for s in states for c in s.choices()], _usage(states))
@@ -218,13 +234,23 @@ class OpenAIServing:
             self.processor.pop(state.req_id)
             await outputs.aclose()  # type: ignore[attr-defined]
 
+    async def _release(self, gens: list[tuple[RequestState, AsyncIterator[list[RequestOutput]]]]) -> None:
+        """Forget the requests and close their engine streams (aborting them); a no-op for finished ones."""
+        for state, outputs in gens:
+            self.processor.pop(state.req_id)
+            await outputs.aclose()  # type: ignore[attr-defined]
+
     async def _sse(
         self, deltas: AsyncIterator[list[SeqDelta]], states: list[RequestState], fmt: Formatter,
-        include_usage: bool,
+        include_usage: bool, gens: list[tuple[RequestState, AsyncIterator[list[RequestOutput]]]],
     ) -> AsyncIterator[str]:
         """The SSE lines of a streamed answer. Closed early (the client went away), it closes ``deltas`` at
-        once, which releases the engine's stream (aborting the request), rather than when it is collected."""
-        async with contextlib.aclosing(deltas):  # type: ignore[type-var]
+        once, which releases the engine's stream (aborting the request), rather than when it is collected;
+        closed before the first token (``deltas`` never started, so never ran its clean-up), it releases
+        ``gens`` itself, after ``deltas`` closed."""
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(self._release, gens)
+            await stack.enter_async_context(contextlib.aclosing(deltas))  # type: ignore[type-var]
             try:
                 for chunk in fmt.start_chunks():
                     yield sse_event(chunk)

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from cbserve.scheduler.errors import RequestRejectedError
 from cbserve.scheduler.limits import resolve_max_tokens
 from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
+from cbserve.worker.pooling_config import PoolingConfig
 
 from .field_policy import FieldPolicy
 from .protocol import APIError, ChatCompletionRequest, ChatMessage, SamplingFields
@@ -28,7 +29,8 @@ class ServedModel:
     """What requests are checked against: the served name, the context length the engines use, the
     largest n / best_of, the vocabulary size (token-id prompts must stay inside it), the
     ``tool_call_parser`` and ``reasoning_parser`` settings ("auto": from the chat template) and whether
-    JSON output keeps one fixed layout unless a request asks otherwise (``disable_any_whitespace``)."""
+    JSON output keeps one fixed layout unless a request asks otherwise (``disable_any_whitespace``); the
+    ``runner`` ("pooling": embeddings only) and a pooling model's ``pooling`` (``read_pooling_config``)."""
 
     name: str
     max_model_len: int
@@ -38,6 +40,8 @@ class ServedModel:
     tool_call_parser: str = "auto"
     reasoning_parser: str | None = None  # None / "none": off
     disable_any_whitespace: bool = True
+    runner: str = "generate"
+    pooling: PoolingConfig | None = None
 
 
 def parse_body(model_cls: type[M], body: bytes) -> M:

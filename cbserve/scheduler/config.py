@@ -10,6 +10,8 @@ SPEC_METHODS = ("ngram", "draft_model")
 
 Policy = Literal["continuous", "prefill_first", "static", "dynamic"]
 Ordering = Literal["fcfs", "priority"]
+Runner = Literal["generate", "pooling"]
+RUNNERS = ("generate", "pooling")
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     speculative: SpeculativeConfig | None = None
+    # "pooling": every request is a prompt to embed (computed, pooled by the worker, finished with its vector)
+    runner: Runner = "generate"
 
     def __post_init__(self) -> None:
         if self.speculative is not None and self.scheduler.async_scheduling:
             raise ValueError("speculative decoding does not combine with async_scheduling: turn one off")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.runner == "pooling" and (self.cache.enable_prefix_caching or self.speculative is not None):
+            # a prefix-cache hit would skip tokens whose hidden states the pooling needs
+            raise ValueError("runner 'pooling' needs enable_prefix_caching off and no speculative decoding")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from .config import EngineConfig
 from .errors import DuplicateRequestError, QueueFullError, RequestRejectedError
-from .limits import resolve_max_tokens
+from .limits import check_pooling_prompt, resolve_max_tokens
 from .outputs import Executor, ModelRunnerOutput, SchedulerOutput, TokenLogprob, done_future
 from .request import EngineRequest, RequestOutput, RequestStatus
 from .scheduler import Scheduler, StepState
@@ -150,6 +150,8 @@ class EngineCore:
         """Reject what could never run. Returns the effective max_tokens."""
         cfg = self.config
         num_prompt = len(request.prompt_token_ids)
+        if cfg.runner == "pooling":
+            return check_pooling_prompt(num_prompt, cfg.scheduler.max_model_len, request.sampling_params)
         max_tokens = resolve_max_tokens(num_prompt, request.sampling_params.max_tokens, cfg.scheduler.max_model_len)
         # The last generated token is never computed, so its KV needs no slot.
         blocks = math.ceil((num_prompt + max_tokens - 1) / cfg.cache.block_size)
@@ -233,6 +235,8 @@ class EngineCore:
         seqs = self.scheduler.seqs
         if out.prompt_logprobs:
             _store_prompt_logprobs(seqs, out.prompt_logprobs)
+        if out.pooled:
+            self.processor.finish_pooled(out.pooled, now, outputs, it)
         running = RequestStatus.RUNNING
         all_logprobs = out.logprobs
         num_logprobs = len(all_logprobs)

@@ -9,6 +9,7 @@ and tests). Its errors carry ``param``: the request field to blame.
 from __future__ import annotations
 
 from .errors import RequestRejectedError
+from .sampling_params import SamplingParams
 
 
 def context_length_message(max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> str:
@@ -43,3 +44,22 @@ def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model
             param="max_tokens" if num_prompt_tokens < max_model_len else "prompt",
         )
     return max_tokens
+
+
+def check_pooling_prompt(num_prompt_tokens: int, max_model_len: int, params: SamplingParams | None = None) -> int:
+    """A prompt to embed (a pooling engine generates nothing) fits when it holds 1 to ``max_model_len``
+    tokens; its one "output token" is never computed. Returns the max_tokens the engine gives it (1).
+    Raises RequestRejectedError naming ``input``."""
+    if params is not None and (params.num_sequences != 1 or params.use_beam_search):
+        raise RequestRejectedError("a pooling model embeds its input once: n, best_of and beam search are not "
+                                   "available", param="n")
+    if num_prompt_tokens <= 0:
+        raise RequestRejectedError("the input is empty: at least one token is needed", param="input")
+    if num_prompt_tokens > max_model_len:
+        raise RequestRejectedError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens} tokens in the input for embedding generation. Please reduce the length of the "
+            "input (or set truncate_prompt_tokens).",
+            param="input",
+        )
+    return 1

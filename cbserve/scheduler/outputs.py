@@ -22,6 +22,9 @@ Protocol (the scheduler is the single source of truth for token ids):
   need; the scheduler does the same (``spec_decode.rollback``).
 - ``block_copies`` (src, dst) are carried out before the forward pass (copy-on-write after a fork).
 - ``finished_req_ids`` and ``preempted_req_ids``: the worker drops its state for them.
+- Pooling (an engine with ``EngineConfig.runner == "pooling"``): the worker samples nothing; at the step that
+  completes a request's prompt it returns the request's pooled vector in ``ModelRunnerOutput.pooled`` (pooling
+  over prompt chunks accumulates in its own state) and the engine finishes the request with it.
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
     # Speculative decoding with a draft model: req id -> the draft's proposal for its next step.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Pooling engines: req id -> the request's embedding, for requests whose prompt completed this step.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 class Executor(Protocol):

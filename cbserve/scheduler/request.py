@@ -69,3 +69,5 @@ class RequestOutput:
     final_token_ids: list[int] | None = None
     # With ``prompt_logprobs``: on the request's first output, one entry per prompt token (the first None).
     prompt_logprobs: list | None = None
+    # Pooling engines: the request's embedding, on its one (finished) output.
+    embedding: list[float] | None = None

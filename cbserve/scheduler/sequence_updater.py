@@ -118,6 +118,27 @@ class SequenceUpdater:
         if status is not None:
             self.finish_sequence(seq, status, now, outputs, it)
 
+    # ---- pooling ----------------------------------------------------------------------------------
+    def finish_pooled(
+        self, pooled: dict[str, list[float]], now: float, outputs: list[RequestOutput], it: IterationStats
+    ) -> None:
+        """A pooling engine: each request whose prompt completed finishes with its embedding (its blocks freed)."""
+        seqs = self.scheduler.seqs
+        for seq_id, vector in pooled.items():
+            seq = seqs.get(seq_id)
+            if seq is None or seq.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted meanwhile
+            group = seq.group
+            times = group.times
+            times.first_token = times.last_token = now
+            it.num_prompt_tokens += group.num_prompt_tokens
+            it.num_embedding_requests += 1
+            outputs.append(
+                RequestOutput(group.req_id, seq.index, [], None, True, "stop", group.num_prompt_tokens,
+                              times.num_cached_tokens, embedding=vector)
+            )
+            self.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, now, outputs, it)
+
     # ---- finishing --------------------------------------------------------------------------------
     def finish_external(
         self,

@@ -136,7 +136,8 @@ class IterationStats:
     """What happened to requests during one step: the source of latency histograms and counters."""
 
     num_generation_tokens: int = 0
-    num_prompt_tokens: int = 0  # prompt tokens of requests that got their first token this step
+    num_prompt_tokens: int = 0  # prompt tokens of requests that got their first token (or embedding) this step
+    num_embedding_requests: int = 0  # requests of a pooling engine that got their embedding this step
     ttfts: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)

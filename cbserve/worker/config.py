@@ -13,9 +13,11 @@ Device = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash"]
 CpuOpsName = Literal["auto", "native", "onednn", "torch"]
 CpuIsaName = Literal["auto", "avx512", "avx2", "scalar"]
+RunnerName = Literal["generate", "pooling"]
 
 _DTYPES, _DEVICES = get_args(Dtype), get_args(Device)
 _BACKENDS, _CPU_OPS, _CPU_ISAS = get_args(AttentionBackendName), get_args(CpuOpsName), get_args(CpuIsaName)
+_RUNNERS = get_args(RunnerName)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
@@ -42,6 +44,7 @@ class ModelConfig:
     reproducibly from a fresh worker. Served, these values come from ``cluster.config.CBServeConfig``.
     ``draft_model`` / ``num_speculative_tokens``: speculative decoding's draft model (its path) and how many
     tokens it proposes a step (from ``speculative_config`` with method "draft_model"; see draft_model.py).
+    ``runner="pooling"``: the worker samples nothing and returns each prompt's embedding (pooler.py).
     """
 
     model: str | None = None
@@ -60,6 +63,7 @@ class ModelConfig:
     rank: int = 0
     draft_model: str | None = None
     num_speculative_tokens: int = 0
+    runner: RunnerName = "generate"
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -68,6 +72,10 @@ class ModelConfig:
             raise ValueError(f"draft_model must be a non-empty path or None, got {self.draft_model!r}")
         if self.draft_model is not None and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1 with a draft model: {self.num_speculative_tokens}")
+        if self.runner not in _RUNNERS:
+            raise ValueError(f"runner must be one of {_RUNNERS}, got {self.runner!r}")
+        if self.runner == "pooling" and self.draft_model is not None:
+            raise ValueError("runner 'pooling' does not combine with a draft model")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in _DEVICES:

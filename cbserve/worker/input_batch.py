@@ -26,6 +26,7 @@ class CachedRequestState:
     num_computed_tokens: int
     num_samples: int = 1
     seed: int | None = None
+    pooled: torch.Tensor | None = None  # pooling runner: what the prompt's chunks so far pooled to (pooler.py)
 
     @classmethod
     def from_new(cls, d: NewRequestData) -> CachedRequestState:

@@ -22,6 +22,8 @@ from .model_build import build_model
 from .model_info import head_dim_of, num_kv_heads_of, read_eos_token_ids
 from .model_loader import hide_triton_from_torch, load_hf_config, resolve_model
 from .parallel import broadcast_from_rank0, divide, tp_rank, tp_world_size
+from .pooler import Pooler
+from .pooling_config import read_pooling_config
 from .profiling import profile_cuda_kv_budget
 from .prompt_logprobs import compute_prompt_logprobs
 from .sampler import Sampler
@@ -88,6 +90,12 @@ class ModelRunner:
         self.draft: DraftModel | None = None  # speculative decoding with a draft model (draft_model.py)
         if config.draft_model is not None:
             self.draft = DraftModel(config, self.model_folder, vocab, block_size, max_num_seqs, self.max_model_len)
+        self.pooler: Pooler | None = None  # runner "pooling": embeddings instead of samples
+        if config.runner == "pooling":
+            pooling = read_pooling_config(self.model_folder)
+            self.pooler = Pooler(pooling, lambda x: self.model.model.norm(x)[0])
+            logger.info("pooling runner: %s pooling%s (from %s)", pooling.pooling_type,
+                        ", normalized" if pooling.normalize else "", pooling.source)
 
     @property
     def num_layers(self) -> int:
@@ -153,6 +161,8 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         batch = build_batch(states, so.num_scheduled_tokens, self.block_size, self.device, spec)
         hidden = self._hidden(batch)
+        if self.pooler is not None:
+            return self._pool(so, states, hidden, t0)
         logits = self._logits(batch, hidden)
         out = self._sample(batch, logits) if tp_rank() == 0 else ModelRunnerOutput()
         if batch.prompt_lp:  # every rank: the LM head is a collective under tensor parallelism
@@ -167,6 +177,15 @@ class ModelRunner:
             out.draft_token_ids = self.draft.propose(sampled, self.sampler)
         out.forward_time_s = time.perf_counter() - t0
         return out
+
+    def _pool(self, so: SchedulerOutput, states: list[CachedRequestState], hidden: torch.Tensor,
+              t0: float) -> ModelRunnerOutput:
+        """The pooling runner's step: no logits, no samples; the embeddings of the prompts this step completed."""
+        lens = [so.num_scheduled_tokens[s.req_id] for s in states]
+        pooled = self.pooler(hidden, states, lens) if self.pooler is not None and tp_rank() == 0 else {}
+        for state, n in zip(states, lens, strict=True):
+            state.num_computed_tokens += n
+        return ModelRunnerOutput(pooled=pooled, forward_time_s=time.perf_counter() - t0)
 
     def forward_logits(self, batch: PreparedBatch, kv_caches: list[KVCache]) -> torch.Tensor | None:
         """Logits of the batch's ``logits_rows`` (None when there are none), run eagerly over ``kv_caches``

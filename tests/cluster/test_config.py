@@ -249,7 +249,7 @@ def test_the_worker_config_is_derived_from_every_matching_field() -> None:
     values = {"model": "/m", "dtype": "bfloat16", "device": "cpu", "max_model_len": 77, "seed": 5,
               "kv_cache_memory_bytes": 12345, "gpu_memory_utilization": 0.5, "attention_backend": "torch",
               "enforce_eager": True, "cpu_ops": "native", "cpu_isa": "scalar", "cpu_compact_weights": False,
-              "tensor_parallel_size": 3}  # fmt: skip
+              "tensor_parallel_size": 3, "runner": "pooling"}  # fmt: skip
     mc = CBServeConfig(**values).worker_model_config(rank=2)
     # the draft model's fields come from speculative_config (see the speculative_config test below)
     assert {f.name for f in dataclasses.fields(ModelConfig)} == set(values) | {"rank", "draft_model",
@@ -268,6 +268,21 @@ def test_the_engine_config_is_derived_from_the_engine_fields() -> None:
     )
     assert sc.async_scheduling is True  # the served engine overlaps by default
     assert CBServeConfig(async_scheduling=False).engine_config(num_blocks=4).scheduler.async_scheduling is False
+
+
+def test_runner_pooling_reaches_the_engine_without_prefix_caching(tmp_path: Path) -> None:
+    ec = CBServeConfig(runner="pooling").engine_config(num_blocks=4)
+    assert (ec.runner, ec.cache.enable_prefix_caching) == ("pooling", False)
+    assert CBServeConfig().engine_config(num_blocks=4).runner == "generate"
+    with pytest.raises(ValueError, match="speculative_config"):
+        CBServeConfig(runner="pooling", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    folder = Path(_hf_folder(tmp_path))
+    (folder / "modules.json").write_text(json.dumps([{"path": "1_Pooling", "type": "x.Pooling"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "weightedmean"}))
+    servable_config(CBServeConfig(model=str(folder)))  # generating: the files do not matter
+    with pytest.raises(ConfigError, match="runner 'pooling'.*weightedmean"):
+        servable_config(CBServeConfig(model=str(folder), runner="pooling"))
 
 
 @pytest.mark.parametrize("bad", [{"request_timeout_s": 0}, {"request_timeout_s": -1}, {"attention_backend": "x"}])

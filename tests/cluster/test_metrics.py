@@ -290,6 +290,7 @@ def test_engine_metrics_observe_step(log: list) -> None:
     it = IterationStats(
         num_generation_tokens=4, num_prompt_tokens=7, ttfts=[1.0], inter_token_latencies=[0.1, 0.2],
         finished=[FinishedRequestStats("length", times)], rejected_reasons=["prompt too long"],
+        num_embedding_requests=2,
     )  # fmt: skip
 
     class Result:
@@ -301,6 +302,7 @@ def test_engine_metrics_observe_step(log: list) -> None:
     assert _values(log, "num_requests_running") == [3.0]
     assert _values(log, "kv_cache_usage_ratio") == [0.25]
     assert _values(log, "prefix_cache_hits") == [16.0]
+    assert _values(log, "embedding_requests") == [2.0]
     assert _values(log, "iteration_prefill_tokens") == [40.0]
     assert _values(log, "iteration_tokens") == [43.0]
     assert _values(log, "iteration_batch_size") == [4.0]

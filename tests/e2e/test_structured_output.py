@@ -6,7 +6,9 @@
   template, so ``tool_call_parser: auto`` picks the Hermes ``<tool_call>`` parser, and the ``qwen3``
   reasoning parser. Random weights never write a tool call or a ``<think>`` block themselves: both are
   driven end to end by forcing the text with a regex (``structured_outputs``) and checked to return plain
-  content otherwise.
+  content otherwise;
+- ``emb`` at ``/emb``: ``qwen``'s tiny random Llama served with ``runner: pooling`` (mean pooling + Normalize from its
+  sentence-transformers files, Matryoshka), checked against sentence-transformers' ``encode``.
 """
 
 from __future__ import annotations
@@ -75,9 +77,29 @@ def _make_qwen_model(folder: Path) -> Path:
     return folder
 
 
+def _make_embedding_model(qwen: Path, folder: Path) -> Path:
+    """The ``qwen`` app's tiny model (copied: nothing more to build) with hand-written sentence-transformers files
+    (mean pooling, Normalize) and ``is_matryoshka`` (vLLM's key) in its config."""
+    import shutil
+
+    shutil.copytree(qwen, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
+    modules = [{"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+               for i, (path, kind) in enumerate([("", "Transformer"), ("1_Pooling", "Pooling"),
+                                                 ("2_Normalize", "Normalize")])]  # fmt: skip
+    (folder / "modules.json").write_text(json.dumps(modules))
+    for sub in ("1_Pooling", "2_Normalize"):
+        (folder / sub).mkdir()
+    pooling = {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return folder
+
+
 class Apps:
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, emb_folder: Path | None = None) -> None:
         self.base = base
+        self.emb_folder = emb_folder
 
     def client(self, prefix: str = "") -> Any:
         return openai.OpenAI(base_url=f"{self.base}{prefix}/v1", api_key="none", max_retries=0, timeout=300)
@@ -103,6 +125,7 @@ def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apps]:
     from cbserve.cluster.app import build_app
 
     qwen = _make_qwen_model(tmp_path_factory.mktemp("qwen") / "qwen-tools")
+    emb = _make_embedding_model(qwen, tmp_path_factory.mktemp("emb") / "emb")
     port = free_port()
     ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="cbserve-structured",
              object_store_memory=256 * 1024**2)  # fmt: skip
@@ -112,10 +135,12 @@ def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apps]:
             RunTarget(build_app(dict(COMMON, max_num_seqs=16)), name="main", route_prefix="/"),
             RunTarget(build_app(dict(COMMON, model=str(qwen), served_model_name="qwen", reasoning_parser="qwen3")),
                       name="qwen", route_prefix="/qwen"),
+            RunTarget(build_app(dict(COMMON, model=str(emb), served_model_name="emb", runner="pooling",
+                                     max_num_seqs=8)), name="emb", route_prefix="/emb"),
         ], wait_for_applications_running=False)  # fmt: skip
-        a = Apps(f"http://127.0.0.1:{port}")
+        a = Apps(f"http://127.0.0.1:{port}", emb)
         healthy = lambda p: a.client(p).with_options(timeout=5).models.list()  # noqa: E731
-        wait_for("both apps", lambda: healthy("") and healthy("/qwen"), 600, 1.0)
+        wait_for("the apps", lambda: healthy("") and healthy("/qwen") and healthy("/emb"), 600, 1.0)
         yield a
     finally:
         serve.shutdown()
@@ -324,3 +349,27 @@ def test_langchain_structured_output_and_bind_tools(apps: Apps) -> None:
     msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Rome for 2 days?")
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
     assert set(msg.tool_calls[0]["args"]) == {"city", "days"} and isinstance(msg.tool_calls[0]["args"]["days"], int)
+
+
+# ---- embeddings (runner: pooling) -----------------------------------------------------------------------
+def test_embeddings_match_sentence_transformers(apps: Apps) -> None:
+    """The official client asks for base64 (and decodes it); ``dimensions`` cuts the Matryoshka vector and
+    renormalizes it; the two runners refuse each other's endpoints."""
+    import torch
+
+    st = pytest.importorskip("sentence_transformers")
+    texts = ["The quick brown fox", "jumps over the lazy dog, " * 40, "hi"]
+    client = apps.client("/emb")
+    r = client.embeddings.create(model="emb", input=texts)
+    ref = torch.as_tensor(st.SentenceTransformer(str(apps.emb_folder), device="cpu").encode(texts)).double()
+    ours = torch.tensor([d.embedding for d in r.data], dtype=torch.float64)
+    assert [d.index for d in r.data] == [0, 1, 2] and r.model == "emb"
+    assert torch.nn.functional.cosine_similarity(ours, ref, dim=-1).min() >= 0.9999
+    assert r.usage.prompt_tokens == r.usage.total_tokens > 200
+    cut = client.embeddings.create(model="emb", input=texts[0], dimensions=16, encoding_format="float")
+    want = torch.nn.functional.normalize(ref[0, :16], dim=0)
+    assert torch.allclose(torch.tensor(cut.data[0].embedding, dtype=torch.float64), want, atol=1e-4)
+    status, body = apps.post("/emb/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and "runner 'pooling'" in body["error"]["message"], body
+    status, body = apps.post("/v1/embeddings", {"input": "hi"})
+    assert status == 400 and "--runner pooling" in body["error"]["message"], body
