@@ -71,6 +71,9 @@ class CBServeConfig(BaseModel):
     policy: Literal["continuous", "prefill_first", "static", "dynamic"] = "continuous"
     ordering: Literal["fcfs", "priority"] = "fcfs"  # "priority": requests' ``priority`` orders them (lower first)
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True  # off: a prompt longer than the step's token budget waits for a step of its own
+    dynamic_batch_window_s: float = Field(0.05, ge=0.0)  # policy "dynamic": collect requests for this long...
+    dynamic_batch_size: int = Field(32, ge=1)  # ...or until this many wait, then run them as a static batch
     max_waiting: int = Field(4096, ge=0)
     # schedule the next step while the current one runs (the hop and the scheduler's work overlap the forward)
     async_scheduling: bool = True
@@ -222,6 +225,9 @@ class CBServeConfig(BaseModel):
                 max_model_len=self.max_model_len,
                 policy=self.policy,
                 ordering=self.ordering,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                dynamic_batch_window_s=self.dynamic_batch_window_s,
+                dynamic_batch_size=self.dynamic_batch_size,
                 max_waiting=self.max_waiting,
                 async_scheduling=self.uses_async_scheduling,
             ),

@@ -41,6 +41,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_MAX_MODEL_LEN = 2048
 
+# The scheduler's settings LLM takes under CBServeConfig's names (the same as SchedulerConfig's).
+SCHEDULER_KNOBS = ("policy", "max_waiting", "ordering", "enable_chunked_prefill", "dynamic_batch_window_s",
+                   "dynamic_batch_size", "async_scheduling")
+
 Messages = list[dict[str, Any]]
 PromptInput = str | list[int] | Messages
 
@@ -50,6 +54,8 @@ class LLM:
     ``max_num_batched_tokens``, ``max_num_seqs``, ``kv_cache_memory_bytes``, ``num_kv_blocks``,
     ``gpu_memory_utilization``, ``attention_backend``, ``enforce_eager``, ``cpu_ops``, ``cpu_isa``,
     ``cpu_compact_weights``, ``seed``, ``enable_prefix_caching``, ``policy``, ``max_waiting``, ``progress``,
+    ``ordering``, ``enable_chunked_prefill``, ``dynamic_batch_window_s``, ``dynamic_batch_size``, ``async_scheduling``
+    (the engine's loop keeps two steps in flight, as served),
     ``runner`` ("pooling": ``embed`` instead of ``generate``; no prefix caching), ``speculative_config``
     (vLLM's shape: ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
     "prompt_lookup_max": b}`` or ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}``)."""
@@ -64,7 +70,7 @@ class LLM:
         max_seqs = int(kw.pop("max_num_seqs", None) or DEFAULT_MAX_NUM_SEQS)
         num_blocks = kw.pop("num_kv_blocks", None)
         progress = bool(kw.pop("progress", True))
-        sched_kw = {k: kw.pop(k) for k in ("policy", "max_waiting", "ordering") if k in kw}
+        sched_kw = {k: kw.pop(k) for k in SCHEDULER_KNOBS if k in kw}
         prefix_caching = bool(kw.pop("enable_prefix_caching", True))
         self.runner = kw.get("runner", "generate")
         if self.runner == "pooling" and prefix_caching:

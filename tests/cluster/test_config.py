@@ -268,6 +268,9 @@ def test_the_engine_config_is_derived_from_the_engine_fields() -> None:
     )
     assert sc.async_scheduling is True  # the served engine overlaps by default
     assert CBServeConfig(async_scheduling=False).engine_config(num_blocks=4).scheduler.async_scheduling is False
+    knobs = CBServeConfig(enable_chunked_prefill=False, policy="dynamic", dynamic_batch_window_s=0.2,
+                          dynamic_batch_size=5).engine_config(num_blocks=4).scheduler
+    assert (knobs.enable_chunked_prefill, knobs.dynamic_batch_window_s, knobs.dynamic_batch_size) == (False, 0.2, 5)
 
 
 def test_runner_pooling_reaches_the_engine_without_prefix_caching(tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ def test_family_matches_hf(tiny: tuple, path: str, caplog: pytest.LogCaptureFixt
 
 def test_text_prompts_through_llm(tiny: tuple) -> None:
     """The folder's tokenizer serves text: ``LLM.generate`` on a text prompt gives HF's greedy continuation,
-    detokenized."""
+    detokenized, through the engine's pipelined loop as served (async scheduling: two steps in flight)."""
     from transformers import AutoTokenizer
 
     from cbserve import LLM
@@ -74,7 +74,8 @@ def test_text_prompts_through_llm(tiny: tuple) -> None:
     text = " ".join(f"w{i}" for i in range(3, 40, 2))  # 19 words: longer than the window
     ids = tok(text)["input_ids"]
     llm = LLM(str(folder), max_model_len=MAX_MODEL_LEN.get(family, 256), num_kv_blocks=64, block_size=4,
-              progress=False)
+              progress=False, async_scheduling=True)
+    assert llm.engine.max_in_flight == 2
     try:
         out = llm.generate(text, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     finally:
