@@ -98,6 +98,12 @@ def _chunk_of(line: str) -> dict[str, Any] | None:
     return None if data == "[DONE]" else json.loads(data)
 
 
+async def _after(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for line in rest:
+        yield line
+
+
 class ResponsesStream:
     """A streamed chat completion's SSE lines as the Responses' events. ``on_done`` gets the final response
     (the API stores it when asked)."""
@@ -115,10 +121,11 @@ class ResponsesStream:
     async def events(self, lines: AsyncIterator[str]) -> AsyncIterator[str]:
         """Closed early (the client went away), it closes the chat stream at once, which aborts the request."""
         async with contextlib.aclosing(lines):  # type: ignore[type-var]
+            first = await anext(lines, "")  # the chat's first chunk (no token yet): started, it cleans up when closed
             snapshot = self._response("in_progress").model_dump()
             yield self._event("response.created", response=snapshot)
             yield self._event("response.in_progress", response=snapshot)
-            async for line in lines:
+            async for line in _after(first, lines):
                 chunk = _chunk_of(line)
                 if chunk is not None and "error" in chunk:
                     for event in self._failed(chunk["error"]):

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import e2e_responses
 import pytest
 from e2e_lib import free_port, wait_for
 from pydantic import BaseModel, Field
@@ -349,6 +350,15 @@ def test_langchain_structured_output_and_bind_tools(apps: Apps) -> None:
     msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Rome for 2 days?")
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
     assert set(msg.tool_calls[0]["args"]) == {"city", "days"} and isinstance(msg.tool_calls[0]["args"]["days"], int)
+
+
+# ---- the Responses API (e2e_responses.py) ----------------------------------------------------------------
+def test_responses_api_through_the_official_client_and_langchain(apps: Apps) -> None:
+    client = apps.client()
+    model = _model(client)
+    e2e_responses.check_text_whole_and_streamed(client, model)
+    e2e_responses.check_forced_tool_call_and_its_answer(client, model)
+    e2e_responses.check_langchain_tool_call(f"{apps.base}/v1", model)
 
 
 # ---- embeddings (runner: pooling) -----------------------------------------------------------------------

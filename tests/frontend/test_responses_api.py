@@ -17,7 +17,7 @@ from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, out
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from cbserve.frontend.protocol import APIError
+from cbserve.frontend.protocol import APIError, ChatCompletionRequest
 from cbserve.frontend.protocol_responses import ResponseObject, ResponsesRequest
 from cbserve.frontend.response_store import ResponseStore, StoredResponse
 from cbserve.frontend.responses_api import ResponsesAPI, chat_request
@@ -310,8 +310,7 @@ def test_input_items_as_chat_messages() -> None:
      ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]"),
      ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content"),
      ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
-     ({"max_output_tokens": 10**6}, "max_output_tokens"), ({"input": []}, "input"),
-     ({"tools": [TOOL]}, "tool_choice")],
+     ({"max_output_tokens": 10**6}, "max_output_tokens"), ({"input": []}, "input")],
 )  # fmt: skip
 def test_unsupported_fields_are_400s_naming_them(body: dict[str, Any], param: str) -> None:
     api, engine = _api(["x"])
@@ -347,14 +346,34 @@ def test_an_error_after_the_stream_started_is_an_error_event_then_failed() -> No
     assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["code"] == "server_error"
 
 
-def test_closing_the_stream_early_releases_the_engine_request() -> None:
-    api, engine = _api(["a", "b", "c"])
+def test_closing_the_stream_before_the_first_token_releases_the_engine_request() -> None:
+    """The client goes away after ``response.created`` (a chat client after the role chunk): the request is
+    forgotten and its engine stream closed at once, though no token came."""
+    api, engine = _api(["a", "b", "c"], ["a", "b", "c"])
 
-    async def run() -> None:
-        stream = await api.create(ResponsesRequest(input="hi", stream=True))
-        await stream.__anext__()  # type: ignore[union-attr]
-        await stream.aclose()  # type: ignore[union-attr]
-        await asyncio.sleep(0)
+    async def run(stream: Any) -> None:
+        stream = await stream
+        await stream.__anext__()
+        await stream.aclose()
 
-    asyncio.run(run())
+    asyncio.run(run(api.create(ResponsesRequest(input="hi", stream=True))))
     assert engine.closed == [engine.requests[0].req_id] and not api.serving.processor.requests
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True)
+    asyncio.run(run(api.serving.chat(chat)))
+    assert engine.closed[1] == engine.requests[1].req_id and not api.serving.processor.requests
+
+
+def test_openapi_documents_the_responses_routes() -> None:
+    pytest.importorskip("ray")
+    from cbserve.cluster.ingress import api
+
+    doc = api.openapi()
+    post, one = doc["paths"]["/v1/responses"]["post"], doc["paths"]["/v1/responses/{response_id}"]
+    get, delete = one["get"], one["delete"]
+    ref = post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    body = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert {"input", "instructions", "tools", "tool_choice", "text", "store", "previous_response_id"} <= set(
+        body["properties"]) and body["required"] == ["input"]  # fmt: skip
+    for op in (post, get):
+        assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ResponseObject")
+    assert delete["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ResponseDeleted")
