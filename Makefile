@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.cbserve-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup serve generate test lint bench clean gpu-check
+.PHONY: setup serve generate test test-bench lint bench clean gpu-check
 
 setup: $(STAMP)
 
@@ -38,6 +38,11 @@ test: setup lint
 	@# Triton runs the CUDA kernels' tests interpreted on CPU (CUDA builds of torch bring their own).
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q triton
 	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+# The benchmark scripts' end-to-end smoke runs (bench_serving.py, bench_spec_serving.py against real servers):
+# minutes each, so outside `make test`.
+test-bench: setup
+	$(BIN)/pytest -q -m bench $(PYTEST_ARGS)
 
 # `make gpu-check` proves the CUDA path on one GPU (benchmarks/gpu_check.py): PART=1 correctness, PART=2 speed, each
 # under 6 minutes, both by default; results merged into benchmarks/results/gpu/check.json beside their logs.

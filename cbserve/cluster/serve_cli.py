@@ -220,20 +220,28 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(f"cbserve: not ready after {args.ready_timeout:.0f}s; see {base}/health", flush=True)
     try:
+        handle = _app_handle(serve, config) if ready else None  # at hand before the signal: the drain starts at once
         print(f"cbserve: shutting down ({wait_for_stop()})", flush=True)
-        if ready:
-            drain(serve, config)
+        if handle is not None:
+            drain(handle, config)
     finally:
         _shutdown(serve, ray, config)
     return 0
 
 
-def drain(serve: Any, config: CBServeConfig) -> None:
+def _app_handle(serve: Any, config: CBServeConfig) -> Any:
+    try:
+        return serve.get_app_handle(config.app_name)
+    except Exception as e:  # serving goes on; a stop then shuts down without draining
+        logger.warning("no handle on the app (%s: %s): a stop will not drain", type(e).__name__, e)
+        return None
+
+
+def drain(handle: Any, config: CBServeConfig) -> None:
     """The ingress's graceful drain (``OpenAIIngress.drain``): requests in flight finish for up to
     ``shutdown_timeout`` seconds, new ones are refused meanwhile, the rest are aborted with an error."""
     print(f"cbserve: draining (up to {config.shutdown_timeout:g}s for the requests in flight)", flush=True)
     try:
-        handle = serve.get_app_handle(config.app_name)
         done = handle.drain.remote().result(timeout_s=config.shutdown_timeout + 30.0)
     except Exception as e:  # the app is going down either way: say so and shut down
         print(f"cbserve: drain failed ({type(e).__name__}: {e})", flush=True)

@@ -308,6 +308,9 @@ def test_cbserve_serve_deploys_with_host_port_route_prefix_and_app_name(
     monkeypatch.setattr(serve, "delete", lambda name: calls.update(deleted=name))
     monkeypatch.setattr(ray, "shutdown", lambda: calls.update(shutdown=True))
     monkeypatch.setattr(serve_cli, "wait_ready", lambda base, timeout, key: calls.update(base=base) or (True, None))
+    drained = argparse.Namespace(result=lambda timeout_s: {"in_flight": 2, "aborted": 0})
+    handle = argparse.Namespace(drain=argparse.Namespace(remote=lambda: drained))
+    monkeypatch.setattr(serve, "get_app_handle", lambda name: calls.update(drained=name) or handle)
 
     def interrupted(seconds: float) -> None:
         raise KeyboardInterrupt
@@ -322,7 +325,9 @@ def test_cbserve_serve_deploys_with_host_port_route_prefix_and_app_name(
     assert calls["base"] == "http://127.0.0.2:8123/llm" and calls["deleted"] == "my-app" and calls["shutdown"]
     deployed = CBServeConfig.model_validate(calls["app"]._bound_deployment.init_args[0])  # type: ignore[attr-defined]
     assert deployed.max_model_len == 256 and deployed.app_name == "my-app"
-    assert "http://127.0.0.2:8123/llm/v1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "http://127.0.0.2:8123/llm/v1" in out
+    assert calls["drained"] == "my-app" and "drained: 2 of 2 requests in flight finished, 0 aborted" in out
 
 
 def test_the_hop_and_the_worker_threads_follow_the_device() -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from cbserve.worker.cpu.native import supported_levels
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.ray, pytest.mark.bench, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_serving.py"
