@@ -255,9 +255,7 @@ class EngineClient:
         in its engine."""
         failure = EngineFailure("aborted", message)
         for req_id, idx in list(self._routes.items()):
-            queue = self.channels[idx].queues.get(req_id)
-            if queue is not None:
-                queue.put_nowait([failure])
+            self.channels[idx].fail(req_id, failure)
             with contextlib.suppress(Exception):
                 self.engines[idx].abort.remote(req_id)
 

@@ -147,24 +147,30 @@ def probe_cached(kernels: CpuKernels, hidden: int, inter: int, bf16_products: bo
     verdict) and kept. A folder that cannot be written only costs the sharing: the probe runs each time."""
     path = verdict_path(kernels, hidden, inter, bf16_products)
     try:
-        with open(path.with_suffix(".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            kept = _read_verdict(path)
-            if kept is not None:
-                return kept
-            result = probe_linear(kernels, hidden, inter, bf16_products)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(result.as_dict()))
-            tmp.replace(path)
-            return result
+        lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 - held across the probe below
     except OSError:
         return probe_linear(kernels, hidden, inter, bf16_products)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        kept = _read_verdict(path)
+        if kept is not None:
+            return kept
+        result = probe_linear(kernels, hidden, inter, bf16_products)
+        _keep_verdict(path, result)
+        return result
+
+
+def _keep_verdict(path: Path, result: ProbeResult) -> None:
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps(result.as_dict()))
+        tmp.replace(path)
+    except OSError:  # an unwritable folder only costs the sharing: the next start probes again
+        pass
 
 
 def _read_verdict(path: Path) -> ProbeResult | None:
     try:
         return ProbeResult.from_dict(json.loads(path.read_text()))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError, IndexError):  # a damaged file: probe again
+    except (OSError, ValueError, KeyError, TypeError, IndexError):  # none kept yet, or a damaged file: probe
         return None
