@@ -1,19 +1,20 @@
 """cbserve: LLM serving on Ray with iteration-level batching, a paged KV cache and selective batching.
 
-``from cbserve import LLM, SamplingParams``. LLM is imported lazily so that ``cbserve.scheduler`` stays
-importable without torch or ray.
+``from cbserve import LLM, SamplingParams`` (and ``LoRARequest`` for adapters). LLM is imported lazily so
+that ``cbserve.scheduler`` stays importable without torch or ray.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from cbserve.scheduler.lora import LoRARequest
 from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
 
 if TYPE_CHECKING:
     from cbserve.frontend.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "StructuredSpec"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredSpec"]
 __version__ = "0.1.0"
 
 

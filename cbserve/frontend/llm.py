@@ -24,8 +24,11 @@ from cbserve.scheduler import (
     SpeculativeConfig,
     tune_gc_for_serving,
 )
+from cbserve.scheduler.lora import LoRARequest
 from cbserve.scheduler.request import EngineRequest
 from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.worker.lora_files import check_adapter, read_adapter
+from cbserve.worker.model_info import ModelInfo
 
 from .embeddings import EmbeddingOutput, EmbeddingRequestOutput, pooling_params
 from .model_files import read_model_files
@@ -56,7 +59,8 @@ class LLM:
     ``cpu_compact_weights``, ``seed``, ``enable_prefix_caching``, ``policy``, ``max_waiting``, ``progress``,
     ``ordering``, ``enable_chunked_prefill``, ``dynamic_batch_window_s``, ``dynamic_batch_size``, ``async_scheduling``
     (the engine's loop keeps two steps in flight, as served),
-    ``runner`` ("pooling": ``embed`` instead of ``generate``; no prefix caching), ``speculative_config``
+    ``runner`` ("pooling": ``embed`` instead of ``generate``; no prefix caching), ``enable_lora``, ``max_loras``,
+    ``max_lora_rank``, ``max_cpu_loras`` (adapters per ``generate`` call's ``lora_request``), ``speculative_config``
     (vLLM's shape: ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
     "prompt_lookup_max": b}`` or ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}``)."""
 
@@ -92,11 +96,13 @@ class LLM:
         self.tokenizer = load_tokenizer(runner.model_folder)
         self.max_model_len = runner.max_model_len
         self.eos_token_ids = list(read_model_files(runner.model_folder).eos_token_ids)
+        self._model_info = ModelInfo.from_hf_config(runner.hf_config.to_dict())
         self.engine_config = EngineConfig(
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max(max_tokens_step, block_size),
                 max_num_seqs=max_seqs,
                 max_model_len=self.max_model_len,
+                max_loras=self.model_config.max_loras if self.model_config.enable_lora else 0,
                 **sched_kw,
             ),
             cache=CacheConfig(
@@ -121,13 +127,17 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerateOutput]:
-        """Generate for one prompt or a list of prompts; returns one GenerateOutput per prompt, in order."""
+        """Generate for one prompt or a list of prompts; returns one GenerateOutput per prompt, in order.
+        ``lora_request``: the adapter every prompt runs with, or one per prompt (None: the base model); the LLM
+        must be built with ``enable_lora=True``."""
         self._check_runner("generate", "generate")
         plist = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(plist))
+        loras = self._loras(lora_request, len(plist))
         encoded = [self._encode(p) for p in plist]
-        return self._run(encoded, params, use_tqdm)
+        return self._run(encoded, params, use_tqdm, loras)
 
     def chat(
         self,
@@ -135,15 +145,17 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerateOutput]:
         """Generate replies to one conversation or a list of conversations (chat template applied)."""
         self._check_runner("generate", "chat")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore
+        loras = self._loras(lora_request, len(convs))
         encoded = []
         for conv in convs:
             ids = apply_chat_template(self.tokenizer, conv, add_generation_prompt=add_generation_prompt)
             encoded.append((self.tokenizer.decode(ids), ids))
-        return self._run(encoded, _as_params_list(sampling_params, len(convs)), use_tqdm)
+        return self._run(encoded, _as_params_list(sampling_params, len(convs)), use_tqdm, loras)
 
     def embed(
         self, prompts: str | list[int] | Sequence[str | list[int]], truncate_prompt_tokens: int | None = None,
@@ -181,6 +193,19 @@ class LLM:
         if self.runner != runner:
             raise ValueError(f"LLM.{method} needs runner={runner!r}; this LLM was built with runner={self.runner!r}")
 
+    def _loras(self, lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each checked against the model (ValueError says why)."""
+        loras = [lora] * n if lora is None or isinstance(lora, LoRARequest) else list(lora)
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} LoRA requests for {n} prompts")
+        if any(x is not None for x in loras) and not self.model_config.enable_lora:
+            raise ValueError("a lora_request needs an LLM built with enable_lora=True")
+        for x in {x for x in loras if x is not None}:
+            if not isinstance(x, LoRARequest):
+                raise TypeError(f"lora_request must be a LoRARequest or None, got {type(x).__name__}")
+            check_adapter(read_adapter(x.lora_path), self._model_info, self.model_config.max_lora_rank)
+        return loras
+
     def _abort_all(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
             self.engine.abort_request(req_id)
@@ -198,7 +223,8 @@ class LLM:
         raise TypeError(f"a prompt must be text, token ids or chat messages, got {type(prompt).__name__}")
 
     def _run(
-        self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool
+        self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool,
+        loras: list[LoRARequest | None],
     ) -> list[GenerateOutput]:
         grammars = self.executor.runner.structured.compilers if any(p.structured for p in params) else None
         for sp in params:  # a spec that does not compile: ValueError here, not in the engine
@@ -207,8 +233,8 @@ class LLM:
         req_ids = [f"llm-{next(self._ids)}" for _ in encoded]
         progress = _Progress(len(encoded), use_tqdm)
         try:
-            for req_id, (text, ids), sp in zip(req_ids, encoded, params, strict=True):
-                self.engine.add_request(self.processor.add_request(req_id, ids, sp, prompt=text))
+            for req_id, (text, ids), sp, lora in zip(req_ids, encoded, params, loras, strict=True):
+                self.engine.add_request(self.processor.add_request(req_id, ids, sp, prompt=text, lora=lora))
             while self.engine.has_work():
                 result = self.engine.step_with_batch_queue()
                 for out in [] if result is None else result.outputs:

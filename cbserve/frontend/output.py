@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbserve.scheduler.lora import LoRARequest
 from cbserve.scheduler.outputs import TokenLogprob
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from cbserve.scheduler.sampling_params import SamplingParams
@@ -166,14 +167,15 @@ class OutputProcessor:
         choice_offset: int = 0,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> EngineRequest:
-        """Track a new request and return what to send to the engine."""
+        """Track a new request and return what to send to the engine (``lora``: the adapter it runs with)."""
         ids = list(prompt_token_ids)
         result = GenerateOutput(req_id, prompt, ids)
         self.requests[req_id] = RequestState(self, result, params, choice_offset)
         return EngineRequest(
             req_id, ids, self.engine_params(params), eos_token_id=self.eos_token_id, priority=priority,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, lora=lora,
         )
 
     def engine_params(self, params: SamplingParams) -> SamplingParams:

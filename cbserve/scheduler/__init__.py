@@ -6,6 +6,7 @@ from .engine_core import EngineCore, StepResult, tune_gc_for_serving
 from .errors import DuplicateRequestError, EngineError, QueueFullError, RequestRejectedError
 from .kv_cache_manager import KVCacheManager
 from .limits import resolve_max_tokens
+from .lora import LoRARequest
 from .outputs import (
     CachedRequestData,
     Executor,
@@ -43,6 +44,7 @@ __all__ = [
     "IterationStats",
     "KVBlock",
     "KVCacheManager",
+    "LoRARequest",
     "ModelRunnerOutput",
     "NgramProposer",
     "NewRequestData",

@@ -40,8 +40,12 @@ class SchedulerConfig:
     # work with the forward): a sequence sampled in a step still in flight gets one more decode token,
     # whose id the worker fills in from its own sample. See Scheduler._commit.
     async_scheduling: bool = False
+    # LoRA: at most this many distinct adapters in one step (0: LoRA off, requests naming one are refused)
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ValueError(f"max_loras must be >= 0, got {self.max_loras}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError("max_num_batched_tokens, max_num_seqs and max_model_len must be positive")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -150,6 +150,8 @@ class EngineCore:
         """Reject what could never run. Returns the effective max_tokens."""
         cfg = self.config
         num_prompt = len(request.prompt_token_ids)
+        if request.lora is not None and not cfg.scheduler.max_loras:
+            raise RequestRejectedError(f"adapter {request.lora.lora_name!r}: LoRA is not enabled on this engine")
         if cfg.runner == "pooling":
             return check_pooling_prompt(num_prompt, cfg.scheduler.max_model_len, request.sampling_params)
         max_tokens = resolve_max_tokens(num_prompt, request.sampling_params.max_tokens, cfg.scheduler.max_model_len)

@@ -33,6 +33,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .lora import LoRARequest
 from .sampling_params import SamplingParams
 
 
@@ -49,6 +50,7 @@ class NewRequestData:
     num_samples: int = 1
     # Seed for this sequence (already offset per fork child), None for unseeded sampling.
     seed: int | None = None
+    lora: LoRARequest | None = None  # the adapter its tokens run with (None: the base model)
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from .lora import LoRARequest
 from .sampling_params import SamplingParams
 
 
@@ -46,6 +47,7 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first under the "priority" ordering
     cache_salt: str | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from .config import EngineConfig
 from .integrity import check_scheduler
 from .kv_cache_manager import NO_HITS, KVCacheManager
+from .lora import lora_admission
 from .outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from .policies import make_policy
 from .request import RequestStatus
@@ -126,14 +127,15 @@ class Scheduler:
         allowed = self.policy.may_run(self.waiting, self.seqs)
         if allowed is None or allowed:
             select = None if allowed is None else (lambda seq: seq.group.req_id in allowed)
+            admit = select if not self.config.max_loras else lora_admission(self.running, self.config.max_loras, select)
             if self.policy.prefill_first:
                 self._schedule_running(st, _is_prefill if select is None else (lambda s: s.is_prefill and select(s)))
-                self._admit_waiting(st, select)
+                self._admit_waiting(st, admit)
                 if not st.scheduled:  # no prefill work at all: a decode step
                     self._schedule_running(st, select)
             else:
                 self._schedule_running(st, select)
-                self._admit_waiting(st, select)
+                self._admit_waiting(st, admit)
         so = self._build_output(st)
         if self.config.async_scheduling:
             self._commit(st)
@@ -353,18 +355,10 @@ class Scheduler:
                 )
             else:
                 group = seq.group
-                new_reqs.append(
-                    NewRequestData(
-                        req_id=seq.seq_id,
-                        token_ids=list(tokens),
-                        num_prompt_tokens=seq.num_prompt_tokens,
-                        sampling_params=group.worker_params,
-                        block_ids=[b.block_id for b in table],
-                        num_computed_tokens=seq.num_computed_tokens,
-                        num_samples=seq.num_samples,
-                        seed=seq.seed,
-                    )
-                )
+                new_reqs.append(NewRequestData(
+                    seq.seq_id, list(tokens), seq.num_prompt_tokens, group.worker_params,
+                    [b.block_id for b in table], seq.num_computed_tokens, seq.num_samples, seq.seed, group.lora,
+                ))  # fmt: skip
                 seq.sent = True
             seq.num_sent_tokens = len(tokens)
             seq.num_sent_blocks = len(table)

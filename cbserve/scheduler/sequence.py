@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from .lora import adapter_keys
 from .request import EngineRequest, RequestStatus
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .stats import RequestTimes
@@ -114,7 +115,10 @@ class SequenceGroup:
         self.stream = self.mode == "stream"
         self.stream_logprobs = sp.logprobs is not None
         self.worker_params = _worker_params(sp, self.mode)
-        self.extra_keys: tuple = (request.cache_salt,) if request.cache_salt is not None else ()
+        self.lora = request.lora
+        self.extra_keys: tuple = ((request.cache_salt,) if request.cache_salt is not None else ()) + adapter_keys(
+            request.lora
+        )
         # Prompt logprobs, filled by position as prefill chunks come back (the first token has none); the
         # prompt is then computed, never taken from the prefix cache (a hit has no logits).
         self.prompt_logprobs: list | None = None if sp.prompt_logprobs is None else [None] * self.num_prompt_tokens

@@ -45,6 +45,9 @@ class ModelConfig:
     ``draft_model`` / ``num_speculative_tokens``: speculative decoding's draft model (its path) and how many
     tokens it proposes a step (from ``speculative_config`` with method "draft_model"; see draft_model.py).
     ``runner="pooling"``: the worker samples nothing and returns each prompt's embedding (pooler.py).
+    ``enable_lora``: requests may run with LoRA adapters (lora.py): ``max_loras`` adapter slots of weights (a
+    step holds at most that many distinct adapters), ranks up to ``max_lora_rank``, and up to
+    ``max_cpu_loras`` adapters kept loaded in host memory (None: ``max_loras``).
     """
 
     model: str | None = None
@@ -64,6 +67,10 @@ class ModelConfig:
     draft_model: str | None = None
     num_speculative_tokens: int = 0
     runner: RunnerName = "generate"
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -76,6 +83,7 @@ class ModelConfig:
             raise ValueError(f"runner must be one of {_RUNNERS}, got {self.runner!r}")
         if self.runner == "pooling" and self.draft_model is not None:
             raise ValueError("runner 'pooling' does not combine with a draft model")
+        self._check_lora()
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in _DEVICES:
@@ -99,6 +107,24 @@ class ModelConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not 0 <= self.rank < self.tensor_parallel_size:
             raise ValueError(f"rank must be in [0, {self.tensor_parallel_size}), got {self.rank}")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")
+        if self.enable_lora and self.runner == "pooling":
+            raise ValueError("enable_lora does not combine with runner 'pooling'")
+        if self.enable_lora and self.draft_model is not None:
+            raise ValueError("enable_lora does not combine with a draft model")
+
+    @property
+    def lora_cache_size(self) -> int:
+        """How many adapters a worker keeps loaded in host memory."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def resolved_device(self) -> torch.device:
         import torch

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cbserve.scheduler.lora import LoRARequest
 from cbserve.scheduler.outputs import CachedRequestData, NewRequestData
 from cbserve.scheduler.sampling_params import SamplingParams
 
@@ -27,6 +28,7 @@ class CachedRequestState:
     num_samples: int = 1
     seed: int | None = None
     pooled: torch.Tensor | None = None  # pooling runner: what the prompt's chunks so far pooled to (pooler.py)
+    lora: LoRARequest | None = None  # the adapter it runs with
 
     @classmethod
     def from_new(cls, d: NewRequestData) -> CachedRequestState:
@@ -39,6 +41,7 @@ class CachedRequestState:
             d.num_computed_tokens,
             d.num_samples,
             d.seed,
+            lora=d.lora,
         )
 
     def update(self, d: CachedRequestData) -> None:

@@ -7,6 +7,8 @@ copies this rank's shard out of a full checkpoint tensor.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,14 @@ from torch import nn
 from .cpu.kernels import CpuKernels
 from .cpu.linear import PackableLinear, PackedWeight
 from .parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_world_size
+
+
+class LoRASlots(Protocol):
+    """A layer's LoRA adapter slots (``lora.LoRALinear``): ``step.groups`` is empty in a step without adapters."""
+
+    step: Any
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> None: ...
 
 SKINNY_LOGITS_ROWS = 96  # up to this many sampled rows, CPU logits are computed as W @ h^T
 
@@ -85,6 +95,8 @@ class ColumnParallelLinear(PackableLinear):
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool) -> None:
         super().__init__()
         self.tp_size, self.tp_rank = tp_world_size(), tp_rank()
+        self.input_size = input_size
+        self.lora: LoRASlots | None = None  # adapter slots, with LoRA enabled (lora.py)
         self.output_sizes = list(output_sizes)  # the full (unsharded) sizes of the fused parts
         self.shard_sizes = [divide(s, self.tp_size, "linear output size") for s in output_sizes]
         out = sum(self.shard_sizes)
@@ -109,7 +121,10 @@ class ColumnParallelLinear(PackableLinear):
         target.copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.bias)
+        y = self.linear(x, self.bias)
+        if self.lora is not None and self.lora.step.groups:
+            self.lora.apply(x, y)
+        return y
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -128,6 +143,8 @@ class RowParallelLinear(PackableLinear):
         super().__init__()
         self.tp_size, self.tp_rank = tp_world_size(), tp_rank()
         self.in_shard = divide(input_size, self.tp_size, "linear input size")
+        self.output_size = output_size
+        self.lora: LoRASlots | None = None  # adapter slots, with LoRA enabled (lora.py)
         self.weight = nn.Parameter(torch.empty(output_size, self.in_shard))
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -140,6 +157,8 @@ class RowParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x, None)
+        if self.lora is not None and self.lora.step.groups:
+            self.lora.apply(x, y)  # a partial product, summed by the all-reduce like the layer's own
         all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

@@ -153,6 +153,7 @@ class ModelInfo:
     max_position_embeddings: int | None  # None: the config does not say
     intermediate_size: int | None = None  # the MLP width
     moe_intermediate_size: int | None = None  # one expert's width, where it differs (Qwen-MoE)
+    hidden_size: int | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelInfo:
@@ -175,6 +176,7 @@ class ModelInfo:
                 max_position_embeddings=None if max_pos is None else int(max_pos),
                 intermediate_size=None if mlp is None else int(mlp),
                 moe_intermediate_size=None if expert is None else int(expert),
+                hidden_size=None if cfg.get("hidden_size") is None else int(cfg["hidden_size"]),
             )
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ValueError(f"the model config has a malformed value ({e})") from e

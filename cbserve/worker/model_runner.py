@@ -18,6 +18,7 @@ from .cuda_graphs import CaptureFn, DecodeCUDAGraphs, maybe_capture_decode_graph
 from .draft_model import DraftModel
 from .input_batch import CachedRequestState, PreparedBatch, build_batch, order_decode_first
 from .kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, num_blocks_for_budget
+from .lora import LoRAManager
 from .model_build import build_model
 from .model_info import head_dim_of, num_kv_heads_of, read_eos_token_ids
 from .model_loader import hide_triton_from_torch, load_hf_config, resolve_model
@@ -96,6 +97,10 @@ class ModelRunner:
             self.pooler = Pooler(pooling, lambda x: self.model.model.norm(x)[0])
             logger.info("pooling runner: %s pooling%s (from %s)", pooling.pooling_type,
                         ", normalized" if pooling.normalize else "", pooling.source)
+        self.lora: LoRAManager | None = None  # adapter slots and loaded adapters (lora.py)
+        if config.enable_lora:
+            self.lora = LoRAManager(self.model, self.hf_config, config.max_loras, config.max_lora_rank,
+                                    config.lora_cache_size, self.dtype, self.device)
 
     @property
     def num_layers(self) -> int:
@@ -128,7 +133,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks)
-        self.graphs = maybe_capture_decode_graphs(self, capture)
+        if self.lora is None:  # a step's adapters change between steps: no graphs with LoRA
+            self.graphs = maybe_capture_decode_graphs(self, capture)
 
     # ---- one iteration -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -160,6 +166,8 @@ class ModelRunner:
         states = order_decode_first(states, so.num_scheduled_tokens)
         spec = so.scheduled_spec_decode_tokens
         batch = build_batch(states, so.num_scheduled_tokens, self.block_size, self.device, spec)
+        if self.lora is not None:
+            self.lora.prepare_step([s.lora for s in states], [so.num_scheduled_tokens[s.req_id] for s in states])
         hidden = self._hidden(batch)
         if self.pooler is not None:
             return self._pool(so, states, hidden, t0)

@@ -61,6 +61,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Bound by finish_loading (native ops): runs all decoder layers of a step in one C call.
         self.native_layers: NativeLayers | None = None
+        # With LoRA (worker/lora.py): the step's adapters; a step that has some runs the module path.
+        self.lora_step: Any = None
 
     # ---- what a family says ------------------------------------------------------------------------
     @classmethod
@@ -100,7 +102,8 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if self.spec.embed_scale is not None:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
-        if self.native_layers is not None and self.native_layers.applies(x.shape[0], md):
+        adapters = self.lora_step is not None and self.lora_step.groups
+        if self.native_layers is not None and not adapters and self.native_layers.applies(x.shape[0], md):
             return self.native_layers.forward(x, positions, kv_caches, md)
         rope = self.model.rotary.prepare(positions, x.dtype)
         local = self.model.rotary_local

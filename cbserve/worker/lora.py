@@ -1,0 +1,266 @@
+"""Multi-LoRA on the worker: adapter slots in every adapted linear layer, an LRU of loaded adapters, and the
+batched product that adds each token's adapter to a mixed batch (S-LoRA / Punica's scheme).
+
+- Every attention and dense-MLP projection of the model gets a ``LoRALinear``: ``max_loras`` slots of
+  stacked weights, ``a`` [slots, cols, in] and ``b`` [slots, out, cols] (the scaling folded into ``b``). A
+  fused projection (q/k/v, gate/up) holds its parts' adapters side by side in the columns: each part's ``B``
+  fills only its own output rows, so one shrink and one expand serve all parts.
+- ``LoRAManager.prepare_step`` puts the step's adapters in slots (the scheduler guarantees at most
+  ``max_loras`` distinct ones a step, so one not used by this step can always make room) and groups the
+  batch's tokens by slot. Each adapted layer then adds ``(x_g A_s^T) B_s^T`` per group: one shrink and one
+  expand per adapter and layer for the whole batch (on CUDA one Triton launch of each, ``lora_triton.py``);
+  rows of the base model cost nothing.
+- Adapters are read once from their PEFT folder (``lora_files.py`` checks them) and kept, cut to this rank's
+  shard, in a host-side LRU of ``max_cpu_loras``; a busy adapter is never reloaded per request.
+
+Tensor parallelism: a column-parallel layer keeps ``A`` whole and this rank's rows of ``B``; a row-parallel
+layer keeps this rank's columns of ``A`` and all of ``B`` and adds its partial product before the layer's
+all-reduce (the sum over ranks of x_r A_r^T B^T is x A^T B^T).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from cbserve.scheduler.lora import LoRARequest
+
+from .layers import ColumnParallelLinear, RowParallelLinear
+from .lora_files import AdapterFiles, check_adapter, read_adapter
+from .model_info import ModelInfo
+from .parallel import tp_rank
+
+logger = logging.getLogger(__name__)
+
+# checkpoint projection -> (model layer attribute path, part of a fused layer; None: every part / unfused)
+TARGETS: dict[str, tuple[str, int | None]] = {
+    "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1), "v_proj": ("self_attn.qkv_proj", 2),
+    "qkv_proj": ("self_attn.qkv_proj", None), "o_proj": ("self_attn.o_proj", None),
+    "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+    "gate_up_proj": ("mlp.gate_up_proj", None), "down_proj": ("mlp.down_proj", None),
+}  # fmt: skip
+LAYER_TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@dataclass
+class LoRAStep:
+    """The adapters of the current step: (slot, rows of the batch) per adapter used, and for the CUDA kernels
+    every token's slot (-1: the base model)."""
+
+    groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+    token_slots: torch.Tensor | None = None
+    use_triton: bool = False
+
+
+# One loaded adapter on this rank: (layer index, layer target) -> (A [cols, in_shard], B [out_shard, cols]).
+AdapterWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+class LoRALinear:
+    """The adapter slots of one linear layer (see the module docstring)."""
+
+    def __init__(self, layer: nn.Module, step: LoRAStep, num_slots: int, cols: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        fan_out, fan_in = _shape(layer)
+        self.step = step
+        self.a = torch.zeros(num_slots, cols, fan_in, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, fan_out, cols, dtype=dtype, device=device)
+        self.used = [0] * num_slots  # columns in use per slot
+
+    def load(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        if self.used[slot]:
+            self.a[slot, : self.used[slot]].zero_()
+            self.b[slot, :, : self.used[slot]].zero_()
+        self.used[slot] = 0
+        if weights is not None:
+            a, b = weights
+            self.a[slot, : a.shape[0]].copy_(a)
+            self.b[slot, :, : a.shape[0]].copy_(b)
+            self.used[slot] = a.shape[0]
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += each token's adapter product (in place)."""
+        step = self.step
+        if step.use_triton and step.token_slots is not None:
+            from .lora_triton import add_lora_triton
+
+            add_lora_triton(y, x, self.a, self.b, step.token_slots)
+            return
+        for slot, rows in step.groups:
+            cols = self.used[slot]
+            if not cols:
+                continue
+            a, b = self.a[slot, :cols], self.b[slot, :, :cols]
+            if isinstance(rows, slice):
+                y[rows] += (x[rows] @ a.t()) @ b.t()
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+
+
+def _shape(layer: nn.Module) -> tuple[int, int]:
+    """(out, in) of this rank's shard of a linear layer (its dense weight may have been released by packing)."""
+    if isinstance(layer, ColumnParallelLinear):
+        return sum(layer.shard_sizes), int(layer.input_size)
+    if isinstance(layer, RowParallelLinear):
+        return int(layer.output_size), layer.in_shard
+    raise TypeError(f"cannot adapt a {type(layer).__name__}")
+
+
+def _parts(layer: nn.Module) -> int:
+    return len(layer.shard_sizes) if isinstance(layer, ColumnParallelLinear) else 1
+
+
+class LoRAManager:
+    """The adapter slots of one model shard and the adapters loaded on this rank."""
+
+    def __init__(self, model: nn.Module, hf_config: Any, max_loras: int, max_lora_rank: int, cache_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.info = ModelInfo.from_hf_config(hf_config.to_dict())
+        self.max_lora_rank, self.cache_size = max_lora_rank, cache_size
+        self.dtype, self.device = dtype, device
+        self.step = LoRAStep(use_triton=device.type == "cuda" and _triton_available())
+        self.linears: dict[tuple[int, str], tuple[nn.Module, LoRALinear]] = {}
+        for i, decoder_layer in enumerate(model.model.layers):
+            for target in LAYER_TARGETS:
+                layer = _find(decoder_layer, target)
+                if layer is None:
+                    continue
+                slots = LoRALinear(layer, self.step, max_loras, _parts(layer) * max_lora_rank, dtype, device)
+                layer.lora = slots
+                self.linears[(i, target)] = (layer, slots)
+        model.lora_step = self.step  # the model's one-call C layer driver stands aside in steps with adapters
+        self.slots: list[int | None] = [None] * max_loras  # lora_int_id held by each slot
+        self.slot_used_at = [0] * max_loras
+        self.cache: OrderedDict[int, AdapterWeights] = OrderedDict()
+        self.num_steps = self.num_loads = self.num_evictions = 0
+
+    # ---- one step ------------------------------------------------------------------------------
+    def prepare_step(self, loras: Sequence[LoRARequest | None], lengths: Sequence[int]) -> None:
+        """The step's batch holds ``lengths[i]`` tokens of request i, in order, run with ``loras[i]``."""
+        self.num_steps += 1
+        step = self.step
+        step.groups = []
+        step.token_slots = None
+        if not any(lora is not None for lora in loras):
+            return
+        wanted = {lora.lora_int_id: lora for lora in loras if lora is not None}
+        slot_of = {lid: self._ensure_slot(lora, wanted) for lid, lora in wanted.items()}
+        rows: dict[int, list[int]] = {}
+        slots_per_token: list[int] = []
+        start = 0
+        for lora, n in zip(loras, lengths, strict=True):
+            slot = -1 if lora is None else slot_of[lora.lora_int_id]
+            if slot >= 0:
+                rows.setdefault(slot, []).extend(range(start, start + n))
+            slots_per_token.extend([slot] * n)
+            start += n
+        for slot, idx in rows.items():
+            contiguous = idx[-1] - idx[0] + 1 == len(idx)
+            step.groups.append(
+                (slot, slice(idx[0], idx[-1] + 1) if contiguous else torch.tensor(idx, device=self.device))
+            )
+        if step.use_triton:
+            step.token_slots = torch.tensor(slots_per_token, dtype=torch.int32, device=self.device)
+
+    def _ensure_slot(self, lora: LoRARequest, wanted: dict[int, LoRARequest]) -> int:
+        lid = lora.lora_int_id
+        if lid in self.slots:
+            slot = self.slots.index(lid)
+        else:
+            free = [i for i, held in enumerate(self.slots) if held is None or held not in wanted]
+            if not free:
+                raise RuntimeError(f"{len(wanted)} adapters in one step but only {len(self.slots)} slots")
+            slot = min(free, key=lambda i: (self.slots[i] is not None, self.slot_used_at[i]))
+            weights = self._weights(lora)
+            for key, (_, slots) in self.linears.items():
+                slots.load(slot, weights.get(key))
+            self.slots[slot] = lid
+        self.slot_used_at[slot] = self.num_steps
+        return slot
+
+    # ---- loading -------------------------------------------------------------------------------
+    def _weights(self, lora: LoRARequest) -> AdapterWeights:
+        cached = self.cache.get(lora.lora_int_id)
+        if cached is not None:
+            self.cache.move_to_end(lora.lora_int_id)
+            return cached
+        weights = self._load(lora)
+        self.num_loads += 1
+        self.cache[lora.lora_int_id] = weights
+        while len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+            self.num_evictions += 1
+        logger.info("LoRA adapter %r (id %d) loaded from %s", lora.lora_name, lora.lora_int_id, lora.lora_path)
+        return weights
+
+    def _load(self, lora: LoRARequest) -> AdapterWeights:
+        from safetensors.torch import load_file
+
+        files = read_adapter(lora.lora_path)
+        check_adapter(files, self.info, self.max_lora_rank)
+        tensors = load_file(str(files.path / "adapter_model.safetensors"))
+        return assemble(files, tensors, {k: layer for k, (layer, _) in self.linears.items()}, self.dtype,
+                        self.device)
+
+
+def assemble(files: AdapterFiles, tensors: dict[str, torch.Tensor], layers: dict[tuple[int, str], nn.Module],
+             dtype: torch.dtype, device: torch.device) -> AdapterWeights:
+    """This rank's (A, B) per adapted layer: parts side by side in the columns, B scaled and placed in its part's
+    rows of this rank's shard."""
+    pieces: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor, int | None]]] = {}
+    for m in files.modules:
+        target, part = TARGETS[m.projection]
+        a = tensors[m.a_key].to(torch.float32)
+        b = tensors[m.b_key].to(torch.float32) * m.scaling
+        pieces.setdefault((m.layer, target), []).append((a, b, part))
+    out: AdapterWeights = {}
+    rank = tp_rank()
+    for key, parts in pieces.items():
+        layer = layers[key]
+        fan_out, _ = _shape(layer)
+        a_cols, b_full = [], torch.zeros(fan_out, sum(p[0].shape[0] for p in parts))
+        col = 0
+        for a, b, part in parts:
+            r = a.shape[0]
+            if isinstance(layer, RowParallelLinear):
+                a = a.narrow(1, rank * layer.in_shard, layer.in_shard)
+                b_full[:, col : col + r] = b
+            else:
+                _place_column_parallel(layer, b, part, b_full[:, col : col + r], rank)
+            a_cols.append(a)
+            col += r
+        out[key] = (torch.cat(a_cols).to(device=device, dtype=dtype), b_full.to(device=device, dtype=dtype))
+    return out
+
+
+def _place_column_parallel(layer: ColumnParallelLinear, b: torch.Tensor, part: int | None, dest: torch.Tensor,
+                           rank: int) -> None:
+    """Copy this rank's rows of a part's B (or of every part's, for a fused checkpoint's B) into ``dest``."""
+    parts = range(len(layer.output_sizes)) if part is None else [part]
+    full_rows = b.split(layer.output_sizes) if part is None else [b]
+    for p, rows in zip(parts, full_rows, strict=True):
+        shard = layer.shard_sizes[p]
+        offset = sum(layer.shard_sizes[:p])
+        dest[offset : offset + shard] = rows.narrow(0, rank * shard, shard)
+
+
+def _find(module: nn.Module, path: str) -> nn.Module | None:
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) else None
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
