@@ -131,7 +131,7 @@ C = "ray_cbserve_"
 def engine_panels(b: Board) -> None:
     """The cbserve dashboard: throughput, latency, scheduler, KV cache, batches, errors, replicas, HTTP."""
     for section in (throughput_panels, latency_panels, scheduler_panels, kv_cache_panels, batch_panels,
-                    spec_decode_panels, error_panels, replica_panels, http_panels):  # fmt: skip
+                    spec_decode_panels, lora_panels, error_panels, replica_panels, http_panels):  # fmt: skip
         section(b)
 
 
@@ -251,35 +251,26 @@ def spec_decode_panels(b: Board) -> None:
 
 def error_panels(b: Board) -> None:
     b.row("Errors")
-    b.panel(
-        "Rejected requests / s by reason",
-        [(rate(C + "request_rejected_total", by="reason"), "{{reason}}")],
-        "reqps",
-    )
-    b.panel(
-        "Aborted / errored requests / s",
-        [
-            (
-                rate(
-                    C + "request_finished_total",
-                    '{model=~"$model", replica=~"$replica", reason=~"abort|error"}',
-                    "reason",
-                ),
-                "{{reason}}",
-            )
-        ],
-        "reqps",
-    )
-    b.panel(
-        "HTTP errors / s by route and status",
-        [
-            (
-                rate(C + "http_requests_total", '{model=~"$model", status!~"2.."}', "route, status"),
-                "{{route}} {{status}}",
-            )
-        ],
-        "reqps",
-    )
+    b.panel("Rejected requests / s by reason", [(rate(C + "request_rejected_total", by="reason"), "{{reason}}")],
+            "reqps")  # fmt: skip
+    aborted = rate(C + "request_finished_total", '{model=~"$model", replica=~"$replica", reason=~"abort|error"}',
+                   "reason")  # fmt: skip
+    b.panel("Aborted / errored requests / s", [(aborted, "{{reason}}")], "reqps")
+    http = rate(C + "http_requests_total", '{model=~"$model", status!~"2.."}', "route, status")
+    b.panel("HTTP errors / s by route and status", [(http, "{{route}} {{status}}")], "reqps")
+
+
+def lora_panels(b: Board) -> None:
+    b.row("LoRA adapters")
+    for state in ("running", "waiting"):
+        b.panel(f"Requests {state} by adapter",
+                [(f"sum by (lora_name)(ray_cbserve_lora_num_requests_{state}{E})", "{{lora_name}}")], stack=True,
+                desc="Engines with enable_lora: requests per adapter (base-model requests are not counted).")
+    info = f"1000 * max by (replica, max_lora, running_lora_adapters)(ray_cbserve_lora_requests_info{E})"
+    legend = "{{replica}} [{{max_lora}}]: {{running_lora_adapters}}"
+    b.panel("Running adapter sets (lora_requests_info)", [(info, legend)], "dateTimeAsIso",
+            desc="vLLM's lora_requests_info: each replica's running adapters (at most max_lora) and when that set "
+            "was last seen (1970 with max_lora 0: LoRA off); waiting_lora_adapters is on the same series.")  # fmt: skip
 
 
 def replica_panels(b: Board) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cbserve.cluster.lora_config import check_lora_keys, check_lora_modules, parse_lora_modules
 from cbserve.scheduler.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from cbserve.worker.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
@@ -81,6 +82,12 @@ class CBServeConfig(BaseModel):
     # "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "draft_model", "model": PATH,
     # "num_speculative_tokens": k} (same tokenizer); turns async scheduling off (they do not combine yet)
     speculative_config: dict[str, Any] | None = None
+    # LoRA adapters (vLLM's keys, cluster/lora_config.py): a request whose "model" names an adapter runs with it
+    enable_lora: bool = False
+    lora_modules: dict[str, str] | None = None  # name -> PEFT folder, served from the start (needs enable_lora)
+    max_loras: int = Field(1, ge=1)  # distinct adapters in one step (the workers' adapter slots)
+    max_lora_rank: int = Field(16, ge=1)  # the largest rank an adapter may have
+    max_cpu_loras: int | None = Field(None, ge=1)  # adapters a worker keeps loaded (unset: max_loras)
     # Ray placement and execution
     worker_num_cpus: float = Field(1.0, gt=0.0)  # CPUs per worker actor (one bundle per TP rank)
     # torch / C-kernel threads in each worker; unset: on CPU, the node's cores shared by its ranks (Ray would
@@ -129,6 +136,11 @@ class CBServeConfig(BaseModel):
         SpeculativeConfig.from_dict(value)  # unknown method, keys or bad values raise here
         return value
 
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, value: Any) -> dict[str, str] | None:
+        return parse_lora_modules(_none_if_null(value))
+
     @model_validator(mode="after")
     def _check(self) -> CBServeConfig:
         if self.max_num_batched_tokens < self.block_size:
@@ -137,6 +149,9 @@ class CBServeConfig(BaseModel):
             raise ValueError("route_prefix must start with '/'")
         if self.runner == "pooling" and self.speculative_config is not None:
             raise ValueError("runner 'pooling' does not combine with speculative_config (nothing is generated)")
+        draft = self.speculative_config is not None and self.speculative_config.get("method") == "draft_model"
+        check_lora_keys(self.enable_lora, self.lora_modules, self.max_loras, self.max_cpu_loras, self.model_name,
+                        {"runner 'pooling'": self.runner == "pooling", "a draft model (speculative_config)": draft})
         return self
 
     # ---- construction -----------------------------------------------------------------------
@@ -230,6 +245,7 @@ class CBServeConfig(BaseModel):
                 dynamic_batch_size=self.dynamic_batch_size,
                 max_waiting=self.max_waiting,
                 async_scheduling=self.uses_async_scheduling,
+                max_loras=self.max_loras if self.enable_lora else 0,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -258,6 +274,10 @@ class CBServeConfig(BaseModel):
             tensor_parallel_size=self.tensor_parallel_size,
             rank=rank,
             runner=self.runner,
+            enable_lora=self.enable_lora,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
             **self._draft_fields(),
         )
 
@@ -311,6 +331,10 @@ def check_servable(config: CBServeConfig, info: ModelInfo, device: str | None = 
                 f"({model_max})"
             )
         config = config.model_copy(update={"max_model_len": model_max})
+    try:
+        check_lora_modules(config.lora_modules, info, config.max_lora_rank)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     num_blocks = config.num_kv_blocks
     if num_blocks is None and device == "cpu":  # on CUDA the budget is known once the weights are loaded
         num_blocks = config.kv_cache_memory_bytes // kv_block_bytes(config, info)

@@ -68,7 +68,7 @@ class EngineClient:
         self.config = config
         self.router = Router(
             config.num_replicas, config.block_size, config.prefix_affinity_tokens,
-            config.affinity_max_imbalance_tokens,
+            config.affinity_max_imbalance_tokens, config.max_cpu_loras or config.max_loras,
         )
         # The zero-CPU schedulers live beside the ingress that owns them (they die with it anyway): one
         # network hop less per token, and a lost GPU node never takes a scheduler with it.
@@ -172,9 +172,10 @@ class EngineClient:
         only when none is left, and an error after tokens were streamed (a retry would repeat them)."""
         tried: set[int] = set()
         admitted = streamed = False
+        lora_id = None if request.lora is None else request.lora.lora_int_id
         while True:
             try:
-                idx = self.router.choose(request.prompt_token_ids, exclude=tried)
+                idx = self.router.choose(request.prompt_token_ids, exclude=tried, lora_id=lora_id)
             except NoHealthyReplicaError as e:
                 raise APIError(503, f"{e}; retry later", "service_unavailable") from e
             tried.add(idx)
@@ -204,7 +205,7 @@ class EngineClient:
         sp = request.sampling_params
         cost = len(request.prompt_token_ids) + sp.num_sequences * (sp.max_tokens or 0)
         engine, channel, req_id = self.engines[idx], self.channels[idx], request.req_id
-        self.router.add(idx, cost)
+        self.router.add(idx, cost, None if request.lora is None else request.lora.lora_int_id)
         self._routes[req_id] = idx
         queue = channel.register(req_id)
         finished = False

@@ -3,10 +3,11 @@
 A thin shell over the front end (``frontend/serving.py``): each route takes its typed body (FastAPI validates
 it against the protocol model, so /openapi.json documents it) and hands it over. Routes: /v1/completions,
 /v1/chat/completions (SSE when ``stream``), /v1/responses (and GET / DELETE /v1/responses/{id}:
-``frontend/responses_api.py``), /v1/models, /health, /tokenize, /detokenize, and /stats (engine replicas and
-router, for operators and tests). Auth, HTTP metrics and OpenAI's error shape are the HTTP edge's
-(``http_edge.py``); the engine client stops in the app's lifespan. Nothing here imports torch: the tokenizer and
-the model's numbers come from its files.
+``frontend/responses_api.py``), /v1/models, /v1/load_lora_adapter and /v1/unload_lora_adapter (with
+``enable_lora``: ``frontend/lora_registry.py``, this replica's adapters), /health, /tokenize, /detokenize, and
+/stats (engine replicas and router, for operators and tests). Auth, HTTP metrics and OpenAI's error shape are
+the HTTP edge's (``http_edge.py``); the engine client stops in the app's lifespan. Nothing here imports torch:
+the tokenizer and the model's numbers come from its files.
 """
 
 import asyncio
@@ -18,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from ray import serve
 
@@ -27,6 +28,12 @@ from cbserve.cluster.engine_client import EngineClient
 from cbserve.cluster.http_edge import ClosingStreamingResponse, HttpEdge, install_error_handlers
 from cbserve.cluster.metrics import IngressMetrics
 from cbserve.cluster.node_tuning import node_tuning
+from cbserve.frontend.lora_registry import (
+    AdapterLimits,
+    LoadLoRAAdapterRequest,
+    LoRARegistry,
+    UnloadLoRAAdapterRequest,
+)
 from cbserve.frontend.model_files import model_folder, read_model_files
 from cbserve.frontend.protocol import (
     APIError,
@@ -50,6 +57,7 @@ from cbserve.frontend.responses_api import ResponsesAPI
 from cbserve.frontend.serving import OpenAIServing
 from cbserve.frontend.tokenizer import load_tokenizer
 from cbserve.frontend.validation import ServedModel
+from cbserve.worker.model_info import read_model_info
 from cbserve.worker.pooling_config import read_pooling_config
 
 logger = logging.getLogger(__name__)
@@ -114,6 +122,16 @@ api.add_middleware(HttpEdge)
 install_error_handlers(api)
 
 
+def _lora_registry(config: CBServeConfig) -> LoRARegistry:
+    """This replica's adapters: those of ``lora_modules`` (checked at start-up already) when LoRA is on."""
+    if not config.enable_lora:
+        return LoRARegistry(config.model_name)
+    registry = LoRARegistry(config.model_name, AdapterLimits(read_model_info(config.model), config.max_lora_rank))
+    for name, path in (config.lora_modules or {}).items():
+        registry.add(name, path)
+    return registry
+
+
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(api)
 class OpenAIIngress:
@@ -149,7 +167,7 @@ class OpenAIIngress:
             cfg.model_name, cfg.max_model_len, cfg.max_n, vocab, cfg.ordering == "priority", cfg.tool_call_parser,
             cfg.reasoning_parser, cfg.disable_any_whitespace, runner=cfg.runner, pooling=pooling,
         )
-        self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids)
+        self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids, _lora_registry(cfg))
         self.responses = ResponsesAPI(self.serving)  # its store of responses is this replica's
         self.metrics = IngressMetrics(cfg.model_name)
         self.draining = False  # set by drain(): new requests are refused
@@ -203,6 +221,14 @@ class OpenAIIngress:
     @api.get("/v1/models/{model:path}", response_model=ModelCard)
     async def model(self, model: str) -> Response:
         return _response(self.serving.model_card(model))
+
+    @api.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(self.serving.loras.load(body))
+
+    @api.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        return PlainTextResponse(self.serving.loras.unload(body))
 
     # ---- operations ---------------------------------------------------------------------------
     @api.get("/health")

@@ -12,7 +12,8 @@ metrics without a prefix of our own; the exported series are named ``ray_cbserve
 
 Labels are bounded: ``model`` and ``replica`` everywhere, ``rank`` for workers, ``reason`` for finished and
 rejected requests, ``route`` and ``status`` at the HTTP ingress (routes outside ``KNOWN_ROUTES`` are
-reported as ``other``).
+reported as ``other``); with LoRA, ``lora_name`` (the adapters loaded) and vLLM's ``lora_requests_info``
+labels (the running adapters, at most ``max_loras``, and the waiting ones, comma-separated).
 
 No "No data" on a healthy cluster: every counter and gauge is created at 0 when its component starts, for
 each of its known label values (``MetricSpec.initial``: every finish and reject reason, the HTTP statuses of
@@ -22,6 +23,7 @@ until its first observation (Ray cannot export an empty one); the first request 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import product
@@ -121,6 +123,8 @@ def _h(
 
 
 REASON = (*ENGINE_LABELS, "reason")
+LORA_INFO_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+NO_ADAPTER: tuple[Labels, ...] = ({"lora_name": ""},)  # the 0 series of an engine before (or without) adapters
 ENGINE_SPECS: tuple[MetricSpec, ...] = (
     # scheduler state (gauges)
     _g("num_requests_running", "Requests in the running set (being prefilled or decoded)."),
@@ -146,6 +150,14 @@ ENGINE_SPECS: tuple[MetricSpec, ...] = (
     _c("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."),
     _c("spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: accepted drafts by position in the draft.",
        (*ENGINE_LABELS, "position"), _each("position", SPEC_POSITIONS[:4])),
+    # LoRA (engines with enable_lora); vLLM's lora_requests_info: the value is the time the set was seen
+    MetricSpec(PREFIX + "lora_requests_info", "gauge", "Running and waiting LoRA adapters (comma-separated) and "
+               "max_lora; the value is the Unix time they were seen.", (*ENGINE_LABELS, *LORA_INFO_LABELS),
+               initial=({"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""},)),
+    MetricSpec(PREFIX + "lora_num_requests_running", "gauge", "Running requests by LoRA adapter.",
+               (*ENGINE_LABELS, "lora_name"), initial=NO_ADAPTER),
+    MetricSpec(PREFIX + "lora_num_requests_waiting", "gauge", "Waiting requests by LoRA adapter.",
+               (*ENGINE_LABELS, "lora_name"), initial=NO_ADAPTER),
     # per-iteration histograms
     _h("iteration_tokens", "Tokens scheduled per iteration (prefill + decode).", TOKEN_COUNT_BUCKETS),
     _h("iteration_batch_size", "Sequences scheduled per iteration.", BATCH_SIZE_BUCKETS),
@@ -220,8 +232,8 @@ class _Metrics:
         if value > 0:  # Ray counters refuse 0
             self._m[name].inc(float(value), tags=tags)
 
-    def set(self, name: str, value: float) -> None:
-        self._m[name].set(float(value))
+    def set(self, name: str, value: float, tags: dict[str, str] | None = None) -> None:
+        self._m[name].set(float(value), tags=tags)
 
     def zero(self, name: str, tags: dict[str, str] | None = None) -> None:
         """Create the series at 0, so that rate() reads 0 (not "no data") before the first event."""
@@ -241,6 +253,7 @@ class EngineMetrics:
 
     def __init__(self, model: str, replica: str) -> None:
         self._m = _Metrics(ENGINE_SPECS, {"model": model, "replica": str(replica)})
+        self._adapters: set[str] = set()  # adapters with requests at the last observation
 
     def observe_step(self, result: Any, dispatch_overhead_s: float) -> None:
         """``result`` is a scheduler StepResult (scheduler_stats, iteration_stats, outputs)."""
@@ -275,6 +288,8 @@ class EngineMetrics:
         m.inc("iteration_decode_tokens", s.num_decode_tokens)
         if s.spec_decode is not None:
             self._observe_spec(s.spec_decode)
+        if s.lora is not None:
+            self._observe_lora(s.lora)
         num_tokens = s.num_prefill_tokens + s.num_decode_tokens
         if s.batch_size > 0 or num_tokens > 0:  # idle polls would drown the step histograms
             m.observe("iteration_tokens", num_tokens)
@@ -292,6 +307,18 @@ class EngineMetrics:
         last = len(SPEC_POSITIONS) - 1
         for j, count in enumerate(spec.accepted_per_pos):
             m.inc("spec_decode_num_accepted_tokens_per_pos", count, {"position": SPEC_POSITIONS[min(j, last)]})
+
+    def _observe_lora(self, lora: Any) -> None:
+        """``lora``: a scheduler LoRAStats. An adapter whose requests are gone is set to 0 once."""
+        m = self._m
+        names = set(lora.running) | set(lora.waiting)
+        for name in sorted(names | self._adapters):
+            m.set("lora_num_requests_running", lora.running.get(name, 0), {"lora_name": name})
+            m.set("lora_num_requests_waiting", lora.waiting.get(name, 0), {"lora_name": name})
+        self._adapters = names
+        info = {"max_lora": str(lora.max_loras), "running_lora_adapters": ",".join(sorted(lora.running)),
+                "waiting_lora_adapters": ",".join(sorted(lora.waiting))}  # fmt: skip
+        m.set("lora_requests_info", time.time(), info)
 
     def _observe_iteration(self, it: Any) -> None:
         m = self._m

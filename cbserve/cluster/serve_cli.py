@@ -27,6 +27,13 @@ from cbserve.cluster.node_tuning import NodeTuning, environment_for_ray, node_tu
 
 logger = logging.getLogger(__name__)
 
+# flags that take more than one value, and how (vLLM's forms)
+_FLAG_FORMS: dict[str, dict[str, Any]] = {
+    "lora_modules": {"nargs": "+", "metavar": "NAME=PATH",
+                     "help": 'adapters served from the start: name=path or {"name": ..., "path": ...} '
+                             "(needs --enable-lora)"},
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of the fields below (or a Serve config YAML)")
@@ -55,9 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for name, field in CBServeConfig.model_fields.items():
         default = field.default if field.default is not None else "auto"
-        parser.add_argument(
-            "--" + name.replace("_", "-"), dest=name, default=None, help=f"(default: {default})"
-        )
+        kwargs: dict[str, Any] = {"dest": name, "default": None, "help": f"(default: {default})"}
+        if field.annotation is bool:  # `--enable-lora` alone means true (as vLLM's flags); a value still works
+            kwargs |= {"nargs": "?", "const": "true"}
+        kwargs |= _FLAG_FORMS.get(name, {})
+        parser.add_argument("--" + name.replace("_", "-"), **kwargs)
 
 
 def config_from_args(args: argparse.Namespace) -> CBServeConfig:

@@ -321,6 +321,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "cbserve"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter: its path (vLLM's shape)
+    parent: str | None = None  # a LoRA adapter: the served model it runs on
 
 
 class ModelList(BaseModel):

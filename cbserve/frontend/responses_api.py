@@ -94,7 +94,7 @@ class ResponsesAPI:
         chat = chat_request(req, items, len(history))
         request_id = request_id or req.request_id
         rid = f"resp_{request_id}" if request_id else new_item_id("resp")
-        ctx = ResponseContext(rid, now(), self.serving.served.name, req, items)
+        ctx = ResponseContext(rid, now(), self.serving.model_name(req.model), req, items)
         try:
             answer = await self.serving.chat(chat, request_id)
         except APIError as e:

@@ -13,10 +13,12 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel
 
+from cbserve.scheduler.lora import LoRARequest
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
 
 from .embeddings import Embedder, runner_error
+from .lora_registry import LoRARegistry
 from .output import OutputProcessor, RequestState, SeqDelta
 from .protocol import (
     APIError,
@@ -54,11 +56,17 @@ class Engine(Protocol):
 
 
 class OpenAIServing:
-    def __init__(self, served: ServedModel, tokenizer: Any, engine: Engine, eos_token_ids: Sequence[int]) -> None:
+    """``loras``: the LoRA adapters a request's ``model`` may name (``lora_registry.py``; none by default)."""
+
+    def __init__(
+        self, served: ServedModel, tokenizer: Any, engine: Engine, eos_token_ids: Sequence[int],
+        loras: LoRARegistry | None = None,
+    ) -> None:
         self.served = served
         self.tokenizer = tokenizer
         self.engine = engine
-        self.validator = RequestValidator(served, tokenizer)
+        self.loras = loras if loras is not None else LoRARegistry(served.name)
+        self.validator = RequestValidator(served, tokenizer, self.loras)
         self.processor = OutputProcessor(tokenizer, eos_token_ids, engine.finish)
         self.grammars = GrammarValidator(tokenizer, served.vocab_size, eos_token_ids)
         template = getattr(tokenizer, "chat_template", None)
@@ -72,7 +80,7 @@ class OpenAIServing:
         is ``cmpl-<id>``."""
         self._check_runner("generate", "/v1/completions")
         v = self.validator
-        v.check_request(req)
+        lora = v.check_request(req)
         if req.logprobs is not None and req.logprobs < 0:
             raise APIError(400, "logprobs must be >= 0", param="logprobs")
         _check_prompt_logprobs(req.prompt_logprobs, req.stream)
@@ -90,15 +98,15 @@ class OpenAIServing:
         params = [v.sampling_params(req, len(p), max_tokens, req.logprobs, prompt_lp, spec) for p in prompts]
         req_id = _response_id("cmpl", request_id or req.request_id)
         fmt = CompletionFormatter(
-            req_id, self.served.name, self.tokenizer, req.n, prompts, req.echo, req.logprobs, echo_only,
-            req.prompt_logprobs is not None,
+            req_id, _model_name(self.served, lora), self.tokenizer, req.n, prompts, req.echo, req.logprobs,
+            echo_only, req.prompt_logprobs is not None,
         )
-        return await self._run(req_id, prompts, params, req, fmt)
+        return await self._run(req_id, prompts, params, req, fmt, lora)
 
     async def chat(self, req: ChatCompletionRequest, request_id: str | None = None) -> Answer:
         self._check_runner("generate", "/v1/chat/completions")
         v = self.validator
-        v.check_request(req)
+        lora = v.check_request(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         _check_prompt_logprobs(req.prompt_logprobs, req.stream)
@@ -115,10 +123,10 @@ class OpenAIServing:
         params = v.sampling_params(req, len(prompt), max_tokens, logprobs, req.prompt_logprobs, spec)
         req_id = _response_id("chatcmpl", request_id or req.request_id)
         fmt = ChatFormatter(
-            req_id, self.served.name, self.tokenizer, req.n, logprobs is not None, req.prompt_logprobs is not None,
-            tool_mode, reasoning,
+            req_id, _model_name(self.served, lora), self.tokenizer, req.n, logprobs is not None,
+            req.prompt_logprobs is not None, tool_mode, reasoning,
         )
-        return await self._run(req_id, [prompt], [params], req, fmt)
+        return await self._run(req_id, [prompt], [params], req, fmt, lora)
 
     async def embeddings(self, req: EmbeddingRequest, request_id: str | None = None) -> EmbeddingResponse:
         """``/v1/embeddings`` (runner "pooling"): one vector per input (``embeddings.py``); the response id is
@@ -151,11 +159,22 @@ class OpenAIServing:
         return spec
 
     def models(self) -> ModelList:
-        return ModelList(data=[self.model_card()])
+        """The served model, then its LoRA adapters (each with the model as its ``parent``)."""
+        return ModelList(data=[self.model_card()] + [self._adapter_card(a) for a in self.loras.adapters()])
 
     def model_card(self, model: str | None = None) -> ModelCard:
-        self.validator.check_model(model)
+        lora = self.validator.check_model(model)
+        if lora is not None:
+            return self._adapter_card(lora)
         return ModelCard(id=self.served.name, max_model_len=self.served.max_model_len)
+
+    def _adapter_card(self, lora: LoRARequest) -> ModelCard:
+        return ModelCard(id=lora.lora_name, max_model_len=self.served.max_model_len, root=lora.lora_path,
+                         parent=self.served.name)
+
+    def model_name(self, model: str | None) -> str:
+        """The name an answer to a request for ``model`` carries: the adapter's, or the served model's."""
+        return _model_name(self.served, self.validator.check_model(model))
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.validator.check_model(req.model)
@@ -178,14 +197,14 @@ class OpenAIServing:
     # ---- one request: n choices per prompt ----------------------------------------------------
     async def _run(
         self, req_id: str, prompts: list[list[int]], params: list[SamplingParams], req: SamplingFields,
-        fmt: Formatter,
+        fmt: Formatter, lora: LoRARequest | None = None,
     ) -> Answer:
         stream, include_usage = req.stream, req.include_usage
         gens: list[tuple[RequestState, AsyncIterator[list[RequestOutput]]]] = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 rid = req_id if len(prompts) == 1 else f"{req_id}-{i}"
-                gens.append(await self._start(rid, prompt, sp, i * sp.n, req.priority, req.cache_salt))
+                gens.append(await self._start(rid, prompt, sp, i * sp.n, req.priority, req.cache_salt, lora))
         except BaseException:
             for state, outputs in gens:
                 self.processor.pop(state.req_id)
@@ -201,14 +220,14 @@ class OpenAIServing:
 
     async def _start(
         self, req_id: str, prompt: list[int], sp: SamplingParams, choice_offset: int, priority: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, lora: LoRARequest | None = None,
     ) -> tuple[RequestState, AsyncIterator[list[RequestOutput]]]:
-        """Send the request and wait until the engine admitted it (errors surface here, before any
-        response is committed)."""
+        """Send the request (with its adapter, if any) and wait until the engine admitted it (errors surface
+        here, before any response is committed)."""
         if req_id in self.processor.requests:
             raise APIError(400, f"request id {req_id!r} is already in use", param="request_id")
         request = self.processor.add_request(
-            req_id, prompt, sp, choice_offset=choice_offset, priority=priority, cache_salt=cache_salt
+            req_id, prompt, sp, choice_offset=choice_offset, priority=priority, cache_salt=cache_salt, lora=lora
         )
         state = self.processor.requests[req_id]
         outputs = self.engine.generate(request)
@@ -262,6 +281,10 @@ class OpenAIServing:
             except APIError as e:
                 yield sse_event(e.body())
             yield "data: [DONE]\n\n"
+
+
+def _model_name(served: ServedModel, lora: LoRARequest | None) -> str:
+    return served.name if lora is None else lora.lora_name
 
 
 def _response_id(prefix: str, request_id: str | None) -> str:

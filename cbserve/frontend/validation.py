@@ -14,10 +14,12 @@ from pydantic import BaseModel, ValidationError
 
 from cbserve.scheduler.errors import RequestRejectedError
 from cbserve.scheduler.limits import resolve_max_tokens
+from cbserve.scheduler.lora import LoRARequest
 from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
 from cbserve.worker.pooling_config import PoolingConfig
 
 from .field_policy import FieldPolicy
+from .lora_registry import LoRARegistry
 from .protocol import APIError, ChatCompletionRequest, ChatMessage, SamplingFields
 from .tokenizer import apply_chat_template
 
@@ -77,21 +79,26 @@ def invalid_body_error(errors: Sequence[Any], strip: tuple[str, ...] = ()) -> AP
 
 
 class RequestValidator:
-    def __init__(self, served: ServedModel, tokenizer: Any) -> None:
+    """``loras``: the adapters a request's ``model`` may name besides the served model (none by default)."""
+
+    def __init__(self, served: ServedModel, tokenizer: Any, loras: LoRARegistry | None = None) -> None:
         self.served = served
         self.tokenizer = tokenizer
         self.fields = FieldPolicy()
+        self.loras = loras if loras is not None else LoRARegistry(served.name)
 
-    def check_request(self, req: SamplingFields) -> None:
-        """The model name, refused fields (400 naming them), unknown fields (logged once), priority."""
-        self.check_model(req.model)
+    def check_request(self, req: SamplingFields) -> LoRARequest | None:
+        """The model name (the adapter it names, if any), refused fields (400 naming them), unknown fields
+        (logged once), priority."""
+        lora = self.check_model(req.model)
         self.fields.check(req)
         if req.priority != 0 and not self.served.priority_ordering:
             raise APIError(400, "priority needs a server started with ordering='priority'", param="priority")
+        return lora
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served.name:
-            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter ``model`` names (None: the served model); a 404 naming an unknown one."""
+        return self.loras.resolve(model)
 
     # ---- prompts ------------------------------------------------------------------------------
     def completion_prompts(self, prompt: Any, add_special_tokens: bool = True) -> list[list[int]]:

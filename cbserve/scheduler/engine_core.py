@@ -42,7 +42,7 @@ from .scheduler import Scheduler, StepState
 from .sequence import Sequence, SequenceGroup, child_seq_id
 from .sequence_updater import SequenceUpdater
 from .spec_decode import rollback
-from .stats import EngineTotals, IterationStats, SchedulerStats, SpecDecodeStats
+from .stats import EngineTotals, IterationStats, LoRAStats, SchedulerStats, SpecDecodeStats
 
 _REASON_STATUS = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -364,6 +364,8 @@ class EngineCore:
             num_free_kv_blocks=kv.num_free_blocks,
             step_counter=self.totals.num_steps,
         )
+        if self.config.scheduler.max_loras:
+            stats.lora = LoRAStats.of(sched.running, sched.waiting.ordered(), self.config.scheduler.max_loras)
         if st is not None:
             stats.prefix_cache_queries = st.prefix_cache_queries
             stats.prefix_cache_hits = st.prefix_cache_hits

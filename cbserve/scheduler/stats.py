@@ -3,7 +3,9 @@ cluster/metrics.py alone turns these into series."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -84,6 +86,30 @@ class SpecDecodeStats:
 
 
 @dataclass
+class LoRAStats:
+    """The adapters of an engine with LoRA on (vLLM's ``lora_requests_info``): requests per adapter name in
+    the running set and in the waiting queue, and ``max_loras``, the most adapters one step holds."""
+
+    max_loras: int
+    running: dict[str, int] = field(default_factory=dict)
+    waiting: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, running: Iterable[Any], waiting: Iterable[Any], max_loras: int) -> LoRAStats:
+        """From the scheduler's running and waiting sequences (``seq.group.lora``: None for the base model);
+        a request counts once however many of its sequences there are."""
+        return cls(max_loras, _requests_per_adapter(running), _requests_per_adapter(waiting))
+
+
+def _requests_per_adapter(seqs: Iterable[Any]) -> dict[str, int]:
+    groups = {id(seq.group): seq.group.lora.lora_name for seq in seqs if seq.group.lora is not None}
+    counts: dict[str, int] = {}
+    for name in groups.values():
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+@dataclass
 class SchedulerStats:
     """Gauges and per-iteration counters of one engine replica, one snapshot per step()."""
 
@@ -105,6 +131,7 @@ class SchedulerStats:
     forward_time_s: float = 0.0  # worker-reported forward + sample time
     step_counter: int = 0
     spec_decode: SpecDecodeStats | None = None  # None: no drafts this step
+    lora: LoRAStats | None = None  # None: LoRA is off
 
 
 @dataclass

@@ -88,10 +88,20 @@ def prompt_logprob_rows(s: CachedRequestState, start: int, end: int, first_row: 
     return PromptLogprobRows(s.req_id, start, first_row, s.token_ids[start + 1 : stop + 1], k)
 
 
-def order_decode_first(states: list[CachedRequestState], num_scheduled: Mapping[str, int]) -> list[CachedRequestState]:
+def order_decode_first(states: list[CachedRequestState], num_scheduled: Mapping[str, int],
+                       by_adapter: bool = False) -> list[CachedRequestState]:
+    """One-token requests first; ``by_adapter``: each part ordered by LoRA adapter (the base model first), so
+    an adapter's tokens form at most two runs of the batch (lora.py)."""
     decodes = [s for s in states if num_scheduled[s.req_id] == 1]
     prefills = [s for s in states if num_scheduled[s.req_id] != 1]
+    if by_adapter:
+        decodes.sort(key=_adapter_id)
+        prefills.sort(key=_adapter_id)
     return decodes + prefills
+
+
+def _adapter_id(state: CachedRequestState) -> int:
+    return 0 if state.lora is None else state.lora.lora_int_id
 
 
 @dataclass

@@ -19,7 +19,7 @@ from .parallel import all_gather_last_dim, all_reduce, divide, tp_rank, tp_world
 
 
 class LoRASlots(Protocol):
-    """A layer's LoRA adapter slots (``lora.LoRALinear``): ``step.groups`` is empty in a step without adapters."""
+    """A layer's LoRA adapter slots (``lora.LoRALinear``): ``step.runs`` is empty in a step without adapters."""
 
     step: Any
 
@@ -122,7 +122,7 @@ class ColumnParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x, self.bias)
-        if self.lora is not None and self.lora.step.groups:
+        if self.lora is not None and self.lora.step.runs:
             self.lora.apply(x, y)
         return y
 
@@ -157,7 +157,7 @@ class RowParallelLinear(PackableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x, None)
-        if self.lora is not None and self.lora.step.groups:
+        if self.lora is not None and self.lora.step.runs:
             self.lora.apply(x, y)  # a partial product, summed by the all-reduce like the layer's own
         all_reduce(y)
         if self.bias is not None:

@@ -6,10 +6,11 @@ batched product that adds each token's adapter to a mixed batch (S-LoRA / Punica
   fused projection (q/k/v, gate/up) holds its parts' adapters side by side in the columns: each part's ``B``
   fills only its own output rows, so one shrink and one expand serve all parts.
 - ``LoRAManager.prepare_step`` puts the step's adapters in slots (the scheduler guarantees at most
-  ``max_loras`` distinct ones a step, so one not used by this step can always make room) and groups the
-  batch's tokens by slot. Each adapted layer then adds ``(x_g A_s^T) B_s^T`` per group: one shrink and one
-  expand per adapter and layer for the whole batch (on CUDA one Triton launch of each, ``lora_triton.py``);
-  rows of the base model cost nothing.
+  ``max_loras`` distinct ones a step, so one not used by this step can always make room) and cuts the batch
+  into runs of one adapter (the runner orders a step's requests by adapter, so each adapter is one run of
+  decodes and one of prefill chunks). Each adapted layer then adds ``(x_g A_s^T) B_s^T`` per run: one shrink
+  and one expand per adapter and layer for the whole batch (on CUDA one Triton launch of each,
+  ``lora_triton.py``); rows of the base model cost nothing.
 - Adapters are read once from their PEFT folder (``lora_files.py`` checks them) and kept, cut to this rank's
   shard, in a host-side LRU of ``max_cpu_loras``; a busy adapter is never reloaded per request.
 
@@ -50,10 +51,10 @@ LAYER_TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "
 
 @dataclass
 class LoRAStep:
-    """The adapters of the current step: (slot, rows of the batch) per adapter used, and for the CUDA kernels
-    every token's slot (-1: the base model)."""
+    """The adapters of the current step: the batch's runs of consecutive tokens of one adapter, (first row, rows,
+    slot), and for the CUDA kernels every token's slot (-1: the base model)."""
 
-    groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+    runs: list[tuple[int, int, int]] = field(default_factory=list)
     token_slots: torch.Tensor | None = None
     use_triton: bool = False
 
@@ -63,26 +64,33 @@ AdapterWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 class LoRALinear:
-    """The adapter slots of one linear layer (see the module docstring)."""
+    """The adapter slots of one linear layer (see the module docstring). B is kept as [slots, out, cols] for the
+    Triton kernels and transposed, [slots, cols, out], otherwise (each expand then streams rows of out values)."""
 
     def __init__(self, layer: nn.Module, step: LoRAStep, num_slots: int, cols: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         fan_out, fan_in = _shape(layer)
         self.step = step
+        self.transposed = not step.use_triton
         self.a = torch.zeros(num_slots, cols, fan_in, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, fan_out, cols, dtype=dtype, device=device)
+        b_shape = (num_slots, cols, fan_out) if self.transposed else (num_slots, fan_out, cols)
+        self.b = torch.zeros(*b_shape, dtype=dtype, device=device)
         self.used = [0] * num_slots  # columns in use per slot
 
+    def _b(self, slot: int, cols: int) -> torch.Tensor:
+        """Slot ``slot``'s B^T [cols, out]."""
+        return self.b[slot, :cols] if self.transposed else self.b[slot, :, :cols].t()
+
     def load(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        if self.used[slot]:
-            self.a[slot, : self.used[slot]].zero_()
-            self.b[slot, :, : self.used[slot]].zero_()
+        self.a[slot].zero_()
+        self.b[slot].zero_()
         self.used[slot] = 0
         if weights is not None:
             a, b = weights
-            self.a[slot, : a.shape[0]].copy_(a)
-            self.b[slot, :, : a.shape[0]].copy_(b)
-            self.used[slot] = a.shape[0]
+            cols = a.shape[0]
+            self.a[slot, :cols].copy_(a)
+            self._b(slot, cols).copy_(b.t())
+            self.used[slot] = cols
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += each token's adapter product (in place)."""
@@ -92,15 +100,11 @@ class LoRALinear:
 
             add_lora_triton(y, x, self.a, self.b, step.token_slots)
             return
-        for slot, rows in step.groups:
+        for start, rows, slot in step.runs:
             cols = self.used[slot]
-            if not cols:
-                continue
-            a, b = self.a[slot, :cols], self.b[slot, :, :cols]
-            if isinstance(rows, slice):
-                y[rows] += (x[rows] @ a.t()) @ b.t()
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+            if cols:
+                end = start + rows
+                y[start:end] += (x[start:end] @ self.a[slot, :cols].t()) @ self._b(slot, cols)
 
 
 def _shape(layer: nn.Module) -> tuple[int, int]:
@@ -120,11 +124,14 @@ class LoRAManager:
     """The adapter slots of one model shard and the adapters loaded on this rank."""
 
     def __init__(self, model: nn.Module, hf_config: Any, max_loras: int, max_lora_rank: int, cache_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, use_triton: bool | None = None) -> None:
+        """``use_triton``: the Triton kernels (None: on CUDA when triton imports)."""
         self.info = ModelInfo.from_hf_config(hf_config.to_dict())
         self.max_lora_rank, self.cache_size = max_lora_rank, cache_size
         self.dtype, self.device = dtype, device
-        self.step = LoRAStep(use_triton=device.type == "cuda" and _triton_available())
+        if use_triton is None:
+            use_triton = device.type == "cuda" and _triton_available()
+        self.step = LoRAStep(use_triton=use_triton)
         self.linears: dict[tuple[int, str], tuple[nn.Module, LoRALinear]] = {}
         for i, decoder_layer in enumerate(model.model.layers):
             for target in LAYER_TARGETS:
@@ -145,28 +152,28 @@ class LoRAManager:
         """The step's batch holds ``lengths[i]`` tokens of request i, in order, run with ``loras[i]``."""
         self.num_steps += 1
         step = self.step
-        step.groups = []
+        step.runs = []
         step.token_slots = None
         if not any(lora is not None for lora in loras):
             return
         wanted = {lora.lora_int_id: lora for lora in loras if lora is not None}
         slot_of = {lid: self._ensure_slot(lora, wanted) for lid, lora in wanted.items()}
-        rows: dict[int, list[int]] = {}
-        slots_per_token: list[int] = []
+        runs: list[tuple[int, int, int]] = []
         start = 0
         for lora, n in zip(loras, lengths, strict=True):
-            slot = -1 if lora is None else slot_of[lora.lora_int_id]
-            if slot >= 0:
-                rows.setdefault(slot, []).extend(range(start, start + n))
-            slots_per_token.extend([slot] * n)
+            if lora is not None:
+                slot = slot_of[lora.lora_int_id]
+                if runs and runs[-1][2] == slot and runs[-1][0] + runs[-1][1] == start:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + n, slot)
+                else:
+                    runs.append((start, n, slot))
             start += n
-        for slot, idx in rows.items():
-            contiguous = idx[-1] - idx[0] + 1 == len(idx)
-            step.groups.append(
-                (slot, slice(idx[0], idx[-1] + 1) if contiguous else torch.tensor(idx, device=self.device))
-            )
+        step.runs = runs
         if step.use_triton:
-            step.token_slots = torch.tensor(slots_per_token, dtype=torch.int32, device=self.device)
+            slots = torch.full((start,), -1, dtype=torch.int32)
+            for first, n, slot in runs:
+                slots[first : first + n] = slot
+            step.token_slots = slots.to(self.device)
 
     def _ensure_slot(self, lora: LoRARequest, wanted: dict[int, LoRARequest]) -> int:
         lid = lora.lora_int_id

@@ -163,7 +163,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
             return ModelRunnerOutput(forward_time_s=time.perf_counter() - t0)
         states = [self.requests[r] for r in so.num_scheduled_tokens]
-        states = order_decode_first(states, so.num_scheduled_tokens)
+        states = order_decode_first(states, so.num_scheduled_tokens, by_adapter=self.lora is not None)
         spec = so.scheduled_spec_decode_tokens
         batch = build_batch(states, so.num_scheduled_tokens, self.block_size, self.device, spec)
         if self.lora is not None:

@@ -220,7 +220,7 @@ def test_every_cbserve_metric_is_charted() -> None:
 def test_specs_are_valid_and_bounded() -> None:
     names = [s.name for s in cm.ALL_SPECS]
     assert len(names) == len(set(names))
-    allowed = {"model", "replica", "rank", "reason", "route", "status", "position"}
+    allowed = {"model", "replica", "rank", "reason", "route", "status", "position", "lora_name", *cm.LORA_INFO_LABELS}
     for s in cm.ALL_SPECS:
         assert re.fullmatch(r"cbserve_[a-z0-9_]+", s.name), s.name
         assert s.exported.startswith("ray_cbserve_")

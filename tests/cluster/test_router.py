@@ -64,3 +64,29 @@ def test_unhealthy_replica_is_skipped_and_affinity_is_stable_for_the_rest() -> N
 def test_bad_construction_is_rejected() -> None:
     with pytest.raises(ValueError):
         Router(0, block_size=16)
+    with pytest.raises(ValueError):
+        Router(2, block_size=16, adapter_memory=0)
+
+
+def test_an_adapter_goes_where_it_was_served_within_the_imbalance_bound() -> None:
+    r = Router(3, block_size=4, affinity_tokens=8, max_imbalance_tokens=100, adapter_memory=2)
+    for i in range(3):
+        r.set_healthy(i, True)
+    prompts = [list(range(j, j + 12)) for j in range(0, 400, 12)]
+    first = {r.choose(p, lora_id=7) for p in prompts}
+    assert len(first) == 1  # unseen: its requests gather on one replica whatever their prefixes
+    home = first.pop()
+    r.add(home, 50, lora_id=7)
+    assert {r.choose(p, lora_id=7) for p in prompts} == {home}  # now it holds the adapter
+    r.add(home, 51)
+    assert all(r.choose(p, lora_id=7) != home for p in prompts)  # 101 more tokens than the least loaded
+    r.done(home, 51)
+    other = (home + 1) % 3
+    r.add(other, 0, lora_id=7)  # two replicas hold it: the less loaded one
+    assert r.choose(prompts[0], lora_id=7) == other
+    for lora in (8, 9):  # the replica forgets all but its last adapter_memory adapters
+        r.add(other, 0, lora_id=lora)
+    assert list(r.replicas[other].adapters) == [8, 9]
+    assert r.choose(prompts[0], lora_id=7) == home
+    base = [r.choose(p) for p in prompts]  # requests without an adapter: prefix affinity as before
+    assert base == [r.preferred(r.prefix_key(p), [0, 1, 2]) for p in prompts]  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
-"""EngineCore's own step timing (the same for step() and an async schedule/execute/update driver) and
-its cumulative totals."""
+"""EngineCore's own step timing (the same for step() and an async schedule/execute/update driver), its
+cumulative totals, and its LoRA stats (requests per adapter)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import time
 import pytest
 from sched_fakes import FakeExecutor, make_engine, req, run
 
-from cbserve.scheduler import EngineTotals, ModelRunnerOutput, QueueFullError, RequestRejectedError
+from cbserve.scheduler import EngineTotals, LoRARequest, ModelRunnerOutput, QueueFullError, RequestRejectedError
+from cbserve.scheduler.stats import LoRAStats
 
 DELAY = 0.03
 
@@ -101,3 +102,16 @@ def test_totals_count_preemptions_and_continue_across_engines() -> None:
 
 def test_totals_start_at_zero() -> None:
     assert make_engine()[0].totals == EngineTotals()
+
+
+def test_the_engine_counts_requests_per_adapter_running_and_waiting() -> None:
+    sql, chat = LoRARequest("sql", 1, "/a/sql"), LoRARequest("chat", 2, "/a/chat")
+    engine, _ = make_engine(max_loras=1, max_seqs=8)
+    for rid, lora in (("a", sql), ("b", sql), ("c", chat), ("d", None)):
+        r = req(rid, 5, max_tokens=4)
+        r.lora = lora
+        engine.add_request(r)
+    assert engine.current_stats().lora == LoRAStats(1, {}, {"sql": 2, "chat": 1})
+    stats = engine.step().scheduler_stats.lora
+    assert stats == LoRAStats(1, {"sql": 2}, {"chat": 1})  # max_loras 1: chat waits while sql runs
+    assert make_engine()[0].current_stats().lora is None  # LoRA off: nothing to report

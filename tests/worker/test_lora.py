@@ -16,6 +16,7 @@ from lora_testlib import ALL_SPLIT, make_adapter, peft_greedy, peft_logprobs, pe
 from worker_testlib import make_tiny_model
 
 from cbserve import LLM, LoRARequest, SamplingParams
+from cbserve.worker.lora import LoRAManager
 from cbserve.worker.lora_files import LoRAAdapterError
 
 MAX_NEW = 8
@@ -163,9 +164,10 @@ def test_triton_lora_kernels_in_the_model(llama_case: tuple) -> None:
     ref = _reference(base, loras, PROMPTS[:4], 4)
     llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, progress=False, cpu_ops="torch",
               attention_backend="torch")
-    manager = llm.executor.runner.lora
-    assert manager is not None
-    manager.step.use_triton = True
+    runner = llm.executor.runner
+    assert runner.lora is not None
+    manager = LoRAManager(runner.model, runner.hf_config, 2, 8, 2, runner.dtype, runner.device, use_triton=True)
+    runner.lora = manager  # every layer's slots replaced by the Triton kernels' layout
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     outs = llm.generate(PROMPTS[:4], params, lora_request=loras, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref

@@ -102,7 +102,7 @@ class CausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if self.spec.embed_scale is not None:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
-        adapters = self.lora_step is not None and self.lora_step.groups
+        adapters = self.lora_step is not None and self.lora_step.runs
         if self.native_layers is not None and not adapters and self.native_layers.applies(x.shape[0], md):
             return self.native_layers.forward(x, positions, kv_caches, md)
         rope = self.model.rotary.prepare(positions, x.dtype)

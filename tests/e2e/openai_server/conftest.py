@@ -3,7 +3,9 @@ before other e2e modules start their own clusters). Two apps:
 
 - ``main`` at ``/``: the bundled SmolLM2-135M, 2 engine replicas of tensor-parallel size 1, an API key;
 - ``tp2`` at ``/tp2``: SmolLM2 cut to 4 layers / 6 heads / 2 KV heads (so it splits over 2 ranks), one
-  replica of tensor-parallel size 2, one running sequence and a waiting queue of one (for the 429 test).
+  replica of tensor-parallel size 2, one running sequence and a waiting queue of one (for the 429 test);
+- ``lora`` at ``/lora``: a tiny random Llama with LoRA on (``enable_lora``, two random PEFT adapters in
+  ``lora_modules``, ``max_loras`` 2; ``lora_lib.py``), one replica (test_lora.py).
 
 The reference greedy outputs come from the in-process offline ``LLM`` with the same engine settings.
 """
@@ -20,6 +22,7 @@ from typing import Any
 
 import pytest
 from e2e_lib import derive_tp2_model, free_port, wait_for
+from lora_lib import make_adapter, make_tiny_llama
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -41,6 +44,9 @@ TP2_ARGS = dict(
     COMMON, tensor_parallel_size=2, served_model_name=TP2_MODEL, max_num_seqs=1, max_waiting=1,
     kv_cache_memory_bytes=16 * 1024**2, use_compiled_graph=True,  # "auto" would pick actor calls on CPU
 )
+LORA_MODEL = "tiny-llama"
+LORA_ARGS = dict(COMMON, served_model_name=LORA_MODEL, max_num_seqs=8, kv_cache_memory_bytes=8 * 1024**2,
+                 enable_lora=True, max_loras=2, max_lora_rank=8)  # fmt: skip
 READY_TIMEOUT_S = 420
 
 
@@ -89,6 +95,8 @@ class Server:
     tp2: App
     tp2_model_path: Path
     expected: dict[str, str]  # reference greedy texts, keyed like the tests ask for them
+    lora: App
+    lora_paths: dict[str, Path]  # the tiny Llama ("model") and its adapters, by name
 
 
 def _reference(tp2_model: Path) -> dict[str, str]:
@@ -115,6 +123,17 @@ def _reference(tp2_model: Path) -> dict[str, str]:
     return out
 
 
+def _lora_files(folder: Path) -> dict[str, Path]:
+    """The tiny Llama and three random adapters of it: alpha and beta served from the start, gamma loaded by
+    the test."""
+    import torch
+
+    torch.set_num_threads(1)
+    model = make_tiny_llama(folder / LORA_MODEL)
+    adapters = {name: make_adapter(model, folder / name, seed) for seed, name in enumerate(("alpha", "beta", "gamma"))}
+    return {"model": model, **adapters}
+
+
 @pytest.fixture(scope="package")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     from ray import serve
@@ -123,6 +142,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     from cbserve.cluster.app import build_app
 
     tp2_model = derive_tp2_model(tmp_path_factory.mktemp("model") / TP2_MODEL)
+    lora_paths = _lora_files(tmp_path_factory.mktemp("lora"))
+    lora_args = dict(LORA_ARGS, model=str(lora_paths["model"]),
+                     lora_modules=[f"{name}={lora_paths[name]}" for name in ("alpha", "beta")])  # the flags' form
     port = free_port()
     ray.init(
         address="local", num_cpus=16, include_dashboard=False, namespace="cbserve-e2e",
@@ -134,13 +156,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             [
                 RunTarget(build_app(MAIN_ARGS), name="main", route_prefix="/"),
                 RunTarget(build_app(dict(TP2_ARGS, model=str(tp2_model))), name="tp2", route_prefix="/tp2"),
+                RunTarget(build_app(lora_args), name="lora", route_prefix="/lora"),
             ],
             wait_for_applications_running=False,
         )
         expected = _reference(tp2_model)  # while the apps start
         base = f"http://127.0.0.1:{port}"
-        srv = Server(App(base, MAIN_MODEL, API_KEY), App(f"{base}/tp2", TP2_MODEL, None), tp2_model, expected)
-        wait_for("both apps healthy", lambda: srv.main.healthy() and srv.tp2.healthy(), READY_TIMEOUT_S, 1.0)
+        srv = Server(App(base, MAIN_MODEL, API_KEY), App(f"{base}/tp2", TP2_MODEL, None), tp2_model, expected,
+                     App(f"{base}/lora", LORA_MODEL, None), lora_paths)  # fmt: skip
+        apps = (srv.main, srv.tp2, srv.lora)
+        wait_for("the apps healthy", lambda: all(app.healthy() for app in apps), READY_TIMEOUT_S, 1.0)
         yield srv
     finally:
         serve.shutdown()

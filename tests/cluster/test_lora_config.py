@@ -1,0 +1,105 @@
+"""The LoRA keys of CBServeConfig (vLLM's names and flags): ``lora_modules`` in every form users write it
+(YAML mapping, ``--lora-modules name=path ...``, vLLM's JSON items, Serve args), the checks between the keys,
+the start-up check of every adapter against the model, and what reaches the engine and the workers. No Ray,
+no torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from cbserve.cluster import serve_cli
+from cbserve.cluster.config import CBServeConfig, ConfigError, servable_config
+from cbserve.cluster.lora_config import parse_lora_modules
+from cbserve.cluster.serve_cli import add_arguments, config_from_args
+
+SMOLLM2 = {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+           "num_hidden_layers": 30, "max_position_embeddings": 8192, "intermediate_size": 1536}  # fmt: skip
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_the_flags_take_vllms_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = ["--enable-lora", "--lora-modules", "sql=adapters/sql", '{"name": "chat", "path": "/a/chat"}',
+            "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras", "8"]  # fmt: skip
+    config = config_from_args(_parse(argv))
+    assert config.enable_lora is True and config.lora_modules == {"sql": str(tmp_path / "adapters/sql"),
+                                                                  "chat": "/a/chat"}  # fmt: skip
+    assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (4, 64, 8)
+    assert config_from_args(_parse(["--enable-lora", "false"])).enable_lora is False  # a value still works
+    assert config_from_args(_parse(["--enforce-eager"])).enforce_eager is True  # every boolean flag alike
+    assert config_from_args(_parse([])).enable_lora is False
+
+
+def test_the_keys_reach_the_engine_and_the_workers() -> None:
+    on = CBServeConfig(enable_lora=True, max_loras=3, max_lora_rank=32, max_cpu_loras=5)
+    assert on.engine_config(num_blocks=4).scheduler.max_loras == 3
+    worker = on.worker_model_config()
+    assert (worker.enable_lora, worker.max_loras, worker.max_lora_rank, worker.max_cpu_loras) == (True, 3, 32, 5)
+    off = CBServeConfig(max_loras=3)
+    assert off.engine_config(num_blocks=4).scheduler.max_loras == 0  # LoRA off: requests naming one are refused
+    assert off.worker_model_config().enable_lora is False
+
+
+def test_yaml_and_serve_args(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("enable_lora: true\nlora_modules:\n  sql: /a/sql\n  chat: /a/chat\n")
+    assert CBServeConfig.from_yaml(path).lora_modules == {"sql": "/a/sql", "chat": "/a/chat"}
+    path.write_text("enable_lora: true\nlora_modules:\n  - {name: sql, path: /a/sql}\n")
+    assert CBServeConfig.from_yaml(path).lora_modules == {"sql": "/a/sql"}
+    args = CBServeConfig.from_args({"enable-lora": "true", "lora_modules": "sql=/a/sql chat=/a/chat"})
+    assert args.lora_modules == {"sql": "/a/sql", "chat": "/a/chat"}  # `serve run ... lora_modules=...`
+    assert CBServeConfig.from_args({"enable_lora": "true", "lora_modules": '{"sql": "/a/sql"}'}).lora_modules == {
+        "sql": "/a/sql"}
+    dumped = args.model_dump()  # what the ingress replicas get
+    assert CBServeConfig.model_validate(dumped).lora_modules == args.lora_modules
+    assert parse_lora_modules("") == {} and parse_lora_modules(None) is None
+
+
+@pytest.mark.parametrize(
+    ("values", "words"),
+    [
+        ({"lora_modules": {"sql": "/a"}}, "lora_modules needs enable_lora"),
+        ({"enable_lora": True, "max_loras": 4, "max_cpu_loras": 2}, "max_cpu_loras (2) must be >= max_loras (4)"),
+        ({"enable_lora": True, "runner": "pooling"}, "enable_lora does not combine with runner 'pooling'"),
+        ({"enable_lora": True, "speculative_config": {"method": "draft_model", "model": "/m",
+                                                      "num_speculative_tokens": 2}}, "a draft model"),
+        ({"enable_lora": True, "lora_modules": ["sql=/a", "sql=/b"]}, "'sql' is given twice"),
+        ({"enable_lora": True, "lora_modules": ["sql"]}, "expected name=path"),
+        ({"enable_lora": True, "lora_modules": ["=/a"]}, "non-empty string"),
+        ({"enable_lora": True, "lora_modules": ['{"name": "a", "path": "/a", "base_model_name": "m"}']},
+         "unknown keys ['base_model_name']"),
+        ({"enable_lora": True, "lora_modules": "{broken"}, "not valid JSON"),
+        ({"enable_lora": True, "lora_modules": {"SmolLM2-135M-Instruct": "/a"}}, "the served model's name"),
+        ({"enable_lora": True, "max_lora_rank": 0}, "max_lora_rank"),
+    ],
+)
+def test_bad_lora_settings_name_the_key(values: dict, words: str) -> None:
+    with pytest.raises(pydantic.ValidationError) as info:
+        CBServeConfig(**values)
+    assert words in serve_cli.error_message(info.value), serve_cli.error_message(info.value)
+
+
+def test_every_adapter_is_checked_at_start_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    config = CBServeConfig(model=str(model), enable_lora=True, lora_modules={"sql": str(empty)})
+    with pytest.raises(ConfigError, match=r"lora_modules: adapter 'sql': .*empty has no adapter_config.json"):
+        servable_config(config)
+    servable_config(CBServeConfig(model=str(model), enable_lora=True))  # no adapters: nothing to check
+    rc = serve_cli.main(_parse(["--model", str(model), "--enable-lora", "--lora-modules", f"bad={tmp_path}/none",
+                                "--ready-timeout", "1"]))  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("cbserve: error: lora_modules: adapter 'bad': ") and "is not a folder" in err

@@ -1,0 +1,74 @@
+"""LoRA in the Prometheus series (fast: no Ray): ``EngineMetrics`` turns the engine's ``LoRAStats`` (requests per
+adapter, running and waiting: tests/scheduler/test_engine_stats.py) into per-adapter gauges (an adapter whose
+requests are gone drops to 0) and vLLM's ``lora_requests_info``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cbserve.cluster import metrics as cm
+from cbserve.scheduler import LoRARequest
+from cbserve.scheduler.stats import IterationStats, LoRAStats, SchedulerStats
+
+SQL, CHAT = LoRARequest("sql", 1, "/a/sql"), LoRARequest("chat", 2, "/a/chat")
+
+
+class _Recorder:
+    def __init__(self, spec: cm.MetricSpec, log: list[tuple[str, float, dict[str, str]]]) -> None:
+        self.spec, self.log, self.default = spec, log, {}
+
+    def set_default_tags(self, tags: dict[str, str]) -> None:
+        self.default = tags
+
+    def _record(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self.log.append((self.spec.name.removeprefix(cm.PREFIX), value, {**self.default, **(tags or {})}))
+
+    inc = observe = set = _record
+
+
+@pytest.fixture()
+def log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float, dict[str, str]]]:
+    records: list[tuple[str, float, dict[str, str]]] = []
+    monkeypatch.setattr(cm, "_make", lambda spec: _Recorder(spec, records))
+    monkeypatch.setattr(cm, "_counter_type", lambda: _Recorder)
+    return records
+
+
+def _step(em: cm.EngineMetrics, lora: LoRAStats | None) -> None:
+    stats = SchedulerStats(lora=lora)
+    em.observe_step(type("R", (), {"scheduler_stats": stats, "iteration_stats": IterationStats()}), 0.0)
+
+
+def _gauges(log: list, name: str) -> dict[str, float]:
+    return {t["lora_name"]: v for n, v, t in log if n == name}
+
+
+def test_per_adapter_gauges_and_lora_requests_info(log: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    em = cm.EngineMetrics("m", "0")
+    assert _gauges(log, "lora_num_requests_running") == {"": 0.0}  # created at 0, no adapter yet
+    log.clear()
+    monkeypatch.setattr(cm.time, "time", lambda: 1700000000.0)
+    _step(em, LoRAStats(2, {"sql": 3, "chat": 1}, {"math": 2}))
+    assert _gauges(log, "lora_num_requests_running") == {"chat": 1.0, "math": 0.0, "sql": 3.0}
+    assert _gauges(log, "lora_num_requests_waiting") == {"chat": 0.0, "math": 2.0, "sql": 0.0}
+    (info,) = [(v, t) for n, v, t in log if n == "lora_requests_info"]
+    assert info == (1700000000.0, {"model": "m", "replica": "0", "max_lora": "2", "running_lora_adapters": "chat,sql",
+                                   "waiting_lora_adapters": "math"})  # fmt: skip
+    log.clear()
+    _step(em, LoRAStats(2, {"math": 1}, {}))  # sql and chat are done: set to 0 once...
+    assert _gauges(log, "lora_num_requests_running") == {"chat": 0.0, "math": 1.0, "sql": 0.0}
+    log.clear()
+    _step(em, LoRAStats(2, {"math": 1}, {}))  # ...then left to expire
+    assert _gauges(log, "lora_num_requests_running") == {"math": 1.0}
+    log.clear()
+    _step(em, None)  # LoRA off: no LoRA series touched
+    assert not [n for n, _, _ in log if n.startswith("lora_")]
+
+
+def test_lora_series_are_specified_with_their_labels() -> None:
+    specs: dict[str, Any] = {s.name.removeprefix(cm.PREFIX): s for s in cm.ENGINE_SPECS}
+    assert specs["lora_requests_info"].labels == ("model", "replica", "max_lora", "running_lora_adapters",
+                                                  "waiting_lora_adapters")  # fmt: skip
+    assert specs["lora_num_requests_waiting"].labels == ("model", "replica", "lora_name")
