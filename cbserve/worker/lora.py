@@ -9,8 +9,9 @@ batched product that adds each token's adapter to a mixed batch (S-LoRA / Punica
   ``max_loras`` distinct ones a step, so one not used by this step can always make room) and cuts the batch
   into runs of one adapter (the runner orders a step's requests by adapter, so each adapter is one run of
   decodes and one of prefill chunks). Each adapted layer then adds ``(x_g A_s^T) B_s^T`` per run: one shrink
-  and one expand per adapter and layer for the whole batch (on CUDA one Triton launch of each,
-  ``lora_triton.py``); rows of the base model cost nothing.
+  and one expand per adapter and layer for the whole batch (on the CPU's C kernels one call for all runs,
+  ``cb_lora_add_f32``; on CUDA one Triton launch of each, ``lora_triton.py``); rows of the base model cost
+  nothing.
 - Adapters are read once from their PEFT folder (``lora_files.py`` checks them) and kept, cut to this rank's
   shard, in a host-side LRU of ``max_cpu_loras``; a busy adapter is never reloaded per request.
 
@@ -32,6 +33,7 @@ from torch import nn
 
 from cbserve.scheduler.lora import LoRARequest
 
+from .cpu.kernels import CpuKernels, LoRASegments
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .lora_files import AdapterFiles, check_adapter, read_adapter
 from .model_info import ModelInfo
@@ -57,6 +59,17 @@ class LoRAStep:
     runs: list[tuple[int, int, int]] = field(default_factory=list)
     token_slots: torch.Tensor | None = None
     use_triton: bool = False
+    kernels: CpuKernels | None = None  # the C kernels (float32 CPU models on the native ops)
+    # the C kernel's segment tables of this step, by the columns each slot uses in a layer
+    segments: dict[tuple[int, ...], LoRASegments] = field(default_factory=dict)
+
+    def segments_for(self, used: list[int]) -> LoRASegments:
+        key = tuple(used)
+        table = self.segments.get(key)
+        if table is None:
+            rows = [(start, n, slot, used[slot]) for start, n, slot in self.runs]
+            table = self.segments[key] = LoRASegments.of(torch.tensor(rows, dtype=torch.int32))
+        return table
 
 
 # One loaded adapter on this rank: (layer index, layer target) -> (A [cols, in_shard], B [out_shard, cols]).
@@ -100,6 +113,9 @@ class LoRALinear:
 
             add_lora_triton(y, x, self.a, self.b, step.token_slots)
             return
+        if step.kernels is not None and y.dtype == torch.float32:  # one C call for every run
+            step.kernels.lora_add_(x, y, self.a, self.b, step.segments_for(self.used))
+            return
         for start, rows, slot in step.runs:
             cols = self.used[slot]
             if cols:
@@ -125,13 +141,15 @@ class LoRAManager:
 
     def __init__(self, model: nn.Module, hf_config: Any, max_loras: int, max_lora_rank: int, cache_size: int,
                  dtype: torch.dtype, device: torch.device, use_triton: bool | None = None) -> None:
-        """``use_triton``: the Triton kernels (None: on CUDA when triton imports)."""
+        """``use_triton``: the Triton kernels (None: on CUDA when triton imports); else the model's C kernels
+        where it runs on them (float32), else torch."""
         self.info = ModelInfo.from_hf_config(hf_config.to_dict())
         self.max_lora_rank, self.cache_size = max_lora_rank, cache_size
         self.dtype, self.device = dtype, device
         if use_triton is None:
             use_triton = device.type == "cuda" and _triton_available()
-        self.step = LoRAStep(use_triton=use_triton)
+        kernels = getattr(getattr(model, "ops", None), "kernels", None)
+        self.step = LoRAStep(use_triton=use_triton, kernels=None if use_triton or dtype != torch.float32 else kernels)
         self.linears: dict[tuple[int, str], tuple[nn.Module, LoRALinear]] = {}
         for i, decoder_layer in enumerate(model.model.layers):
             for target in LAYER_TARGETS:
@@ -154,6 +172,7 @@ class LoRAManager:
         step = self.step
         step.runs = []
         step.token_slots = None
+        step.segments = {}
         if not any(lora is not None for lora in loras):
             return
         wanted = {lora.lora_int_id: lora for lora in loras if lora is not None}

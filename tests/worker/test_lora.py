@@ -69,6 +69,8 @@ def test_mixed_batch_matches_peft(family_case: tuple, path: str) -> None:
     family, base, loras, (ref, ref_lps) = family_case
     llm = LLM(str(base), enable_lora=True, max_loras=2, progress=False, max_model_len=MAX_MODEL_LEN.get(family),
               **PATHS[path])
+    manager = llm.executor.runner.lora
+    assert manager is not None and (manager.step.kernels is not None) == (path == "native")  # the C kernel's path
     outs = llm.generate(PROMPTS, GREEDY_LP, lora_request=loras, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     for out, expected in zip(outs, ref_lps, strict=True):

@@ -81,6 +81,31 @@ def _block_shape(q: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor, fmt:
     return n, k
 
 
+@dataclass(frozen=True)
+class LoRASegments:
+    """A batch's rows grouped by adapter, for ``CpuKernels.lora_add_``: ``table`` [nseg, 4] int32, one row of
+    (start row, rows, slot, columns used) a segment, checked once (``of``) for every layer of a step, with the
+    bounds each call compares against its tensors: ``end`` (one past the last row covered), ``slots`` (one more
+    than the highest slot named) and ``cols`` (the most columns used)."""
+
+    table: torch.Tensor
+    end: int
+    slots: int
+    cols: int
+
+    @classmethod
+    def of(cls, table: torch.Tensor) -> LoRASegments:
+        if table.dtype != torch.int32 or table.dim() != 2 or table.shape[1] != 4 or not table.is_contiguous() \
+                or table.device.type != "cpu":
+            raise ValueError(f"LoRA segments must be a contiguous int32 CPU [nseg, 4] tensor of (start, rows, slot, "
+                             f"cols), got {table.dtype} {tuple(table.shape)} on {table.device}")
+        rows = table.tolist()
+        if any(v < 0 for row in rows for v in row):
+            raise ValueError(f"LoRA segments must not hold negative values: {rows}")
+        return cls(table, max((r[0] + r[1] for r in rows), default=0), max((r[2] + 1 for r in rows), default=0),
+                   max((r[3] for r in rows), default=0))
+
+
 class CpuKernels:
     """The loaded library's kernels (``abi.AbiMismatch`` when its header and the ctypes table disagree)."""
 
@@ -254,6 +279,35 @@ class CpuKernels:
         _check(self._lib.cb_rotary_f32(x.data_ptr(), ldx, m, width // head_dim, head_dim, positions.data_ptr(),
                                        cos.data_ptr(), sin.data_ptr(), cos.shape[0]), "rotary")
 
+    # ---- multi-LoRA -------------------------------------------------------------------------------
+    def lora_add_(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                  segments: torch.Tensor | LoRASegments) -> torch.Tensor:
+        """In place, one linear layer's adapters for a batch grouped by adapter: for each segment (start, rows,
+        slot, cols), ``y[r] += (x[r] @ a[slot, :cols].T) @ bt[slot, :cols]`` for its rows r; returns ``y``.
+        x [m, in] and y [m, out] float32 with contiguous rows (y not overlapping x); a [slots, cmax, in] and
+        bt [slots, cmax, out] (B transposed, the scaling folded in) contiguous float32, cmax <= 512. Segments
+        ([nseg, 4] int32, or ``LoRASegments.of`` it to check them once for all layers) must lie within the m
+        rows, name slots < slots, use cols <= cmax and not overlap; rows of no segment are untouched."""
+        seg = segments if isinstance(segments, LoRASegments) else LoRASegments.of(segments)
+        xs, ys, as_, bs = x.shape, y.shape, a.shape, bt.shape
+        # one expression on the common path (called per adapted layer and step); the details only on failure
+        if not (x.dtype == y.dtype == a.dtype == bt.dtype == torch.float32 and x.is_cpu and y.is_cpu and a.is_cpu
+                and bt.is_cpu and len(xs) == len(ys) == 2 and len(as_) == len(bs) == 3 and xs[0] == ys[0]
+                and as_[2] == xs[1] >= 1 and bs[2] == ys[1] >= 1 and as_[:2] == bs[:2] and 1 <= as_[1] <= 512
+                and (x.stride(1) == 1 or xs[1] == 1) and (y.stride(1) == 1 or ys[1] == 1)
+                and a.is_contiguous() and bt.is_contiguous()):
+            _lora_complaint(x, y, a, bt)
+        if seg.end > xs[0] or seg.slots > as_[0] or seg.cols > as_[1]:
+            raise ValueError(f"LoRA segments reach row {seg.end}, slot {seg.slots - 1} and {seg.cols} columns: "
+                             f"beyond x's {xs[0]} rows, a's {as_[0]} slots or its {as_[1]} columns")
+        rc = self._lib.cb_lora_add_f32(x.data_ptr(), max(x.stride(0), xs[1]), y.data_ptr(), max(y.stride(0), ys[1]),
+                                       xs[1], ys[1], a.data_ptr(), bt.data_ptr(), as_[1], seg.table.data_ptr(),
+                                       seg.table.shape[0])
+        if rc == abi.RETURN_CODES["CB_ERANGE"]:
+            raise ValueError(f"LoRA segments overlap: {seg.table.tolist()}")
+        _check(rc, "lora_add")
+        return y
+
     # ---- attention --------------------------------------------------------------------------------
     def paged_decode(
         self,
@@ -324,6 +378,20 @@ class CpuKernels:
         _check(self._lib.cb_llama_layers(ctypes.byref(model), layers, n, x.data_ptr(), positions.data_ptr(),
                                           slots.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
                                           seq_lens.data_ptr(), max_seq_len), "llama layers")
+
+
+def _lora_complaint(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> None:
+    """The ValueError of ``CpuKernels.lora_add_``'s tensors, which its one-line check found wrong."""
+    _rows(x, "x")
+    _rows(y, "y")
+    if y.shape[0] != x.shape[0] or x.shape[1] < 1 or y.shape[1] < 1:
+        raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} must be [m, in] and [m, out], in, out >= 1")
+    for name, t, width in (("a", a, x.shape[1]), ("bt", bt, y.shape[1])):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3 or not t.is_contiguous() \
+                or t.shape[2] != width or t.shape[:2] != a.shape[:2]:
+            raise ValueError(f"{name} must be a contiguous float32 CPU [slots, cmax, {width}] tensor (a and bt "
+                             f"alike), got {t.dtype} {tuple(t.shape)} (a is {tuple(a.shape)})")
+    raise ValueError(f"a and bt have {a.shape[1]} columns a slot: at least 1 and at most 512")
 
 
 def _check_heads(t: torch.Tensor, name: str) -> None:

@@ -133,6 +133,18 @@ CB_API int cb_apply_token_bitmask_f32(float *logits, int64_t ld, int rows, int v
 CB_API int cb_top_p_threshold_f32(const float *probs, int64_t ld, int rows, int vocab, const float *top_p,
                                   float *threshold);
 
+/* ---- multi-LoRA (lora.c) ------------------------------------------------------------------------------- */
+
+/* LoRA of one linear layer for a batch grouped by adapter: for each segment i (seg[4*i .. 4*i+3] = start row,
+ * number of rows, slot, columns used), rows r in [start, start + rows): y[r] += (x[r] @ a[slot][:cols]^T) @
+ * bt[slot][:cols]. x: [m, in] rows ldx floats apart; y: [m, out] rows ldy apart (added into, not overlapping
+ * x); a: [slots, cmax, in] contiguous; bt: [slots, cmax, out] contiguous (B transposed, the scaling folded in).
+ * Rows of no segment are untouched; a segment with 0 rows or 0 columns does nothing. cmax <= 512. CB_ERANGE
+ * for a negative start, rows, slot or cols, cols > cmax, or segments with rows that overlap (the caller
+ * checks start + rows <= m and slot < slots). */
+CB_API int cb_lora_add_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int in, int out, const float *a,
+                           const float *bt, int cmax, const int32_t *seg, int nseg);
+
 /* ---- attention (attention.c) --------------------------------------------------------------------------- */
 
 /* One query token per sequence over its paged keys/values. q, out: [num_seqs, num_heads, head_dim];

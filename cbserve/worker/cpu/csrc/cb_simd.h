@@ -1,4 +1,4 @@
-/* Internal helpers of cbserve's CPU kernels (attention.c, gemm.c, elementwise.c, panels.c, layers.c): vector
+/* Internal helpers of cbserve's CPU kernels (attention.c, gemm.c, elementwise.c, panels.c, layers.c, lora.c): vector
  * types, loads and stores, a vectorisable exp. Nothing here is exported; the ABI is cb_cpu.h, included below.
  * Everything is float32.
  *

@@ -1,0 +1,224 @@
+/* Multi-LoRA for CPUs (float32): every adapter's product of one linear layer for a whole mixed batch in one
+ * call, the batch's rows grouped by adapter into segments (Punica's SGMV, S-LoRA). For each segment, a shrink
+ * t = x A^T (dot products along `in`, a tile of rows against a tile of A's rows, so that each A row loaded
+ * serves several x rows and each x row several A rows) then an expand y += t B^T (B stored transposed: axpys
+ * along `out`, a tile of rows by a few vectors of y kept in registers while the adapter's columns go by).
+ *
+ * A work item is one segment's block of up to CB_LORA_RB rows, so 16 decode segments of a few rows and one
+ * prefill segment of 2000 rows both spread over every thread; the items are shared out by cb_share_next
+ * (cb_simd.h). Each y element is summed by one thread in a fixed order (its old value, then the adapter's
+ * columns in order), so results do not depend on the thread count.
+ */
+#include <stdlib.h>
+
+#include "cb_simd.h"
+
+#define CB_LORA_MAX_COLS 512 /* the most columns (rank x fused parts) a slot may hold: t's scratch per item */
+#define CB_LORA_RB 16        /* rows per work item (fewer when the batch is small, see rows_per_item) */
+#define CB_LORA_MR 4         /* rows per register tile */
+/* Register tiles: the shrink keeps MR x NC accumulators (one per (row, A row)), the expand MR x NV vectors
+ * of y. AVX-512 (32 zmm): 4 x 4 and 4 x 6 (96 columns of y). AVX2 and the portable path (16 registers):
+ * 4 x 2 and 4 x 3, leaving registers for the loads and the broadcast. */
+#if CB_VW == 16
+#define CB_LORA_NC 4
+#define CB_LORA_NV 6
+#else
+#define CB_LORA_NC 2
+#define CB_LORA_NV 3
+#endif
+#define CB_LORA_KC 8 /* adapter columns per pass over y when an item has few rows (see expand_all) */
+#define CB_LORA_PARALLEL_MIN (1 << 20) /* flops below which one thread does the whole call */
+
+/* t[i * ldt + j] = x_i . a_j for mr rows of x (ldx apart) and nc rows of a (in floats each, contiguous). */
+static inline __attribute__((always_inline)) void shrink_tile(const int mr, const int nc, const float *restrict x,
+                                                              int64_t ldx, const float *restrict a, int in,
+                                                              float *restrict t, int ldt) {
+    vf acc[CB_LORA_MR][CB_LORA_NC];
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nc; ++j) acc[i][j] = (vf){0};
+    int k = 0;
+    for (; k + CB_VW <= in; k += CB_VW) {
+        vf av[CB_LORA_NC];
+        for (int j = 0; j < nc; ++j) av[j] = cb_load(a + (int64_t)j * in + k);
+        for (int i = 0; i < mr; ++i) {
+            const vf xv = cb_load(x + i * ldx + k);
+            for (int j = 0; j < nc; ++j) acc[i][j] += xv * av[j];
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nc; ++j) {
+            float s = 0.0f;
+            for (int l = 0; l < CB_VW; ++l) s += acc[i][j][l];
+            for (int kk = k; kk < in; ++kk) s += x[i * ldx + kk] * a[(int64_t)j * in + kk];
+            t[i * ldt + j] = s;
+        }
+}
+
+/* y_i[0 : nv * CB_VW] += sum over c < cols of t[i * ldt + c] * bt_c, for mr rows (bt: rows `out` apart). */
+static inline __attribute__((always_inline)) void expand_tile(const int mr, const int nv, const float *restrict t,
+                                                              int ldt, int cols, const float *restrict bt, int out,
+                                                              float *restrict y, int64_t ldy) {
+    vf acc[CB_LORA_MR][CB_LORA_NV];
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nv; ++j) acc[i][j] = cb_load(y + i * ldy + CB_VW * j);
+    for (int c = 0; c < cols; ++c) {
+        vf bv[CB_LORA_NV];
+        for (int j = 0; j < nv; ++j) bv[j] = cb_load(bt + (int64_t)c * out + CB_VW * j);
+        for (int i = 0; i < mr; ++i) {
+            const float s = t[i * ldt + c];
+            for (int j = 0; j < nv; ++j) acc[i][j] += s * bv[j];
+        }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nv; ++j) cb_store(y + i * ldy + CB_VW * j, acc[i][j]);
+}
+
+/* mr (and nc) as compile-time constants in each case, so the accumulators stay in registers. */
+#define CB_LORA_CASES(CASE) CASE(1) CASE(2) CASE(3) CASE(4)
+
+static void shrink_rows(int mr, int nc, const float *x, int64_t ldx, const float *a, int in, float *t, int ldt) {
+#define CB_SHRINK_CASE(R)                                                           \
+    case R:                                                                         \
+        if (nc == CB_LORA_NC)                                                       \
+            shrink_tile(R, CB_LORA_NC, x, ldx, a, in, t, ldt);                      \
+        else                                                                        \
+            for (int j = 0; j < nc; ++j) shrink_tile(R, 1, x, ldx, a + (int64_t)j * in, in, t + j, ldt); \
+        break;
+    switch (mr) { CB_LORA_CASES(CB_SHRINK_CASE) }
+#undef CB_SHRINK_CASE
+}
+
+static void expand_rows(int mr, int nv, const float *t, int ldt, int cols, const float *bt, int out, float *y,
+                        int64_t ldy) {
+#define CB_EXPAND_CASE(R)                                             \
+    case R:                                                           \
+        if (nv == CB_LORA_NV)                                         \
+            expand_tile(R, CB_LORA_NV, t, ldt, cols, bt, out, y, ldy); \
+        else                                                          \
+            expand_tile(R, 1, t, ldt, cols, bt, out, y, ldy);         \
+        break;
+    switch (mr) { CB_LORA_CASES(CB_EXPAND_CASE) }
+#undef CB_EXPAND_CASE
+}
+
+/* y += t Bt for nr rows: y's columns in tiles of CB_LORA_NV vectors, the rows inner (a tile of Bt serves every
+ * row), the adapter's columns kc at a time. With few rows this is bound by reading Bt from memory: kc =
+ * CB_LORA_KC reads it as that many sequential streams, which the hardware prefetcher follows, where a tile
+ * over all the columns would be one short strided read per column. Splitting the columns changes no result
+ * (each y element still gets its products added in column order). */
+static void expand_all(const float *t, int nr, int cols, const float *bt, int out, float *y, int64_t ldy) {
+    const int kc = nr <= CB_LORA_MR ? CB_LORA_KC : cols, vec_end = out - out % CB_VW;
+    for (int c0 = 0; c0 < cols; c0 += kc) {
+        const int cn = cols - c0 < kc ? cols - c0 : kc;
+        for (int col = 0; col < vec_end;) {
+            const int nv = out - col >= CB_LORA_NV * CB_VW ? CB_LORA_NV : 1;
+            for (int i = 0; i < nr; i += CB_LORA_MR)
+                expand_rows(nr - i < CB_LORA_MR ? nr - i : CB_LORA_MR, nv, t + i * cols + c0, cols, cn,
+                            bt + (int64_t)c0 * out + col, out, y + i * ldy + col, ldy);
+            col += nv * CB_VW;
+        }
+    }
+    for (int i = 0; i < nr; ++i) /* the last out % CB_VW columns */
+        for (int o = vec_end; o < out; ++o) {
+            float s = y[i * ldy + o];
+            for (int c = 0; c < cols; ++c) s += t[i * cols + c] * bt[(int64_t)c * out + o];
+            y[i * ldy + o] = s;
+        }
+}
+
+/* One work item: rows of one segment, t = x A^T then y += t Bt. The shrink walks rows in tiles with A's rows
+ * inner (a tile of x stays in L1 while A streams by). */
+static void lora_rows(const float *x, int64_t ldx, float *y, int64_t ldy, int nr, int in, int out,
+                      const float *a, const float *bt, int cols) {
+    float t[CB_LORA_RB * CB_LORA_MAX_COLS] __attribute__((aligned(64)));
+    for (int i = 0; i < nr; i += CB_LORA_MR) {
+        const int mr = nr - i < CB_LORA_MR ? nr - i : CB_LORA_MR;
+        for (int c = 0; c < cols; c += CB_LORA_NC)
+            shrink_rows(mr, cols - c < CB_LORA_NC ? cols - c : CB_LORA_NC, x + i * ldx, ldx, a + (int64_t)c * in,
+                        in, t + i * cols + c, cols);
+    }
+    expand_all(t, nr, cols, bt, out, y, ldy);
+}
+
+typedef struct {
+    int32_t start, end;
+} cb_span_t;
+
+static int span_order(const void *p, const void *q) {
+    const cb_span_t *a = p, *b = q;
+    return (a->start > b->start) - (a->start < b->start);
+}
+
+/* CB_ERANGE unless every segment has start, rows, slot >= 0 and cols in [0, cmax], and the segments with rows
+ * are disjoint (their items write y in parallel); CB_ENOMEM if the check's buffer cannot be had. */
+static int check_segments(const int32_t *seg, int nseg, int cmax) {
+    cb_span_t *spans = malloc(sizeof(cb_span_t) * (size_t)nseg);
+    if (!spans) return CB_ENOMEM;
+    int n = 0, rc = CB_OK;
+    for (int s = 0; s < nseg && rc == CB_OK; ++s) {
+        const int32_t *g = seg + 4 * s;
+        if (g[0] < 0 || g[1] < 0 || g[2] < 0 || g[3] < 0 || g[3] > cmax || (int64_t)g[0] + g[1] > INT32_MAX)
+            rc = CB_ERANGE;
+        else if (g[1] > 0)
+            spans[n++] = (cb_span_t){g[0], g[0] + g[1]};
+    }
+    if (rc == CB_OK) {
+        qsort(spans, (size_t)n, sizeof(cb_span_t), span_order);
+        for (int s = 1; s < n && rc == CB_OK; ++s)
+            if (spans[s].start < spans[s - 1].end) rc = CB_ERANGE;
+    }
+    free(spans);
+    return rc;
+}
+
+/* Rows per item: CB_LORA_RB, halved down to CB_LORA_MR while there are fewer than two items a thread. */
+static int rows_per_item(const int32_t *seg, int nseg, int threads) {
+    int rb = CB_LORA_RB;
+    for (; rb > CB_LORA_MR; rb /= 2) {
+        int64_t items = 0;
+        for (int s = 0; s < nseg; ++s)
+            if (seg[4 * s + 3] > 0) items += (seg[4 * s + 1] + rb - 1) / rb;
+        if (items >= 2 * (int64_t)threads) break;
+    }
+    return rb;
+}
+
+int cb_lora_add_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int in, int out, const float *a,
+                    const float *bt, int cmax, const int32_t *seg, int nseg) {
+    if (in < 1 || out < 1 || cmax < 1 || cmax > CB_LORA_MAX_COLS || ldx < in || ldy < out || nseg < 0)
+        return CB_EINVAL;
+    if (nseg == 0) return CB_OK;
+    const int rc = check_segments(seg, nseg, cmax);
+    if (rc != CB_OK) return rc;
+    const int rb = rows_per_item(seg, nseg, cb_max_threads());
+    int *first = malloc(sizeof(int) * (size_t)(nseg + 1)); /* items of segment s: [first[s], first[s + 1]) */
+    if (!first) return CB_ENOMEM;
+    int64_t items = 0, flops = 0;
+    for (int s = 0; s < nseg; ++s) {
+        const int32_t *g = seg + 4 * s;
+        first[s] = (int)items;
+        if (g[3] > 0) items += (g[1] + rb - 1) / rb;
+        flops += g[3] > 0 ? 2 * (int64_t)g[1] * g[3] * (in + out) : 0;
+    }
+    first[nseg] = (int)items;
+    if (items > INT32_MAX) {
+        free(first);
+        return CB_EINVAL;
+    }
+    cb_share_t shares[CB_MAX_SHARES];
+    const int nshares = cb_shares_init(shares, (int)items);
+#pragma omp parallel if (items > 1 && flops >= CB_LORA_PARALLEL_MIN)
+    {
+        int s = 0; /* a thread's items mostly come in order: search on from its last segment */
+        for (int item; (item = cb_share_next(shares, nshares)) >= 0;) {
+            if (item < first[s]) s = 0;
+            while (item >= first[s + 1]) ++s;
+            const int32_t *g = seg + 4 * s;
+            const int done = (item - first[s]) * rb, r0 = g[0] + done, nr = g[1] - done < rb ? g[1] - done : rb;
+            lora_rows(x + (int64_t)r0 * ldx, ldx, y + (int64_t)r0 * ldy, ldy, nr, in, out,
+                      a + (int64_t)g[2] * cmax * in, bt + (int64_t)g[2] * cmax * out, g[3]);
+        }
+    }
+    free(first);
+    return CB_OK;
+}
