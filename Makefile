@@ -37,7 +37,7 @@ lint: setup
 test: setup lint
 	@# Triton runs the CUDA kernels' tests interpreted on CPU (CUDA builds of torch bring their own).
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q triton
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q --durations=15 $(PYTEST_ARGS)
 
 # The benchmark scripts' end-to-end smoke runs (bench_serving.py, bench_spec_serving.py against real servers):
 # minutes each, so outside `make test`.
