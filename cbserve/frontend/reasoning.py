@@ -13,19 +13,26 @@ when its ``<think>`` handling is unambiguous):
 Per request (``request_mode``) the prompt has the last word where it says something: a prompt that ends
 with an open ``<think>`` starts the output inside the reasoning whatever the parser, one that ends with
 ``</think>`` (the template closed an empty reasoning) and ``chat_template_kwargs`` with ``enable_thinking``
-(or ``thinking``) false make the output all answer. An output constrained by a grammar from its first token
-(structured output, a forced tool call) is the answer unless it opens with ``<think>`` itself: the grammar
-does not wait for the reasoning to end.
+(or ``thinking``) false make the output all answer.
 
-Tool calls are parsed from the answer only (``responses.ChatFormatter``). Nothing is stripped: the
-reasoning, the tags and the content add up to the generated text.
+Structured output and forced tool calls hold the answer only, as vLLM's do: a request that reasons sends its
+grammar with a reasoning gate (``gated_spec``: the tags' token ids in the ``StructuredSpec``), so the worker
+leaves the reasoning unmasked and starts the grammar at the token after ``</think>`` (``worker/structured.py``);
+``max_tokens`` counts both. That needs each tag to be one token of the vocabulary (Qwen3's and DeepSeek-R1's
+are); where it is not, the grammar holds from the first token and the output reasons only if the grammar
+itself opens it with ``<think>``.
+
+Tool calls and structured output are parsed from the answer only (``responses.ChatFormatter``). Nothing is
+stripped: the reasoning, the tags and the content add up to the generated text.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from cbserve.scheduler.sampling_params import StructuredSpec
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +92,7 @@ def request_mode(
     parser: str | None, prompt_tail: str, template_kwargs: dict[str, Any] | None = None, constrained: bool = False
 ) -> ReasoningMode | None:
     """How one chat request's answers split (None: all answer). ``prompt_tail``: the end of its prompt as
-    text; ``constrained``: a grammar holds the output from its first token."""
+    text; ``constrained``: a grammar holds the output from its first token (no reasoning gate)."""
     if parser is None or thinking_disabled(template_kwargs):
         return None
     if constrained:
@@ -94,6 +101,23 @@ def request_mode(
     if tail.endswith(END):
         return None
     return ReasoningMode(inside=tail.endswith(START) or parser == "deepseek_r1")
+
+
+def single_token(tokenizer: Any, text: str) -> int | None:
+    """The id of the one token ``text`` is in the vocabulary (None: it takes several)."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def gated_spec(spec: StructuredSpec, mode: ReasoningMode, tokenizer: Any) -> StructuredSpec | None:
+    """``spec`` with the reasoning gate of a request whose answers split as ``mode``: the grammar waits for the
+    end tag and, unless the output starts inside the reasoning, its first token may be the start tag instead.
+    None when a tag it needs is not one token of the vocabulary."""
+    end = single_token(tokenizer, mode.end)
+    start = None if mode.inside else single_token(tokenizer, mode.start)
+    if end is None or (start is None and not mode.inside):
+        return None
+    return replace(spec, reasoning_start=start, reasoning_end=end)
 
 
 def _held_back(text: str, tag: str) -> int:

@@ -36,7 +36,7 @@ from .protocol import (
     UsageInfo,
     new_id,
 )
-from .reasoning import ReasoningMode, request_mode, resolve_reasoning_parser
+from .reasoning import ReasoningMode, gated_spec, request_mode, resolve_reasoning_parser
 from .responses import ChatFormatter, CompletionFormatter, Formatter
 from .structured import GrammarValidator, any_whitespace, request_spec, resolve_tool_parser, tool_setup
 from .validation import RequestValidator, ServedModel
@@ -118,7 +118,7 @@ class OpenAIServing:
         spec, param = (tool_spec, "tools") if tool_spec is not None else (spec, param)
         spec = await self._check_grammar(spec, param, req)
         prompt = v.chat_request_prompt(req, tools)
-        reasoning = self._reasoning_mode(req, prompt, spec is not None)
+        reasoning, spec = self._reasoning(req, prompt, spec)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = v.sampling_params(req, len(prompt), max_tokens, logprobs, req.prompt_logprobs, spec)
         req_id = _response_id("chatcmpl", request_id or req.request_id)
@@ -138,13 +138,23 @@ class OpenAIServing:
         if self.served.runner != runner:
             raise runner_error(self.served.runner, endpoint)
 
-    def _reasoning_mode(self, req: ChatCompletionRequest, prompt: list[int], constrained: bool) -> ReasoningMode | None:
+    def _reasoning(
+        self, req: ChatCompletionRequest, prompt: list[int], spec: StructuredSpec | None
+    ) -> tuple[ReasoningMode | None, StructuredSpec | None]:
         """How the request's answers split into reasoning and content (None: no reasoning parser, or
-        thinking is off); the prompt's end says whether the output starts inside the reasoning."""
+        thinking is off; the prompt's end says whether the output starts inside the reasoning), and the spec
+        the engine gets: a grammar starts after the reasoning (``reasoning.gated_spec``), or from the first
+        token where the vocabulary has no single tokens for the tags."""
         if self.reasoning_parser is None:
-            return None
+            return None, spec
         tail = self.tokenizer.decode(prompt[-16:])
-        return request_mode(self.reasoning_parser, tail, req.chat_template_kwargs, constrained)
+        mode = request_mode(self.reasoning_parser, tail, req.chat_template_kwargs)
+        if spec is None or mode is None:
+            return mode, spec
+        gated = gated_spec(spec, mode, self.tokenizer)
+        if gated is None:
+            return request_mode(self.reasoning_parser, tail, req.chat_template_kwargs, constrained=True), spec
+        return mode, gated
 
     async def _check_grammar(
         self, spec: StructuredSpec | None, param: str | None, req: SamplingFields

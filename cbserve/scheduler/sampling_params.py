@@ -19,10 +19,18 @@ class StructuredSpec:
     hashes as a grammar-cache key. ``kind``: "json" (``spec`` is a JSON schema, as JSON text),
     "json_object" (any JSON object; ``spec`` unused), "regex" (a regular expression), "choice" (a JSON
     list of the allowed strings) or "grammar" (EBNF, xgrammar's dialect). The worker compiles it
-    (worker/structured.py); the front end compiles it first, so a bad spec is a 400, not a worker error."""
+    (worker/structured.py); the front end compiles it first, so a bad spec is a 400, not a worker error.
+
+    The reasoning gate (a reasoning model: the grammar holds the answer, not the thinking before it):
+    ``reasoning_end`` set, the grammar starts at the token after the first ``reasoning_end`` token of the
+    output and no token before it is masked. ``reasoning_start`` set too, the output reasons only if its first
+    token is ``reasoning_start`` (that first token may be it or any token the grammar allows); unset, the
+    output starts inside the reasoning. Both None: the grammar holds from the first token."""
 
     kind: str
     spec: str = ""
+    reasoning_start: int | None = None  # token id opening the reasoning (None: the output starts inside it)
+    reasoning_end: int | None = None  # token id ending it (None: no reasoning gate)
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
@@ -31,6 +39,16 @@ class StructuredSpec:
             raise ValueError(f"structured output spec must be a string, got {type(self.spec).__name__}")
         if self.kind != "json_object" and not self.spec:
             raise ValueError(f"structured output {self.kind!r} needs a non-empty spec")
+        for name in ("reasoning_start", "reasoning_end"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), lo=0, hi=None)
+        if self.reasoning_start is not None and self.reasoning_end is None:
+            raise ValueError("structured output reasoning_start needs reasoning_end")
+
+    @property
+    def grammar_key(self) -> tuple[str, str]:
+        """What the compiled grammar depends on (not the reasoning gate): the grammar caches' key."""
+        return self.kind, self.spec
 
 
 @dataclass(frozen=True)

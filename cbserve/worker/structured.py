@@ -16,8 +16,17 @@ through the ordinary stop rule; EOS is masked while the grammar is incomplete. O
 accepted EOS it is terminated and the row is left unconstrained: under async scheduling the step already
 scheduled after the EOS samples one more token, which the scheduler drops with the finished sequence.
 
+Reasoning models (the spec's ``reasoning_end``, set by the front end when the request reasons): the grammar
+holds the answer, not the thinking. The matcher stays dormant (no bitmask, no token accepted) while the
+output is inside the reasoning, and takes the tokens from the one after the first ``reasoning_end`` on; with
+``reasoning_start`` the first token is masked to the grammar's first tokens plus ``reasoning_start``, and only
+an output that opens with it reasons. The gate's position is part of the matcher's lazy catch-up (it is
+recomputed from the tokens), so async scheduling, preemption and forks stay as above. A step whose
+constrained rows all reason has no bitmask at all.
+
 The front end compiles each spec with the same ``GrammarCompilerCache`` when it validates a request, so a
-spec that does not compile is a 400 there and never reaches a worker.
+spec that does not compile is a 400 there and never reaches a worker. Grammars are cached by what they depend
+on (``StructuredSpec.grammar_key``), so one spec with and without a reasoning gate compiles once.
 """
 
 from __future__ import annotations
@@ -73,16 +82,18 @@ class GrammarCompilerCache:
         self.stop_token_ids = tuple(info.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.max_size = max_size
-        self._cache: OrderedDict[StructuredSpec, Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
 
     def get(self, spec: StructuredSpec) -> Any:
-        """The compiled grammar of ``spec``; GrammarError when it does not compile."""
-        hit = self._cache.get(spec)
+        """The compiled grammar of ``spec`` (shared by specs that differ only in their reasoning gate);
+        GrammarError when it does not compile."""
+        key = spec.grammar_key
+        hit = self._cache.get(key)
         if hit is not None:
-            self._cache.move_to_end(spec)
+            self._cache.move_to_end(key)
             return hit
         compiled = self._compile(spec)
-        self._cache[spec] = compiled
+        self._cache[key] = compiled
         if len(self._cache) > self.max_size:
             self._cache.popitem(last=False)
         return compiled
@@ -127,8 +138,39 @@ def load_grammar_tokenizer(model_folder: Path) -> Any:
 class _Matcher:
     owner: object  # the worker's state object of the sequence: a new one (preempted, resumed) starts over
     matcher: Any
-    num_consumed: int = 0  # output tokens accepted so far
+    spec: StructuredSpec
+    seen: int = 0  # output tokens taken so far: by the reasoning gate, then by the grammar
+    answer_from: int | None = 0  # output index of the answer's first token (None: not known yet)
     broken: bool = False
+
+    def __post_init__(self) -> None:
+        if self.spec.reasoning_end is not None:
+            self.answer_from = None
+
+    @property
+    def undecided(self) -> bool:
+        """Its first token is next and may open the reasoning or start the answer."""
+        return self.answer_from is None and self.seen == 0 and self.spec.reasoning_start is not None
+
+    @property
+    def done(self) -> bool:
+        return self.broken or self.matcher.is_terminated()
+
+    @property
+    def constraining(self) -> bool:
+        """Its next token is masked: the answer has started and its grammar has not ended, or it is undecided."""
+        return not self.done and (self.answer_from is not None or self.undecided)
+
+    def gate(self, token: int) -> bool:
+        """An output token before the answer: True when it belongs to the reasoning (its tags included), False
+        when the answer starts with it (a first token that does not open the reasoning)."""
+        if self.undecided and token != self.spec.reasoning_start:
+            self.answer_from = self.seen
+            return False
+        if token == self.spec.reasoning_end:
+            self.answer_from = self.seen + 1
+        self.seen += 1
+        return True
 
 
 class StructuredOutputs:
@@ -162,8 +204,9 @@ class StructuredOutputs:
         import xgrammar as xgr
 
         m = self.matchers.get(seq_id)
-        if m is None or m.owner is not owner or m.num_consumed > len(row.token_ids) - row.num_prompt_tokens:
-            m = _Matcher(owner, xgr.GrammarMatcher(self.compilers.get(row.params.structured)))
+        if m is None or m.owner is not owner or m.seen > len(row.token_ids) - row.num_prompt_tokens:
+            spec = row.params.structured
+            m = _Matcher(owner, xgr.GrammarMatcher(self.compilers.get(spec)), spec)
             self.matchers[seq_id] = m
         return m
 
@@ -172,13 +215,16 @@ class StructuredOutputs:
         if not ok:
             logger.error("sequence %s: token %d is outside its grammar; no longer constrained", seq_id, token)
             m.broken = True
-        m.num_consumed += 1
+        m.seen += 1
 
     def _catch_up(self, seq_id: str, m: _Matcher, row: Any) -> None:
-        """Accept the sequence's output tokens the matcher has not seen, one by one."""
+        """Take the sequence's output tokens the matcher has not seen, one by one: the reasoning gate's until
+        the answer starts, then the grammar's."""
         tokens, start = row.token_ids, row.num_prompt_tokens
-        while not m.broken and m.num_consumed < len(tokens) - start and not m.matcher.is_terminated():
-            token = tokens[start + m.num_consumed]
+        while not m.done and m.seen < len(tokens) - start:
+            token = tokens[start + m.seen]
+            if m.answer_from is None and m.gate(token):
+                continue
             self._accepted(seq_id, m, token, m.matcher.accept_token(token))
 
     def _batcher(self) -> Any:
@@ -189,8 +235,8 @@ class StructuredOutputs:
         return self._batch
 
     def _advance(self, rows: Sequence[tuple[str, object, Any]]) -> list[tuple[int, _Matcher]]:
-        """Bring the constrained rows' matchers up to date; returns (row, matcher) of those still constraining.
-        The usual case, one new token per sequence, is accepted for all of them in one xgrammar call."""
+        """Bring the constrained rows' matchers up to date; returns (row, matcher) of those whose next token is
+        masked. The usual case, one new answer token per sequence, is accepted for all of them in one call."""
         seen: list[tuple[int, _Matcher]] = []
         one: list[tuple[str, _Matcher, int]] = []
         for j, (seq_id, owner, row) in enumerate(rows):
@@ -198,8 +244,8 @@ class StructuredOutputs:
                 continue
             m = self._current(seq_id, owner, row)
             seen.append((j, m))
-            behind = len(row.token_ids) - row.num_prompt_tokens - m.num_consumed
-            if behind == 1 and not m.broken and not m.matcher.is_terminated():
+            behind = len(row.token_ids) - row.num_prompt_tokens - m.seen
+            if behind == 1 and m.answer_from is not None and not m.done:
                 one.append((seq_id, m, row.token_ids[-1]))
             else:
                 self._catch_up(seq_id, m, row)
@@ -207,17 +253,21 @@ class StructuredOutputs:
             oks = self._batcher().batch_accept_token([m.matcher for _, m, _ in one], [t for _, _, t in one])
             for (seq_id, m, token), ok in zip(one, oks, strict=True):
                 self._accepted(seq_id, m, token, ok)
-        return [(j, m) for j, m in seen if not m.broken and not m.matcher.is_terminated()]
+        return [(j, m) for j, m in seen if m.constraining]
 
     def bitmask(self, rows: Sequence[tuple[str, object, Any]]) -> torch.Tensor | None:
         """The token bitmask [len(rows), ceil(vocab / 32)] int32 of a batch's sampled rows, each given as
-        (sequence id, its worker state, its SamplingRow); None when no row is constrained. Unconstrained
-        rows allow every token. The constrained rows are filled in one call (xgrammar's threads)."""
+        (sequence id, its worker state, its SamplingRow); None when no row is masked (no constrained row, or
+        all of them reasoning). Unconstrained rows allow every token; an undecided row's grammar, its
+        reasoning's opening token too. The masked rows are filled in one call (xgrammar's threads)."""
         if not any(r.params.structured is not None for _, _, r in rows):
             return None
         live = self._advance(rows)
+        if not live:
+            return None
         # All allowed (-1). numpy, not torch.full: no trip through torch's thread pool for a small buffer.
-        mask = torch.from_numpy(np.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=np.int32))
+        words = np.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=np.int32)
+        mask = torch.from_numpy(words)
         # A sequence sampled several times at once (n > 1 at its fork) has one matcher for several rows: fill it
         # once and copy the row (xgrammar's threads filling one matcher twice at the same time corrupt it).
         first: dict[int, int] = {}  # id(matcher) -> its first row
@@ -229,8 +279,12 @@ class StructuredOutputs:
                 fill.append((j, m))
             else:
                 copies.append((j, k))
-        if fill:
-            self._batcher().batch_fill_next_token_bitmask([m.matcher for _, m in fill], mask, [j for j, _ in fill])
+        self._batcher().batch_fill_next_token_bitmask([m.matcher for _, m in fill], mask, [j for j, _ in fill])
+        bits = words.view(np.uint32)
+        for j, m in fill:
+            if m.undecided:  # the first token may also open the reasoning
+                t = int(m.spec.reasoning_start)  # type: ignore[arg-type]
+                bits[j, t // 32] |= np.uint32(1 << (t % 32))
         for j, k in copies:
             mask[j] = mask[k]
         return mask

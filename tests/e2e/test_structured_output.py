@@ -8,7 +8,9 @@
   driven end to end by forcing the text with a regex (``structured_outputs``) and checked to return plain
   content otherwise;
 - ``emb`` at ``/emb``: ``qwen``'s tiny random Llama served with ``runner: pooling`` (mean pooling + Normalize from its
-  sentence-transformers files, Matryoshka), checked against sentence-transformers' ``encode``.
+  sentence-transformers files, Matryoshka), checked against sentence-transformers' ``encode``;
+- ``think`` at ``/think``: ``think_model.py``'s tiny Qwen3 whose greedy output thinks a known text, for structured
+  output after the reasoning and the OpenAI Agents SDK (``e2e_reasoning.py``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import e2e_reasoning
 import e2e_responses
 import pytest
 from e2e_lib import free_port, wait_for
 from pydantic import BaseModel, Field
+from think_model import make_think_model
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -127,6 +131,7 @@ def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apps]:
 
     qwen = _make_qwen_model(tmp_path_factory.mktemp("qwen") / "qwen-tools")
     emb = _make_embedding_model(qwen, tmp_path_factory.mktemp("emb") / "emb")
+    think = make_think_model(tmp_path_factory.mktemp("think") / "think").folder
     port = free_port()
     ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="cbserve-structured",
              object_store_memory=256 * 1024**2)  # fmt: skip
@@ -138,10 +143,12 @@ def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apps]:
                       name="qwen", route_prefix="/qwen"),
             RunTarget(build_app(dict(COMMON, model=str(emb), served_model_name="emb", runner="pooling",
                                      max_num_seqs=8)), name="emb", route_prefix="/emb"),
+            RunTarget(build_app(dict(COMMON, model=str(think), served_model_name="think", reasoning_parser="auto",
+                                     max_num_seqs=4)), name="think", route_prefix="/think"),
         ], wait_for_applications_running=False)  # fmt: skip
         a = Apps(f"http://127.0.0.1:{port}", emb)
         healthy = lambda p: a.client(p).with_options(timeout=5).models.list()  # noqa: E731
-        wait_for("the apps", lambda: healthy("") and healthy("/qwen") and healthy("/emb"), 600, 1.0)
+        wait_for("the apps", lambda: all(healthy(p) for p in ("", "/qwen", "/emb", "/think")), 600, 1.0)
         yield a
     finally:
         serve.shutdown()
@@ -359,6 +366,13 @@ def test_responses_api_through_the_official_client_and_langchain(apps: Apps) -> 
     e2e_responses.check_text_whole_and_streamed(client, model)
     e2e_responses.check_forced_tool_call_and_its_answer(client, model)
     e2e_responses.check_langchain_tool_call(f"{apps.base}/v1", model)
+
+
+# ---- reasoning models (e2e_reasoning.py) -------------------------------------------------------------------
+def test_structured_output_after_the_reasoning_and_the_agents_sdk(apps: Apps) -> None:
+    e2e_reasoning.check_json_schema_after_reasoning(apps.client("/think"), "think")
+    e2e_reasoning.check_forced_tool_call_after_reasoning(apps.client("/think"), "think")
+    e2e_reasoning.check_agents_sdk_tool_call(f"{apps.base}/think/v1", "think")
 
 
 # ---- embeddings (runner: pooling) -----------------------------------------------------------------------

@@ -136,15 +136,33 @@ class ThinkTokenizer(CharTokenizer):
         return text + ("<think>\n" if self.opens else "")
 
 
+class TagTokenizer(ThinkTokenizer):
+    """``<think>`` and ``</think>`` are one token each (as in Qwen3's and DeepSeek-R1's vocabularies)."""
+
+    TAGS = {"<think>": 0x2000, "</think>": 0x2001}
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        ids, i = [], 0
+        while i < len(text):
+            tag = next((t for t in self.TAGS if text.startswith(t, i)), None)
+            ids.append(self.TAGS[tag] if tag else ord(text[i]))
+            i += len(tag) if tag else 1
+        return {"input_ids": ids}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        names, plain = {v: k for k, v in self.TAGS.items()}, super().decode
+        return "".join(names.get(i) or plain([i], skip_special_tokens) for i in ids)
+
+
 def _chat(pieces: list[str], stream: bool, reason: str = "stop", opens: bool = False, served: dict | None = None,
-          **kw: Any) -> tuple[Any, ScriptedEngine]:  # fmt: skip
+          tags: bool = False, **kw: Any) -> tuple[Any, ScriptedEngine]:  # fmt: skip
     def script(req: EngineRequest) -> list[list[Any]]:
         last = len(pieces) - 1
         return [[out(req.req_id, p, finished=i == last, reason=reason)] for i, p in enumerate(pieces)]
 
     engine = ScriptedEngine(script)
     model = ServedModel("m", 4096, 4, 0x3000, **{"reasoning_parser": "auto", **(served or {})})
-    serving = OpenAIServing(model, ThinkTokenizer(opens), engine, [EOS])
+    serving = OpenAIServing(model, (TagTokenizer if tags else ThinkTokenizer)(opens), engine, [EOS])
     serving.grammars.check = lambda spec, param: None  # the character tokenizer has no xgrammar vocabulary
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=stream, **kw)
 
@@ -264,3 +282,52 @@ def test_disable_any_whitespace_from_server_and_request() -> None:
         assert accepts(grammar, spaced) and accepts(grammar, fixed) and not accepts(grammar, '{"a": "x"}')
     with pytest.raises(APIError, match="invalid json"):
         sent({}, disable_any_whitespace=False, json='{"type": "objekt"}')
+
+
+# ---- structured output after the reasoning ---------------------------------------------------------------
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("opens", "served", "kwargs", "gate"),
+    [(False, {}, None, (0x2000, 0x2001)),  # qwen3: the output may open <think>, or answer at once
+     (True, {}, None, (None, 0x2001)),  # the prompt opened it (deepseek_r1's case)
+     (False, {}, {"enable_thinking": False}, None),  # thinking off: the grammar from the first token
+     (False, {"reasoning_parser": None}, None, None)],
+)  # fmt: skip
+def test_a_reasoning_request_sends_its_grammar_gated(opens: bool, served: dict, kwargs: Any, gate: Any) -> None:
+    r, engine = _chat(["<think>a { b</think>", '{"x": 1}'], stream=False, opens=opens, served=served, tags=True,
+                      response_format=SCHEMA, chat_template_kwargs=kwargs)  # fmt: skip
+    spec = engine.requests[0].sampling_params.structured
+    sent = None if spec.reasoning_end is None else (spec.reasoning_start, spec.reasoning_end)
+    assert spec.kind == "json" and sent == gate
+    msg = r.choices[0].message
+    if served or kwargs:
+        assert msg.content == '<think>a { b</think>{"x": 1}' and msg.reasoning_content is None
+    else:
+        assert (msg.reasoning_content, msg.content) == ("a { b", '{"x": 1}')
+
+
+def test_tags_of_several_tokens_keep_the_grammar_from_the_first_token() -> None:
+    _, engine = _chat(["{}"], stream=False, opens=True, response_format=SCHEMA)
+    spec = engine.requests[0].sampling_params.structured
+    assert spec.reasoning_start is None and spec.reasoning_end is None
+    r, _ = _chat(["Hmm</think>{}"], stream=False, opens=True, response_format=SCHEMA)  # held from its first token,
+    assert r.choices[0].message.content == "Hmm</think>{}"  # the output is the answer though the prompt opened <think>
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_tool_call_after_the_reasoning(stream: bool) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    text = '<think>They want {"city"} maybe</think>{"city": "Paris"}'
+    r, engine = _chat(_pieces(text, 5), stream=stream, tags=True, tools=[WEATHER], tool_choice=named)
+    assert engine.requests[0].sampling_params.structured.reasoning_end == 0x2001
+    if stream:
+        assert _joined(r, "reasoning_content") == 'They want {"city"} maybe' and _joined(r, "content") == ""
+        calls = [tc for c in r for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+        assert "".join(tc["function"].get("arguments", "") for tc in calls) == '{"city": "Paris"}'
+        assert r[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        return
+    msg = r.choices[0].message
+    assert msg.reasoning_content == 'They want {"city"} maybe' and msg.content is None
+    assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("get_weather", '{"city": "Paris"}')]
