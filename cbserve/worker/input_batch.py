@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from cbserve.scheduler.lora import LoRARequest
@@ -13,11 +13,13 @@ from cbserve.scheduler.outputs import CachedRequestData, NewRequestData
 from cbserve.scheduler.sampling_params import SamplingParams
 
 from .attention.backend import AttentionMetadata
+from .block_table import BlockTable
 from .sampler import SamplingRow
 from .spec_verify import DraftGroup
+from .step_buffers import StepBuffers
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestState:
     req_id: str
     token_ids: list[int]
@@ -29,6 +31,12 @@ class CachedRequestState:
     seed: int | None = None
     pooled: torch.Tensor | None = None  # pooling runner: what the prompt's chunks so far pooled to (pooler.py)
     lora: LoRARequest | None = None  # the adapter it runs with
+    _row: SamplingRow | None = field(default=None, init=False, repr=False, compare=False)
+    # Samples n > 1 rows where its prompt completes (a fork point): that step is off build_batch's fast path.
+    _forks: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._forks = self.num_samples != 1
 
     @classmethod
     def from_new(cls, d: NewRequestData) -> CachedRequestState:
@@ -43,6 +51,13 @@ class CachedRequestState:
             d.seed,
             lora=d.lora,
         )
+
+    def sample_row(self) -> SamplingRow:
+        """The row this sequence samples with (its seed unshifted): the same object every step, as it holds
+        ``token_ids``, which grows in place."""
+        if self._row is None:
+            self._row = SamplingRow(self.sampling_params, self.token_ids, self.num_prompt_tokens, self.seed)
+        return self._row
 
     def update(self, d: CachedRequestData) -> None:
         self.token_ids.extend(d.new_token_ids)
@@ -136,12 +151,40 @@ class _Samples:
         for i in range(k):
             seed = None if s.seed is None else s.seed + i
             self.owner.append(owner)
-            self.rows.append(SamplingRow(s.sampling_params, s.token_ids, s.num_prompt_tokens, seed))
+            self.rows.append(s.sample_row() if i == 0 else
+                             SamplingRow(s.sampling_params, s.token_ids, s.num_prompt_tokens, seed))
             if self.one_to_one and i:
                 self.logits_rows.append(row)
 
 
-def _check_scheduled(s: CachedRequestState, n: int, num_tokens: int, has_drafts: bool, block_size: int) -> None:
+@dataclass
+class _Plan:
+    """What the pass over a step's requests gathers: the token ids, and per request its table row, first
+    position and number of query tokens; the sample rows and prompt-logprob rows. ``head``: the rows and
+    first positions of the leading run of plain one-token requests, as arrays (``rows`` and ``starts``
+    hold the rest)."""
+
+    samples: _Samples
+    ids: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    prompt_lp: list[PromptLogprobRows] = field(default_factory=list)
+    num_decodes: int = 0  # the leading run of one-token requests
+    head: tuple[np.ndarray, np.ndarray] | None = None
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Table rows, first positions and query lengths of all requests."""
+        if self.head is not None and not self.rows:  # all plain one-token requests
+            return self.head[0], self.head[1], np.ones(len(self.head[0]), dtype=np.int64)
+        q = np.array(self.query_lens, dtype=np.int64)
+        rows, starts = np.array(self.rows, dtype=np.int64), np.array(self.starts, dtype=np.int64)
+        if self.head is None:
+            return rows, starts, q
+        return np.concatenate([self.head[0], rows]), np.concatenate([self.head[1], starts]), q
+
+
+def _refuse(s: CachedRequestState, n: int, num_tokens: int, has_drafts: bool, block_size: int) -> None:
     """``n`` tokens from ``s.num_computed_tokens`` must be known (drafts: end exactly at the last draft)
     and have KV slots."""
     end = s.num_computed_tokens + n
@@ -149,8 +192,75 @@ def _check_scheduled(s: CachedRequestState, n: int, num_tokens: int, has_drafts:
         raise ValueError(
             f"request {s.req_id}: {n} tokens scheduled from {s.num_computed_tokens}, {num_tokens} known"
         )
-    if end > len(s.block_ids) * block_size:
-        raise ValueError(f"request {s.req_id}: {end} tokens but only {len(s.block_ids)} blocks")
+    raise ValueError(f"request {s.req_id}: {end} tokens but only {len(s.block_ids)} blocks")
+
+
+def _plan(states: list[CachedRequestState], num_scheduled: Mapping[str, int], block_size: int,
+          spec: Mapping[str, list[int]] | None, table: BlockTable) -> _Plan:
+    """The per-request pass: only what cannot be done over all tokens at once (see ``build_batch``). The
+    leading run of plain one-token requests, the common case, is gathered list by list."""
+    p = _Plan(_Samples(one_to_one=bool(spec)))
+    rids = [s.req_id for s in states]
+    q = list(map(num_scheduled.__getitem__, rids))
+    d = len(q) if q.count(1) == len(q) else next(i for i, n in enumerate(q) if n != 1)
+    if d and not _plain_decodes(states[:d], rids[:d], spec, table, block_size, p):
+        d = 0
+    _general(states[d:], q[d:], block_size, spec, table.row_of, p)
+    return p
+
+
+def _plain_decodes(states: list[CachedRequestState], rids: list[str], spec: Mapping[str, list[int]] | None,
+                   table: BlockTable, block_size: int, p: _Plan) -> bool:
+    """Gather one-token requests into the empty ``p``, when each computes its last known token (so it samples
+    one row and, being past its prompt, has no prompt logprobs), has its block and no drafts or fork point;
+    else False with ``p`` untouched."""
+    tokens = [s.token_ids for s in states]
+    lens = np.array(list(map(len, tokens)), dtype=np.int64)
+    starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+    rows = np.array(list(map(table.row_of.__getitem__, rids)), dtype=np.int64)
+    if not ((lens == starts + 1).all() and (table.lens[rows] * block_size >= lens).all()):
+        return False
+    if any(len(s.token_ids) == s.num_prompt_tokens for s in states if s._forks):
+        return False
+    if spec and any(map(spec.get, rids)):
+        return False
+    n = len(states)
+    p.ids, p.head, p.query_lens, p.num_decodes = [t[-1] for t in tokens], (rows, starts), [1] * n, n
+    p.samples.req_ids, p.samples.logits_rows, p.samples.owner = rids, list(range(n)), list(range(n))
+    p.samples.rows = [s._row or s.sample_row() for s in states]
+    return True
+
+
+def _general(states: list[CachedRequestState], q: list[int], block_size: int,
+             spec: Mapping[str, list[int]] | None, row_of: Mapping[str, int], p: _Plan) -> None:
+    """Any request, one by one, appended to ``p``."""
+    ids, samples = p.ids, p.samples
+    for s, n in zip(states, q, strict=True):
+        rid, tokens, start = s.req_id, s.token_ids, s.num_computed_tokens
+        end, known = start + n, len(tokens)
+        drafts = spec.get(rid) if spec else None
+        total = known + len(drafts) if drafts else known
+        if n < 1 or end > total or (drafts and end != total) or end > len(s.block_ids) * block_size:
+            _refuse(s, n, total, bool(drafts), block_size)
+        if n == 1 and p.num_decodes == len(p.query_lens):
+            p.num_decodes += 1
+        if s.sampling_params.prompt_logprobs is not None:
+            lp_rows = prompt_logprob_rows(s, start, end, len(ids))
+            if lp_rows is not None:
+                p.prompt_lp.append(lp_rows)
+        if n == 1 and end <= known:
+            ids.append(tokens[start])
+        else:
+            ids.extend(tokens[start : min(end, known)])
+            if drafts:
+                ids.extend(drafts[max(0, start - known) : end - known])
+        p.rows.append(row_of[rid])
+        p.starts.append(start)
+        p.query_lens.append(n)
+        if drafts:
+            samples.add_drafts(s, len(ids) - 1, drafts)
+        elif end == known:
+            samples.add(s, len(ids) - 1)
 
 
 def build_batch(
@@ -159,67 +269,45 @@ def build_batch(
     block_size: int,
     device: torch.device,
     spec: Mapping[str, list[int]] | None = None,
+    table: BlockTable | None = None,
+    buffers: StepBuffers | None = None,
 ) -> PreparedBatch:
     """Flatten the scheduled tokens of ``states`` (already ordered decode-first) into one batch; ``spec``:
-    draft tokens by request id, computed after its known tokens."""
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    query_lens: list[int] = []
-    seq_lens: list[int] = []
-    samples = _Samples(one_to_one=bool(spec))
-    prompt_lp: list[PromptLogprobRows] = []
-    num_decodes = 0
-    for s in states:
-        n = num_scheduled[s.req_id]
-        start, end = s.num_computed_tokens, s.num_computed_tokens + n
-        drafts = spec.get(s.req_id) if spec else None
-        tokens = s.token_ids + drafts if drafts else s.token_ids
-        _check_scheduled(s, n, len(tokens), bool(drafts), block_size)
-        if n == 1 and num_decodes == len(query_lens):  # leading run of one-token requests
-            num_decodes += 1
-        lp_rows = prompt_logprob_rows(s, start, end, len(ids))
-        if lp_rows is not None:
-            prompt_lp.append(lp_rows)
-        ids.extend(tokens[start:end])
-        pos.extend(range(start, end))
-        blocks = s.block_ids
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
-        query_lens.append(n)
-        seq_lens.append(end)
-        if drafts:
-            samples.add_drafts(s, len(ids) - 1, drafts)
-        elif end == len(s.token_ids):
-            samples.add(s, len(ids) - 1)
-    metadata = _metadata(states, slots, query_lens, seq_lens, num_decodes, block_size, device)
-    return PreparedBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(pos, dtype=torch.long, device=device),
-        metadata=metadata,
-        logits_rows=torch.tensor(samples.logits_rows, dtype=torch.long, device=device),
-        sampled_req_ids=samples.req_ids,
-        sample_owner=samples.owner,
-        sample_rows=samples.rows,
-        prompt_lp=prompt_lp,
-        draft_groups=samples.groups,
+    draft tokens by request id, computed after its known tokens.
+
+    ``table``: the runner's persistent block tables, holding a row for each of ``states`` (None: a table of
+    their ``block_ids`` is made for this batch). ``buffers``: the runner's host buffer the inputs are staged
+    in (None: a fresh, unpinned one). One pass over the requests collects what needs them one by one (token
+    ids, sample rows); positions, slots, lengths and the padded block tables are computed over all tokens at
+    once, and every input reaches the device in one copy."""
+    if table is None:
+        table = BlockTable.of([(s.req_id, s.block_ids) for s in states])
+    p = _plan(states, num_scheduled, block_size, spec, table)
+    rows, starts, q = p.arrays()
+    seq_lens = starts + q
+    if len(p.ids) == len(q):  # one token per request
+        tok_rows, pos, cu = rows, starts, np.arange(len(q) + 1, dtype=np.int64)
+    else:
+        cu = np.zeros(len(q) + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        owner = np.repeat(np.arange(len(q)), q)
+        tok_rows, pos = rows[owner], np.arange(len(p.ids)) - cu[owner] + starts[owner]
+    slots = table.blocks[tok_rows, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    tables = table.gather(rows, int(table.lens[rows].max()))
+    ids, positions, slot_mapping, block_tables, seq_lens_t, query_start_loc, logits_rows = (
+        buffers or StepBuffers(device, pin=False)  # a caller without buffers: plain synchronous copies
+    ).stage([
+        np.array(p.ids, dtype=np.int64), pos, slots, tables, seq_lens.astype(np.int32), cu.astype(np.int32),
+        np.array(p.samples.logits_rows, dtype=np.int64),
+    ])
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens_t,
+        query_start_loc=query_start_loc, num_decodes=p.num_decodes, max_query_len=max(p.query_lens),
+        max_seq_len=int(seq_lens.max()), block_size=block_size, query_lens_cpu=p.query_lens,
+        seq_lens_cpu=seq_lens.tolist(),
     )
-
-
-def _metadata(
-    states: list[CachedRequestState], slots: list[int], query_lens: list[int], seq_lens: list[int], num_decodes: int,
-    block_size: int, device: torch.device,
-) -> AttentionMetadata:
-    max_blocks = max(len(s.block_ids) for s in states)
-    table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in states]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_tables=torch.tensor(table, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device),
-        num_decodes=num_decodes,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
+    return PreparedBatch(
+        input_ids=ids, positions=positions, metadata=metadata, logits_rows=logits_rows,
+        sampled_req_ids=p.samples.req_ids, sample_owner=p.samples.owner, sample_rows=p.samples.rows,
+        prompt_lp=p.prompt_lp, draft_groups=p.samples.groups,
     )

@@ -12,6 +12,7 @@ import torch
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 
 from .attention.backend import KVCache
+from .block_table import BlockTable
 from .config import ModelConfig
 from .cpu.malloc import tune_malloc_for_cpu_inference
 from .cuda_graphs import CaptureFn, DecodeCUDAGraphs, maybe_capture_decode_graphs
@@ -29,6 +30,7 @@ from .profiling import profile_cuda_kv_budget
 from .prompt_logprobs import compute_prompt_logprobs
 from .sampler import Sampler
 from .spec_verify import verify_drafts
+from .step_buffers import StepBuffers
 from .structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -87,20 +89,22 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.graphs: DecodeCUDAGraphs | None = None
         self.num_blocks = 0
-        self.requests: dict[str, CachedRequestState] = {}
+        self.requests: dict[str, CachedRequestState] = {}  # their block tables kept in step (block_table.py)
+        self.block_table, self.step_buffers = BlockTable(max_num_seqs), StepBuffers(self.device)
         self.draft: DraftModel | None = None  # speculative decoding with a draft model (draft_model.py)
         if config.draft_model is not None:
             self.draft = DraftModel(config, self.model_folder, vocab, block_size, max_num_seqs, self.max_model_len)
-        self.pooler: Pooler | None = None  # runner "pooling": embeddings instead of samples
-        if config.runner == "pooling":
-            pooling = read_pooling_config(self.model_folder)
-            self.pooler = Pooler(pooling, lambda x: self.model.model.norm(x)[0])
-            logger.info("pooling runner: %s pooling%s (from %s)", pooling.pooling_type,
-                        ", normalized" if pooling.normalize else "", pooling.source)
+        self.pooler = self._pooler() if config.runner == "pooling" else None  # embeddings instead of samples
         self.lora: LoRAManager | None = None  # adapter slots and loaded adapters (lora.py)
         if config.enable_lora:
             self.lora = LoRAManager(self.model, self.hf_config, config.max_loras, config.max_lora_rank,
                                     config.lora_cache_size, self.dtype, self.device)
+
+    def _pooler(self) -> Pooler:
+        pooling = read_pooling_config(self.model_folder)
+        logger.info("pooling runner: %s pooling%s (from %s)", pooling.pooling_type,
+                    ", normalized" if pooling.normalize else "", pooling.source)
+        return Pooler(pooling, lambda x: self.model.model.norm(x)[0])
 
     @property
     def num_layers(self) -> int:
@@ -140,16 +144,20 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(req_id, None)
+            self.block_table.remove(req_id)
         self.structured.drop(so.finished_req_ids | so.preempted_req_ids)
         if self.draft is not None:
             self.draft.drop(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState.from_new(new)
+            self.block_table.add(new.req_id, new.block_ids)
         for cached in so.scheduled_cached_reqs:
             state = self.requests.get(cached.req_id)
             if state is None:
                 raise KeyError(f"cached request {cached.req_id!r} is unknown to the worker")
             state.update(cached)
+            if cached.new_block_ids:
+                self.block_table.append(cached.req_id, cached.new_block_ids)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -165,7 +173,8 @@ class ModelRunner:
         states = [self.requests[r] for r in so.num_scheduled_tokens]
         states = order_decode_first(states, so.num_scheduled_tokens, by_adapter=self.lora is not None)
         spec = so.scheduled_spec_decode_tokens
-        batch = build_batch(states, so.num_scheduled_tokens, self.block_size, self.device, spec)
+        batch = build_batch(states, so.num_scheduled_tokens, self.block_size, self.device, spec, self.block_table,
+                            self.step_buffers)
         if self.lora is not None:
             self.lora.prepare_step([s.lora for s in states], [so.num_scheduled_tokens[s.req_id] for s in states])
         hidden = self._hidden(batch)
@@ -269,12 +278,18 @@ class ModelRunner:
             if spec and req_id in spec:
                 state.token_ids.extend(tokens)
                 state.num_computed_tokens = len(state.token_ids) - 1
-                del state.block_ids[-(-len(state.token_ids) // bs) :]
+                self._truncate_blocks(state, -(-len(state.token_ids) // bs))
             elif len(tokens) == 1 and not state.sampling_params.use_beam_search:
                 state.token_ids.append(tokens[0])
+
+    def _truncate_blocks(self, state: CachedRequestState, num_blocks: int) -> None:
+        """The one place a request's blocks shrink: its state's list and its row of the block table."""
+        del state.block_ids[num_blocks:]
+        self.block_table.truncate(state.req_id, num_blocks)
 
     def shutdown(self) -> None:
         self.graphs = None
         self.kv_caches = []
         self.requests.clear()
+        self.block_table = BlockTable()
         self.structured.drop(list(self.structured.matchers))
