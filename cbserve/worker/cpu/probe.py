@@ -7,7 +7,10 @@ so before the model is built the probe times one decode-shaped product (one row)
 (``PREFILL_ROWS`` rows) of a weight of the model's MLP shape (its hidden size in, up to ``MAX_COLUMNS`` of its
 gate/up columns out), each on the C kernels and on the torch path ``auto`` would fall back to (oneDNN's packed
 weight where torch has oneDNN, else ``F.linear``), in the products' dtype. Each figure is the best of a few runs
-after a warm-up, the two paths timed alternately (tens of milliseconds in all). The C kernels are kept when the
+after a warm-up, the two paths timed alternately on one thread (tens of milliseconds in all: one thread, because
+both scale alike over threads, while a thread team timed beside a busy neighbour measures the neighbour: on a
+loaded 2-core machine the C kernels' team took 1.8x oneDNN's time, alone on one thread they were faster, and such
+a verdict is kept). The C kernels are kept when the
 geometric mean of their time over torch's, across the two shapes, is at most ``NATIVE_MARGIN`` (1.2: no slower
 beyond timing noise). The figures and the choice are logged and reported in ``/stats``.
 
@@ -42,7 +45,7 @@ _REPEATS = 7
 # busy machine (the probe is there for CPUs where they are several times slower, as on AVX2 before the
 # kernels were written for its register width), not for a few percent either way.
 NATIVE_MARGIN = 1.2
-PROBE_VERSION = 2  # in the kept verdicts' key: a changed way of probing probes again
+PROBE_VERSION = 3  # in the kept verdicts' key: a changed way of probing probes again
 
 
 @dataclass(frozen=True)
@@ -124,12 +127,17 @@ def probe_linear(kernels: CpuKernels, hidden: int, inter: int, bf16_products: bo
     panels = kernels.pack_weight(weight, "bf16_dot" if bf16_products else "f32")
     path, torch_fn = _torch_product(weight, torch.bfloat16 if bf16_products else torch.float32)
     native_ms, torch_ms = [], []
-    with torch.inference_mode():
-        for m in rows:
-            x = torch.randn(m, k, generator=gen)
-            native, other = best_ms_pair(lambda x=x: kernels.linear(x, panels, None), lambda x=x: torch_fn(x))
-            native_ms.append(native)
-            torch_ms.append(other)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the C kernels run on torch's OpenMP threads too (native.py)
+    try:
+        with torch.inference_mode():
+            for m in rows:
+                x = torch.randn(m, k, generator=gen)
+                native, other = best_ms_pair(lambda x=x: kernels.linear(x, panels, None), lambda x=x: torch_fn(x))
+                native_ms.append(native)
+                torch_ms.append(other)
+    finally:
+        torch.set_num_threads(threads)
     return ProbeResult((n, k), tuple(rows), tuple(native_ms), tuple(torch_ms), path)
 
 
