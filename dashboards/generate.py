@@ -274,19 +274,16 @@ def lora_panels(b: Board) -> None:
 
 
 def replica_panels(b: Board) -> None:
-    b.row("Per-replica load")
-    b.panel(
-        "Running requests by replica",
-        [(f"sum by (replica)(ray_cbserve_num_requests_running{E})", "{{replica}}")],
-    )
-    b.panel(
-        "Waiting requests by replica",
-        [(f"sum by (replica)(ray_cbserve_num_requests_waiting{E})", "{{replica}}")],
-    )
-    b.panel(
-        "Generation tokens / s by replica",
-        [(rate(C + "generation_tokens_total", by="replica"), "{{replica}}")],
-    )
+    b.row("Per-replica load and routing")
+    for state in ("running", "waiting"):
+        b.panel(f"{state.capitalize()} requests by replica",
+                [(f"sum by (replica)(ray_cbserve_num_requests_{state}{E})", "{{replica}}")])  # fmt: skip
+    b.panel("Generation tokens / s by replica", [(rate(C + "generation_tokens_total", by="replica"), "{{replica}}")])
+    b.panel("Routing decisions / s", [(rate(C + "routing_decisions_total", M, "decision"), "{{decision}}")], "reqps",
+            stack=True, desc="What sent each request to its engine replica: a prefix-cache hit (routing: cache_aware), "
+            "prefix or adapter affinity, load alone, or its turn (round_robin).")  # fmt: skip
+    b.panel("Cached prefix of the chosen replica (tokens)", quantiles(C + "routing_matched_prefix_tokens", M),
+            desc="Cache-aware routing: prompt tokens the chosen replica's prefix cache held (0: no hit).")
 
 
 def http_panels(b: Board) -> None:

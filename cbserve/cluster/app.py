@@ -13,6 +13,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from cbserve.cluster.autoscaling import serve_options
 from cbserve.cluster.config import CBServeConfig, known_device, servable_config
 
 
@@ -25,5 +26,7 @@ def build_app_from_config(config: CBServeConfig) -> Application:
     """The app of an already checked configuration (``servable_config``)."""
     from cbserve.cluster.ingress import OpenAIIngress
 
-    # Serve's own drain of a replica it stops (rollouts, scale-down) gives requests in flight as long
-    return OpenAIIngress.options(graceful_shutdown_timeout_s=config.shutdown_timeout + 5.0).bind(config.model_dump())
+    # Serve's own drain of a replica it stops (rollouts, scale-down) gives requests in flight as long; with
+    # ``autoscaling`` Serve's autoscaler sets the number of ingress replicas (cluster/autoscaling.py)
+    options = {"graceful_shutdown_timeout_s": config.shutdown_timeout + 5.0, **serve_options(config.autoscaling)}
+    return OpenAIIngress.options(**options).bind(config.model_dump())

@@ -16,7 +16,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cbserve.cluster.autoscaling import from_serve_deployments, parse_autoscaling
 from cbserve.cluster.lora_config import check_lora_keys, check_lora_modules, parse_lora_modules
+from cbserve.cluster.router import RoutingMode
+from cbserve.cluster.sim_config import check_sim_keys, is_sim, sim_num_blocks
 from cbserve.scheduler.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from cbserve.worker.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
@@ -46,7 +49,7 @@ class CBServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     # model
-    model: str | None = None  # HF folder or GGUF path; None = the bundled SmolLM2-135M-Instruct GGUF
+    model: str | None = None  # HF folder or GGUF path; None = the bundled SmolLM2 GGUF; "sim": cluster/sim_config.py
     served_model_name: str | None = None  # name clients use in "model"; default from the model
     dtype: Dtype = "auto"  # float32 on CPU, bfloat16 on CUDA
     device: Device = "auto"  # cuda when the Ray cluster has a GPU, else cpu
@@ -102,6 +105,9 @@ class CBServeConfig(BaseModel):
     prefix_affinity_tokens: int = Field(64, ge=0)  # tokens hashed for prefix affinity (block aligned)
     affinity_max_imbalance_tokens: int = Field(4096, ge=0)  # stay on the preferred replica unless this
     # many more outstanding tokens than the least loaded one
+    # cache_aware: the replica whose prefix cache holds the longest prefix (the engines report their cached blocks);
+    # affinity: prefix affinity and load only; round_robin: in turn (cluster/router.py)
+    routing: RoutingMode = "cache_aware"
     # HTTP
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=0, le=65535)
@@ -122,6 +128,9 @@ class CBServeConfig(BaseModel):
     # on SIGTERM / Ctrl-C and on an ingress replica's shutdown: seconds requests in flight get to finish (new ones
     # get 503 meanwhile) before the rest are aborted
     shutdown_timeout: float = Field(20.0, ge=0.0)
+    # ingress replicas (each with its num_replicas engines) on Serve's autoscaler: "min=1,max=4,target_ongoing=2"
+    # or Serve's autoscaling_config; min 0 scales to zero (cluster/autoscaling.py); unset: one ingress replica
+    autoscaling: dict[str, Any] | None = None
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -135,6 +144,11 @@ class CBServeConfig(BaseModel):
                     raise ValueError(f"speculative_config is not valid JSON: {e}") from e
         SpeculativeConfig.from_dict(value)  # unknown method, keys or bad values raise here
         return value
+
+    @field_validator("autoscaling", mode="before")
+    @classmethod
+    def _parse_autoscaling(cls, value: Any) -> dict[str, Any] | None:
+        return parse_autoscaling(value)
 
     @field_validator("lora_modules", mode="before")
     @classmethod
@@ -152,6 +166,7 @@ class CBServeConfig(BaseModel):
         draft = self.speculative_config is not None and self.speculative_config.get("method") == "draft_model"
         check_lora_keys(self.enable_lora, self.lora_modules, self.max_loras, self.max_cpu_loras, self.model_name,
                         {"runner 'pooling'": self.runner == "pooling", "a draft model (speculative_config)": draft})
+        check_sim_keys(self)
         return self
 
     # ---- construction -----------------------------------------------------------------------
@@ -163,7 +178,7 @@ class CBServeConfig(BaseModel):
             raise ValueError(f"{path}: expected a YAML mapping, got {type(data).__name__}")
         if "applications" in data:  # a Serve config file: take the first application's args
             apps = data["applications"] or [{}]
-            data = dict(apps[0].get("args") or {})
+            data = dict(apps[0].get("args") or {}) | from_serve_deployments(apps[0])
         data.pop("config", None)
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(data)
@@ -220,6 +235,11 @@ class CBServeConfig(BaseModel):
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def uses_kv_events(self) -> bool:
+        """Whether the engines report their prefix-cache blocks (only a cache-aware router reads them)."""
+        return self.routing == "cache_aware"
 
     @property
     def uses_async_scheduling(self) -> bool:
@@ -336,7 +356,9 @@ def check_servable(config: CBServeConfig, info: ModelInfo, device: str | None = 
     except ValueError as e:
         raise ConfigError(str(e)) from e
     num_blocks = config.num_kv_blocks
-    if num_blocks is None and device == "cpu":  # on CUDA the budget is known once the weights are loaded
+    if num_blocks is None and is_sim(config.model):  # the simulated H100's (worker/sim_cost.py)
+        num_blocks, device = sim_num_blocks(config), "cuda"  # its budget is gpu_memory_utilization
+    elif num_blocks is None and device == "cpu":  # on CUDA the budget is known once the weights are loaded
         num_blocks = config.kv_cache_memory_bytes // kv_block_bytes(config, info)
     if num_blocks is not None:
         check_kv_capacity(config, num_blocks, device)

@@ -21,6 +21,7 @@ from cbserve.cluster.output_channel import ChannelReader, EngineFailure
 from cbserve.cluster.router import NoHealthyReplicaError, Router
 from cbserve.cluster.scheduler_actor import SchedulerActor
 from cbserve.frontend.protocol import APIError
+from cbserve.scheduler.kv_events import KVCacheEvents, cache_extra_keys
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class EngineClient:
         self.config = config
         self.router = Router(
             config.num_replicas, config.block_size, config.prefix_affinity_tokens,
-            config.affinity_max_imbalance_tokens, config.max_cpu_loras or config.max_loras,
+            config.affinity_max_imbalance_tokens, config.max_cpu_loras or config.max_loras, config.routing,
         )
         # The zero-CPU schedulers live beside the ingress that owns them (they die with it anyway): one
         # network hop less per token, and a lost GPU node never takes a scheduler with it.
@@ -86,10 +87,14 @@ class EngineClient:
             ).remote(config.model_dump(), str(i), name)
             for i, name in enumerate(names)
         ]
-        self.channels = [ChannelReader(engine, owner) for engine in self.engines]
+        self.channels = [ChannelReader(engine, owner, self._cache_sink(i)) for i, engine in enumerate(self.engines)]
         self.health: list[dict[str, Any]] = [{"state": "starting"} for _ in self.engines]
         self._routes: dict[str, int] = {}  # req_id -> replica index, while in flight
         self._watcher: asyncio.Task[None] | None = None
+
+    def _cache_sink(self, idx: int) -> Callable[[KVCacheEvents], None]:
+        """Where replica ``idx``'s prefix-cache events go: the router's picture of its cache."""
+        return lambda events: self.router.apply_cache_events(idx, events)
 
     # ---- health -------------------------------------------------------------------------------
     def start(self, on_tick: Callable[[], None] | None = None) -> None:
@@ -137,7 +142,8 @@ class EngineClient:
             except Exception as e:
                 d = {"replica": str(i), "state": "unreachable", "error": f"{type(e).__name__}"}
             r = self.router.replicas[i]
-            d.update(routed_requests=r.total_routed, router_outstanding_tokens=r.outstanding_tokens)
+            d.update(routed_requests=r.total_routed, router_outstanding_tokens=r.outstanding_tokens,
+                     routed_cache_hits=r.cache_hits, router_cached_blocks=self.router.index.num_blocks(i))
             return d
 
         return list(await asyncio.gather(*[one(i) for i in range(len(self.engines))]))
@@ -173,9 +179,10 @@ class EngineClient:
         tried: set[int] = set()
         admitted = streamed = False
         lora_id = None if request.lora is None else request.lora.lora_int_id
+        extra_keys = cache_extra_keys(request.cache_salt, request.lora)
         while True:
             try:
-                idx = self.router.choose(request.prompt_token_ids, exclude=tried, lora_id=lora_id)
+                idx = self.router.choose(request.prompt_token_ids, tried, lora_id, extra_keys)
             except NoHealthyReplicaError as e:
                 raise APIError(503, f"{e}; retry later", "service_unavailable") from e
             tried.add(idx)

@@ -139,7 +139,7 @@ class OpenAIIngress:
         """Serve awaits this: the replica turns RUNNING (and, in a rolling update, takes traffic from the
         old version) only once its engine replicas loaded the model, or failed, or STARTUP_WAIT_S passed."""
         self._setup(config)
-        self.client.start(on_tick=self.metrics.refresh)
+        self.client.start(on_tick=self._tick)
         await self.client.wait_started(STARTUP_WAIT_S)
         # Behind the engine on this node's cores from now on, when the node tuning says so (cluster/node_tuning.py);
         # its start-up work (a GGUF's conversion, the tokenizer) is done, and under SCHED_BATCH it took seconds longer.
@@ -173,6 +173,11 @@ class OpenAIIngress:
         self.draining = False  # set by drain(): new requests are refused
         self.http_in_flight = 0  # requests the HTTP edge is answering
         api.state.ingress = self  # for the HTTP edge (auth, metrics) and the app's lifespan (shutdown)
+
+    def _tick(self) -> None:
+        """Every health period: the HTTP gauge again, and the router's decisions since the last tick."""
+        self.metrics.refresh()
+        self.metrics.observe_routing(self.client.router.take_stats())
 
     async def drain(self) -> dict[str, int]:
         """Graceful shutdown (``cbserve serve`` calls it on SIGTERM / Ctrl-C): stop admitting (new requests get

@@ -1,24 +1,21 @@
 """Prometheus metrics of every cbserve component, exported through Ray's metrics API.
 
 The scheduler and the workers only fill stats dataclasses (scheduler/stats.py); this module alone turns
-them into series. Metrics are created with ``ray.util.metrics``, so every actor's series leave through
-Ray's per-node metrics export port and are found by Prometheus through Ray's service-discovery file
-(see deploy/prometheus.yml). Ray Serve's own ``ray_serve_*`` series come out of the same ports.
+them into series, made with ``ray.util.metrics``: they leave through Ray's per-node metrics port, found by
+Prometheus through Ray's service-discovery file (deploy/prometheus.yml), beside Serve's ``ray_serve_*``.
 
-Exported names: Ray's exporter prefixes every metric with ``ray_``. We therefore register the
-metrics without a prefix of our own; the exported series are named ``ray_cbserve_*`` — see
-``exported_names()`` and docs in dashboards/README.md. Ray also adds its own labels (``Component``,
-``NodeAddress``, ``SessionName``, ``WorkerId``, ...) on top of ours.
+Ray's exporter prefixes every metric with ``ray_`` (series ``ray_cbserve_*``: ``exported_names()``,
+dashboards/README.md) and adds its own labels (``Component``, ``NodeAddress``, ``WorkerId``, ...).
 
-Labels are bounded: ``model`` and ``replica`` everywhere, ``rank`` for workers, ``reason`` for finished and
-rejected requests, ``route`` and ``status`` at the HTTP ingress (routes outside ``KNOWN_ROUTES`` are
-reported as ``other``); with LoRA, ``lora_name`` (the adapters loaded) and vLLM's ``lora_requests_info``
-labels (the running adapters, at most ``max_loras``, and the waiting ones, comma-separated).
+Labels are bounded: ``model``, ``replica``, ``rank`` (workers), ``reason`` (finish, reject), ``route`` and
+``status`` (HTTP; routes outside ``KNOWN_ROUTES`` are ``other``), ``decision`` (the router), ``lora_name`` and
+vLLM's ``lora_requests_info`` labels (the running adapters, at most ``max_loras``, and the waiting ones).
 
 No "No data" on a healthy cluster: every counter and gauge is created at 0 when its component starts, for
 each of its known label values (``MetricSpec.initial``: every finish and reject reason, the HTTP statuses of
 the generation routes), so a dashboard's rate() reads 0 before the first event. A histogram has no series
-until its first observation (Ray cannot export an empty one); the first request creates them.
+until its first observation (Ray cannot export an empty one); the first request creates them. Ray drops a gauge
+not set for a while, so gauges are set again on every step (or refresh) even when idle.
 """
 
 from __future__ import annotations
@@ -28,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import product
 from typing import Any, Literal
+
+from cbserve.cluster.router import ROUTING_DECISIONS
 
 # Prefix Ray's exporter puts in front of every custom metric name.
 RAY_EXPORT_PREFIX = "ray_"
@@ -189,7 +188,12 @@ INGRESS_SPECS: tuple[MetricSpec, ...] = (
     _h("http_request_duration_seconds", "HTTP request latency (to the last byte of the response).",
        REQUEST_LATENCY_BUCKETS, ("model", "route")),
     _g("http_requests_in_flight", "HTTP requests being served by this ingress replica.", ("model",)),
+    _c("routing_decisions", "Requests routed to an engine replica, by what decided it (cluster/router.py).",
+       ("model", "decision"), _each("decision", ROUTING_DECISIONS)),
+    _h("routing_matched_prefix_tokens", "Cache-aware routing: prompt tokens the chosen replica's prefix cache "
+       "held (0: no hit).", TOKEN_COUNT_BUCKETS, ("model",)),
 )  # fmt: skip
+_LORA_SPECS = tuple(s for s in ENGINE_SPECS if s.name.startswith(PREFIX + "lora_"))
 ALL_SPECS: tuple[MetricSpec, ...] = ENGINE_SPECS + WORKER_SPECS + INGRESS_SPECS
 
 
@@ -290,6 +294,8 @@ class EngineMetrics:
             self._observe_spec(s.spec_decode)
         if s.lora is not None:
             self._observe_lora(s.lora)
+        else:
+            self._observe_no_lora()
         num_tokens = s.num_prefill_tokens + s.num_decode_tokens
         if s.batch_size > 0 or num_tokens > 0:  # idle polls would drown the step histograms
             m.observe("iteration_tokens", num_tokens)
@@ -308,6 +314,11 @@ class EngineMetrics:
         for j, count in enumerate(spec.accepted_per_pos):
             m.inc("spec_decode_num_accepted_tokens_per_pos", count, {"position": SPEC_POSITIONS[min(j, last)]})
 
+    def _observe_no_lora(self) -> None:
+        """An engine without LoRA: its 0 series, set again every step (Ray drops a gauge left unset)."""
+        for spec, labels in ((sp, lab) for sp in _LORA_SPECS for lab in sp.initial):
+            self._m.set(spec.name.removeprefix(PREFIX), 0, dict(labels))
+
     def _observe_lora(self, lora: Any) -> None:
         """``lora``: a scheduler LoRAStats. An adapter whose requests are gone is set to 0 once."""
         m = self._m
@@ -316,6 +327,9 @@ class EngineMetrics:
             m.set("lora_num_requests_running", lora.running.get(name, 0), {"lora_name": name})
             m.set("lora_num_requests_waiting", lora.waiting.get(name, 0), {"lora_name": name})
         self._adapters = names
+        if not names:  # Ray drops a gauge not set for a while: the 0 series stays by being set again
+            for name in ("lora_num_requests_running", "lora_num_requests_waiting"):
+                m.set(name, 0, dict(NO_ADAPTER[0]))
         info = {"max_lora": str(lora.max_loras), "running_lora_adapters": ",".join(sorted(lora.running)),
                 "waiting_lora_adapters": ",".join(sorted(lora.waiting))}  # fmt: skip
         m.set("lora_requests_info", time.time(), info)
@@ -370,6 +384,14 @@ class IngressMetrics:
     def refresh(self) -> None:
         """Re-set the gauge while idle (Ray stops exporting a gauge that is not set for a while)."""
         self._m.set("http_requests_in_flight", self._in_flight)
+
+    def observe_routing(self, stats: Any) -> None:
+        """``stats``: the router's RoutingStats since the last call (decisions by kind, matched prefix lengths)."""
+        for kind, count in stats.decisions.items():
+            self._m.inc("routing_decisions", count, {"decision": kind})
+        for tokens, count in stats.matched_tokens.items():
+            for _ in range(count):
+                self._m.observe("routing_matched_prefix_tokens", tokens)
 
 
 def _reason(reason: str | None) -> str:

@@ -9,8 +9,17 @@ used unless it has more than ``max_imbalance_tokens`` more outstanding tokens th
 LoRA adapter affinity: each replica remembers the last ``adapter_memory`` adapters it was sent (what its
 workers keep loaded, ``max_cpu_loras``). A request for an adapter goes to the least loaded replica that has it,
 within the same imbalance bound; otherwise to the adapter's own replica by rendezvous hashing of its id (not of
-the prompt), so an adapter's requests gather on one replica instead of loading it everywhere. Pure Python (no
-ray): the ingress owns one Router and tells it which replicas are healthy.
+the prompt), so an adapter's requests gather on one replica instead of loading it everywhere.
+
+Modes (``routing``): ``cache_aware`` (the default) first looks at what each replica's prefix cache really holds
+(cluster/prefix_index.py, fed by the replicas' block events): the request goes to the replica holding the longest
+cached prefix of its prompt, in whole blocks, among those within the imbalance bound of the least loaded one (the
+less loaded of equals); a prefix counts when it covers the affinity chunk (or every cacheable block of a shorter
+prompt). With no such hit, the rules above apply. So a tenant's prompts follow its cache where the cache went (a
+spill past the bound, a rebuilt or added replica), and never pile onto one replica for a chat template's block.
+``affinity`` is the rules above alone; ``round_robin`` takes the healthy replicas in turn (a baseline). Every
+decision is counted by kind (``RoutingStats``, exported by cluster/metrics.py).
+Pure Python (no ray): the ingress owns one Router and tells it which replicas are healthy.
 """
 
 from __future__ import annotations
@@ -19,6 +28,24 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from cbserve.cluster.prefix_index import PrefixIndex
+from cbserve.scheduler.kv_events import KVCacheEvents
+
+RoutingMode = Literal["cache_aware", "affinity", "round_robin"]
+ROUTING_MODES: tuple[str, ...] = get_args(RoutingMode)
+# what decided a request's replica: a prefix-cache hit, prefix (or adapter) affinity, load alone, or its turn
+ROUTING_DECISIONS = ("cache_hit", "affinity", "least_loaded", "round_robin")
+
+
+@dataclass
+class RoutingStats:
+    """A router's decisions since the last ``Router.take_stats``: the number of each kind, and (cache_aware) how
+    many prompt tokens the chosen replica held cached, as length -> number of requests (bounded by the lengths)."""
+
+    decisions: dict[str, int] = field(default_factory=dict)
+    matched_tokens: dict[int, int] = field(default_factory=dict)
 
 
 class NoHealthyReplicaError(RuntimeError):
@@ -30,6 +57,7 @@ class ReplicaState:
     outstanding_tokens: int = 0
     num_requests: int = 0  # in flight
     total_routed: int = 0
+    cache_hits: int = 0  # requests sent here for the prefix its cache holds
     healthy: bool = False
     adapters: OrderedDict[int, None] = field(default_factory=OrderedDict)  # recently sent adapter ids, oldest first
 
@@ -37,16 +65,22 @@ class ReplicaState:
 class Router:
     def __init__(
         self, num_replicas: int, block_size: int, affinity_tokens: int = 64, max_imbalance_tokens: int = 4096,
-        adapter_memory: int = 1,
+        adapter_memory: int = 1, mode: str = "cache_aware",
     ) -> None:
         if num_replicas < 1 or block_size < 1 or adapter_memory < 1:
             raise ValueError("num_replicas, block_size and adapter_memory must be positive")
+        if mode not in ROUTING_MODES:
+            raise ValueError(f"routing mode {mode!r} is not one of {', '.join(ROUTING_MODES)}")
+        self.mode = mode
+        self.index = PrefixIndex(num_replicas, block_size)
+        self.stats = RoutingStats()
         self.block_size = block_size
         self.affinity_tokens = affinity_tokens
         self.max_imbalance_tokens = max_imbalance_tokens
         self.adapter_memory = adapter_memory
         self.replicas = [ReplicaState() for _ in range(num_replicas)]
         self._next = 0  # round-robin tie break among equally loaded replicas
+        self._turn = 0  # round_robin mode's next turn
 
     # ---- health and load ------------------------------------------------------------------
     def set_healthy(self, idx: int, healthy: bool) -> None:
@@ -72,6 +106,25 @@ class Router:
         r.outstanding_tokens = max(0, r.outstanding_tokens - tokens)
         r.num_requests = max(0, r.num_requests - 1)
 
+    # ---- prefix caches and stats -------------------------------------------------------------
+    def apply_cache_events(self, idx: int, events: KVCacheEvents) -> None:
+        """Replica ``idx``'s prefix cache changed (its step frames carry the events)."""
+        self.index.apply(idx, events)
+
+    def take_stats(self) -> RoutingStats:
+        stats, self.stats = self.stats, RoutingStats()
+        return stats
+
+    def _decided(self, idx: int, kind: str, matched_tokens: int | None = None) -> int:
+        decisions = self.stats.decisions
+        decisions[kind] = decisions.get(kind, 0) + 1
+        if matched_tokens is not None:
+            lengths = self.stats.matched_tokens
+            lengths[matched_tokens] = lengths.get(matched_tokens, 0) + 1
+        if kind == "cache_hit":
+            self.replicas[idx].cache_hits += 1
+        return idx
+
     # ---- the choice -----------------------------------------------------------------------
     def prefix_key(self, prompt_token_ids: Sequence[int]) -> bytes | None:
         """Hash of the first block-aligned chunk of the prompt; None when the prompt is shorter than a
@@ -92,25 +145,50 @@ class Router:
         return max(candidates, key=score)
 
     def choose(
-        self, prompt_token_ids: Sequence[int], exclude: Collection[int] = (), lora_id: int | None = None
+        self, prompt_token_ids: Sequence[int], exclude: Collection[int] = (), lora_id: int | None = None,
+        extra_keys: tuple = (),
     ) -> int:
-        """The replica for a request (with adapter ``lora_id``, if any); ``exclude``: replicas that already
-        turned it away (queue full)."""
+        """The replica for a request (with adapter ``lora_id``, if any, and its prefix-cache ``extra_keys``:
+        scheduler/kv_events.py's ``cache_extra_keys``); ``exclude``: replicas that already turned it away."""
         healthy = [i for i in self.healthy_replicas() if i not in exclude]
         if not healthy:
             raise NoHealthyReplicaError("no engine replica is ready" if not exclude else "every ready replica is full")
+        if self.mode == "round_robin":
+            self._turn += 1
+            return self._decided(healthy[self._turn % len(healthy)], "round_robin")
         least = self._least_loaded(healthy)
+        if self.mode == "cache_aware":
+            matched = self.index.matched_blocks(prompt_token_ids, extra_keys, healthy)
+            within = [i for i in healthy if self._within_bound(i, least)]
+            best = max(within, key=lambda i: (matched[i], -self.replicas[i].outstanding_tokens))
+            if matched[best] >= self._min_hit_blocks(len(prompt_token_ids)):
+                return self._decided(best, "cache_hit", matched[best] * self.block_size)
+        idx, kind = self._by_affinity(prompt_token_ids, healthy, least, lora_id)
+        return self._decided(idx, kind, 0 if self.mode == "cache_aware" else None)
+
+    def _min_hit_blocks(self, num_prompt_tokens: int) -> int:
+        """The shortest cached prefix (blocks) that counts as a hit: the affinity chunk, or the prompt's cacheable
+        blocks when fewer. A shorter one is what every request of a chat template shares; it would pull all of
+        them onto one replica, while the affinity rule spreads them and still keeps prompts sharing the chunk
+        together."""
+        bs = self.block_size
+        return max(1, min(self.affinity_tokens // bs, (num_prompt_tokens - 1) // bs))
+
+    def _by_affinity(
+        self, prompt_token_ids: Sequence[int], healthy: list[int], least: int, lora_id: int | None
+    ) -> tuple[int, str]:
+        """Adapter affinity, then prefix affinity (rendezvous hashing), within the bound; else the least loaded."""
         if lora_id is not None:
             holders = [i for i in healthy if lora_id in self.replicas[i].adapters]
             if holders:
                 best = min(holders, key=lambda i: self.replicas[i].outstanding_tokens)
                 if self._within_bound(best, least):
-                    return best
+                    return best, "affinity"
         key = self.prefix_key(prompt_token_ids) if lora_id is None else b"lora" + lora_id.to_bytes(8, "little")
         if key is None:
-            return least
+            return least, "least_loaded"
         pref = self.preferred(key, healthy)
-        return pref if self._within_bound(pref, least) else least
+        return (pref, "affinity") if self._within_bound(pref, least) else (least, "least_loaded")
 
     def _within_bound(self, idx: int, least: int) -> bool:
         load = self.replicas

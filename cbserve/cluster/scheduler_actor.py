@@ -35,6 +35,7 @@ from cbserve.cluster.ray_executor import RayExecutor, WorkerGroupError
 from cbserve.cluster.step_channel import StepAddress
 from cbserve.scheduler.engine_core import EngineCore, tune_gc_for_serving
 from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
+from cbserve.scheduler.kv_events import KVCacheEvents
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from cbserve.scheduler.stats import EngineTotals
 
@@ -67,7 +68,8 @@ class SchedulerActor:
         self.engine: EngineCore | None = None
         self.executor: RayExecutor | None = None
         self.requests: dict[str, _InFlight] = {}
-        self.outputs = ChannelServer(self._channel_closed)  # the ingress replicas' output channels
+        # the ingress replicas' output channels; with a cache-aware router they carry the prefix-cache events too
+        self.outputs = ChannelServer(self._channel_closed, self._cache_snapshot if self.config.uses_kv_events else None)
         self.totals = EngineTotals()  # every engine this replica builds counts on from here
         self.metrics = EngineMetrics(self.config.model_name, replica)
         self._wakeup: asyncio.Event | None = None
@@ -90,6 +92,10 @@ class SchedulerActor:
         new outputs of every request sent with the channel's id."""
         self._ensure_started()
         return await self.outputs.start()
+
+    def _cache_snapshot(self) -> list[int]:
+        """What the engine's prefix cache holds now (event hashes), for a channel that opens."""
+        return [] if self.engine is None else self.engine.scheduler.kv.cached_event_hashes()
 
     def _channel_closed(self, channel: str) -> None:
         """Its reader went away (its ingress died or closed it): abort the requests it was reading for."""
@@ -185,7 +191,9 @@ class SchedulerActor:
         self.executor.on_rank_lost = self._wake
         check_kv_capacity(self.config, self.executor.num_blocks, self.config.resolved_device)
         engine_config = self.config.engine_config(self.executor.num_blocks)
-        self.engine = EngineCore(engine_config, self.executor, totals=self.totals)
+        self.engine = EngineCore(engine_config, self.executor, totals=self.totals, kv_events=self.config.uses_kv_events)
+        if self.config.uses_kv_events:  # a new engine's cache is empty: the routers forget the old one's
+            self.outputs.put_cache_events(KVCacheEvents(reset=True))
         tune_gc_for_serving()
         self.state, self.error = "ready", None
         logger.info("engine replica %s ready (%d KV blocks)", self.replica, self.executor.num_blocks)
@@ -213,6 +221,8 @@ class SchedulerActor:
                 else:
                     await asyncio.wrap_future(future)
                 result = engine.complete_oldest_step()
+                if result.kv_events is not None:
+                    self.outputs.put_cache_events(result.kv_events)
                 self._dispatch(result.outputs)
                 self.metrics.observe_step(result, 0.0 if so.is_empty else executor.stats.last_overhead_s)
                 await asyncio.sleep(0)  # let add / abort / finish in

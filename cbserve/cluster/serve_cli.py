@@ -21,6 +21,7 @@ from typing import Any
 
 import pydantic
 
+from cbserve.cluster.autoscaling import starts_at_zero
 from cbserve.cluster.config import CBServeConfig, known_device, servable_config
 from cbserve.cluster.metrics_discovery import write_for_local_ray
 from cbserve.cluster.node_tuning import NodeTuning, environment_for_ray, node_tuning
@@ -49,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="true: the ingress replica answers HTTP on --port itself, without Serve's HTTP proxy in the path "
         "(one Ray streaming hop less per streamed token; Ray Serve's RAY_SERVE_ENABLE_DIRECT_INGRESS); it needs "
-        "the Ray instance this command starts. auto (default): so when this command starts Ray, through the "
-        "proxy when it joins a running cluster. false: always through the proxy",
+        "the Ray instance this command starts, and one ingress replica (no --autoscaling). auto (default): so when "
+        "this command starts Ray without --autoscaling, through the proxy when it joins a running cluster or "
+        "autoscales (the proxy queues requests while a replica starts). false: always through the proxy",
     )
     parser.add_argument(
         "--ray-dashboard",
@@ -108,15 +110,17 @@ def init_ray(address: str | None, include_dashboard: bool = False) -> bool:
         return True
 
 
-def start_ray(args: argparse.Namespace, port: int, tuning: NodeTuning) -> tuple[bool, bool]:
+def start_ray(args: argparse.Namespace, port: int, tuning: NodeTuning, autoscaled: bool = False) -> tuple[bool, bool]:
     """Ray for ``cbserve serve``: (this command started the Ray instance, the ingress serves HTTP itself
-    (``--direct-ingress``)). What Ray reads when its processes start (direct ingress, and the node-tuning
+    (``--direct-ingress``; never when ``autoscaled``: Serve's proxy fronts the replicas, and queues requests
+    while one starts)). What Ray reads when its processes start (direct ingress, and the node-tuning
     profile's settings: cluster/node_tuning.py) is in the environment only while Ray starts; a running cluster
     that is joined keeps its own settings."""
-    env = {**tuning.ray_env, **(direct_ingress_env(port) if args.direct_ingress != "false" else {})}
+    wanted = args.direct_ingress != "false" and not autoscaled
+    env = {**tuning.ray_env, **(direct_ingress_env(port) if wanted else {})}
     with environment_for_ray(env):
         started = init_ray("local" if args.direct_ingress == "true" else args.ray_address, args.ray_dashboard)
-    direct = args.direct_ingress != "false" and started
+    direct = wanted and started
     if not started and args.ray_dashboard:
         logger.warning("--ray-dashboard: joined a running Ray cluster, which keeps its own dashboard setting")
     logger.info("HTTP served by %s", "the ingress replica (direct ingress)" if direct else "Serve's proxy")
@@ -184,12 +188,9 @@ def main(args: argparse.Namespace) -> int:
         config = checked_config(args)
     except ValueError as e:  # ConfigError, pydantic.ValidationError
         return _fail(error_message(e))
-    if args.direct_ingress == "true" and args.ray_address not in (None, "local"):
-        return _fail("--direct-ingress true needs the Ray instance `cbserve serve` starts (Ray Serve reads it "
-                     "when its processes start): leave --ray-address unset or 'local'")
-    if args.ray_dashboard and args.ray_address not in (None, "local"):
-        return _fail("--ray-dashboard applies to the Ray instance `cbserve serve` starts; the cluster at "
-                     f"--ray-address {args.ray_address} keeps its own dashboard setting")
+    refused = flags_refused(args, config)
+    if refused:
+        return _fail(refused)
     import ray
     from ray import serve
 
@@ -197,7 +198,7 @@ def main(args: argparse.Namespace) -> int:
 
     tuning = node_tuning(config.node_tuning)
     logger.info("node tuning: %s", tuning.name)
-    started, direct = start_ray(args, config.port, tuning)
+    started, direct = start_ray(args, config.port, tuning, config.autoscaling is not None)
     if started and not args.ray_dashboard:  # what Ray's dashboard would have written
         try:
             logger.info("Prometheus service discovery file: %s", write_for_local_ray())
@@ -217,17 +218,10 @@ def main(args: argparse.Namespace) -> int:
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     base = f"http://{host}:{config.port}{config.route_prefix.rstrip('/')}"
     print(f"cbserve: serving {config.model_name!r} at {base}/v1 (OpenAI API); health at {base}/health", flush=True)
-    ready, failure = wait_ready(base, args.ready_timeout, config.api_key)
+    ready, failure = await_ready(args, config, base, tuning if started else None)
     if failure is not None:
         _shutdown(serve, ray, config)
         return _fail(failure)
-    if ready:
-        if started:
-            engines = [pid for r in _replica_stats(base, config.api_key) for pid in r.get("engine_pids", [])]
-            tuning.engines_ready(os.getpid(), engines)
-        print("cbserve: engine replicas ready; Ctrl-C to stop", flush=True)
-    else:
-        print(f"cbserve: not ready after {args.ready_timeout:.0f}s; see {base}/health", flush=True)
     try:
         handle = _app_handle(serve, config) if ready else None  # at hand before the signal: the drain starts at once
         print(f"cbserve: shutting down ({wait_for_stop()})", flush=True)
@@ -236,6 +230,45 @@ def main(args: argparse.Namespace) -> int:
     finally:
         _shutdown(serve, ray, config)
     return 0
+
+
+def flags_refused(args: argparse.Namespace, config: CBServeConfig) -> str | None:
+    """Why the command-line flags cannot work together (None when they can)."""
+    if args.direct_ingress == "true" and args.ray_address not in (None, "local"):
+        return ("--direct-ingress true needs the Ray instance `cbserve serve` starts (Ray Serve reads it "
+                "when its processes start): leave --ray-address unset or 'local'")
+    if args.direct_ingress == "true" and config.autoscaling is not None:
+        return ("--direct-ingress true does not combine with autoscaling: each ingress replica would answer on a "
+                "port of its own and none at zero replicas; Serve's proxy fronts autoscaled replicas and queues "
+                "requests while one starts (--direct-ingress auto does that)")
+    if args.ray_dashboard and args.ray_address not in (None, "local"):
+        return ("--ray-dashboard applies to the Ray instance `cbserve serve` starts; the cluster at "
+                f"--ray-address {args.ray_address} keeps its own dashboard setting")
+    return None
+
+
+def await_ready(
+    args: argparse.Namespace, config: CBServeConfig, base: str, tuning: NodeTuning | None
+) -> tuple[bool, str | None]:
+    """Wait for /health (``wait_ready``) and say so; ``tuning``: the node-tuning profile, when this command started
+    Ray. An app that starts scaled to zero is not woken up: its first request starts a replica. The engines go first
+    on the CPU only without autoscaling: Ray may start later engines in its pooled worker processes, which the
+    profile would have put behind them."""
+    if starts_at_zero(config.autoscaling):
+        print("cbserve: scaled to zero: the first request starts an ingress replica and its engines (requests wait "
+              "for them); Ctrl-C to stop", flush=True)
+        return True, None
+    ready, failure = wait_ready(base, args.ready_timeout, config.api_key)
+    if failure is not None:
+        return False, failure
+    if ready:
+        if tuning is not None and config.autoscaling is None:
+            engines = [pid for r in _replica_stats(base, config.api_key) for pid in r.get("engine_pids", [])]
+            tuning.engines_ready(os.getpid(), engines)
+        print("cbserve: engine replicas ready; Ctrl-C to stop", flush=True)
+    else:
+        print(f"cbserve: not ready after {args.ready_timeout:.0f}s; see {base}/health", flush=True)
+    return ready, None
 
 
 def _app_handle(serve: Any, config: CBServeConfig) -> Any:
@@ -247,16 +280,18 @@ def _app_handle(serve: Any, config: CBServeConfig) -> Any:
 
 
 def drain(handle: Any, config: CBServeConfig) -> None:
-    """The ingress's graceful drain (``OpenAIIngress.drain``): requests in flight finish for up to
-    ``shutdown_timeout`` seconds, new ones are refused meanwhile, the rest are aborted with an error."""
+    """The ingress's graceful drain (``OpenAIIngress.drain``) on every ingress replica at once (autoscaling runs
+    several): requests in flight finish for up to ``shutdown_timeout`` seconds, new ones are refused meanwhile,
+    the rest are aborted with an error."""
     print(f"cbserve: draining (up to {config.shutdown_timeout:g}s for the requests in flight)", flush=True)
     try:
-        done = handle.drain.remote().result(timeout_s=config.shutdown_timeout + 30.0)
+        done = handle.broadcast("drain").results(timeout_s=config.shutdown_timeout + 30.0)
     except Exception as e:  # the app is going down either way: say so and shut down
         print(f"cbserve: drain failed ({type(e).__name__}: {e})", flush=True)
         return
-    print(f"cbserve: drained: {done['in_flight'] - done['aborted']} of {done['in_flight']} requests in flight "
-          f"finished, {done['aborted']} aborted", flush=True)
+    in_flight, aborted = sum(d["in_flight"] for d in done), sum(d["aborted"] for d in done)
+    print(f"cbserve: drained: {in_flight - aborted} of {in_flight} requests in flight finished, {aborted} aborted "
+          f"(on {len(done)} ingress replica{'' if len(done) == 1 else 's'})", flush=True)
 
 
 def wait_for_stop() -> str:

@@ -91,10 +91,10 @@ class WorkerActor:
         return self._on_model_thread(self._load_model)
 
     def _load_model(self) -> int:
-        from cbserve.worker.model_runner import ModelRunner
+        from cbserve.worker.executor import build_runner
 
         model_config = self.config.worker_model_config(rank=self.rank)
-        self.runner = ModelRunner(
+        self.runner = build_runner(
             model_config,
             block_size=self.config.block_size,
             max_num_batched_tokens=self.config.max_num_batched_tokens,

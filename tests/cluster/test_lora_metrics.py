@@ -63,8 +63,13 @@ def test_per_adapter_gauges_and_lora_requests_info(log: list, monkeypatch: pytes
     _step(em, LoRAStats(2, {"math": 1}, {}))  # ...then left to expire
     assert _gauges(log, "lora_num_requests_running") == {"math": 1.0}
     log.clear()
-    _step(em, None)  # LoRA off: no LoRA series touched
-    assert not [n for n, _, _ in log if n.startswith("lora_")]
+    _step(em, LoRAStats(2, {}, {}))  # no adapter running: the 0 series set again (Ray drops a gauge left unset)
+    assert _gauges(log, "lora_num_requests_running") == {"math": 0.0, "": 0.0}
+    log.clear()
+    _step(em, None)  # LoRA off: the 0 series and an info of max_lora 0, every step
+    assert _gauges(log, "lora_num_requests_running") == {"": 0.0}
+    assert _gauges(log, "lora_num_requests_waiting") == {"": 0.0}
+    assert [t["max_lora"] for n, _, t in log if n == "lora_requests_info"] == ["0"]
 
 
 def test_lora_series_are_specified_with_their_labels() -> None:

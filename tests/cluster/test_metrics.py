@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from cbserve.cluster import metrics as cm
+from cbserve.cluster.router import RoutingStats
 from cbserve.scheduler.stats import (
     FinishedRequestStats,
     IterationStats,
@@ -220,7 +221,8 @@ def test_every_cbserve_metric_is_charted() -> None:
 def test_specs_are_valid_and_bounded() -> None:
     names = [s.name for s in cm.ALL_SPECS]
     assert len(names) == len(set(names))
-    allowed = {"model", "replica", "rank", "reason", "route", "status", "position", "lora_name", *cm.LORA_INFO_LABELS}
+    allowed = {"model", "replica", "rank", "reason", "route", "status", "position", "lora_name", "decision",
+               *cm.LORA_INFO_LABELS}
     for s in cm.ALL_SPECS:
         assert re.fullmatch(r"cbserve_[a-z0-9_]+", s.name), s.name
         assert s.exported.startswith("ray_cbserve_")
@@ -367,6 +369,10 @@ def test_rejected_and_http_labels_stay_bounded(log: list) -> None:
     assert _values(log, "http_requests_in_flight") == [1.0, 2.0, 1.0]
     wm.observe_forward(0.03)
     assert [(v, t["rank"]) for n, v, t in log if n == "cbserve_worker_forward_seconds"] == [(0.03, "1")]
+    ing.observe_routing(RoutingStats({"cache_hit": 3, "affinity": 1}, {64: 2, 0: 1}))  # the router's decisions
+    decisions = sorted((t["decision"], v) for n, v, t in log if n == "cbserve_routing_decisions")
+    assert decisions == [("affinity", 1.0), ("cache_hit", 3.0)]
+    assert sorted(_values(log, "routing_matched_prefix_tokens")) == [0.0, 64.0, 64.0]
 
 
 def test_every_dashboard_series_exists_at_zero_before_traffic(log: list) -> None:

@@ -1,7 +1,8 @@
 """The multiplexed output channel (cluster/output_channel.py) without Ray, over its real socket: the engine end
 batches items per request between messages, sends them to the reader holding the token and sees it go; the
 ingress end hands each request its items in order, ignores requests nobody waits for, and fails every waiting
-request when the connection breaks (the engine actor died)."""
+request when the connection breaks (the engine actor died). The engine's prefix-cache events ride on the same
+frames: a snapshot first, then the changes, each frame's before its outputs; a broken channel resets them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from channel_fakes import FakeChannelServer
 
 from cbserve.cluster.output_channel import ChannelBuffer, ChannelReader, ChannelServer, EngineFailure
 from cbserve.cluster.step_channel import TOKEN_BYTES, frame
+from cbserve.scheduler.kv_events import KVCacheEvents
 from cbserve.scheduler.request import RequestOutput
 
 
@@ -33,8 +35,8 @@ def test_the_buffer_batches_per_request_until_taken() -> None:
         return first, await waiter, pending
 
     first, second, pending = asyncio.run(run())
-    assert first == {"a": [_out("a", 1), _out("a", 3)], "b": [_out("b", 2)]}
-    assert second == {"b": [_out("b", 4)]} and pending
+    assert first == ({"a": [_out("a", 1), _out("a", 3)], "b": [_out("b", 2)]}, None)  # no cache events
+    assert second == ({"b": [_out("b", 4)]}, None) and pending
 
 
 class _Remote:
@@ -125,3 +127,47 @@ def test_the_engine_end_refuses_a_peer_without_the_token() -> None:
     leaked, got = asyncio.run(run())
     assert leaked == b"" and got == [[_out("a", 2)]]
     assert "secret-channel" not in closed  # the refused peer never opened a channel
+
+
+def test_prefix_cache_events_ride_on_the_frames() -> None:
+    got: list[Any] = []
+
+    async def run() -> None:
+        server = ChannelServer(lambda _: None, lambda: [1, 2])
+        reader = ChannelReader(_Engine(server), "ingress-1", lambda ev: got.append(("events", ev)))
+        queue = reader.register("a")
+        channel_id = reader.open()
+        server.buffer(channel_id)  # its requests' outputs are waited for: the buffer exists before it connects
+        for _ in range(500):
+            if got:
+                break
+            await asyncio.sleep(0.01)
+        server.put_cache_events(KVCacheEvents(stored=[3]))
+        server.put_cache_events(KVCacheEvents(removed=[1]))  # both in the next frame, netted
+        server.buffer(channel_id).put("a", _out("a", 1))
+        got.append(("outputs", await queue.get()))
+        reader.close()
+        server.close()
+
+    asyncio.run(run())
+    assert got[0] == ("events", KVCacheEvents(stored=[1, 2], reset=True))  # the snapshot, first
+    assert got[1] == ("events", KVCacheEvents(stored=[3], removed=[1]))  # then the changes, before the outputs
+    assert got[2] == ("outputs", [_out("a", 1)])
+
+
+def test_a_broken_channel_resets_the_replicas_cache_picture() -> None:
+    async def batches(channel_id: str) -> Any:
+        yield {}, KVCacheEvents(stored=[5])  # then the connection closes: the engine actor died
+
+    server = FakeChannelServer(batches)
+    got: list[KVCacheEvents] = []
+
+    async def run() -> None:
+        reader = ChannelReader(_Engine(server), "ingress-1", got.append)
+        queue = reader.register("a")
+        reader.open()
+        await queue.get()  # the failure every waiting request gets
+        reader.close()
+
+    asyncio.run(run())
+    assert got == [KVCacheEvents(stored=[5]), KVCacheEvents(reset=True)]

@@ -1,10 +1,14 @@
-"""Router: least outstanding tokens, prefix affinity (rendezvous hashing), health (pure Python)."""
+"""Router: least outstanding tokens, prefix affinity (rendezvous hashing), health, cache-aware routing on the
+replicas' block events, round robin (pure Python)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cbserve.cluster.router import NoHealthyReplicaError, Router
+from cbserve.cluster.router import NoHealthyReplicaError, Router, RoutingStats
+from cbserve.scheduler import CacheConfig, KVCacheManager
+from cbserve.scheduler.kv_events import KVCacheEvents, cache_extra_keys, prompt_block_hashes
+from cbserve.scheduler.lora import LoRARequest
 
 
 def _router(n: int = 3, imbalance: int = 100) -> Router:
@@ -90,3 +94,133 @@ def test_an_adapter_goes_where_it_was_served_within_the_imbalance_bound() -> Non
     assert r.choose(prompts[0], lora_id=7) == home
     base = [r.choose(p) for p in prompts]  # requests without an adapter: prefix affinity as before
     assert base == [r.preferred(r.prefix_key(p), [0, 1, 2]) for p in prompts]  # type: ignore[arg-type]
+
+
+# ---- cache-aware routing: the replicas' prefix caches as their block events describe them ------------------
+BS = 4
+
+
+def _cached(r: Router, idx: int, prompt: list[int], num_blocks: int, extra: tuple = ()) -> list[int]:
+    """Tell the router replica ``idx`` cached the first ``num_blocks`` blocks of ``prompt``; their hashes."""
+    hashes = list(prompt_block_hashes(prompt + [0], BS, extra))[:num_blocks]
+    r.apply_cache_events(idx, KVCacheEvents(stored=hashes))
+    return hashes
+
+
+def _prompt_where_affinity_prefers(r: Router, idx: int) -> list[int]:
+    """A prompt whose first block-aligned chunk rendezvous hashing sends to replica ``idx``."""
+    for j in range(1000):
+        prompt = list(range(1000 + 40 * j, 1040 + 40 * j))
+        if r.preferred(r.prefix_key(prompt), r.healthy_replicas()) == idx:  # type: ignore[arg-type]
+            return prompt
+    raise AssertionError("no such prompt")
+
+
+def test_the_longest_cached_prefix_wins_over_affinity() -> None:
+    r = _router()
+    prompt = _prompt_where_affinity_prefers(r, 0)
+    _cached(r, 1, prompt, 2)
+    _cached(r, 2, prompt, 5)
+    _cached(r, 0, list(range(40)), 9)  # something else
+    assert r.choose(prompt) == 2
+    assert r.take_stats() == RoutingStats({"cache_hit": 1}, {5 * BS: 1})
+    r.add(2, 50)
+    assert r.choose(prompt[:9]) == 1  # 2 cacheable blocks (the last token never is), both hold them: less loaded
+    assert r.choose(prompt) == 2  # still within the bound
+    assert r.take_stats() == RoutingStats({"cache_hit": 2}, {2 * BS: 1, 5 * BS: 1})
+    assert [x.cache_hits for x in r.replicas] == [0, 1, 2]
+
+
+def test_without_a_hit_the_affinity_rule_decides() -> None:
+    r = _router()
+    prompt = _prompt_where_affinity_prefers(r, 1)
+    _cached(r, 0, prompt, 2, extra=("salt",))  # another salt's blocks never match
+    assert r.choose(prompt) == 1
+    assert r.take_stats() == RoutingStats({"affinity": 1}, {0: 1})
+    assert r.choose([1, 2]) in (0, 1, 2) and r.take_stats().decisions == {"least_loaded": 1}
+    assert r.choose(prompt, extra_keys=("salt",)) == 0  # with that salt, its blocks are a hit
+
+
+def test_a_hit_shorter_than_the_affinity_chunk_does_not_count() -> None:
+    r = _router()  # affinity chunk: 8 tokens, 2 blocks
+    template = [5, 5, 5, 5]  # one block every prompt shares, as a chat template's start
+    _cached(r, 2, template + [6, 6, 6, 6], 1)
+    prompts = [template + list(range(j, j + 8)) for j in range(0, 400, 8)]
+    assert len({r.choose(p) for p in prompts}) == 3  # spread by the affinity rule, not all on replica 2
+    assert r.take_stats().decisions == {"affinity": len(prompts)}
+    assert r.choose(template + [7]) == 2  # a prompt with one cacheable block: its whole cacheable prefix is a hit
+
+
+def test_the_load_bound_overrides_the_longest_prefix() -> None:
+    r = _router(imbalance=100)
+    prompt = _prompt_where_affinity_prefers(r, 0)
+    _cached(r, 1, prompt, 6)
+    _cached(r, 2, prompt, 3)
+    r.add(1, 101)  # 101 more outstanding tokens than the least loaded: out of bounds
+    assert r.choose(prompt) == 2  # the longest prefix among those within the bound
+    r.add(2, 101)
+    assert r.choose(prompt) == 0  # no holder within the bound: the affinity rule (replica 0 is the least loaded)
+    assert r.take_stats().decisions == {"cache_hit": 1, "affinity": 1}
+    r.done(1, 101)
+    assert r.choose(prompt) == 1
+
+
+def test_eviction_events_remove_blocks_and_a_reset_forgets_them() -> None:
+    r = _router()
+    prompt = _prompt_where_affinity_prefers(r, 0)
+    hashes = _cached(r, 1, prompt, 6)
+    r.apply_cache_events(1, KVCacheEvents(removed=hashes[2:3]))  # the third block evicted: 2 blocks still match
+    assert r.choose(prompt) == 1 and r.take_stats().matched_tokens == {2 * BS: 1}
+    r.apply_cache_events(1, KVCacheEvents(removed=hashes[:1]))  # the first: nothing matches any more
+    assert r.choose(prompt) == 0 and r.index.num_blocks(1) == 4
+    _cached(r, 2, prompt, 2)
+    r.apply_cache_events(2, KVCacheEvents(reset=True))  # its channel broke: its cache is unknown
+    assert r.choose(prompt) == 0 and r.index.num_blocks(2) == 0
+
+
+@pytest.mark.parametrize("salt, lora", [(None, None), ("tenant-a", None), ("tenant-a", 3)])
+def test_the_routers_hashes_are_the_kv_managers(salt: str | None, lora: int | None) -> None:
+    """Blocks a real KV manager cached (with a salt and an adapter) are found by the router from the prompt's
+    token ids and the request's extra keys: as many as the manager's own prefix hit serves."""
+    adapter = None if lora is None else LoRARequest("a", lora, "/peft")
+    extra = cache_extra_keys(salt, adapter)
+    kv = KVCacheManager(CacheConfig(block_size=BS, num_blocks=32))
+    kv.record_events()
+    cached = list(range(300, 322))  # 5 full blocks + 2 tokens
+    assert kv.allocate_slots("a", 0, len(cached)) is not None
+    kv.cache_full_blocks("a", cached, len(cached), extra)
+    r = _router(2)
+    events = kv.take_events()
+    assert events is not None
+    r.apply_cache_events(1, events)
+    prompt = cached[:14] + [9, 9, 9, 9, 9]  # shares 3 full blocks (and 2 tokens)
+    hits = len(kv.get_computed_blocks(prompt, extra)[0])
+    assert hits == 3
+    assert r.index.matched_blocks(prompt, extra, [0, 1]) == {0: 0, 1: hits}
+    assert r.choose(prompt, lora_id=lora, extra_keys=extra) == 1
+    assert r.index.matched_blocks(prompt, cache_extra_keys("other", adapter), [0, 1]) == {0: 0, 1: 0}
+
+
+def test_round_robin_takes_turns_whatever_the_prefix_or_cache() -> None:
+    r = Router(3, block_size=BS, mode="round_robin")
+    for i in range(3):
+        r.set_healthy(i, True)
+    prompt = list(range(40))
+    _cached(r, 0, prompt, 9)
+    r.add(1, 10_000)
+    assert [r.choose(prompt) for _ in range(6)] == [1, 2, 0, 1, 2, 0]
+    r.set_healthy(2, False)
+    assert sorted(r.choose(prompt) for _ in range(4)) == [0, 0, 1, 1]
+    assert r.take_stats().decisions == {"round_robin": 10}
+
+
+def test_affinity_mode_ignores_the_caches() -> None:
+    r = Router(3, block_size=BS, affinity_tokens=8, mode="affinity")
+    for i in range(3):
+        r.set_healthy(i, True)
+    prompt = _prompt_where_affinity_prefers(r, 0)
+    _cached(r, 1, prompt, 9)
+    assert r.choose(prompt) == 0
+    assert r.take_stats() == RoutingStats({"affinity": 1}, {})  # no prefix matched: none looked up
+    with pytest.raises(ValueError, match="routing mode"):
+        Router(2, block_size=BS, mode="random")

@@ -60,6 +60,7 @@ def test_serve_yaml_validates_against_ray_serve_schema(serve_config: dict[str, A
 
 
 def test_serve_yaml_args_validate_against_cbserve_config(serve_config: dict[str, Any]) -> None:
+    from cbserve.cluster.autoscaling import parse_autoscaling
     from cbserve.cluster.config import CBServeConfig
 
     app = _cbserve_app(serve_config)
@@ -67,7 +68,12 @@ def test_serve_yaml_args_validate_against_cbserve_config(serve_config: dict[str,
     assert cfg.tensor_parallel_size >= 2 and cfg.num_replicas >= 2, "a multi-GPU, multi-replica example"
     assert cfg.device == "cuda"
     assert cfg.port == serve_config["http_options"]["port"], "args.port and http_options.port disagree"
-    # the same file is accepted by CBServeConfig.from_yaml (cbserve serve --config deploy/serve.yaml)
+    # the same file is accepted by CBServeConfig.from_yaml (cbserve serve --config deploy/serve.yaml), which also
+    # reads Serve's autoscaling_config of the ingress deployment
+    (ingress,) = [d for d in app.get("deployments") or [] if d["name"] == "OpenAIIngress"]
+    autoscaling = ingress["autoscaling_config"]
+    assert autoscaling["min_replicas"] < autoscaling["max_replicas"], "an autoscaling example"
+    cfg = cfg.model_copy(update={"autoscaling": parse_autoscaling(autoscaling)})
     assert CBServeConfig.from_yaml(DEPLOY / "serve.yaml") == cfg
 
 

@@ -98,3 +98,24 @@ def test_stats_report_each_workers_cpu_path(server: Server) -> None:
         if cpu["cpu_ops"] == "native":  # the CPU's best build, which reports its own ISA
             assert cpu["cpu_isa"] == supported_levels()[0]
             assert cpu["cpu_isa"] in cpu["cpu_isa_features"] or cpu["cpu_isa_features"] == []
+
+
+def test_a_long_shared_prefix_goes_to_the_replica_that_cached_it(server: Server) -> None:
+    """Cache-aware routing end to end: the engines' prefix-cache events reach the ingress's router on the output
+    channel, and a request sharing a long prefix with an earlier one is sent where that prefix is cached."""
+    client = server.main.client()
+    prefix = ("Tenant 7. You are the support assistant of a small bicycle shop in Lyon: answer in one line, "
+              "quote the part number when you name a part, and never promise a repair date. ") * 6  # fmt: skip
+    before = server.main.stats()
+    client.completions.create(model=server.main.model, prompt=prefix + "How do I fix a flat tyre?", max_tokens=2,
+                              temperature=0)  # fmt: skip
+    first = server.main.stats()
+    (holder,) = [k for k in first if first[k]["routed_requests"] > before[k]["routed_requests"]]
+    assert first[holder]["router_cached_blocks"] >= 200 // 16  # the router's picture of its cache
+    client.completions.create(model=server.main.model, prompt=prefix + "Which chain fits a gravel bike?",
+                              max_tokens=2, temperature=0)  # fmt: skip
+    after = server.main.stats()
+    routed = {k: after[k]["routed_requests"] - first[k]["routed_requests"] for k in after}
+    assert routed[holder] == 1, routed
+    assert after[holder]["routed_cache_hits"] == first[holder]["routed_cache_hits"] + 1  # decided by the cache
+    assert after[holder]["prefix_cache_hits"] - first[holder]["prefix_cache_hits"] >= 200
