@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_info import describe  # noqa: E402
 
 from cbserve import LLM, LoRARequest, SamplingParams  # noqa: E402
+from cbserve.worker.cpu import native  # noqa: E402
 from cbserve.worker.lora_files import SPLIT_PROJECTIONS, projection_shapes  # noqa: E402
 from cbserve.worker.model_info import read_model_info  # noqa: E402
 
@@ -95,7 +96,7 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/lora"))
     args = ap.parse_args()
-    machine = describe("native")
+    machine = describe(native.supported_levels()[0])  # the level cpu_isa "auto" builds
     prompts = burst(args.requests, 0)
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [LoRARequest(f"a{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", None, args.rank, i)))
