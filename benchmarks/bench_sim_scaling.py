@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_info import describe  # noqa: E402
 
 from cbserve.bench.client import ClientConfig  # noqa: E402
-from cbserve.bench.cpu_profile import CpuSampler, format_cpu_table, start_py_spy_record, top_frames  # noqa: E402
+from cbserve.bench.cpu_profile import (  # noqa: E402
+    CpuSampler,
+    format_cpu_table,
+    inclusive_frames,
+    start_py_spy_record,
+    top_frames,
+)
 from cbserve.bench.datasets import sample_random  # noqa: E402
 from cbserve.bench.deploy import local_deployment_process  # noqa: E402
 from cbserve.bench.runner import LoadConfig, run_benchmark  # noqa: E402
@@ -52,20 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="py-spy the ingress at the highest concurrency")
     p.add_argument("--out", type=Path, default=OUT)
     return p.parse_args(argv)
-
-
-def inclusive_frames(collapsed: str, n: int = 20) -> list[tuple[str, float]]:
-    """Frames by the share of samples whose stack holds them (each frame counted once per stack)."""
-    seen: Counter[str] = Counter()
-    total = 0
-    for line in collapsed.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        total += int(count)
-        for frame in {f.strip() for f in stack.split(";")}:
-            seen[frame] += int(count)
-    return [(f, c / total) for f, c in seen.most_common(n)] if total else []
 
 
 def one_run(base_url: str, server_pid: int, concurrency: int, args: argparse.Namespace,

@@ -187,14 +187,34 @@ def py_spy_dump(pid: int, timeout_s: float = 30.0) -> str:
     return r.stdout if r.returncode == 0 else f"py-spy dump failed ({r.returncode}): {r.stderr[-500:]}"
 
 
-def top_frames(collapsed: str, n: int = 15) -> list[tuple[str, float]]:
-    """The ``n`` innermost frames holding most samples in py-spy's raw (collapsed) output, with their share."""
-    leaf: Counter[str] = Counter()
-    total = 0
+def _stacks(collapsed: str) -> list[tuple[list[str], int]]:
+    """py-spy's raw (collapsed) output as (frames outermost first, samples) per line."""
+    out = []
     for line in collapsed.splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        total += int(count)
-        leaf[stack.split(";")[-1].strip()] += int(count)
-    return [(frame, c / total) for frame, c in leaf.most_common(n)] if total else []
+        if stack and count.isdigit():
+            out.append(([f.strip() for f in stack.split(";")], int(count)))
+    return out
+
+
+def _shares(counts: Counter[str], total: int, n: int) -> list[tuple[str, float]]:
+    return [(frame, c / total) for frame, c in counts.most_common(n)] if total else []
+
+
+def top_frames(collapsed: str, n: int = 15) -> list[tuple[str, float]]:
+    """The ``n`` innermost frames holding most samples in py-spy's raw (collapsed) output, with their share."""
+    stacks = _stacks(collapsed)
+    leaf: Counter[str] = Counter()
+    for frames, count in stacks:
+        leaf[frames[-1]] += count
+    return _shares(leaf, sum(c for _, c in stacks), n)
+
+
+def inclusive_frames(collapsed: str, n: int = 20) -> list[tuple[str, float]]:
+    """Frames by the share of samples whose stack holds them (each frame counted once per stack)."""
+    stacks = _stacks(collapsed)
+    seen: Counter[str] = Counter()
+    for frames, count in stacks:
+        for frame in set(frames):
+            seen[frame] += count
+    return _shares(seen, sum(c for _, c in stacks), n)
