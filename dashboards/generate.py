@@ -271,6 +271,9 @@ def lora_panels(b: Board) -> None:
     b.panel("Running adapter sets (lora_requests_info)", [(info, legend)], "dateTimeAsIso",
             desc="vLLM's lora_requests_info: each replica's running adapters (at most max_lora) and when that set "
             "was last seen (1970 with max_lora 0: LoRA off); waiting_lora_adapters is on the same series.")  # fmt: skip
+    churn = [(rate(C + f"lora_adapter_{k}_total", by="replica"), "{{replica}} " + k) for k in ("loads", "evictions")]
+    b.panel("Adapter loads and evictions / s", churn, "ops",
+            desc="Adapters read into the workers' caches, and dropped past max_cpu_loras (a busy adapter is kept).")
 
 
 def replica_panels(b: Board) -> None:

@@ -28,26 +28,21 @@ from typing import Any, Literal
 
 from cbserve.cluster.router import ROUTING_DECISIONS
 
-# Prefix Ray's exporter puts in front of every custom metric name.
-RAY_EXPORT_PREFIX = "ray_"
-# Prefix of all our metric names (as registered with ray.util.metrics).
-PREFIX = "cbserve_"
+RAY_EXPORT_PREFIX = "ray_"  # what Ray's exporter puts in front of every custom metric name
+PREFIX = "cbserve_"  # of all our metric names (as registered with ray.util.metrics)
 
 Kind = Literal["counter", "gauge", "histogram"]
 
 # --- buckets: LLM latencies from milliseconds to minutes -----------------------------------------
 REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5,
-    5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 240.0, 480.0, 960.0,
-)  # fmt: skip
+    5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 240.0, 480.0, 960.0)  # fmt: skip
 TOKEN_LATENCY_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
-    0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
+    0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 STEP_LATENCY_BUCKETS: tuple[float, ...] = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
-    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
-)  # fmt: skip
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)  # fmt: skip
 TOKEN_COUNT_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(18))  # 1 .. 131072
 BATCH_SIZE_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(12))  # 1 .. 2048
 
@@ -56,19 +51,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # what SchedulerActor passes to EngineMetrics.observe_rejected (QueueFullError, RequestRejectedError)
 REJECT_REASONS = ("queue_full", "rejected")
 WORKER_LABELS = ("model", "replica", "rank")
-KNOWN_ROUTES = frozenset(
-    {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/models",
-        "/v1/models/{model}",
-        "/health",
-        "/stats",
-        "/tokenize",
-        "/detokenize",
-        "/version",
-    }
-)
+KNOWN_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}", "/health",
+                          "/stats", "/tokenize", "/detokenize", "/version"})
 # speculative decoding: accepted drafts by position ("position" label), bounded; later positions share the last
 SPEC_POSITIONS = tuple(str(j) for j in range(15)) + ("15+",)
 # The routes that generate, and the statuses they answer (OpenAI error statuses): created at 0 at start-up.
@@ -181,6 +165,8 @@ ENGINE_SPECS: tuple[MetricSpec, ...] = (
 WORKER_SPECS: tuple[MetricSpec, ...] = (
     _h("worker_forward_seconds", "Worker forward pass + sampling per iteration.", STEP_LATENCY_BUCKETS,
        WORKER_LABELS),
+    _c("lora_adapter_loads", "LoRA adapters read into the worker's cache (enable_lora).", WORKER_LABELS),
+    _c("lora_adapter_evictions", "LoRA adapters dropped from the worker's cache past max_cpu_loras.", WORKER_LABELS),
 )  # fmt: skip
 INGRESS_SPECS: tuple[MetricSpec, ...] = (
     _c("http_requests", "HTTP requests by route and status.", ("model", "route", "status"),
@@ -360,9 +346,14 @@ class WorkerMetrics:
 
     def __init__(self, model: str, replica: str, rank: int) -> None:
         self._m = _Metrics(WORKER_SPECS, {"model": model, "replica": str(replica), "rank": str(rank)})
+        self._lora = (0, 0)  # the worker's adapter loads and evictions so far
 
-    def observe_forward(self, seconds: float) -> None:
+    def observe_forward(self, seconds: float, lora_loads: int = 0, lora_evictions: int = 0) -> None:
+        """One step; ``lora_*``: the worker's running totals (``LoRAManager``), exported as counter increments."""
         self._m.observe("worker_forward_seconds", seconds)
+        self._m.inc("lora_adapter_loads", lora_loads - self._lora[0])
+        self._m.inc("lora_adapter_evictions", lora_evictions - self._lora[1])
+        self._lora = (lora_loads, lora_evictions)
 
 
 class IngressMetrics:

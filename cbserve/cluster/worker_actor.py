@@ -117,7 +117,8 @@ class WorkerActor:
         start = time.perf_counter()
         out = self.runner.execute_model(scheduler_output)
         elapsed = time.perf_counter() - start
-        self.metrics.observe_forward(elapsed)
+        lora = getattr(self.runner, "lora", None)  # adapter loads and evictions (enable_lora)
+        self.metrics.observe_forward(elapsed, *((lora.num_loads, lora.num_evictions) if lora is not None else ()))
         if self.rank != 0:
             return None
         out.forward_time_s = out.forward_time_s or elapsed

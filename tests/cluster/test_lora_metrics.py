@@ -77,3 +77,14 @@ def test_lora_series_are_specified_with_their_labels() -> None:
     assert specs["lora_requests_info"].labels == ("model", "replica", "max_lora", "running_lora_adapters",
                                                   "waiting_lora_adapters")  # fmt: skip
     assert specs["lora_num_requests_waiting"].labels == ("model", "replica", "lora_name")
+
+
+def test_worker_adapter_loads_and_evictions_become_counter_increments(log: list) -> None:
+    wm = cm.WorkerMetrics("m", "0", 0)
+    log.clear()
+    wm.observe_forward(0.03)  # LoRA off: nothing counted
+    wm.observe_forward(0.03, 2, 0)  # the worker's running totals (LoRAManager.num_loads, num_evictions)
+    wm.observe_forward(0.03, 3, 1)
+    wm.observe_forward(0.03, 3, 1)
+    assert [v for n, v, _ in log if n == "lora_adapter_loads"] == [2.0, 1.0]
+    assert [v for n, v, _ in log if n == "lora_adapter_evictions"] == [1.0]

@@ -162,15 +162,15 @@ def test_triton_lora_kernels_in_the_model(llama_case: tuple) -> None:
     """The CUDA path's Triton kernels (interpreted on CPU) in the model give PEFT's tokens on a mixed batch."""
     pytest.importorskip("triton")
     base, adapters, _ = llama_case
-    loras = [None, adapters[0], adapters[1], adapters[0]]
-    ref = _reference(base, loras, PROMPTS[:4], 4)
+    loras = [None, adapters[0], adapters[1]]
+    ref = _reference(base, loras, PROMPTS[:3], 2)
     llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, progress=False, cpu_ops="torch",
               attention_backend="torch")
     runner = llm.executor.runner
     assert runner.lora is not None
     manager = LoRAManager(runner.model, runner.hf_config, 2, 8, 2, runner.dtype, runner.device, use_triton=True)
     runner.lora = manager  # every layer's slots replaced by the Triton kernels' layout
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    outs = llm.generate(PROMPTS[:4], params, lora_request=loras, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)  # the interpreter is slow
+    outs = llm.generate(PROMPTS[:3], params, lora_request=loras, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert manager.step.token_slots is not None  # the kernels' per-token slots were built
