@@ -127,7 +127,8 @@ class Scheduler:
         allowed = self.policy.may_run(self.waiting, self.seqs)
         if allowed is None or allowed:
             select = None if allowed is None else (lambda seq: seq.group.req_id in allowed)
-            admit = select if not self.config.max_loras else lora_admission(self.running, self.config.max_loras, select)
+            lora_gate = self.config.max_loras and len(self.waiting)  # nothing to admit: no adapter set to build
+            admit = lora_admission(self.running, self.config.max_loras, select) if lora_gate else select
             if self.policy.prefill_first:
                 self._schedule_running(st, _is_prefill if select is None else (lambda s: s.is_prefill and select(s)))
                 self._admit_waiting(st, admit)

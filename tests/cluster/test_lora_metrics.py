@@ -7,33 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import test_metrics
 
 from cbserve.cluster import metrics as cm
 from cbserve.scheduler import LoRARequest
 from cbserve.scheduler.stats import IterationStats, LoRAStats, SchedulerStats
 
+log = test_metrics.log  # the fixture recording what would reach Ray's metrics
+_values = test_metrics._values
 SQL, CHAT = LoRARequest("sql", 1, "/a/sql"), LoRARequest("chat", 2, "/a/chat")
-
-
-class _Recorder:
-    def __init__(self, spec: cm.MetricSpec, log: list[tuple[str, float, dict[str, str]]]) -> None:
-        self.spec, self.log, self.default = spec, log, {}
-
-    def set_default_tags(self, tags: dict[str, str]) -> None:
-        self.default = tags
-
-    def _record(self, value: float, tags: dict[str, str] | None = None) -> None:
-        self.log.append((self.spec.name.removeprefix(cm.PREFIX), value, {**self.default, **(tags or {})}))
-
-    inc = observe = set = _record
-
-
-@pytest.fixture()
-def log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float, dict[str, str]]]:
-    records: list[tuple[str, float, dict[str, str]]] = []
-    monkeypatch.setattr(cm, "_make", lambda spec: _Recorder(spec, records))
-    monkeypatch.setattr(cm, "_counter_type", lambda: _Recorder)
-    return records
 
 
 def _step(em: cm.EngineMetrics, lora: LoRAStats | None) -> None:
@@ -42,7 +24,7 @@ def _step(em: cm.EngineMetrics, lora: LoRAStats | None) -> None:
 
 
 def _gauges(log: list, name: str) -> dict[str, float]:
-    return {t["lora_name"]: v for n, v, t in log if n == name}
+    return {t["lora_name"]: v for n, v, t in log if n == cm.PREFIX + name}
 
 
 def test_per_adapter_gauges_and_lora_requests_info(log: list, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,7 +35,7 @@ def test_per_adapter_gauges_and_lora_requests_info(log: list, monkeypatch: pytes
     _step(em, LoRAStats(2, {"sql": 3, "chat": 1}, {"math": 2}))
     assert _gauges(log, "lora_num_requests_running") == {"chat": 1.0, "math": 0.0, "sql": 3.0}
     assert _gauges(log, "lora_num_requests_waiting") == {"chat": 0.0, "math": 2.0, "sql": 0.0}
-    (info,) = [(v, t) for n, v, t in log if n == "lora_requests_info"]
+    (info,) = [(v, t) for n, v, t in log if n == cm.PREFIX + "lora_requests_info"]
     assert info == (1700000000.0, {"model": "m", "replica": "0", "max_lora": "2", "running_lora_adapters": "chat,sql",
                                    "waiting_lora_adapters": "math"})  # fmt: skip
     log.clear()
@@ -69,7 +51,7 @@ def test_per_adapter_gauges_and_lora_requests_info(log: list, monkeypatch: pytes
     _step(em, None)  # LoRA off: the 0 series and an info of max_lora 0, every step
     assert _gauges(log, "lora_num_requests_running") == {"": 0.0}
     assert _gauges(log, "lora_num_requests_waiting") == {"": 0.0}
-    assert [t["max_lora"] for n, _, t in log if n == "lora_requests_info"] == ["0"]
+    assert [t["max_lora"] for n, _, t in log if n == cm.PREFIX + "lora_requests_info"] == ["0"]
 
 
 def test_lora_series_are_specified_with_their_labels() -> None:
@@ -86,5 +68,5 @@ def test_worker_adapter_loads_and_evictions_become_counter_increments(log: list)
     wm.observe_forward(0.03, 2, 0)  # the worker's running totals (LoRAManager.num_loads, num_evictions)
     wm.observe_forward(0.03, 3, 1)
     wm.observe_forward(0.03, 3, 1)
-    assert [v for n, v, _ in log if n == "lora_adapter_loads"] == [2.0, 1.0]
-    assert [v for n, v, _ in log if n == "lora_adapter_evictions"] == [1.0]
+    assert _values(log, "lora_adapter_loads") == [2.0, 1.0]
+    assert _values(log, "lora_adapter_evictions") == [1.0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 
 import pytest
+import test_isa_levels
 import torch
 
 from cbserve.worker.cpu import abi
@@ -19,14 +20,7 @@ pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C com
 LEVELS = cpu_native.supported_levels()
 
 
-@pytest.fixture(scope="module")
-def builds() -> dict[str, CpuKernels]:
-    out = {}
-    for level in LEVELS:
-        load = cpu_native.load_cpu_kernels(level)
-        assert load.kernels is not None, load.reason
-        out[level] = load.kernels
-    return out
+builds = test_isa_levels.builds  # the kernels built at every ISA level this CPU runs
 
 
 def _adapters(slots: int, cmax: int, fan_in: int, fan_out: int, used: list[int],
