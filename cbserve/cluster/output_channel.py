@@ -208,12 +208,11 @@ class ChannelReader:
     def unregister(self, req_id: str) -> None:
         self.queues.pop(req_id, None)
 
-    def fail(self, req_id: str, failure: EngineFailure) -> bool:
-        """End request ``req_id`` on this side with ``failure`` (False when it is not registered here)."""
+    def fail(self, req_id: str, failure: EngineFailure) -> None:
+        """End request ``req_id`` on this side with ``failure`` (nothing when it is not registered here)."""
         queue = self.queues.get(req_id)
         if queue is not None:
             queue.put_nowait([failure])
-        return queue is not None
 
     async def _read(self, channel_id: str) -> None:
         why = "its output channel closed"

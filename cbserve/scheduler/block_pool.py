@@ -141,18 +141,17 @@ class BlockPool:
 
     def cache_block(
         self, block: KVBlock, block_hash: int, block_key: BlockKey, event_hash: int | None = None
-    ) -> bool:
+    ) -> None:
         """Register a full, computed block (``event_hash``: its stable hash, reported to ``events``). If another
-        block already holds this content, keep that one. Whether ``block`` was registered."""
+        block already holds this content, keep that one."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
-            return False
+            return
         block.block_hash = block_hash
         block.block_key = block_key
         self.cached[block_hash] = block
         if event_hash is not None and self.events is not None:
             block.event_hash = event_hash
             self.events.store(event_hash)
-        return True
 
     def _evict(self, block: KVBlock) -> None:
         if self.cached.get(block.block_hash) is block:  # type: ignore[arg-type]

@@ -32,11 +32,6 @@ class CachedRequestState:
     pooled: torch.Tensor | None = None  # pooling runner: what the prompt's chunks so far pooled to (pooler.py)
     lora: LoRARequest | None = None  # the adapter it runs with
     _row: SamplingRow | None = field(default=None, init=False, repr=False, compare=False)
-    # Samples n > 1 rows where its prompt completes (a fork point): that step is off build_batch's fast path.
-    _forks: bool = field(default=False, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self._forks = self.num_samples != 1
 
     @classmethod
     def from_new(cls, d: NewRequestData) -> CachedRequestState:
@@ -220,7 +215,7 @@ def _plain_decodes(states: list[CachedRequestState], rids: list[str], spec: Mapp
     rows = np.array(list(map(table.row_of.__getitem__, rids)), dtype=np.int64)
     if not ((lens == starts + 1).all() and (table.lens[rows] * block_size >= lens).all()):
         return False
-    if any(len(s.token_ids) == s.num_prompt_tokens for s in states if s._forks):
+    if any(len(s.token_ids) == s.num_prompt_tokens for s in states if s.num_samples != 1):  # a fork point
         return False
     if spec and any(map(spec.get, rids)):
         return False

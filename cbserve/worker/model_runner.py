@@ -156,8 +156,7 @@ class ModelRunner:
             if state is None:
                 raise KeyError(f"cached request {cached.req_id!r} is unknown to the worker")
             state.update(cached)
-            if cached.new_block_ids:
-                self.block_table.append(cached.req_id, cached.new_block_ids)
+            self.block_table.append(cached.req_id, cached.new_block_ids)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -176,7 +175,7 @@ class ModelRunner:
         batch = build_batch(states, so.num_scheduled_tokens, self.block_size, self.device, spec, self.block_table,
                             self.step_buffers)
         if self.lora is not None:
-            self.lora.prepare_step([s.lora for s in states], [so.num_scheduled_tokens[s.req_id] for s in states])
+            self.lora.prepare_step([s.lora for s in states], batch.metadata.query_lens_cpu)
         hidden = self._hidden(batch)
         if self.pooler is not None:
             return self._pool(so, states, hidden, t0)
