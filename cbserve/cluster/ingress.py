@@ -4,10 +4,10 @@ A thin shell over the front end (``frontend/serving.py``): each route takes its 
 it against the protocol model, so /openapi.json documents it) and hands it over. Routes: /v1/completions,
 /v1/chat/completions (SSE when ``stream``), /v1/responses (and GET / DELETE /v1/responses/{id}:
 ``frontend/responses_api.py``), /v1/models, /v1/load_lora_adapter and /v1/unload_lora_adapter (with
-``enable_lora``: ``frontend/lora_registry.py``, this replica's adapters), /health, /tokenize, /detokenize, and
-/stats (engine replicas and router, for operators and tests). Auth, HTTP metrics and OpenAI's error shape are
-the HTTP edge's (``http_edge.py``); the engine client stops in the app's lifespan. Nothing here imports torch:
-the tokenizer and the model's numbers come from its files.
+``enable_lora``: ``frontend/lora_registry.py``, one set for every replica: ``lora_store.py``), /health, /tokenize,
+/detokenize, and /stats (engine replicas and router, for operators and tests). Auth, HTTP metrics and OpenAI's
+error shape are the HTTP edge's (``http_edge.py``); the engine client stops in the app's lifespan. Nothing here
+imports torch: the tokenizer and the model's numbers come from its files.
 """
 
 import asyncio
@@ -26,10 +26,12 @@ from ray import serve
 from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.engine_client import EngineClient
 from cbserve.cluster.http_edge import ClosingStreamingResponse, HttpEdge, install_error_handlers
+from cbserve.cluster.lora_store import SharedLoRAs
 from cbserve.cluster.metrics import IngressMetrics
 from cbserve.cluster.node_tuning import node_tuning
 from cbserve.frontend.lora_registry import (
     AdapterLimits,
+    AdapterSet,
     LoadLoRAAdapterRequest,
     LoRARegistry,
     UnloadLoRAAdapterRequest,
@@ -123,13 +125,10 @@ install_error_handlers(api)
 
 
 def _lora_registry(config: CBServeConfig) -> LoRARegistry:
-    """This replica's adapters: those of ``lora_modules`` (checked at start-up already) when LoRA is on."""
+    """This replica's adapters (the app's shared store fills it when LoRA is on: ``SharedLoRAs.start``)."""
     if not config.enable_lora:
         return LoRARegistry(config.model_name)
-    registry = LoRARegistry(config.model_name, AdapterLimits(read_model_info(config.model), config.max_lora_rank))
-    for name, path in (config.lora_modules or {}).items():
-        registry.add(name, path)
-    return registry
+    return LoRARegistry(config.model_name, AdapterLimits(read_model_info(config.model), config.max_lora_rank))
 
 
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -139,8 +138,14 @@ class OpenAIIngress:
         """Serve awaits this: the replica turns RUNNING (and, in a rolling update, takes traffic from the
         old version) only once its engine replicas loaded the model, or failed, or STARTUP_WAIT_S passed."""
         self._setup(config)
+        if self.shared_loras is not None:
+            registry = self.serving.loras  # the lora_modules' folders, checked again here (absolute paths)
+            modules = {name: registry.check(name, path) for name, path in (self.config.lora_modules or {}).items()}
+            await self.shared_loras.start(self.config.model, modules)
         self.client.start(on_tick=self._tick)
         await self.client.wait_started(STARTUP_WAIT_S)
+        if self.shared_loras is not None:  # what changed while the engines loaded (no broadcast reaches a replica
+            await self.shared_loras.pull()  # before it runs)
         # Behind the engine on this node's cores from now on, when the node tuning says so (cluster/node_tuning.py);
         # its start-up work (a GGUF's conversion, the tokenizer) is done, and under SCHED_BATCH it took seconds longer.
         node_tuning(self.config.node_tuning).edge_started()
@@ -160,6 +165,8 @@ class OpenAIIngress:
         except Exception:  # outside Serve (unit tests)
             app_name, owner = self.config.app_name, uuid.uuid4().hex[:8]
         self.client = EngineClient(self.config, app_name, owner)
+        self.app_name = app_name
+        self._ingress_handle: Any = None  # this deployment's handle, for broadcasts to every replica
         cfg = self.config
         vocab = files.vocab_size or len(tokenizer)
         pooling = read_pooling_config(folder) if cfg.runner == "pooling" else None
@@ -168,6 +175,9 @@ class OpenAIIngress:
             cfg.reasoning_parser, cfg.disable_any_whitespace, runner=cfg.runner, pooling=pooling,
         )
         self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids, _lora_registry(cfg))
+        # with LoRA on, the adapters are the app's, kept by its store (lora_store.py)
+        self.shared_loras = SharedLoRAs(self.serving.loras, app_name, self._broadcast_loras) if cfg.enable_lora \
+            else None
         self.responses = ResponsesAPI(self.serving)  # its store of responses is this replica's
         self.metrics = IngressMetrics(cfg.model_name)
         self.draining = False  # set by drain(): new requests are refused
@@ -178,6 +188,20 @@ class OpenAIIngress:
         """Every health period: the HTTP gauge again, and the router's decisions since the last tick."""
         self.metrics.refresh()
         self.metrics.observe_routing(self.client.router.take_stats())
+        if self.shared_loras is not None:
+            asyncio.get_running_loop().create_task(self.shared_loras.pull_when_due())
+
+    async def _broadcast_loras(self, adapters: AdapterSet) -> None:
+        if self._ingress_handle is None:
+            self._ingress_handle = serve.get_deployment_handle("OpenAIIngress", self.app_name)
+        await self._ingress_handle.broadcast("sync_loras", adapters).results_async(timeout_s=30.0,
+                                                                                    return_exceptions=True)
+
+    async def sync_loras(self, adapters: AdapterSet | None = None) -> list[str]:
+        """Serve ``adapters`` (a load or unload through another replica) when newer; the adapters served here."""
+        if adapters is not None:
+            self.serving.loras.apply(adapters)
+        return [lora.lora_name for lora in self.serving.loras.adapters()]
 
     async def drain(self) -> dict[str, int]:
         """Graceful shutdown (``cbserve serve`` calls it on SIGTERM / Ctrl-C): stop admitting (new requests get
@@ -229,11 +253,15 @@ class OpenAIIngress:
 
     @api.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
-        return PlainTextResponse(self.serving.loras.load(body))
+        if self.shared_loras is None:
+            return PlainTextResponse(self.serving.loras.load(body))  # a 400: LoRA is off
+        return PlainTextResponse(await self.shared_loras.load(body))
 
     @api.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
-        return PlainTextResponse(self.serving.loras.unload(body))
+        if self.shared_loras is None:
+            return PlainTextResponse(self.serving.loras.unload(body))  # a 400: LoRA is off
+        return PlainTextResponse(await self.shared_loras.unload(body))
 
     # ---- operations ---------------------------------------------------------------------------
     @api.get("/health")

@@ -312,7 +312,11 @@ def wait_for_stop() -> str:
 
 
 def _shutdown(serve: Any, ray: Any, config: CBServeConfig) -> None:
+    from cbserve.cluster.lora_store import remove_store  # imports Ray
+
     try:
         serve.delete(config.app_name)
+        if config.enable_lora:
+            remove_store(config.app_name)  # the adapters loaded while serving go with the app
     finally:
         ray.shutdown()

@@ -6,8 +6,8 @@ Loading here is checking and naming: the adapter's files are read and checked ag
 torch (``worker/lora_files.py``: a 400 with the reason), and the name gets a ``LoRARequest`` with a fresh id
 (a new id for every load, so a name loaded again from another path is never mistaken for the old one); the
 workers load the weights by that id when its first request arrives. Unloading only stops new requests:
-those in flight keep their ``LoRARequest`` and finish. Each ingress replica keeps its own registry (the
-adapters of ``lora_modules`` are loaded by every one at start).
+those in flight keep their ``LoRARequest`` and finish. Served, the adapters' names and ids are kept once for all
+ingress replicas (``cluster/lora_store.py``), each of which mirrors them here as an ``AdapterSet``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,16 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 @dataclass(frozen=True)
+class AdapterSet:
+    """The adapters served at one ``version`` (it grows with every load and unload), in the order loaded, and
+    the id the next load gets: what the shared store hands every ingress replica."""
+
+    version: int
+    adapters: tuple[LoRARequest, ...]
+    next_id: int
+
+
+@dataclass(frozen=True)
 class AdapterLimits:
     """What adapters are checked against: the base model's shape and the largest rank served."""
 
@@ -56,6 +66,15 @@ def not_found(model: str) -> APIError:
     return APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
 
+def loaded_message(name: str) -> str:
+    """vLLM's answer to a load (the route answers it as text)."""
+    return f"Success: LoRA adapter '{name}' added successfully."
+
+
+def unloaded_message(name: str) -> str:
+    return f"Success: LoRA adapter '{name}' removed successfully."
+
+
 class LoRARegistry:
     """The adapters of one ingress replica, by name. ``limits`` None: LoRA is off (only the base model's name
     resolves; loading is a 400)."""
@@ -65,6 +84,7 @@ class LoRARegistry:
         self.limits = limits
         self._adapters: dict[str, LoRARequest] = {}
         self._next_id = 1
+        self.version = 0  # one more with every change
 
     @property
     def enabled(self) -> bool:
@@ -86,15 +106,14 @@ class LoRARegistry:
 
     def add(self, name: str, path: str, replace: bool = False) -> LoRARequest:
         """Check the adapter at ``path`` and serve it as ``name`` (APIError 400 with the reason otherwise)."""
+        return self.register(name, self.check(name, path, replace), replace)
+
+    def check(self, name: str, path: str, replace: bool = False) -> str:
+        """The absolute folder of the adapter at ``path`` once its name and files pass (APIError 400 with the
+        reason otherwise); nothing changes."""
         if self.limits is None:
             raise APIError(400, NOT_ENABLED)
-        if not name or name != name.strip():
-            raise APIError(400, f"lora_name {name!r} must be a non-empty name without surrounding spaces",
-                           param="lora_name")
-        if name == self.base_name:
-            raise APIError(400, f"lora_name {name!r} is the served model's name", param="lora_name")
-        if name in self._adapters and not replace:
-            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        self._check_name(name, replace)
         if not path:
             raise APIError(400, "lora_path must name the adapter's folder", param="lora_path")
         folder = Path(path).expanduser().absolute()
@@ -102,28 +121,60 @@ class LoRARegistry:
             check_adapter(read_adapter(folder), self.limits.info, self.limits.max_lora_rank)
         except LoRAAdapterError as e:
             raise APIError(400, f"adapter {name!r}: {e}", param="lora_path") from e
-        lora = LoRARequest(name, self._next_id, str(folder))
+        return str(folder)
+
+    def _check_name(self, name: str, replace: bool) -> None:
+        if not name or name != name.strip():
+            raise APIError(400, f"lora_name {name!r} must be a non-empty name without surrounding spaces",
+                           param="lora_name")
+        if name == self.base_name:
+            raise APIError(400, f"lora_name {name!r} is the served model's name", param="lora_name")
+        if name in self._adapters and not replace:
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+
+    def register(self, name: str, folder: str, replace: bool = False) -> LoRARequest:
+        """Serve the adapter in ``folder`` (checked already) as ``name``, with a new id (APIError 400 when the
+        name is taken and not ``replace``)."""
+        self._check_name(name, replace)
+        lora = LoRARequest(name, self._next_id, folder)
         self._next_id += 1
         self._adapters.pop(name, None)  # a replaced adapter moves to the end of the list
         self._adapters[name] = lora
+        self.version += 1
         return lora
 
     def remove(self, name: str, lora_int_id: int | None = None) -> LoRARequest:
         """Stop serving ``name`` (requests in flight finish with it); a 404 when it is not loaded."""
         if self.limits is None:
             raise APIError(400, NOT_ENABLED)
+        return self.unregister(name, lora_int_id)
+
+    def unregister(self, name: str, lora_int_id: int | None = None) -> LoRARequest:
+        """``remove`` without asking whether LoRA is on (the shared store's bookkeeping)."""
         lora = self._adapters.get(name)
         if lora is None or (lora_int_id is not None and lora.lora_int_id != lora_int_id):
             raise APIError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError", "lora_name")
         del self._adapters[name]
+        self.version += 1
         return lora
+
+    def snapshot(self) -> AdapterSet:
+        return AdapterSet(self.version, tuple(self._adapters.values()), self._next_id)
+
+    def apply(self, adapters: AdapterSet) -> bool:
+        """Mirror ``adapters`` when they are newer than what is served here; whether they were."""
+        if adapters.version <= self.version:
+            return False
+        self._adapters = {lora.lora_name: lora for lora in adapters.adapters}
+        self.version, self._next_id = adapters.version, adapters.next_id
+        return True
 
     # ---- the routes' bodies ---------------------------------------------------------------------
     def load(self, req: LoadLoRAAdapterRequest) -> str:
         """``/v1/load_lora_adapter``: vLLM's success message (the route answers it as text)."""
         self.add(req.lora_name, req.lora_path, replace=req.load_inplace)
-        return f"Success: LoRA adapter '{req.lora_name}' added successfully."
+        return loaded_message(req.lora_name)
 
     def unload(self, req: UnloadLoRAAdapterRequest) -> str:
         self.remove(req.lora_name, req.lora_int_id)
-        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
+        return unloaded_message(req.lora_name)

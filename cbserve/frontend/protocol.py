@@ -27,6 +27,10 @@ class APIError(Exception):
         self.type = type_
         self.param = param
 
+    def __reduce__(self) -> tuple[type, tuple[int, str, str, str | None]]:
+        """Pickled whole (it crosses Ray calls, e.g. from the shared LoRA store)."""
+        return APIError, (self.status, self.message, self.type, self.param)
+
     def body(self) -> dict[str, Any]:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.status)
         return ErrorResponse(error=info).model_dump()

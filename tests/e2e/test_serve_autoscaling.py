@@ -6,10 +6,14 @@ then waits for the cold start; a burst of streams makes Serve start a second ing
 own, named apart from the first's); a trickle afterwards lets it go back to one (the replica stopped drains first,
 its engines go with it); idle, it goes back to zero. Every stream of every phase ends complete and alike. A drain
 as `cbserve serve` sends it on SIGTERM (a Serve broadcast) reaches the replicas there are.
+
+LoRA adapters with two ingress replicas: one set for both (cluster/lora_store.py). A load or unload through the
+proxy (which answers from either) reaches both at once; a replica restarted later serves the same set.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +22,7 @@ from typing import Any
 
 import pytest
 from e2e_lib import free_port, wait_for
-from lora_lib import make_tiny_llama
+from lora_lib import make_adapter, make_tiny_llama
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
 ray = pytest.importorskip("ray")
@@ -167,3 +171,68 @@ def test_scales_from_zero_to_two_replicas_under_a_burst_and_back_with_nothing_lo
     print(f"cold start {cold_start_s:.1f}s, scale-up {scale_up_s:.1f}s; {len(burst.results)} + "
           f"{len(trickle.results)} streams complete")
     serve.delete("scale")
+
+
+def _replica_adapters(name: str) -> list[list[str]]:
+    """Each ingress replica's served adapters (``sync_loras`` with nothing new answers them); a replica that
+    died shows as its error's name."""
+    from ray import serve
+
+    answers = serve.get_app_handle(name).broadcast("sync_loras").results(timeout_s=60, return_exceptions=True)
+    return sorted(a if isinstance(a, list) else [type(a).__name__] for a in answers)
+
+
+def _both_alive(answers: list[list[str]]) -> list[list[str]] | None:
+    return answers if len(answers) == 2 and ["ActorDiedError"] not in answers else None
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_lora_loads_and_unloads_reach_every_ingress_replica_and_a_restarted_one(
+    local_serve: tuple[str, Path], tmp_path: Path,
+) -> None:
+    from ray import serve
+
+    from cbserve.cluster.app import build_app
+
+    url, model = local_serve
+    alpha, beta = make_adapter(model, tmp_path / "alpha", seed=1), make_adapter(model, tmp_path / "beta", seed=2)
+    app = build_app(dict(ARGS, model=str(model), autoscaling="min=2,max=2", enable_lora=True, max_loras=2,
+                         max_lora_rank=8, lora_modules={"alpha": str(alpha)}))  # fmt: skip
+    serve.run(app, name="loras", route_prefix="/loras")
+    base = f"{url}/loras"
+    assert _replica_adapters("loras") == [["alpha"], ["alpha"]]
+    assert _post(base, "/v1/load_lora_adapter", {"lora_name": "beta", "lora_path": str(beta)})[0] == 200
+    assert _replica_adapters("loras") == [["alpha", "beta"], ["alpha", "beta"]]  # at once, not a period later
+    refused = _post(base, "/v1/load_lora_adapter", {"lora_name": "beta", "lora_path": str(alpha)})
+    assert refused[0] == 400 and "already been loaded" in refused[1], refused
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    texts = {client.completions.create(model="beta", prompt="The weather today is", max_tokens=4,
+                                       temperature=0).choices[0].text for _ in range(6)}  # fmt: skip
+    assert len(texts) == 1  # both replicas answer beta alike
+    assert _post(base, "/v1/unload_lora_adapter", {"lora_name": "alpha"})[0] == 200
+    assert _replica_adapters("loras") == [["beta"], ["beta"]]
+    for _ in range(6):
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="alpha", prompt="hi", max_tokens=2)
+    # a replica that starts later (here: Serve replaces a killed one) serves the app's set, not lora_modules'
+    (victim, *_) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if "loras#OpenAIIngress" in a["name"]]  # fmt: skip
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    wait_for("the killed replica replaced", lambda: _running("loras") == 2 and victim not in {
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}, 180)  # fmt: skip
+    # (the test's handle learns of the new replica within seconds; until then it names the dead one, or one)
+    answers = wait_for("both replicas answering", lambda: _both_alive(_replica_adapters("loras")), 60)
+    assert answers == [["beta"], ["beta"]]
+    serve.delete("loras")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import struct
 from pathlib import Path
 from typing import Any
@@ -209,3 +210,24 @@ def test_a_request_in_flight_keeps_its_adapter_when_it_is_unloaded(tmp_path: Pat
 
     assert asyncio.run(main()).choices[0].text == "ok" and engine.requests[0].lora.lora_name == "sql"
     assert _status(lambda: asyncio.run(serving.completions(CompletionRequest(model="sql", prompt="hi"))))[0] == 404
+
+
+def test_a_replica_mirrors_the_shared_sets_in_version_order(tmp_path: Path) -> None:
+    """Served, one store keeps the app's adapters (cluster/lora_store.py: a LoRARegistry's bookkeeping) and every
+    ingress replica mirrors its ``AdapterSet``s: a newer set replaces what it serves, an older one is ignored;
+    checking an adapter changes nothing; refusals and sets survive pickling (they cross Ray calls)."""
+    store, replica = LoRARegistry("base"), _registry(tmp_path)
+    folder = replica.check("x", str(write_adapter(tmp_path / "x")))
+    assert folder == str(tmp_path / "x") and replica.adapters() == [] and replica.version == 0
+    store.register("x", folder)
+    first = store.snapshot()
+    store.register("y", str(write_adapter(tmp_path / "y")))
+    assert replica.apply(store.snapshot()) and not replica.apply(first)  # the older set arrived late
+    assert [a.lora_name for a in replica.adapters()] == ["x", "y"] and replica.resolve("y").lora_int_id == 2
+    store.unregister("x")
+    assert replica.apply(pickle.loads(pickle.dumps(store.snapshot())))
+    assert _status(lambda: replica.resolve("x"))[0] == 404 and replica.version == 3
+    with pytest.raises(APIError) as taken:
+        store.register("y", folder)
+    copy = pickle.loads(pickle.dumps(taken.value))
+    assert (copy.status, copy.param) == (400, "lora_name") and copy.message == taken.value.message

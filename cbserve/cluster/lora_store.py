@@ -1,0 +1,139 @@
+"""LoRA adapters shared by every ingress replica of an app: a load or unload answered by any replica reaches
+all of them, and a replica started later (autoscaling, a restart) serves the same set.
+
+One detached actor per app (``LoRAStore``, named ``lora-store:<app>``) keeps the adapters' names and ids: it
+decides name conflicts and hands out ids, so two replicas never give one name two ids. A replica checks an
+adapter's files itself (a 400 with the reason, ``frontend/lora_registry.py``), asks the store to register or
+unregister the name, mirrors the store's answer (an ``AdapterSet``) at once and broadcasts it to the other
+replicas through Serve; each also pulls the store every ``PULL_PERIOD_S``, which covers a replica that was
+starting during a broadcast. The store outlives scale-to-zero and is removed with the app (``cbserve serve``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import ray
+
+from cbserve.cluster.engine_client import NAMESPACE
+from cbserve.frontend.lora_registry import (
+    AdapterSet,
+    LoadLoRAAdapterRequest,
+    LoRARegistry,
+    UnloadLoRAAdapterRequest,
+    loaded_message,
+    unloaded_message,
+)
+from cbserve.frontend.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+PULL_PERIOD_S = 5.0
+
+
+def store_name(app_name: str) -> str:
+    return f"lora-store:{app_name}"
+
+
+@ray.remote(num_cpus=0)
+class LoRAStore:
+    """The app's adapters by name (the bookkeeping of a ``LoRARegistry``; files are checked by the replicas).
+    Refusals come back as the ``APIError`` value, for the replica to answer."""
+
+    def __init__(self) -> None:
+        self.served: tuple[str, str] | None = None  # (served model name, model path) the adapters belong to
+        self.registry = LoRARegistry("")
+        self.seeded: set[str] = set()  # the lora_modules names added once already
+
+    def seed(self, base_name: str, model: str, modules: dict[str, str]) -> AdapterSet:
+        """Called by every replica at start: the adapters of ``lora_modules`` not seeded before are added (one
+        unloaded while serving stays unloaded when a replica starts later); a store left by an app serving
+        another model starts over."""
+        if self.served != (base_name, model):
+            old = self.registry.snapshot()
+            self.registry = LoRARegistry(base_name)
+            self.registry.apply(AdapterSet(old.version + 1, (), old.next_id))  # newer than any mirror of the old
+            self.served, self.seeded = (base_name, model), set()
+        served = {lora.lora_name for lora in self.registry.adapters()}
+        for name, folder in modules.items():
+            if name not in self.seeded and name not in served:
+                self.registry.register(name, folder)
+            self.seeded.add(name)
+        return self.registry.snapshot()
+
+    def snapshot(self) -> AdapterSet:
+        return self.registry.snapshot()
+
+    def register(self, name: str, folder: str, replace: bool) -> AdapterSet | APIError:
+        try:
+            self.registry.register(name, folder, replace)
+        except APIError as e:
+            return e
+        return self.registry.snapshot()
+
+    def unregister(self, name: str, lora_int_id: int | None) -> AdapterSet | APIError:
+        try:
+            self.registry.unregister(name, lora_int_id)
+        except APIError as e:
+            return e
+        return self.registry.snapshot()
+
+
+def remove_store(app_name: str) -> None:
+    """End the app's store, if it has one (with the app: ``cbserve serve``'s shutdown)."""
+    with contextlib.suppress(ValueError):  # ValueError: the app served no adapters
+        ray.kill(ray.get_actor(store_name(app_name), namespace=NAMESPACE))
+
+
+class SharedLoRAs:
+    """One ingress replica's side of the store: ``registry`` (the front end's) mirrors it; ``broadcast`` sends a
+    new ``AdapterSet`` to every replica of the app (``OpenAIIngress.sync_loras``)."""
+
+    def __init__(self, registry: LoRARegistry, app_name: str, broadcast: Any) -> None:
+        self.registry = registry
+        self.broadcast = broadcast
+        self.store = LoRAStore.options(name=store_name(app_name), namespace=NAMESPACE, lifetime="detached",
+                                       get_if_exists=True).remote()  # fmt: skip
+        self._pulled_at = 0.0
+
+    async def start(self, model: str, modules: dict[str, str]) -> None:
+        """Serve the store's adapters, after adding ``modules`` (checked at start-up) to them."""
+        self.registry.apply(await self.store.seed.remote(self.registry.base_name, model, modules))
+        self._pulled_at = asyncio.get_running_loop().time()
+
+    async def load(self, req: LoadLoRAAdapterRequest) -> str:
+        folder = self.registry.check(req.lora_name, req.lora_path, req.load_inplace)  # a 400 here, before the store
+        await self._change(self.store.register.remote(req.lora_name, folder, req.load_inplace))
+        logger.info("LoRA adapter %r loaded from %s", req.lora_name, folder)
+        return loaded_message(req.lora_name)
+
+    async def unload(self, req: UnloadLoRAAdapterRequest) -> str:
+        await self._change(self.store.unregister.remote(req.lora_name, req.lora_int_id))
+        logger.info("LoRA adapter %r unloaded", req.lora_name)
+        return unloaded_message(req.lora_name)
+
+    async def _change(self, reply: Any) -> None:
+        answer = await reply
+        if isinstance(answer, APIError):
+            await self.pull()  # this replica's mirror was behind (another replica changed the name)
+            raise answer
+        self.registry.apply(answer)
+        try:
+            await self.broadcast(answer)
+        except Exception as e:  # a replica going away; the others pull the store within PULL_PERIOD_S
+            logger.warning("LoRA adapters not broadcast to every replica (%s: %s)", type(e).__name__, e)
+
+    async def pull(self) -> None:
+        self.registry.apply(await self.store.snapshot.remote())
+        self._pulled_at = asyncio.get_running_loop().time()
+
+    async def pull_when_due(self) -> None:
+        """The periodic pull (the replica's health tick calls it)."""
+        if asyncio.get_running_loop().time() - self._pulled_at >= PULL_PERIOD_S:
+            try:
+                await self.pull()
+            except Exception as e:  # the store is being restarted or removed: next period
+                logger.warning("LoRA store not reachable (%s: %s)", type(e).__name__, e)
