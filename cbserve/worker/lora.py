@@ -12,6 +12,9 @@ batched product that adds each token's adapter to a mixed batch (S-LoRA / Punica
   and one expand per adapter and layer for the whole batch (on the CPU's C kernels one call for all runs,
   ``cb_lora_add_f32``; on CUDA one Triton launch of each, ``lora_triton.py``); rows of the base model cost
   nothing.
+- ``dtype="bfloat16"`` on the C kernels (``CpuOps.bf16_products``: a float32 model whose linear layers multiply
+  in bfloat16) keeps the slots in bfloat16 and runs the adapters as bfloat16 products too (``cb_lora_add_bf16``:
+  x and x A^T rounded to bfloat16, float32 sums, as PEFT in bfloat16 rounds them).
 - Adapters are read once from their PEFT folder (``lora_files.py`` checks them) and kept, cut to this rank's
   shard, in a host-side LRU of ``max_cpu_loras``; a busy adapter is never reloaded per request.
 
@@ -59,7 +62,7 @@ class LoRAStep:
     runs: list[tuple[int, int, int]] = field(default_factory=list)
     token_slots: torch.Tensor | None = None
     use_triton: bool = False
-    kernels: CpuKernels | None = None  # the C kernels (float32 CPU models on the native ops)
+    kernels: CpuKernels | None = None  # the C kernels (float32 CPU models on the native ops, bf16 products too)
     # the C kernel's segment tables of this step, by the columns each slot uses in a layer
     segments: dict[tuple[int, ...], LoRASegments] = field(default_factory=dict)
 
@@ -120,7 +123,16 @@ class LoRALinear:
             cols = self.used[slot]
             if cols:
                 end = start + rows
-                y[start:end] += (x[start:end] @ self.a[slot, :cols].t()) @ self._b(slot, cols)
+                y[start:end] += _product(x[start:end], self.a[slot, :cols], self._b(slot, cols))
+
+
+def _product(x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+    """(x @ a.T) @ bt in x's dtype; bfloat16 slots on a float32 model: the C kernel's bfloat16 products (x and
+    x @ a.T rounded to bfloat16, float32 sums of the exact products)."""
+    if a.dtype == x.dtype:
+        return (x @ a.t()) @ bt
+    t = x.to(a.dtype).float() @ a.float().t()
+    return t.to(a.dtype).float() @ bt.float()
 
 
 def _shape(layer: nn.Module) -> tuple[int, int]:
@@ -142,13 +154,17 @@ class LoRAManager:
     def __init__(self, model: nn.Module, hf_config: Any, max_loras: int, max_lora_rank: int, cache_size: int,
                  dtype: torch.dtype, device: torch.device, use_triton: bool | None = None) -> None:
         """``use_triton``: the Triton kernels (None: on CUDA when triton imports); else the model's C kernels
-        where it runs on them (float32), else torch."""
+        where it runs on them (float32), else torch. The model's ``ops`` (``CpuOps``) say whether it runs
+        bfloat16 products on the C kernels: the slots are then bfloat16 (``dtype`` is the model's, float32)."""
         self.info = ModelInfo.from_hf_config(hf_config.to_dict())
         self.max_lora_rank, self.cache_size = max_lora_rank, cache_size
-        self.dtype, self.device = dtype, device
+        ops = getattr(model, "ops", None)
+        kernels, bf16_products = getattr(ops, "kernels", None), bool(getattr(ops, "bf16_products", False))
         if use_triton is None:
             use_triton = device.type == "cuda" and _triton_available()
-        kernels = getattr(getattr(model, "ops", None), "kernels", None)
+        if use_triton and bf16_products:
+            raise ValueError("LoRA on the Triton kernels does not run the CPU kernels' bfloat16 products")
+        self.dtype, self.device = torch.bfloat16 if bf16_products else dtype, device  # the slots' and adapters'
         self.step = LoRAStep(use_triton=use_triton, kernels=None if use_triton or dtype != torch.float32 else kernels)
         self.linears: dict[tuple[int, str], tuple[nn.Module, LoRALinear]] = {}
         for i, decoder_layer in enumerate(model.model.layers):
@@ -156,7 +172,7 @@ class LoRAManager:
                 layer = _find(decoder_layer, target)
                 if layer is None:
                     continue
-                slots = LoRALinear(layer, self.step, max_loras, _parts(layer) * max_lora_rank, dtype, device)
+                slots = LoRALinear(layer, self.step, max_loras, _parts(layer) * max_lora_rank, self.dtype, device)
                 layer.lora = slots
                 self.linears[(i, target)] = (layer, slots)
         model.lora_step = self.step  # the model's one-call C layer driver stands aside in steps with adapters

@@ -31,29 +31,36 @@ def make_adapter(base: Path, out: Path, seed: int, r: int = 8, targets: list[str
     return out
 
 
-def peft_model(base: Path, adapter: Path | None) -> Any:
-    """The HF reference of ``base`` with ``adapter`` applied (None: the base model), eager attention."""
+def peft_model(base: Path, adapter: Path | None, dtype: torch.dtype = torch.float32) -> Any:
+    """The HF reference of ``base`` with ``adapter`` applied (None: the base model), eager attention, everything
+    (the adapter's weights too) in ``dtype``."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager").eval()
-    return model if adapter is None else PeftModel.from_pretrained(model, adapter).eval()
+    model = model if adapter is None else PeftModel.from_pretrained(model, adapter).eval()
+    return model.to(dtype)
 
 
 def peft_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation without EOS, one prompt, no padding."""
-    ids = torch.tensor([prompt])
-    out = ids
+    return peft_greedy_with_top(model, prompt, max_new_tokens)[0]
+
+
+def peft_greedy_with_top(model: Any, prompt: list[int], max_new_tokens: int,
+                         top: int = 1) -> tuple[list[int], list[list[int]]]:
+    """``peft_greedy``'s tokens and, at each of them, the reference's ``top`` most likely tokens."""
+    out: list[int] = []
+    tops: list[list[int]] = []
+    step_ids, past = torch.tensor([prompt]), None
     with torch.inference_mode():
-        past = None
-        step_ids = ids
         for _ in range(max_new_tokens):
             res = model(input_ids=step_ids, past_key_values=past, use_cache=True)
             past = res.past_key_values
-            nxt = res.logits[0, -1].argmax().view(1, 1)
-            out = torch.cat([out, nxt], dim=1)
-            step_ids = nxt
-    return out[0, len(prompt) :].tolist()
+            tops.append(res.logits[0, -1].float().topk(top).indices.tolist())
+            out.append(int(res.logits[0, -1].argmax()))
+            step_ids = torch.tensor([[out[-1]]])
+    return out, tops
 
 
 def peft_logprobs(model: Any, prompt: list[int], tokens: list[int]) -> list[float]:
@@ -63,3 +70,11 @@ def peft_logprobs(model: Any, prompt: list[int], tokens: list[int]) -> list[floa
         logits = model(input_ids=torch.tensor([seq])).logits[0].float()
     lps = torch.log_softmax(logits, dim=-1)
     return [lps[len(prompt) - 1 + j, t].item() for j, t in enumerate(tokens)]
+
+
+def peft_forced_top(model: Any, prompt: list[int], tokens: list[int], top: int) -> list[list[int]]:
+    """The reference's ``top`` most likely tokens at each of ``tokens``, given ``prompt`` and the tokens before it."""
+    seq = prompt + tokens
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([seq])).logits[0].float()
+    return [logits[len(prompt) - 1 + j].topk(top).indices.tolist() for j in range(len(tokens))]

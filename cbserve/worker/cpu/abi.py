@@ -69,6 +69,7 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
                                    _F32, _I32, _I32, _F32]),
     "cb_llama_layers": (_I32, [_P, _P, _I32, _P, _P, _P, _P, _I64, _P, _I32]),
     "cb_lora_add_f32": (_I32, [_P, _I64, _P, _I64, _I32, _I32, _P, _P, _I32, _P, _I32]),
+    "cb_lora_add_bf16": (_I32, [_P, _I64, _P, _I64, _I32, _I32, _P, _P, _I32, _P, _I32]),
 }
 
 # The header's enums that Python numbers too: return codes, the build's ISA bits and packed-weight formats.

@@ -45,6 +45,7 @@ def _vector(t: torch.Tensor, name: str, n: int, dtype: torch.dtype = torch.float
 # The k block of the quantized panel formats (PANEL_FORMATS: name -> the C enum, in abi.py).
 BLOCK_FORMATS = ("q8_0", "q4_1")
 BLOCK_K = 32
+_LORA_DTYPES = (torch.float32, torch.bfloat16)  # of the LoRA kernel's adapter slots (bfloat16: bf16 products)
 
 
 @dataclass(frozen=True)
@@ -282,17 +283,16 @@ class CpuKernels:
     # ---- multi-LoRA -------------------------------------------------------------------------------
     def lora_add_(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
                   segments: torch.Tensor | LoRASegments) -> torch.Tensor:
-        """In place, one linear layer's adapters for a batch grouped by adapter: for each segment (start, rows,
-        slot, cols), ``y[r] += (x[r] @ a[slot, :cols].T) @ bt[slot, :cols]`` for its rows r; returns ``y``.
-        x [m, in] and y [m, out] float32 with contiguous rows (y not overlapping x); a [slots, cmax, in] and
-        bt [slots, cmax, out] (B transposed, the scaling folded in) contiguous float32, cmax <= 512. Segments
-        ([nseg, 4] int32, or ``LoRASegments.of`` it to check them once for all layers) must lie within the m
-        rows, name slots < slots, use cols <= cmax and not overlap; rows of no segment are untouched."""
+        """In place, one linear layer's adapters for a batch grouped by adapter: ``y[r] += (x[r] @ a[slot, :cols].T)
+        @ bt[slot, :cols]`` for the rows r of each segment (start, rows, slot, cols); returns ``y``. x [m, in], y [m,
+        out] float32, rows contiguous (y not overlapping x); a [slots, cmax, in], bt [slots, cmax, out] (B^T, scaled)
+        contiguous, cmax <= 512, both float32 or both bfloat16 (bfloat16 products, csrc/cb_cpu.h). Segments ([nseg, 4]
+        int32, or ``LoRASegments.of`` it once a step): disjoint, in the m rows, slot < slots, cols <= cmax."""
         seg = segments if isinstance(segments, LoRASegments) else LoRASegments.of(segments)
         xs, ys, as_, bs = x.shape, y.shape, a.shape, bt.shape
         # one expression on the common path (called per adapted layer and step); the details only on failure
-        if not (x.dtype == y.dtype == a.dtype == bt.dtype == torch.float32 and x.is_cpu and y.is_cpu and a.is_cpu
-                and bt.is_cpu and len(xs) == len(ys) == 2 and len(as_) == len(bs) == 3 and xs[0] == ys[0]
+        if not (x.dtype == y.dtype == torch.float32 and a.dtype == bt.dtype in _LORA_DTYPES and x.is_cpu and y.is_cpu
+                and a.is_cpu and bt.is_cpu and len(xs) == len(ys) == 2 and len(as_) == len(bs) == 3 and xs[0] == ys[0]
                 and as_[2] == xs[1] >= 1 and bs[2] == ys[1] >= 1 and as_[:2] == bs[:2] and 1 <= as_[1] <= 512
                 and (x.stride(1) == 1 or xs[1] == 1) and (y.stride(1) == 1 or ys[1] == 1)
                 and a.is_contiguous() and bt.is_contiguous()):
@@ -300,9 +300,9 @@ class CpuKernels:
         if seg.end > xs[0] or seg.slots > as_[0] or seg.cols > as_[1]:
             raise ValueError(f"LoRA segments reach row {seg.end}, slot {seg.slots - 1} and {seg.cols} columns: "
                              f"beyond x's {xs[0]} rows, a's {as_[0]} slots or its {as_[1]} columns")
-        rc = self._lib.cb_lora_add_f32(x.data_ptr(), max(x.stride(0), xs[1]), y.data_ptr(), max(y.stride(0), ys[1]),
-                                       xs[1], ys[1], a.data_ptr(), bt.data_ptr(), as_[1], seg.table.data_ptr(),
-                                       seg.table.shape[0])
+        fn = self._lib.cb_lora_add_f32 if a.dtype == torch.float32 else self._lib.cb_lora_add_bf16
+        rc = fn(x.data_ptr(), max(x.stride(0), xs[1]), y.data_ptr(), max(y.stride(0), ys[1]), xs[1], ys[1],
+                a.data_ptr(), bt.data_ptr(), as_[1], seg.table.data_ptr(), seg.table.shape[0])
         if rc == abi.RETURN_CODES["CB_ERANGE"]:
             raise ValueError(f"LoRA segments overlap: {seg.table.tolist()}")
         _check(rc, "lora_add")
@@ -387,10 +387,10 @@ def _lora_complaint(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch
     if y.shape[0] != x.shape[0] or x.shape[1] < 1 or y.shape[1] < 1:
         raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} must be [m, in] and [m, out], in, out >= 1")
     for name, t, width in (("a", a, x.shape[1]), ("bt", bt, y.shape[1])):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3 or not t.is_contiguous() \
-                or t.shape[2] != width or t.shape[:2] != a.shape[:2]:
-            raise ValueError(f"{name} must be a contiguous float32 CPU [slots, cmax, {width}] tensor (a and bt "
-                             f"alike), got {t.dtype} {tuple(t.shape)} (a is {tuple(a.shape)})")
+        if t.dtype != a.dtype or a.dtype not in _LORA_DTYPES or t.device.type != "cpu" or t.dim() != 3 \
+                or not t.is_contiguous() or t.shape[2] != width or t.shape[:2] != a.shape[:2]:
+            raise ValueError(f"{name} must be a contiguous float32 or bfloat16 CPU [slots, cmax, {width}] tensor (a "
+                             f"and bt alike), got {t.dtype} {tuple(t.shape)} (a is {a.dtype} {tuple(a.shape)})")
     raise ValueError(f"a and bt have {a.shape[1]} columns a slot: at least 1 and at most 512")
 
 

@@ -144,6 +144,11 @@ CB_API int cb_top_p_threshold_f32(const float *probs, int64_t ld, int rows, int 
  * checks start + rows <= m and slot < slots). */
 CB_API int cb_lora_add_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int in, int out, const float *a,
                            const float *bt, int cmax, const int32_t *seg, int nseg);
+/* As cb_lora_add_f32 with bfloat16 products: a and bt hold bfloat16 values (their 16 bits, half the memory);
+ * each x value is rounded to bfloat16 (to nearest even), and so is each t = x @ a[slot][:cols]^T before the
+ * expand (as PEFT run in bfloat16), the products summed in float32 into the float32 y. */
+CB_API int cb_lora_add_bf16(const float *x, int64_t ldx, float *y, int64_t ldy, int in, int out, const uint16_t *a,
+                            const uint16_t *bt, int cmax, const int32_t *seg, int nseg);
 
 /* ---- attention (attention.c) --------------------------------------------------------------------------- */
 

@@ -1,17 +1,28 @@
-/* Multi-LoRA for CPUs (float32): every adapter's product of one linear layer for a whole mixed batch in one
- * call, the batch's rows grouped by adapter into segments (Punica's SGMV, S-LoRA). For each segment, a shrink
- * t = x A^T (dot products along `in`, a tile of rows against a tile of A's rows, so that each A row loaded
- * serves several x rows and each x row several A rows) then an expand y += t B^T (B stored transposed: axpys
- * along `out`, a tile of rows by a few vectors of y kept in registers while the adapter's columns go by).
+/* Multi-LoRA for CPUs: every adapter's product of one linear layer for a whole mixed batch in one call, the
+ * batch's rows grouped by adapter into segments (Punica's SGMV, S-LoRA). For each segment, a shrink t = x A^T
+ * (dot products along `in`, a tile of rows against a tile of A's rows, so that each A row loaded serves several
+ * x rows and each x row several A rows) then an expand y += t B^T (B stored transposed: axpys along `out`, a
+ * tile of rows by a few vectors of y kept in registers while the adapter's columns go by).
  *
  * A work item is one segment's block of up to CB_LORA_RB rows, so 16 decode segments of a few rows and one
  * prefill segment of 2000 rows both spread over every thread; the items are shared out by cb_share_next
  * (cb_simd.h). Each y element is summed by one thread in a fixed order (its old value, then the adapter's
  * columns in order), so results do not depend on the thread count.
+ *
+ * Two element types for the adapters, one body. cb_lora_add_f32: float32 A and Bt, float32 products.
+ * cb_lora_add_bf16: the bfloat16 products of dtype="bfloat16" on these kernels (as the base layers'
+ * CB_FMT_BF16_DOT): A and Bt stored as bfloat16 (half the memory) and widened as they are loaded (a 16-bit
+ * shift), x rounded to bfloat16 as it is loaded, the shrink's t rounded to bfloat16 before the expand (as PEFT
+ * in bfloat16 rounds x A^T); float32 sums into the float32 y. The functions below take the type as `bf16`, a
+ * constant in each of the two instantiations (lora_rows_f32, lora_rows_bf16) that they are all inlined into.
  */
 #include <stdlib.h>
 
 #include "cb_simd.h"
+
+#if CB_VW >= 8
+#include <immintrin.h>
+#endif
 
 #define CB_LORA_MAX_COLS 512 /* the most columns (rank x fused parts) a slot may hold: t's scratch per item */
 #define CB_LORA_RB 16        /* rows per work item (fewer when the batch is small, see rows_per_item) */
@@ -29,19 +40,59 @@
 #define CB_LORA_KC 8 /* adapter columns per pass over y when an item has few rows (see expand_all) */
 #define CB_LORA_PARALLEL_MIN (1 << 20) /* flops below which one thread does the whole call */
 
-/* t[i * ldt + j] = x_i . a_j for mr rows of x (ldx apart) and nc rows of a (in floats each, contiguous). */
-static inline __attribute__((always_inline)) void shrink_tile(const int mr, const int nc, const float *restrict x,
-                                                              int64_t ldx, const float *restrict a, int in,
-                                                              float *restrict t, int ldt) {
+#define CB_INLINE static inline __attribute__((always_inline))
+
+typedef uint32_t vu __attribute__((vector_size(CB_VW * 4), aligned(4)));
+
+/* CB_VW bfloat16 values (their bits) as float32: each shifted into the upper half of its lane. */
+CB_INLINE vf widen_bf16(const uint16_t *p) {
+#if CB_VW == 16
+    const vu w = (vu)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+#elif CB_VW == 8
+    const vu w = (vu)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+#else /* GCC's widening of a 16-bit vector (an element-wise loop would be scalar code) */
+    typedef uint16_t vh __attribute__((vector_size(CB_VW * 2), aligned(2)));
+    vh h;
+    memcpy(&h, p, sizeof h);
+    const vu w = __builtin_convertvector(h, vu);
+#endif
+    return (vf)(w << 16);
+}
+
+/* Each lane rounded to the nearest bfloat16 (ties to even), as cb_round_bf16. */
+CB_INLINE vf round_lanes(vf v) {
+    const vu b = (vu)v;
+    return (vf)((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
+}
+
+/* The adapters' weights w (float32, or bfloat16 bits with bf16) at element i: a vector, one value, an address. */
+CB_INLINE vf load_w(const void *w, int64_t i, const int bf16) {
+    return bf16 ? widen_bf16((const uint16_t *)w + i) : cb_load((const float *)w + i);
+}
+CB_INLINE float scalar_w(const void *w, int64_t i, const int bf16) {
+    if (!bf16) return ((const float *)w)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+CB_INLINE const void *w_at(const void *w, int64_t i, const int bf16) { return (const char *)w + i * (bf16 ? 2 : 4); }
+/* x (and t) as the products take them: rounded to bfloat16 with bf16. */
+CB_INLINE vf load_x(const float *x, const int bf16) { return bf16 ? round_lanes(cb_load(x)) : cb_load(x); }
+CB_INLINE float scalar_x(float v, const int bf16) { return bf16 ? cb_round_bf16(v) : v; }
+
+/* t[i * ldt + j] = x_i . a_j for mr rows of x (ldx apart) and nc rows of a (in values each, contiguous). */
+CB_INLINE void shrink_tile(const int mr, const int nc, const float *restrict x, int64_t ldx, const void *restrict a,
+                           int in, float *restrict t, int ldt, const int bf16) {
     vf acc[CB_LORA_MR][CB_LORA_NC];
     for (int i = 0; i < mr; ++i)
         for (int j = 0; j < nc; ++j) acc[i][j] = (vf){0};
     int k = 0;
     for (; k + CB_VW <= in; k += CB_VW) {
         vf av[CB_LORA_NC];
-        for (int j = 0; j < nc; ++j) av[j] = cb_load(a + (int64_t)j * in + k);
+        for (int j = 0; j < nc; ++j) av[j] = load_w(a, (int64_t)j * in + k, bf16);
         for (int i = 0; i < mr; ++i) {
-            const vf xv = cb_load(x + i * ldx + k);
+            const vf xv = load_x(x + i * ldx + k, bf16);
             for (int j = 0; j < nc; ++j) acc[i][j] += xv * av[j];
         }
     }
@@ -49,21 +100,21 @@ static inline __attribute__((always_inline)) void shrink_tile(const int mr, cons
         for (int j = 0; j < nc; ++j) {
             float s = 0.0f;
             for (int l = 0; l < CB_VW; ++l) s += acc[i][j][l];
-            for (int kk = k; kk < in; ++kk) s += x[i * ldx + kk] * a[(int64_t)j * in + kk];
-            t[i * ldt + j] = s;
+            for (int kk = k; kk < in; ++kk)
+                s += scalar_x(x[i * ldx + kk], bf16) * scalar_w(a, (int64_t)j * in + kk, bf16);
+            t[i * ldt + j] = scalar_x(s, bf16);
         }
 }
 
 /* y_i[0 : nv * CB_VW] += sum over c < cols of t[i * ldt + c] * bt_c, for mr rows (bt: rows `out` apart). */
-static inline __attribute__((always_inline)) void expand_tile(const int mr, const int nv, const float *restrict t,
-                                                              int ldt, int cols, const float *restrict bt, int out,
-                                                              float *restrict y, int64_t ldy) {
+CB_INLINE void expand_tile(const int mr, const int nv, const float *restrict t, int ldt, int cols,
+                           const void *restrict bt, int out, float *restrict y, int64_t ldy, const int bf16) {
     vf acc[CB_LORA_MR][CB_LORA_NV];
     for (int i = 0; i < mr; ++i)
         for (int j = 0; j < nv; ++j) acc[i][j] = cb_load(y + i * ldy + CB_VW * j);
     for (int c = 0; c < cols; ++c) {
         vf bv[CB_LORA_NV];
-        for (int j = 0; j < nv; ++j) bv[j] = cb_load(bt + (int64_t)c * out + CB_VW * j);
+        for (int j = 0; j < nv; ++j) bv[j] = load_w(bt, (int64_t)c * out + CB_VW * j, bf16);
         for (int i = 0; i < mr; ++i) {
             const float s = t[i * ldt + c];
             for (int j = 0; j < nv; ++j) acc[i][j] += s * bv[j];
@@ -76,26 +127,28 @@ static inline __attribute__((always_inline)) void expand_tile(const int mr, cons
 /* mr (and nc) as compile-time constants in each case, so the accumulators stay in registers. */
 #define CB_LORA_CASES(CASE) CASE(1) CASE(2) CASE(3) CASE(4)
 
-static void shrink_rows(int mr, int nc, const float *x, int64_t ldx, const float *a, int in, float *t, int ldt) {
-#define CB_SHRINK_CASE(R)                                                           \
-    case R:                                                                         \
-        if (nc == CB_LORA_NC)                                                       \
-            shrink_tile(R, CB_LORA_NC, x, ldx, a, in, t, ldt);                      \
-        else                                                                        \
-            for (int j = 0; j < nc; ++j) shrink_tile(R, 1, x, ldx, a + (int64_t)j * in, in, t + j, ldt); \
+CB_INLINE void shrink_rows(int mr, int nc, const float *x, int64_t ldx, const void *a, int in, float *t, int ldt,
+                           const int bf16) {
+#define CB_SHRINK_CASE(R)                                                                  \
+    case R:                                                                                \
+        if (nc == CB_LORA_NC)                                                              \
+            shrink_tile(R, CB_LORA_NC, x, ldx, a, in, t, ldt, bf16);                       \
+        else                                                                               \
+            for (int j = 0; j < nc; ++j)                                                   \
+                shrink_tile(R, 1, x, ldx, w_at(a, (int64_t)j * in, bf16), in, t + j, ldt, bf16); \
         break;
     switch (mr) { CB_LORA_CASES(CB_SHRINK_CASE) }
 #undef CB_SHRINK_CASE
 }
 
-static void expand_rows(int mr, int nv, const float *t, int ldt, int cols, const float *bt, int out, float *y,
-                        int64_t ldy) {
-#define CB_EXPAND_CASE(R)                                             \
-    case R:                                                           \
-        if (nv == CB_LORA_NV)                                         \
-            expand_tile(R, CB_LORA_NV, t, ldt, cols, bt, out, y, ldy); \
-        else                                                          \
-            expand_tile(R, 1, t, ldt, cols, bt, out, y, ldy);         \
+CB_INLINE void expand_rows(int mr, int nv, const float *t, int ldt, int cols, const void *bt, int out, float *y,
+                           int64_t ldy, const int bf16) {
+#define CB_EXPAND_CASE(R)                                                   \
+    case R:                                                                 \
+        if (nv == CB_LORA_NV)                                               \
+            expand_tile(R, CB_LORA_NV, t, ldt, cols, bt, out, y, ldy, bf16); \
+        else                                                                \
+            expand_tile(R, 1, t, ldt, cols, bt, out, y, ldy, bf16);         \
         break;
     switch (mr) { CB_LORA_CASES(CB_EXPAND_CASE) }
 #undef CB_EXPAND_CASE
@@ -106,7 +159,8 @@ static void expand_rows(int mr, int nv, const float *t, int ldt, int cols, const
  * CB_LORA_KC reads it as that many sequential streams, which the hardware prefetcher follows, where a tile
  * over all the columns would be one short strided read per column. Splitting the columns changes no result
  * (each y element still gets its products added in column order). */
-static void expand_all(const float *t, int nr, int cols, const float *bt, int out, float *y, int64_t ldy) {
+CB_INLINE void expand_all(const float *t, int nr, int cols, const void *bt, int out, float *y, int64_t ldy,
+                          const int bf16) {
     const int kc = nr <= CB_LORA_MR ? CB_LORA_KC : cols, vec_end = out - out % CB_VW;
     for (int c0 = 0; c0 < cols; c0 += kc) {
         const int cn = cols - c0 < kc ? cols - c0 : kc;
@@ -114,30 +168,42 @@ static void expand_all(const float *t, int nr, int cols, const float *bt, int ou
             const int nv = out - col >= CB_LORA_NV * CB_VW ? CB_LORA_NV : 1;
             for (int i = 0; i < nr; i += CB_LORA_MR)
                 expand_rows(nr - i < CB_LORA_MR ? nr - i : CB_LORA_MR, nv, t + i * cols + c0, cols, cn,
-                            bt + (int64_t)c0 * out + col, out, y + i * ldy + col, ldy);
+                            w_at(bt, (int64_t)c0 * out + col, bf16), out, y + i * ldy + col, ldy, bf16);
             col += nv * CB_VW;
         }
     }
     for (int i = 0; i < nr; ++i) /* the last out % CB_VW columns */
         for (int o = vec_end; o < out; ++o) {
             float s = y[i * ldy + o];
-            for (int c = 0; c < cols; ++c) s += t[i * cols + c] * bt[(int64_t)c * out + o];
+            for (int c = 0; c < cols; ++c) s += t[i * cols + c] * scalar_w(bt, (int64_t)c * out + o, bf16);
             y[i * ldy + o] = s;
         }
 }
 
 /* One work item: rows of one segment, t = x A^T then y += t Bt. The shrink walks rows in tiles with A's rows
  * inner (a tile of x stays in L1 while A streams by). */
-static void lora_rows(const float *x, int64_t ldx, float *y, int64_t ldy, int nr, int in, int out,
-                      const float *a, const float *bt, int cols) {
+CB_INLINE void lora_rows(const float *x, int64_t ldx, float *y, int64_t ldy, int nr, int in, int out, const void *a,
+                         const void *bt, int cols, const int bf16) {
     float t[CB_LORA_RB * CB_LORA_MAX_COLS] __attribute__((aligned(64)));
     for (int i = 0; i < nr; i += CB_LORA_MR) {
         const int mr = nr - i < CB_LORA_MR ? nr - i : CB_LORA_MR;
         for (int c = 0; c < cols; c += CB_LORA_NC)
-            shrink_rows(mr, cols - c < CB_LORA_NC ? cols - c : CB_LORA_NC, x + i * ldx, ldx, a + (int64_t)c * in,
-                        in, t + i * cols + c, cols);
+            shrink_rows(mr, cols - c < CB_LORA_NC ? cols - c : CB_LORA_NC, x + i * ldx, ldx,
+                        w_at(a, (int64_t)c * in, bf16), in, t + i * cols + c, cols, bf16);
     }
-    expand_all(t, nr, cols, bt, out, y, ldy);
+    expand_all(t, nr, cols, bt, out, y, ldy, bf16);
+}
+
+typedef void (*rows_fn)(const float *, int64_t, float *, int64_t, int, int, int, const void *, const void *, int);
+
+static void lora_rows_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int nr, int in, int out, const void *a,
+                          const void *bt, int cols) {
+    lora_rows(x, ldx, y, ldy, nr, in, out, a, bt, cols, 0);
+}
+
+static void lora_rows_bf16(const float *x, int64_t ldx, float *y, int64_t ldy, int nr, int in, int out,
+                           const void *a, const void *bt, int cols) {
+    lora_rows(x, ldx, y, ldy, nr, in, out, a, bt, cols, 1);
 }
 
 typedef struct {
@@ -183,8 +249,9 @@ static int rows_per_item(const int32_t *seg, int nseg, int threads) {
     return rb;
 }
 
-int cb_lora_add_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int in, int out, const float *a,
-                    const float *bt, int cmax, const int32_t *seg, int nseg) {
+/* Both entry points: a and bt hold float32 values or, with bf16, bfloat16 bits. */
+static int lora_add(const float *x, int64_t ldx, float *y, int64_t ldy, int in, int out, const void *a,
+                    const void *bt, int cmax, const int32_t *seg, int nseg, const int bf16) {
     if (in < 1 || out < 1 || cmax < 1 || cmax > CB_LORA_MAX_COLS || ldx < in || ldy < out || nseg < 0)
         return CB_EINVAL;
     if (nseg == 0) return CB_OK;
@@ -205,6 +272,7 @@ int cb_lora_add_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int in, 
         free(first);
         return CB_EINVAL;
     }
+    const rows_fn rows = bf16 ? lora_rows_bf16 : lora_rows_f32;
     cb_share_t shares[CB_MAX_SHARES];
     const int nshares = cb_shares_init(shares, (int)items);
 #pragma omp parallel if (items > 1 && flops >= CB_LORA_PARALLEL_MIN)
@@ -215,10 +283,20 @@ int cb_lora_add_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int in, 
             while (item >= first[s + 1]) ++s;
             const int32_t *g = seg + 4 * s;
             const int done = (item - first[s]) * rb, r0 = g[0] + done, nr = g[1] - done < rb ? g[1] - done : rb;
-            lora_rows(x + (int64_t)r0 * ldx, ldx, y + (int64_t)r0 * ldy, ldy, nr, in, out,
-                      a + (int64_t)g[2] * cmax * in, bt + (int64_t)g[2] * cmax * out, g[3]);
+            rows(x + (int64_t)r0 * ldx, ldx, y + (int64_t)r0 * ldy, ldy, nr, in, out,
+                 w_at(a, (int64_t)g[2] * cmax * in, bf16), w_at(bt, (int64_t)g[2] * cmax * out, bf16), g[3]);
         }
     }
     free(first);
     return CB_OK;
+}
+
+int cb_lora_add_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int in, int out, const float *a,
+                    const float *bt, int cmax, const int32_t *seg, int nseg) {
+    return lora_add(x, ldx, y, ldy, in, out, a, bt, cmax, seg, nseg, 0);
+}
+
+int cb_lora_add_bf16(const float *x, int64_t ldx, float *y, int64_t ldy, int in, int out, const uint16_t *a,
+                     const uint16_t *bt, int cmax, const int32_t *seg, int nseg) {
+    return lora_add(x, ldx, y, ldy, in, out, a, bt, cmax, seg, nseg, 1);
 }
