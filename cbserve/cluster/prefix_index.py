@@ -3,9 +3,10 @@ holds (scheduler/kv_events.py), kept up to date by the ``KVCacheEvents`` each re
 (cluster/output_channel.py). The picture is a mirror, so it is as bounded as the replica's cache (``num_blocks``
 hashes at most); a replica whose output channel broke or that was rebuilt starts again from a snapshot.
 
-A prompt is matched by hashing its full blocks in the same chained way the engine does
-(``prompt_block_hashes``), from the first block on, and stopping at the first block no candidate holds: the cost
-is one blake2b per block of the longest match, plus one. Pure Python (no ray).
+A prompt is matched by hashing its full blocks in the same chained way the engine does (``prompt_block_hashes``:
+with events on, the engine's prefix cache is keyed by these very hashes), from the first block on, and stopping at
+the first block no candidate holds: the cost is one blake2b per block of the longest match, plus one. Pure Python
+(no ray).
 """
 
 from __future__ import annotations

@@ -6,13 +6,16 @@ block may still carry a ``block_hash``: its KV stays valid and a prefix-cache hi
 unlinked from the middle of the queue) until an allocation takes it from the head and evicts its hash.
 Freed blocks are appended at the tail, so the least recently freed cached block is evicted first.
 
-With ``events`` (a ``KVEventRecorder``, see kv_events.py) the pool reports each block registered with an event
-hash as stored and each such block evicted as removed.
+Blocks are keyed by ``key_hash(block_key)``: Python's ``hash`` (fast, but salted per process), or, once
+``record_events`` was called, a stable hash (kv_events.py's ``stable_key_hasher``: blake2b, the same in every
+process). Then the pool reports each block registered as stored and each one evicted as removed (``events``, a
+``KVEventRecorder``), named by its key hash itself: the hash a router computes for the same tokens
+(``prompt_block_hashes``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from .kv_events import KVEventRecorder
 
@@ -22,14 +25,13 @@ BlockKey = tuple  # (parent block hash | None, token ids of the full block, extr
 class KVBlock:
     """One logical KV block. ``prev_free``/``next_free`` link it into the free queue."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "block_key", "event_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "block_key", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
         self.block_key: BlockKey | None = None  # what the hash was computed from: confirms a hit
-        self.event_hash: int | None = None  # its stable hash (kv_events.block_event_hash), when events are on
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -94,6 +96,7 @@ class BlockPool:
         self.cached: dict[int, KVBlock] = {}  # block_hash -> block (used or free)
         self.num_evictions = 0
         self.events: KVEventRecorder | None = None  # prefix-cache events, when someone listens
+        self.key_hash: Callable[[BlockKey], int] = hash  # block key -> its hash in ``cached``
 
     @property
     def num_free_blocks(self) -> int:
@@ -139,19 +142,28 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(
-        self, block: KVBlock, block_hash: int, block_key: BlockKey, event_hash: int | None = None
-    ) -> None:
-        """Register a full, computed block (``event_hash``: its stable hash, reported to ``events``). If another
-        block already holds this content, keep that one."""
+    def cache_block(self, block: KVBlock, block_hash: int, block_key: BlockKey) -> None:
+        """Register a full, computed block (``block_hash``: ``key_hash(block_key)``; reported to ``events``). If
+        another block already holds this content, keep that one."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
             return
         block.block_hash = block_hash
         block.block_key = block_key
         self.cached[block_hash] = block
-        if event_hash is not None and self.events is not None:
-            block.event_hash = event_hash
-            self.events.store(event_hash)
+        if self.events is not None:
+            self.events.store(block_hash)
+
+    def record_events(self, key_hash: Callable[[BlockKey], int]) -> KVEventRecorder:
+        """From now on, key blocks by ``key_hash`` (their stable hash) and report each block registered and evicted
+        by it. Blocks cached under the per-process hash are forgotten first; none may be in use then. Idempotent:
+        once events are on, the key hash stays."""
+        if self.events is None:
+            if not self.reset_prefix_cache():
+                raise RuntimeError("prefix-cache events must be turned on while no block is in use")
+            self.key_hash = key_hash
+            self.events = KVEventRecorder()
+            self.events.reset_to(())  # a new listener's snapshot: the cache is empty
+        return self.events
 
     def _evict(self, block: KVBlock) -> None:
         if self.cached.get(block.block_hash) is block:  # type: ignore[arg-type]
@@ -160,9 +172,9 @@ class BlockPool:
         self.num_evictions += 1
 
     def _forget(self, block: KVBlock) -> None:
-        if block.event_hash is not None and self.events is not None:
-            self.events.remove(block.event_hash)
-        block.block_hash = block.block_key = block.event_hash = None
+        if self.events is not None:
+            self.events.remove(block.block_hash)  # type: ignore[arg-type]
+        block.block_hash = block.block_key = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no block is in use."""
@@ -192,5 +204,4 @@ class BlockPool:
         assert num_used + len(in_queue) == self.num_blocks, "free + used != total"
         for block_hash, block in self.cached.items():
             assert block.block_hash == block_hash, f"hash table entry {block_hash} points to {block}"
-            assert block.block_key is not None and hash(block.block_key) == block_hash
-            assert self.events is None or block.event_hash is not None, f"cached {block} has no event hash"
+            assert block.block_key is not None and self.key_hash(block.block_key) == block_hash

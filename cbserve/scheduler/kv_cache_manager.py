@@ -20,7 +20,7 @@ from collections.abc import Sequence as Seq
 
 from .block_pool import BlockPool, KVBlock
 from .config import CacheConfig
-from .kv_events import KVCacheEvents, KVEventRecorder, block_event_hash, prompt_block_hashes
+from .kv_events import KVCacheEvents, stable_key_hasher
 
 ComputedBlocks = tuple[list[KVBlock], list[int]]  # prefix-cache hit blocks and their hashes
 NO_HITS: ComputedBlocks = ([], [])
@@ -32,7 +32,7 @@ class KVCacheManager:
         self.enable_caching = config.enable_prefix_caching
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
         self.tables: dict[str, list[KVBlock]] = {}
-        self.hashes: dict[str, list[int]] = {}  # chain hashes of each sequence's full computed blocks
+        self.hashes: dict[str, list[int]] = {}  # chain hashes (pool keys) of each sequence's full computed blocks
         self.block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write copies, drained per step
 
     @property
@@ -63,12 +63,13 @@ class KVCacheManager:
         if not self.enable_caching:
             return NO_HITS
         bs = self.block_size
+        key_hash = self.pool.key_hash
         blocks: list[KVBlock] = []
         hashes: list[int] = []
         parent: int | None = None
         for i in range((len(token_ids) - 1) // bs):
             key = self.block_key(parent, token_ids[i * bs : (i + 1) * bs], extra_keys)
-            block_hash = hash(key)
+            block_hash = key_hash(key)
             block = self.pool.get_cached_block(block_hash, key)
             if block is None:
                 break
@@ -84,49 +85,27 @@ class KVCacheManager:
         hashes = self.hashes[seq_id]
         table = self.tables[seq_id]
         bs = self.block_size
-        events = self.pool.events is not None
+        key_hash = self.pool.key_hash
         for i in range(len(hashes), min(num_computed // bs, len(table))):
-            tokens = token_ids[i * bs : (i + 1) * bs]
-            key = self.block_key(hashes[-1] if hashes else None, tokens, extra_keys)
-            block_hash = hash(key)
+            key = self.block_key(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], extra_keys)
+            block_hash = key_hash(key)
             hashes.append(block_hash)
-            if not events:
-                self.pool.cache_block(table[i], block_hash, key)
-            elif block_hash not in self.pool.cached and table[i].block_hash is None:  # will be registered
-                parent = self._parent_event_hash(table, hashes, i, token_ids, extra_keys) if i else None
-                self.pool.cache_block(table[i], block_hash, key, block_event_hash(parent, tokens, extra_keys))
+            self.pool.cache_block(table[i], block_hash, key)
 
     # ---- prefix-cache events (kv_events.py) -------------------------------------------------------
     def record_events(self) -> None:
-        """From now on, report blocks registered in and evicted from the prefix cache (``take_events``)."""
-        if self.pool.events is None:
-            self.pool.events = KVEventRecorder()
-            self.pool.events.reset_to(self.cached_event_hashes())
+        """From now on, key the prefix cache by the blocks' stable hashes and report blocks registered in and
+        evicted from it (``take_events``). Only while no sequence holds blocks (``BlockPool.record_events``)."""
+        self.pool.record_events(stable_key_hasher(self.block_size))
 
     def take_events(self) -> KVCacheEvents | None:
         """The prefix-cache events since the last call; None when there are none (or nobody records them)."""
         return None if self.pool.events is None else self.pool.events.take()
 
     def cached_event_hashes(self) -> list[int]:
-        """The event hashes of every block the prefix cache holds now (a snapshot for a new listener)."""
-        return [b.event_hash for b in self.pool.cached.values() if b.event_hash is not None]
-
-    def _parent_event_hash(
-        self, table: list[KVBlock], hashes: list[int], i: int, token_ids: list[int], extra_keys: tuple
-    ) -> int:
-        """The event hash of block ``i - 1`` of a sequence: on the block itself when it was registered, else on
-        the block that holds the same content in the cache, else (that one evicted) hashed again from the
-        tokens."""
-        parent = table[i - 1]
-        if parent.block_hash == hashes[i - 1] and parent.event_hash is not None:
-            return parent.event_hash
-        bs = self.block_size
-        key = self.block_key(hashes[i - 2] if i > 1 else None, token_ids[(i - 1) * bs : i * bs], extra_keys)
-        holder = self.pool.get_cached_block(hashes[i - 1], key)
-        if holder is not None and holder.event_hash is not None:
-            return holder.event_hash
-        *_, last = prompt_block_hashes(token_ids[: i * bs + 1], bs, extra_keys)
-        return last
+        """The event hashes of every block the prefix cache holds now (a snapshot for a new listener): with
+        events on, the pool's keys themselves; none while events are off."""
+        return [] if self.pool.events is None else list(self.pool.cached)
 
     # ---- allocation -------------------------------------------------------------------------------
     def needs_copy_on_write(self, seq_id: str, num_computed: int) -> bool:

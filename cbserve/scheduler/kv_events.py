@@ -1,21 +1,23 @@
 """Prefix-cache events: which full blocks an engine's prefix cache holds, told to whoever routes requests to it.
 
-The block pool keys its cache by Python's ``hash()`` of a block's key (fast, but salted per process). Events
-name a block by a *stable* hash instead, ``block_event_hash``: blake2b (8 bytes) of the parent block's event hash
-and the block's token ids, the extra keys (cache salt, LoRA adapter: ``cache_extra_keys``) on the first block
-only, chained exactly as ``KVCacheManager.block_key`` chains its keys. A router computes the same hashes from a
-prompt's token ids (``prompt_block_hashes``) in its own process and looks them up in its mirror of each replica.
+Events name a block by a *stable* hash, ``block_event_hash``: blake2b (8 bytes) of the parent block's hash and the
+block's token ids, the extra keys (cache salt, LoRA adapter: ``cache_extra_keys``) on the first block only, chained
+exactly as ``KVCacheManager.block_key`` chains its keys. With events on, the block pool keys its cache by this very
+hash (``stable_key_hasher``), so each block is hashed once and its event hash is its pool key; off, it keys by
+Python's ``hash()`` of the key, about 3x cheaper per block (with the key's construction) but salted per process. A
+router computes the same hashes from a prompt's token ids (``prompt_block_hashes``) in its own process and looks
+them up in its mirror of each replica.
 
 A block registered in the prefix cache is *stored*, a cached block evicted is *removed*. The engine records them
-only when asked (``EngineCore(kv_events=True)``): off, nothing is hashed twice. ``KVEventRecorder`` nets the
-events between two drains (the last one of a hash wins), so a drain is at most one entry per block.
+only when asked (``EngineCore(kv_events=True)``). ``KVEventRecorder`` nets the events between two drains (the last
+one of a hash wins), so a drain is at most one entry per block.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .lora import LoRARequest, adapter_keys
@@ -29,18 +31,31 @@ def cache_extra_keys(cache_salt: str | None, lora: LoRARequest | None) -> tuple:
 def block_event_hash(parent: int | None, tokens: Sequence[int], extra_keys: tuple = ()) -> int:
     """The stable hash of a full block: chained from ``parent`` (its parent block's event hash; None for the first
     block, which carries ``extra_keys`` instead), the same in every process."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(b"\x00" + repr(extra_keys).encode() if parent is None else b"\x01" + parent.to_bytes(8, "little"))
-    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
-    return int.from_bytes(h.digest(), "little")
+    return stable_key_hasher(len(tokens))((parent, tokens, extra_keys))
+
+
+def stable_key_hasher(block_size: int) -> Callable[[tuple], int]:
+    """``block_event_hash`` of a block pool key of ``block_size`` tokens, ``(parent hash | None, token ids, extra
+    keys)`` (``KVCacheManager.block_key``): the pool's key hash while events are on. Its token packer is compiled
+    once, which makes it about 30% cheaper per block than calling ``block_event_hash``."""
+    pack = struct.Struct(f"<{block_size}I").pack
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+
+    def key_hash(key: tuple) -> int:
+        parent, tokens, extra_keys = key
+        head = b"\x00" + repr(extra_keys).encode() if parent is None else b"\x01" + parent.to_bytes(8, "little")
+        return from_bytes(blake2b(head + pack(*tokens), digest_size=8).digest(), "little")
+
+    return key_hash
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()) -> Iterator[int]:
     """The event hashes of the blocks of a prompt the prefix cache could serve, in order (lazily): its full
     blocks, the last token excluded (it is always computed, as ``KVCacheManager.get_computed_blocks`` says)."""
+    key_hash = stable_key_hasher(block_size)
     parent: int | None = None
     for i in range((len(token_ids) - 1) // block_size):
-        parent = block_event_hash(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        parent = key_hash((parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys))
         yield parent
 
 

@@ -67,7 +67,7 @@ def test_a_duplicate_sequence_chains_from_the_cached_content_even_once_evicted()
     assert evicted is not None and sorted(evicted.removed) == sorted(first.stored[1:]) and not evicted.stored
     longer = prompt + [1]
     kv.allocate_slots("b", len(prompt), 1)  # takes the last free block: "a"'s first, evicted too
-    kv.cache_full_blocks("b", longer, len(prompt), ())  # block 4's parent is hashed again from the tokens
+    kv.cache_full_blocks("b", longer, len(prompt), ())  # block 4 chains from "b"'s own hash of block 3: no rehash
     stored = kv.take_events()
     assert stored is not None and stored.stored == list(prompt_block_hashes(longer, 4))[-1:]
     assert stored.removed == first.stored[:1]
@@ -128,7 +128,50 @@ def test_events_are_off_by_default() -> None:
     engine.add_request(req("a", 9, max_tokens=3))
     results = run(engine).results
     assert all(r.kv_events is None for r in results)
-    assert all(b.event_hash is None for b in engine.scheduler.kv.pool.blocks)
+    kv = engine.scheduler.kv
+    assert kv.pool.events is None and kv.pool.key_hash is hash and kv.cached_event_hashes() == []
+    assert kv.pool.cached  # the cache works, keyed by the cheap per-process hash
+
+
+def test_with_events_the_pool_key_is_the_event_hash() -> None:
+    kv = _manager()
+    prompt = list(range(30, 43))  # 3 full blocks (+ 1 token)
+    extra = cache_extra_keys("salt", LoRARequest("a", 2, "/p"))
+    _compute(kv, "a", prompt, extra)
+    expected = list(prompt_block_hashes(prompt, 4, extra))
+    assert kv.hashes["a"] == expected and list(kv.pool.cached) == expected  # one hash per block, for both
+    assert [b.block_hash for b in kv.pool.cached.values()] == expected
+    events = kv.take_events()
+    assert events is not None and events.stored == expected
+    assert kv.get_computed_blocks(prompt, extra)[1] == expected
+
+
+def test_with_events_salts_and_adapters_still_never_share_blocks() -> None:
+    kv = _manager(num_blocks=32)
+    prompt = list(range(9))  # 2 full blocks (+ 1 token)
+    variants = [(), cache_extra_keys("s1", None), cache_extra_keys("s2", None),
+                cache_extra_keys(None, LoRARequest("a", 1, "/a")), cache_extra_keys(None, LoRARequest("b", 2, "/b")),
+                cache_extra_keys("s1", LoRARequest("a", 1, "/a"))]  # fmt: skip
+    for i, extra in enumerate(variants):
+        assert kv.get_computed_blocks(prompt, extra)[0] == []  # nobody else's blocks
+        _compute(kv, f"r{i}", prompt, extra)
+        assert len(kv.get_computed_blocks(prompt, extra)[0]) == 2  # its own
+    assert len(kv.pool.cached) == 2 * len(variants)
+
+
+def test_events_are_turned_on_before_blocks_are_used() -> None:
+    kv = KVCacheManager(CacheConfig(block_size=4, num_blocks=8))
+    _compute(kv, "a", list(range(9)))
+    with pytest.raises(RuntimeError):
+        kv.record_events()  # "a"'s hash chain is the per-process one
+    assert kv.pool.events is None and len(kv.pool.cached) == 2
+    kv.free("a")
+    kv.record_events()  # the blocks cached under the per-process hash are forgotten
+    events = kv.take_events()
+    assert events is not None and events.reset and events.stored == [] and not kv.pool.cached
+    kv.record_events()  # idempotent
+    _compute(kv, "b", list(range(9)))
+    assert kv.cached_event_hashes() == list(prompt_block_hashes(list(range(9)), 4))
 
 
 # ---- property: a mirror fed by the events equals the cache after any workload -------------------------------
