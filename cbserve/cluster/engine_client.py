@@ -1,6 +1,10 @@
 """The ingress side of the engine replicas: creates the SchedulerActors, watches their health, routes each
 request to one (cluster/router.py) and turns its stream into RequestOutput batches or APIErrors.
 
+A request reaches its engine replica, and is aborted or finished there, by a message on the channel the ingress
+keeps to that replica (cluster/output_channel.py, engine_messages.py), the channel its outputs come back on:
+no Ray call per request. Ray calls are left for the life cycle (health, stats, shutdown).
+
 ``request_timeout_s``: a request still running that long after ``generate`` was called is aborted in its
 engine (its KV blocks are freed) and ends with APIError 504 (type "timeout"): a non-streamed response is
 that error; a streamed one gets it as an error event, then ``[DONE]``."""
@@ -17,7 +21,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cbserve.cluster.config import CBServeConfig
-from cbserve.cluster.output_channel import ChannelReader, EngineFailure
+from cbserve.cluster.engine_messages import AbortRequest, AddRequest, Admitted, EngineFailure, FinishSequence
+from cbserve.cluster.output_channel import ChannelReader
 from cbserve.cluster.router import NoHealthyReplicaError, Router
 from cbserve.cluster.scheduler_actor import SchedulerActor
 from cbserve.frontend.protocol import APIError
@@ -32,6 +37,7 @@ HEALTH_TIMEOUT_S = 5.0
 
 _FAILURE_STATUS = {
     "rejected": 400, "duplicate": 400, "queue_full": 429, "unavailable": 503, "aborted": 503, "timeout": 504,
+    "internal": 500,
 }
 # Failures that say nothing about the request itself (the replica was full, or is gone): another replica may take
 # it, before admission or, if none of its tokens came back yet, after.
@@ -150,9 +156,10 @@ class EngineClient:
 
     # ---- requests -----------------------------------------------------------------------------
     def generate(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
-        """Yields ``[]`` once the engine admitted the request, then batches of new outputs. Raises APIError
-        on rejection, failure or timeout (``request_timeout_s``). Leaving early (client gone, stop string,
-        timeout) aborts it in the engine."""
+        """Yields ``[]`` once the engine admitted the request (the front end's admission mark, frontend/serving.py's
+        ``Engine``; on the channel it is ``Admitted``), then batches of new outputs. Raises APIError on rejection,
+        failure or timeout (``request_timeout_s``). Leaving early (client gone, stop string, timeout) aborts it in
+        the engine."""
         timeout_s = self.config.request_timeout_s
         return self._routed(request) if timeout_s is None else self._deadlined(request, timeout_s)
 
@@ -195,10 +202,12 @@ class EngineClient:
                             logger.warning("engine replica %d failed before request %s's first token (%s); "
                                            "running it on another replica", idx, request.req_id, item.message)
                         break
-                    if not item and admitted:
-                        continue  # admitted again, by the replica that took the request over
-                    admitted = True
-                    streamed = streamed or bool(item)  # outputs reached the caller: a retry would repeat them
+                    if isinstance(item, Admitted):
+                        if not admitted:  # not again, by a replica that took the request over
+                            admitted = True
+                            yield []
+                        continue
+                    streamed = True  # outputs reached the caller: a retry would repeat them
                     yield item
                 else:
                     return
@@ -206,33 +215,28 @@ class EngineClient:
     def _another(self, tried: set[int]) -> bool:
         return any(i not in tried for i in self.router.healthy_replicas())
 
-    async def _attempt(self, idx: int, request: EngineRequest) -> AsyncIterator[list[RequestOutput] | EngineFailure]:
-        """The outputs of one replica (``[]`` once admitted); ends with an EngineFailure item when it fails or
-        refuses. The outputs arrive on the replica's output channel (cluster/output_channel.py)."""
+    async def _attempt(
+        self, idx: int, request: EngineRequest
+    ) -> AsyncIterator[Admitted | list[RequestOutput] | EngineFailure]:
+        """What replica ``idx`` says about the request: ``Admitted``, then batches of its outputs; ends with an
+        EngineFailure item when the replica refuses or fails it. The request goes out, and its items come back, on
+        the replica's channel (cluster/output_channel.py), its queue registered before it is sent."""
         sp = request.sampling_params
         cost = len(request.prompt_token_ids) + sp.num_sequences * (sp.max_tokens or 0)
-        engine, channel, req_id = self.engines[idx], self.channels[idx], request.req_id
+        channel, req_id = self.channels[idx], request.req_id
         self.router.add(idx, cost, None if request.lora is None else request.lora.lora_int_id)
         self._routes[req_id] = idx
         queue = channel.register(req_id)
         finished = False
         try:
-            try:
-                refused = await engine.add.remote(request, channel.open())
-            except ray.exceptions.RayActorError:
-                refused = EngineFailure("unavailable", f"engine replica {idx} is unavailable; retry later")
-            if refused is not None:
-                finished = True
-                if refused.kind == "unavailable":
-                    self.router.set_healthy(idx, False)
-                yield refused
-                return
-            yield []
+            channel.send(AddRequest(request))
             remaining = sp.n  # sequences not yet finished (best_of: the n kept)
             while remaining > 0:
                 outputs: list[RequestOutput] = []
                 for item in await queue.get():
-                    if isinstance(item, EngineFailure):  # the engine has ended the request itself
+                    if isinstance(item, Admitted):
+                        yield item
+                    elif isinstance(item, EngineFailure):  # refused, or the engine has ended the request itself
                         finished = True
                         if item.kind == "unavailable":
                             self.router.set_healthy(idx, False)
@@ -240,23 +244,24 @@ class EngineClient:
                             yield outputs
                         yield item
                         return
-                    outputs.append(item)
-                    remaining -= int(item.finished)
-                yield outputs
+                    else:
+                        outputs.append(item)
+                        remaining -= int(item.finished)
+                if outputs:
+                    yield outputs
             finished = True
         finally:
             channel.unregister(req_id)
             self.router.done(idx, cost)
             self._routes.pop(req_id, None)
             if not finished:
-                with contextlib.suppress(Exception):
-                    engine.abort.remote(req_id)
+                channel.tell(AbortRequest(req_id))
 
     def finish(self, req_id: str, index: int) -> None:
-        """A stop string ended sequence ``index``: tell its engine (fire and forget)."""
+        """A stop string ended sequence ``index``: tell its engine (no answer)."""
         idx = self._routes.get(req_id)
         if idx is not None:
-            self.engines[idx].finish.remote(req_id, index)
+            self.channels[idx].tell(FinishSequence(req_id, index))
 
     def fail_all(self, message: str) -> None:
         """End every request in flight with ``message`` (a 503, or an error event in a stream), and abort each
@@ -264,8 +269,7 @@ class EngineClient:
         failure = EngineFailure("aborted", message)
         for req_id, idx in list(self._routes.items()):
             self.channels[idx].fail(req_id, failure)
-            with contextlib.suppress(Exception):
-                self.engines[idx].abort.remote(req_id)
+            self.channels[idx].tell(AbortRequest(req_id))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Release every replica's workers and placement group, then end the actors (blocking)."""

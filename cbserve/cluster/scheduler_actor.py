@@ -1,15 +1,18 @@
 """SchedulerActor: one engine replica. An async Ray actor that owns an EngineCore and the RayExecutor over
-its worker group, runs the iteration loop as an asyncio task and sends each step's new tokens back to the
-ingress replicas, one message per step on each one's output channel (cluster/output_channel.py: a loopback
-socket this actor serves).
+its worker group, runs the iteration loop as an asyncio task and talks to the ingress replicas over one
+channel each (cluster/output_channel.py: a loopback socket this actor serves): it reads their requests,
+aborts and stop-string finishes from it (``_on_message``; an AddRequest is answered there with ``Admitted``
+or the refusal's ``EngineFailure``) and sends each step's new tokens back on it, one message per step. Ray
+calls only run its life cycle: ``health``, ``output_address``, ``stats``, ``shutdown``.
 
 All engine state is touched from the actor's event loop only: ``schedule()`` and ``update_from_output()``
-run on the loop (they are cheap), and the loop awaits the workers in between, which is when new requests,
-aborts and stop-string finishes are taken in. When the worker group fails (a worker actor died), every
-in-flight request gets an ``EngineFailure`` ("unavailable") and the replica rebuilds its worker group and
-engine; the actor itself is restarted by Ray (``max_restarts``) if it dies. A build that fails on the
-configuration or the model (a ConfigError, or the workers raising ValueError / FileNotFoundError /
-NotImplementedError while loading) is not retried: the replica stays "failed" with that error.
+run on the loop (they are cheap), and the loop awaits the workers in between, which is when the channels'
+messages (new requests, aborts and stop-string finishes) are taken in. When the worker group fails (a worker
+actor died), every in-flight request gets an ``EngineFailure`` ("unavailable") and the replica rebuilds its
+worker group and engine; the actor itself is restarted by Ray (``max_restarts``) if it dies. A build that
+fails on the configuration or the model (a ConfigError, or the workers raising ValueError /
+FileNotFoundError / NotImplementedError while loading) is not retried: the replica stays "failed" with that
+error.
 
 Step timing and counters are the EngineCore's (``update_from_output`` fills the step's stats,
 ``EngineCore.totals`` counts requests and prefix-cache lookups; each rebuilt engine continues the totals
@@ -29,10 +32,18 @@ from typing import Any
 import ray
 
 from cbserve.cluster.config import CBServeConfig, check_kv_capacity
+from cbserve.cluster.engine_messages import (
+    ADMITTED,
+    AbortRequest,
+    AddRequest,
+    EngineFailure,
+    FinishSequence,
+    IngressMessage,
+)
 from cbserve.cluster.metrics import EngineMetrics
-from cbserve.cluster.output_channel import ChannelServer, EngineFailure
+from cbserve.cluster.output_channel import ChannelServer
 from cbserve.cluster.ray_executor import RayExecutor, WorkerGroupError
-from cbserve.cluster.step_channel import StepAddress
+from cbserve.cluster.transport import StepAddress
 from cbserve.scheduler.engine_core import EngineCore, tune_gc_for_serving
 from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
 from cbserve.scheduler.kv_events import KVCacheEvents
@@ -69,7 +80,9 @@ class SchedulerActor:
         self.executor: RayExecutor | None = None
         self.requests: dict[str, _InFlight] = {}
         # the ingress replicas' output channels; with a cache-aware router they carry the prefix-cache events too
-        self.outputs = ChannelServer(self._channel_closed, self._cache_snapshot if self.config.uses_kv_events else None)
+        self.outputs = ChannelServer(
+            self._on_message, self._channel_closed, self._cache_snapshot if self.config.uses_kv_events else None
+        )
         self.totals = EngineTotals()  # every engine this replica builds counts on from here
         self.metrics = EngineMetrics(self.config.model_name, replica)
         self._wakeup: asyncio.Event | None = None
@@ -81,17 +94,27 @@ class SchedulerActor:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     # ---- requests ---------------------------------------------------------------------------
-    async def add(self, request: EngineRequest, channel: str) -> EngineFailure | None:
-        """Admit a request whose outputs go to ``channel`` (cluster/output_channel.py); None once admitted,
-        else why it was refused."""
-        self._ensure_started()
-        return self._admit(request, channel)
-
     async def output_address(self) -> StepAddress:
-        """Where the ingress replicas open their output channels (cluster/output_channel.py): per step, the
-        new outputs of every request sent with the channel's id."""
+        """Where the ingress replicas open their channels (cluster/output_channel.py): each sends its requests,
+        aborts and finishes on its channel and reads, per step, the new outputs of its requests."""
         self._ensure_started()
         return await self.outputs.start()
+
+    def _on_message(self, channel: str, message: IngressMessage) -> None:
+        """A message read from ``channel`` (on this actor's event loop). An AddRequest is answered on the channel
+        before any output of the request can be: ``Admitted``, or why it was refused."""
+        if isinstance(message, AddRequest):
+            request = message.request
+            try:
+                failure = self._admit(request, channel)
+            except Exception as e:  # a bug, not the request: it alone fails, the channel goes on
+                logger.exception("admitting request %s failed", request.req_id)
+                failure = EngineFailure("internal", f"admitting the request failed: {type(e).__name__}: {e}")
+            self.outputs.buffer(channel).put(request.req_id, ADMITTED if failure is None else failure)
+        elif isinstance(message, AbortRequest):
+            self._abort_request(message.req_id)
+        elif isinstance(message, FinishSequence):
+            self._finish(message.req_id, message.index)
 
     def _cache_snapshot(self) -> list[int]:
         """What the engine's prefix cache holds now (event hashes), for a channel that opens."""
@@ -121,14 +144,13 @@ class SchedulerActor:
         max_tokens = sp.max_tokens or self.config.max_model_len - len(request.prompt_token_ids)
         outstanding = len(request.prompt_token_ids) + sp.num_sequences * max_tokens
         self.requests[request.req_id] = _InFlight(channel, self.generation, outstanding, sp.n)
-        assert self._wakeup is not None
-        self._wakeup.set()
+        self._wake()
         return None
 
     def _send(self, req_id: str, entry: _InFlight, item: RequestOutput | EngineFailure) -> None:
         self.outputs.buffer(entry.channel).put(req_id, item)
 
-    async def abort(self, req_id: str) -> None:
+    def _abort_request(self, req_id: str) -> None:
         """Idempotent: frees the request's blocks; its stream ends."""
         self._abort(req_id, self.generation)
         entry = self.requests.pop(req_id, None)
@@ -140,7 +162,7 @@ class SchedulerActor:
             self.engine.abort_request(req_id)
             self._wake()
 
-    async def finish(self, req_id: str, index: int = 0) -> None:
+    def _finish(self, req_id: str, index: int) -> None:
         """A stop string was seen by the ingress: finish that sequence (reason "stop")."""
         entry = self.requests.get(req_id)
         if self.engine is not None and entry is not None and entry.generation == self.generation:
@@ -201,7 +223,7 @@ class SchedulerActor:
     async def _loop(self) -> None:
         """The engine's pipelined loop (``EngineCore.step_with_batch_queue``) on this actor's event loop: the
         engine sends what it can, the oldest step's output is awaited (adds, aborts and stop-string finishes
-        come in meanwhile), applied and streamed out."""
+        come in on the channels meanwhile), applied and streamed out."""
         assert self.engine is not None and self.executor is not None and self._wakeup is not None
         engine, executor = self.engine, self.executor
         try:
@@ -225,7 +247,7 @@ class SchedulerActor:
                     self.outputs.put_cache_events(result.kv_events)
                 self._dispatch(result.outputs)
                 self.metrics.observe_step(result, 0.0 if so.is_empty else executor.stats.last_overhead_s)
-                await asyncio.sleep(0)  # let add / abort / finish in
+                await asyncio.sleep(0)  # let the channels' messages in
         finally:
             engine.cancel_steps()
 

@@ -8,59 +8,43 @@ write the pickled reply), the scheduler's RayExecutor talks to it from its event
 write and a read on each side (~0.3 ms of CPU in all). Ray still places, starts, watches and kills the
 workers; only the per-step call moves here.
 
-Frames are an 8-byte little-endian length then a pickle. The worker unpickles only what comes from the peer
-that first sent the 32-byte token it handed out through Ray (an authenticated actor call); any other
-connection is closed unread. Replies come back in the order the steps were sent (two may be in flight with
-async scheduling). A step that raises on the worker comes back as a ``StepError`` reply; a closed
-connection fails every pending step with ``ConnectionError``: either way the replica rebuilds its workers.
+The framing and the token handshake are transport.py's: the worker unpickles only what comes from the peer
+that first sent the token it handed out through Ray; any other connection is closed unread. Replies come
+back in the order the steps were sent (two may be in flight with async scheduling). A step that raises on
+the worker comes back as a ``StepError`` reply; a closed connection fails every
+pending step with ``ConnectionError``: either way the replica rebuilds its workers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
-import pickle
-import secrets
-import socket
-import struct
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from cbserve.cluster.transport import (
+    StepAddress,
+    accept_with_token,
+    connect,
+    dumps,
+    encode,
+    frame,
+    listen,
+    loads,
+    new_token,
+    read_message,
+    recv_frame,
+)
 
-_LENGTH = struct.Struct("<Q")
-TOKEN_BYTES = 32
-HANDSHAKE_TIMEOUT_S = 30.0
+__all__ = ["StepAddress", "StepClient", "StepError", "StepServer", "dumps"]  # dumps: a step, pickled once for all ranks
+
+logger = logging.getLogger(__name__)
 
 
 class StepError(RuntimeError):
     """The worker raised while running a step (its type and message)."""
-
-
-@dataclass(frozen=True)
-class StepAddress:
-    host: str
-    port: int
-    token: bytes
-
-
-def _recv_exactly(conn: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes, or None when the peer closed the connection first."""
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def _no_delay(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a step is one small write: never hold it
 
 
 class StepServer:
@@ -69,46 +53,24 @@ class StepServer:
 
     def __init__(self, handler: Callable[[Any], Any], host: str) -> None:
         self.handler = handler
-        self.token = secrets.token_bytes(TOKEN_BYTES)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET  # a node IP may be IPv6
-        self._listener = socket.create_server((host, 0), family=family)
+        self.token = new_token()
+        self._listener = listen(host)  # a node IP may be IPv6
         self.address = StepAddress(host, self._listener.getsockname()[1], self.token)
 
     def serve(self) -> None:
-        with self._accept() as conn:
-            while True:
-                header = _recv_exactly(conn, _LENGTH.size)
-                if header is None:
-                    return  # the scheduler closed the channel
-                data = _recv_exactly(conn, _LENGTH.unpack(header)[0])
-                if data is None:
-                    return
+        with self._listener:  # closes once the one peer is in
+            conn = accept_with_token(self._listener, self.token, "step channel")
+        with conn:
+            while (data := recv_frame(conn)) is not None:  # None: the scheduler closed the channel
                 conn.sendall(self._reply(data))
 
     def _reply(self, data: bytes) -> bytes:
         try:
-            reply: tuple[bool, Any] = (True, self.handler(pickle.loads(data)))
+            reply: tuple[bool, Any] = (True, self.handler(loads(data)))
         except Exception as e:  # the scheduler sees it as this step's failure and rebuilds the workers
             logger.exception("step failed")
             reply = (False, f"{type(e).__name__}: {e}")
-        return frame(dumps(reply))
-
-    def _accept(self) -> socket.socket:
-        """The first connection that presents the token; the listener closes after it."""
-        with self._listener:
-            while True:
-                conn, peer = self._listener.accept()
-                conn.settimeout(HANDSHAKE_TIMEOUT_S)
-                try:
-                    token = _recv_exactly(conn, TOKEN_BYTES)
-                except OSError:
-                    token = None
-                if token is not None and hmac.compare_digest(token, self.token):
-                    conn.settimeout(None)
-                    _no_delay(conn)
-                    return conn
-                logger.warning("step channel: refused a connection from %s without the token", peer)
-                conn.close()
+        return encode(reply)
 
 
 class StepClient:
@@ -122,10 +84,7 @@ class StepClient:
 
     @classmethod
     async def connect(cls, address: StepAddress) -> StepClient:
-        reader, writer = await asyncio.open_connection(address.host, address.port)
-        no_delay(writer)
-        writer.write(address.token)
-        return cls(reader, writer)
+        return cls(*await connect(address))
 
     def call(self, data: bytes) -> asyncio.Future[Any]:
         """Send one pickled step; the future gets its reply (replies come back in order)."""
@@ -140,7 +99,7 @@ class StepClient:
     async def _read(self) -> None:
         try:
             while True:
-                ok, value = pickle.loads(await read_frame(self._reader))
+                ok, value = await read_message(self._reader)
                 future = self._pending.popleft()
                 if future.done():  # cancelled by its caller
                     continue
@@ -165,22 +124,3 @@ class StepClient:
         self._task.cancel()
         with contextlib.suppress(Exception):
             self._writer.close()
-
-
-def dumps(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def frame(data: bytes) -> bytes:
-    """``data`` with its length in front (what ``read_frame`` reads)."""
-    return _LENGTH.pack(len(data)) + data
-
-
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
-    """One frame's bytes; IncompleteReadError when the peer closed the connection."""
-    header = await reader.readexactly(_LENGTH.size)
-    return await reader.readexactly(_LENGTH.unpack(header)[0])
-
-
-def no_delay(writer: asyncio.StreamWriter) -> None:
-    _no_delay(writer.get_extra_info("socket"))

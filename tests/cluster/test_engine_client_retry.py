@@ -3,9 +3,10 @@ gone), or is lost before the request's first token, is skipped for the next heal
 were streamed and bad requests are not retried; a
 request past request_timeout_s is aborted in its engine and ends with HTTP 504.
 
-The engines are fakes with the SchedulerActor's shape (``add.remote`` answers admission, ``output_address``
-names a channel server speaking the real wire format, tests/cluster/channel_fakes.py); the real actors' 429
-path is crossed end to end in tests/e2e/openai_server/test_tp2.py."""
+The engines are fakes with the SchedulerActor's shape (``output_address`` names a channel server speaking the
+real wire format, tests/cluster/channel_fakes.py, which answers each AddRequest on the channel, and records the
+aborts and finishes written to it); the real actors' 429 path is crossed end to end in
+tests/e2e/openai_server/test_tp2.py."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import asyncio
 from typing import Any
 
 import pytest
-from channel_fakes import FakeChannelServer
+from channel_fakes import FakeChannelServer, Inbox
 
 from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.engine_client import EngineClient
-from cbserve.cluster.output_channel import ChannelReader, EngineFailure
+from cbserve.cluster.engine_messages import ADMITTED, AbortRequest, AddRequest, EngineFailure, FinishSequence
+from cbserve.cluster.output_channel import ChannelReader
 from cbserve.cluster.router import Router
 from cbserve.frontend.protocol import APIError
 from cbserve.scheduler.request import EngineRequest, RequestOutput
@@ -34,38 +36,41 @@ def _out(token: int, finished: bool = False) -> RequestOutput:
     return RequestOutput("r1", 0, [token], None, finished=finished, finish_reason="length" if finished else None)
 
 
+DROP = "drop"
+
+
 class FakeEngine:
-    """Admits (or refuses with ``items[0]``, an EngineFailure), then sends each later item as one channel
-    batch for the request; with ``hang``, then sends nothing more (a long generation)."""
+    """Answers each AddRequest on the channel: refuses it with ``items[0]`` when that is an EngineFailure, closes
+    the channel when it is ``DROP`` (the actor died), else admits it and sends each later item as one channel batch
+    for the request; then sends nothing more (a long generation). Aborts and finishes are recorded."""
 
     def __init__(self, items: list[Any], hang: bool = False) -> None:
         self.items = items
         self.hang = hang
         self.calls = 0
         self.aborted: list[str] = []
-        self.add = _Remote(self._add)
+        self.finished: list[tuple[str, int]] = []
         self.channel = FakeChannelServer(self._channel)
         self.output_address = _Remote(self.channel.address)
-        self.abort = _Remote(self.aborted.append)
-        self._admitted: asyncio.Queue[str] | None = None
 
-    async def _add(self, request: EngineRequest, channel: str) -> EngineFailure | None:
-        self.calls += 1
-        if isinstance(self.items[0], EngineFailure):
-            return self.items[0]
-        self._queue().put_nowait(request.req_id)
-        return None
-
-    def _queue(self) -> asyncio.Queue[str]:
-        if self._admitted is None:
-            self._admitted = asyncio.Queue()
-        return self._admitted
-
-    async def _channel(self, channel: str) -> Any:
-        req_id = await self._queue().get()
-        for item in self.items[1:]:
-            yield {req_id: item if isinstance(item, list) else [item]}
-        await asyncio.Event().wait()  # the channel stays open
+    async def _channel(self, channel: str, inbox: Inbox) -> Any:
+        while True:
+            msg = await inbox.get()
+            if isinstance(msg, AbortRequest):
+                self.aborted.append(msg.req_id)
+            elif isinstance(msg, FinishSequence):
+                self.finished.append((msg.req_id, msg.index))
+            elif isinstance(msg, AddRequest):
+                self.calls += 1
+                req_id = msg.request.req_id
+                if self.items[0] == DROP:
+                    return
+                if isinstance(self.items[0], EngineFailure):
+                    yield {req_id: [self.items[0]]}
+                    continue
+                yield {req_id: [ADMITTED]}
+                for item in self.items[1:]:
+                    yield {req_id: item if isinstance(item, list) else [item]}
 
 
 def _client(*engines: FakeEngine, request_timeout_s: float | None = None) -> EngineClient:
@@ -142,6 +147,36 @@ def test_a_replica_lost_before_the_first_token_hands_the_request_over() -> None:
     assert _run(client) == [[], [_out(5)], [_out(6, True)]]
     assert (dying.calls, other.calls) == (1, 1) and client.router.healthy_replicas() == [1]
     assert [r.outstanding_tokens for r in client.router.replicas] == [0, 1000] and client._routes == {}
+
+
+def test_a_channel_that_breaks_before_admission_sends_the_request_elsewhere() -> None:
+    """The replica's channel closed with the AddRequest unanswered: the request fails over, unseen."""
+    gone, ok = FakeEngine([DROP]), FakeEngine([[], [_out(3, True)]])
+    client = _client(gone, ok)
+    client.router.add(1, 1000)
+    assert _run(client) == [[], [_out(3, True)]]
+    assert (gone.calls, ok.calls) == (1, 1) and client.router.healthy_replicas() == [1]
+
+
+def test_a_stop_string_finish_reaches_the_engine_on_the_channel() -> None:
+    engine = FakeEngine([[], [_out(1)]], hang=True)
+    client = _client(engine)
+    got: list[Any] = []
+
+    async def collect() -> None:
+        async for item in client.generate(EngineRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4))):
+            got.append(item)
+            if len(got) == 2:
+                client.finish("r1", 0)
+                return
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(collect())
+    finally:
+        loop.run_until_complete(_close(client))
+        loop.close()
+    assert engine.finished == [("r1", 0)] and engine.aborted == ["r1"]  # then the stream was left: aborted
 
 
 def test_failure_after_tokens_is_not_retried() -> None:

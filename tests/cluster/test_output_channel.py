@@ -11,8 +11,9 @@ from typing import Any
 
 from channel_fakes import FakeChannelServer
 
-from cbserve.cluster.output_channel import ChannelBuffer, ChannelReader, ChannelServer, EngineFailure
-from cbserve.cluster.step_channel import TOKEN_BYTES, frame
+from cbserve.cluster.engine_messages import EngineFailure, OpenChannel, OutputFrame
+from cbserve.cluster.output_channel import ChannelBuffer, ChannelReader, ChannelServer
+from cbserve.cluster.transport import TOKEN_BYTES, encode
 from cbserve.scheduler.kv_events import KVCacheEvents
 from cbserve.scheduler.request import RequestOutput
 
@@ -35,8 +36,12 @@ def test_the_buffer_batches_per_request_until_taken() -> None:
         return first, await waiter, pending
 
     first, second, pending = asyncio.run(run())
-    assert first == ({"a": [_out("a", 1), _out("a", 3)], "b": [_out("b", 2)]}, None)  # no cache events
-    assert second == ({"b": [_out("b", 4)]}, None) and pending
+    assert first == OutputFrame({"a": [_out("a", 1), _out("a", 3)], "b": [_out("b", 2)]}, None)  # no cache events
+    assert second == OutputFrame({"b": [_out("b", 4)]}, None) and pending
+
+
+def _ignore(channel_id: str, message: Any) -> None:
+    pass
 
 
 class _Remote:
@@ -52,7 +57,7 @@ class _Engine:
 
 
 def test_the_reader_routes_items_and_fails_the_waiting_when_the_stream_breaks() -> None:
-    async def batches(channel_id: str) -> Any:
+    async def batches(channel_id: str, inbox: Any) -> Any:
         yield {"a": [_out("a", 1)], "gone": [_out("gone", 9)]}
         yield {"a": [_out("a", 2)]}  # then the connection closes: the engine actor died
 
@@ -80,7 +85,7 @@ def test_the_engine_end_sends_each_take_as_one_message_and_sees_its_reader_go() 
     closed: list[str] = []
 
     async def run() -> tuple[list[Any], list[Any], str]:
-        server = ChannelServer(closed.append)
+        server = ChannelServer(_ignore, closed.append)
         reader = ChannelReader(_Engine(server), "ingress-1")
         qa, qb = reader.register("a"), reader.register("b")
         channel_id = reader.open()
@@ -107,11 +112,11 @@ def test_the_engine_end_refuses_a_peer_without_the_token() -> None:
     closed: list[str] = []
 
     async def run() -> tuple[bytes, list[Any]]:
-        server = ChannelServer(closed.append)
+        server = ChannelServer(_ignore, closed.append)
         address = await server.start()
         server.buffer("secret-channel").put("a", _out("a", 1))
         r, w = await asyncio.open_connection(address.host, address.port)
-        w.write(b"x" * TOKEN_BYTES + frame(b"secret-channel"))
+        w.write(b"x" * TOKEN_BYTES + encode(OpenChannel("secret-channel")))
         leaked = await asyncio.wait_for(r.read(), 10)  # closed without a byte of anyone's outputs
         w.close()
         reader = ChannelReader(_Engine(server), "ingress-1")
@@ -133,7 +138,7 @@ def test_prefix_cache_events_ride_on_the_frames() -> None:
     got: list[Any] = []
 
     async def run() -> None:
-        server = ChannelServer(lambda _: None, lambda: [1, 2])
+        server = ChannelServer(_ignore, lambda _: None, lambda: [1, 2])
         reader = ChannelReader(_Engine(server), "ingress-1", lambda ev: got.append(("events", ev)))
         queue = reader.register("a")
         channel_id = reader.open()
@@ -156,8 +161,8 @@ def test_prefix_cache_events_ride_on_the_frames() -> None:
 
 
 def test_a_broken_channel_resets_the_replicas_cache_picture() -> None:
-    async def batches(channel_id: str) -> Any:
-        yield {}, KVCacheEvents(stored=[5])  # then the connection closes: the engine actor died
+    async def batches(channel_id: str, inbox: Any) -> Any:
+        yield OutputFrame({}, KVCacheEvents(stored=[5]))  # then the connection closes: the engine actor died
 
     server = FakeChannelServer(batches)
     got: list[KVCacheEvents] = []

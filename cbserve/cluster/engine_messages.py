@@ -1,0 +1,82 @@
+"""What an ingress replica and an engine replica say to each other on their channel (output_channel.py), as typed
+messages: every frame after the token is one of these, pickled (transport.py).
+
+Ingress -> engine: ``OpenChannel`` first (which channel this connection is), then any number of ``AddRequest``,
+``AbortRequest`` and ``FinishSequence``. Engine -> ingress: ``OutputFrame``s, each carrying, per request, its
+items since the previous frame in order: ``Admitted`` (the answer to its AddRequest) or an ``EngineFailure`` (the
+refusal, or why it stopped abnormally), then its ``RequestOutput``s; and the engine's prefix-cache events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cbserve.scheduler.kv_events import KVCacheEvents
+from cbserve.scheduler.request import EngineRequest, RequestOutput
+
+
+# ---- ingress -> engine ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OpenChannel:
+    """A connection's first frame (after the token): the channel it is, and so whose outputs it reads."""
+
+    channel_id: str
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Admit ``request``; its outputs go to this channel. Answered on the channel: ``Admitted`` or an
+    ``EngineFailure`` for the request, before any of its outputs."""
+
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """End the request and free its KV blocks (idempotent)."""
+
+    req_id: str
+
+
+@dataclass(frozen=True)
+class FinishSequence:
+    """The ingress saw a stop string in sequence ``index`` of the request: finish it (reason "stop")."""
+
+    req_id: str
+    index: int = 0
+
+
+IngressMessage = AddRequest | AbortRequest | FinishSequence
+
+
+# ---- engine -> ingress ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Admitted:
+    """The engine took the request in (its first item; none of its outputs come before it)."""
+
+
+ADMITTED = Admitted()
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """Sent instead of outputs when a request cannot run or stops abnormally.
+    kind: "rejected" (400), "queue_full" (429), "duplicate" (400), "unavailable" (503), "aborted" (503),
+    "timeout" (504: request_timeout_s passed; the ingress side sets it), "internal" (500)."""
+
+    kind: str
+    message: str
+
+
+Item = RequestOutput | EngineFailure | Admitted
+Items = list[Item]
+Batch = dict[str, Items]  # req_id -> its items since the previous frame, in order
+
+
+@dataclass(frozen=True)
+class OutputFrame:
+    """One engine -> ingress message: the outputs, and the prefix-cache changes since the last frame (None:
+    none)."""
+
+    batch: Batch
+    cache_events: KVCacheEvents | None = None
