@@ -80,7 +80,7 @@ def variant_args(name: str, model: str | None, prefix_caching: bool = True) -> d
 
 def filter_known(args: dict[str, Any]) -> dict[str, Any]:
     """Drop keys the deployed CBServeConfig does not (yet) declare, saying so."""
-    from cbserve.cluster.config import CBServeConfig
+    from cbserve.config import CBServeConfig
 
     known = set(CBServeConfig.model_fields)
     dropped = sorted(set(args) - known)
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", default=str(ROOT / "BENCHMARKS.md"))
     p.add_argument("--deploy-timeout", type=float, default=600.0)
     a = p.parse_args(argv)
-    from cbserve.cluster.config import CBServeConfig
+    from cbserve.config import CBServeConfig
 
     model_name = CBServeConfig(model=a.model).model_name
     study = Study(Path(a.out_dir), a.scale, a.model, a.deploy_timeout)

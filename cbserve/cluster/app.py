@@ -13,8 +13,8 @@ from typing import Any
 
 from ray.serve import Application
 
-from cbserve.cluster.autoscaling import serve_options
-from cbserve.cluster.config import CBServeConfig, known_device, servable_config
+from cbserve.config import CBServeConfig, known_device, servable_config
+from cbserve.config.autoscaling import serve_options
 
 
 def build_app(args: dict[str, Any] | CBServeConfig | None = None) -> Application:
@@ -27,6 +27,6 @@ def build_app_from_config(config: CBServeConfig) -> Application:
     from cbserve.cluster.ingress import OpenAIIngress
 
     # Serve's own drain of a replica it stops (rollouts, scale-down) gives requests in flight as long; with
-    # ``autoscaling`` Serve's autoscaler sets the number of ingress replicas (cluster/autoscaling.py)
+    # ``autoscaling`` Serve's autoscaler sets the number of ingress replicas (config/autoscaling.py)
     options = {"graceful_shutdown_timeout_s": config.shutdown_timeout + 5.0, **serve_options(config.autoscaling)}
     return OpenAIIngress.options(**options).bind(config.model_dump())

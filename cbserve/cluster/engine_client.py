@@ -20,11 +20,11 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.engine_messages import AbortRequest, AddRequest, Admitted, EngineFailure, FinishSequence
 from cbserve.cluster.output_channel import ChannelReader
 from cbserve.cluster.router import NoHealthyReplicaError, Router
 from cbserve.cluster.scheduler_actor import SchedulerActor
+from cbserve.config import CBServeConfig
 from cbserve.frontend.protocol import APIError
 from cbserve.scheduler.kv_events import KVCacheEvents, cache_extra_keys
 from cbserve.scheduler.request import EngineRequest, RequestOutput

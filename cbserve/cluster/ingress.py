@@ -23,12 +23,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from ray import serve
 
-from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.engine_client import EngineClient
 from cbserve.cluster.http_edge import ClosingStreamingResponse, HttpEdge, install_error_handlers
 from cbserve.cluster.lora_store import SharedLoRAs
 from cbserve.cluster.metrics import IngressMetrics
 from cbserve.cluster.node_tuning import node_tuning
+from cbserve.config import CBServeConfig
 from cbserve.frontend.lora_registry import (
     AdapterLimits,
     AdapterSet,

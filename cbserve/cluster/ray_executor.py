@@ -22,9 +22,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.step_channel import StepClient, dumps
 from cbserve.cluster.worker_actor import WorkerActor
+from cbserve.config import CBServeConfig
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -28,13 +28,11 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, get_args
 
 from cbserve.cluster.prefix_index import PrefixIndex
+from cbserve.config import ROUTING_MODES
 from cbserve.scheduler.kv_events import KVCacheEvents
 
-RoutingMode = Literal["cache_aware", "affinity", "round_robin"]
-ROUTING_MODES: tuple[str, ...] = get_args(RoutingMode)
 # what decided a request's replica: a prefix-cache hit, prefix (or adapter) affinity, load alone, or its turn
 ROUTING_DECISIONS = ("cache_hit", "affinity", "least_loaded", "round_robin")
 

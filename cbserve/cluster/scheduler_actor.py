@@ -31,7 +31,6 @@ from typing import Any
 
 import ray
 
-from cbserve.cluster.config import CBServeConfig, check_kv_capacity
 from cbserve.cluster.engine_messages import (
     ADMITTED,
     AbortRequest,
@@ -44,6 +43,7 @@ from cbserve.cluster.metrics import EngineMetrics
 from cbserve.cluster.output_channel import ChannelServer
 from cbserve.cluster.ray_executor import RayExecutor, WorkerGroupError
 from cbserve.cluster.transport import StepAddress
+from cbserve.config import CBServeConfig, check_kv_capacity
 from cbserve.scheduler.engine_core import EngineCore, tune_gc_for_serving
 from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
 from cbserve.scheduler.kv_events import KVCacheEvents

@@ -21,10 +21,10 @@ from typing import Any
 
 import pydantic
 
-from cbserve.cluster.autoscaling import starts_at_zero
-from cbserve.cluster.config import CBServeConfig, known_device, servable_config
 from cbserve.cluster.metrics_discovery import write_for_local_ray
 from cbserve.cluster.node_tuning import NodeTuning, environment_for_ray, node_tuning
+from cbserve.config import CBServeConfig, known_device, servable_config
+from cbserve.config.autoscaling import starts_at_zero
 
 logger = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 
 import ray
 
-from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.metrics import WorkerMetrics
 from cbserve.cluster.step_channel import StepAddress, StepServer
+from cbserve.config import CBServeConfig
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)

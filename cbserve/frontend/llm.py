@@ -1,13 +1,13 @@
 """Offline, in-process generation: ``from cbserve import LLM, SamplingParams``.
 
-``LLM(model=None, **engine_kwargs).generate(prompts, params)`` runs an EngineCore over a LocalExecutor in
-this process (no Ray). Prompts may be text, chat messages (a list of role/content dicts, rendered with the
-model's chat template) or token id lists, alone or in a list; outputs come back in input order.
+``LLM(model=None, **fields).generate(prompts, params)`` runs an EngineCore over a LocalExecutor in this process
+(no Ray). ``fields`` are ``CBServeConfig``'s (config/serve_config.py), with its defaults; the engine and worker
+configurations come from it as served. Prompts may be text, chat messages (a list of role/content dicts,
+rendered with the model's chat template) or token id lists, alone or in a list; outputs come back in input order.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -16,14 +16,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from cbserve.scheduler import (
-    CacheConfig,
-    EngineConfig,
-    EngineCore,
-    SchedulerConfig,
-    SpeculativeConfig,
-    tune_gc_for_serving,
-)
+from cbserve.config import CBServeConfig, check_kv_capacity, servable_config
+from cbserve.config.offline import offline_config
+from cbserve.scheduler import EngineCore, tune_gc_for_serving
 from cbserve.scheduler.lora import LoRARequest
 from cbserve.scheduler.request import EngineRequest
 from cbserve.scheduler.sampling_params import SamplingParams
@@ -39,80 +34,41 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "GenerateOutput", "SamplingParams"]
 
-# CPU-friendly engine defaults (the offline benchmark's sweet spot on a small CPU).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
-DEFAULT_MAX_NUM_SEQS = 128
-DEFAULT_MAX_MODEL_LEN = 2048
-
-# The scheduler's settings LLM takes under CBServeConfig's names (the same as SchedulerConfig's).
-SCHEDULER_KNOBS = ("policy", "max_waiting", "ordering", "enable_chunked_prefill", "dynamic_batch_window_s",
-                   "dynamic_batch_size", "async_scheduling")
-
 Messages = list[dict[str, Any]]
 PromptInput = str | list[int] | Messages
 
 
 class LLM:
-    """An in-process engine. Keyword arguments: ``dtype``, ``device``, ``max_model_len``, ``block_size``,
-    ``max_num_batched_tokens``, ``max_num_seqs``, ``kv_cache_memory_bytes``, ``num_kv_blocks``,
-    ``gpu_memory_utilization``, ``attention_backend``, ``enforce_eager``, ``cpu_ops``, ``cpu_isa``,
-    ``cpu_compact_weights``, ``seed``, ``enable_prefix_caching``, ``policy``, ``max_waiting``, ``progress``,
-    ``ordering``, ``enable_chunked_prefill``, ``dynamic_batch_window_s``, ``dynamic_batch_size``, ``async_scheduling``
-    (the engine's loop keeps two steps in flight, as served),
-    ``runner`` ("pooling": ``embed`` instead of ``generate``; no prefix caching), ``enable_lora``, ``max_loras``,
-    ``max_lora_rank``, ``max_cpu_loras`` (adapters per ``generate`` call's ``lora_request``), ``speculative_config``
-    (vLLM's shape: ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
-    "prompt_lookup_max": b}`` or ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}``)."""
+    """An in-process engine. ``fields``: ``CBServeConfig``'s fields, same names and defaults (``dtype``,
+    ``max_model_len``, ``max_num_batched_tokens``, ``kv_cache_memory_bytes``, ``num_kv_blocks``, ``policy``,
+    ``async_scheduling``, ``runner`` ("pooling": ``embed`` instead of ``generate``), ``enable_lora`` and
+    ``max_loras`` (adapters per ``generate`` call's ``lora_request``), ``speculative_config``...); a field set to
+    None keeps its default. The served-only fields (HTTP, Ray, routing: ``config/offline.py``) and unknown names
+    raise TypeError, bad values ValueError. ``progress``: a progress bar while the model loads. The
+    validated configuration is ``llm.config``."""
 
-    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
-        from cbserve.worker.config import ModelConfig
+    def __init__(self, model: str | None = None, *, progress: bool = True, **fields: Any) -> None:
         from cbserve.worker.executor import LocalExecutor
 
-        kw = dict(engine_kwargs)
-        block_size = int(kw.pop("block_size", 16))
-        max_tokens_step = int(kw.pop("max_num_batched_tokens", None) or DEFAULT_MAX_NUM_BATCHED_TOKENS)
-        max_seqs = int(kw.pop("max_num_seqs", None) or DEFAULT_MAX_NUM_SEQS)
-        num_blocks = kw.pop("num_kv_blocks", None)
-        progress = bool(kw.pop("progress", True))
-        sched_kw = {k: kw.pop(k) for k in SCHEDULER_KNOBS if k in kw}
-        prefix_caching = bool(kw.pop("enable_prefix_caching", True))
-        self.runner = kw.get("runner", "generate")
-        if self.runner == "pooling" and prefix_caching:
-            logger.info("runner 'pooling': no prefix caching (the pooling needs every token's hidden state)")
-            prefix_caching = False
-        speculative = SpeculativeConfig.from_dict(kw.pop("speculative_config", None))
-        model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
-        unknown = (set(kw) - model_fields) | (set(kw) & {"draft_model", "num_speculative_tokens"})  # via spec config
-        if unknown:
-            raise TypeError(f"unknown LLM arguments: {sorted(unknown)}")
-        kw.setdefault("max_model_len", DEFAULT_MAX_MODEL_LEN)
-        if speculative is not None and speculative.method == "draft_model":
-            kw["draft_model"], kw["num_speculative_tokens"] = speculative.model, speculative.num_speculative_tokens
-        self.model_config = ModelConfig(model=model, **kw)
-        self.executor = LocalExecutor(
-            self.model_config, block_size, max_tokens_step, max_seqs, num_blocks, progress
-        )
+        config = servable_config(offline_config(model, fields))  # the KV budget is checked once it is allocated
+        self.model_config = config.worker_model_config()
+        self.executor = LocalExecutor(self.model_config, config.block_size, config.max_num_batched_tokens,
+                                      config.max_num_seqs, config.num_kv_blocks, progress)
         runner = self.executor.runner
+        try:
+            if runner.max_model_len < config.max_model_len:  # the model's own limit, where its header has none
+                config = config.model_copy(update={"max_model_len": runner.max_model_len})
+            check_kv_capacity(config, self.executor.num_blocks, config.resolved_device)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.config: CBServeConfig = config
+        self.runner = config.runner
         self.tokenizer = load_tokenizer(runner.model_folder)
-        self.max_model_len = runner.max_model_len
+        self.max_model_len = config.max_model_len
         self.eos_token_ids = list(read_model_files(runner.model_folder).eos_token_ids)
         self._model_info = ModelInfo.from_hf_config(runner.hf_config.to_dict())
-        self.engine_config = EngineConfig(
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max(max_tokens_step, block_size),
-                max_num_seqs=max_seqs,
-                max_model_len=self.max_model_len,
-                max_loras=self.model_config.max_loras if self.model_config.enable_lora else 0,
-                **sched_kw,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=self.executor.num_blocks,
-                enable_prefix_caching=prefix_caching,
-            ),
-            speculative=speculative,
-            runner=self.runner,
-        )
+        self.engine_config = config.engine_config(self.executor.num_blocks)
         self.engine = EngineCore(self.engine_config, self.executor)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self._finish_on_stop)
         self._ids = itertools.count()

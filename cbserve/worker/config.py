@@ -41,7 +41,7 @@ class ModelConfig:
     and the linear layers multiply in bfloat16 (weights rounded to bfloat16 once, then always read as such;
     inputs rounded at each product; float32 sums): ~2x the float32 products' rate on AVX-512 BF16 CPUs.
     ``seed`` seeds torch's generator when the model is loaded: requests without a seed of their own sample
-    reproducibly from a fresh worker. Served, these values come from ``cluster.config.CBServeConfig``.
+    reproducibly from a fresh worker. Served and offline, these values come from ``cbserve.config.CBServeConfig``.
     ``draft_model`` / ``num_speculative_tokens``: speculative decoding's draft model (its path) and how many
     tokens it proposes a step (from ``speculative_config`` with method "draft_model"; see draft_model.py).
     ``runner="pooling"``: the worker samples nothing and returns each prompt's embedding (pooler.py).

@@ -1,4 +1,4 @@
-"""``autoscaling`` (cluster/autoscaling.py): the flag's ``min=1,max=N,target_ongoing=K`` form, a Serve config's
+"""``autoscaling`` (config/autoscaling.py): the flag's ``min=1,max=N,target_ongoing=K`` form, a Serve config's
 ``autoscaling_config``, the errors, and what reaches Serve (the built app's deployment options) and
 ``cbserve serve`` (the proxy instead of direct ingress; no wake-up of an app that starts at zero). No Ray runs."""
 
@@ -14,10 +14,10 @@ import yaml
 
 from cbserve.cluster import serve_cli
 from cbserve.cluster.app import build_app_from_config
-from cbserve.cluster.autoscaling import parse_autoscaling, starts_at_zero
-from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.node_tuning import node_tuning
 from cbserve.cluster.serve_cli import add_arguments, config_from_args
+from cbserve.config import CBServeConfig
+from cbserve.config.autoscaling import SERVE_KEYS, ServeAutoscaling, parse_autoscaling, starts_at_zero
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -80,6 +80,44 @@ def test_yaml_takes_autoscaling_from_args_or_from_serves_deployment_options(tmp_
 def test_bad_autoscaling_is_refused_by_name(bad: object, match: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=match):
         CBServeConfig(autoscaling=bad)
+
+
+SAME_AS_SERVE = [
+    {"max_replicas": 2}, {"min_replicas": 0, "max_replicas": 3, "initial_replicas": 1},
+    {"max_replicas": "4", "target_ongoing_requests": "1.5", "upscale_delay_s": 0, "downscale_delay_s": "2"},
+    {"max_replicas": 2, "aggregation_function": "MAX", "look_back_period_s": 12, "metrics_interval_s": 2},
+    {"max_replicas": 2, "upscaling_factor": 0.5, "downscaling_factor": 2, "downscale_to_zero_delay_s": 9},
+    {"max_replicas": 2, "target_ongoing_requests": None, "initial_replicas": None},
+    {"min_replicas": 3, "max_replicas": 2}, {"min_replicas": 2, "max_replicas": 4, "initial_replicas": 1},
+    {"max_replicas": 4, "initial_replicas": 6}, {"max_replicas": 0}, {"max_replicas": "two"},
+    {"max_replicas": 2, "min_replicas": -1}, {"max_replicas": 2, "target_ongoing_requests": 0},
+    {"max_replicas": 2, "upscale_delay_s": -1}, {"max_replicas": 2, "aggregation_function": "median"},
+    {"max_replicas": 2, "upscaling_factor": 0}, {"max_replicas": 1.5}, {"max_replicas": 2, "min_replicas": True},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("given", SAME_AS_SERVE)
+def test_the_ray_free_rules_are_serves(given: dict[str, object]) -> None:
+    """config/autoscaling.py checks ``autoscaling`` without ray by a copy of Serve's AutoscalingConfig rules: on the
+    same input both accept with the same values, or both refuse (the replica-count messages word for word)."""
+    import warnings
+
+    from ray.serve.config import AutoscalingConfig
+
+    assert set(AutoscalingConfig.model_fields) >= SERVE_KEYS
+    for key in SERVE_KEYS:
+        assert ServeAutoscaling.model_fields[key].default == AutoscalingConfig.model_fields[key].default, key
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Serve warns about metrics_interval_s
+        try:
+            expected = AutoscalingConfig.model_validate(given).model_dump(mode="json", include=set(given))
+        except pydantic.ValidationError as e:
+            with pytest.raises(pydantic.ValidationError) as mine:
+                ServeAutoscaling.model_validate(given)
+            if "replicas (" in str(e):
+                assert e.errors()[0]["msg"] == mine.value.errors()[0]["msg"]
+            return
+    assert ServeAutoscaling.model_validate(given).model_dump(mode="json", include=set(given)) == expected
 
 
 def test_the_built_app_carries_the_autoscaling_config() -> None:

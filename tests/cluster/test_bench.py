@@ -234,7 +234,7 @@ def test_local_deployment_runs_cbserve_serve(tmp_path) -> None:
 
     from cbserve.bench.deploy import serve_command
     from cbserve.cluster import serve_cli
-    from cbserve.cluster.config import CBServeConfig
+    from cbserve.config import CBServeConfig
 
     cmd = serve_command(tmp_path / "c.yaml", 4321, 90.0)
     assert cmd[1:5] == ["-m", "cbserve.cluster.cli", "serve", "--ray-address"]

@@ -16,8 +16,8 @@ import pydantic
 import pytest
 
 from cbserve.cluster import serve_cli
-from cbserve.cluster.config import CBServeConfig, ConfigError, check_kv_capacity, servable_config
 from cbserve.cluster.serve_cli import add_arguments, config_from_args
+from cbserve.config import CBServeConfig, ConfigError, check_kv_capacity, servable_config
 from cbserve.scheduler.config import SpeculativeConfig
 from cbserve.worker.model_info import default_model_path, read_model_info
 
@@ -174,7 +174,7 @@ def test_the_gguf_header_gives_the_models_numbers_without_torch() -> None:
     assert (info.model_type, info.num_attention_heads, info.num_key_value_heads) == ("llama", 9, 3)
     assert (info.head_dim, info.num_hidden_layers, info.max_position_embeddings) == (64, 30, 8192)
     assert info.intermediate_size == 1536
-    code = "import sys; from cbserve.cluster.config import *; from cbserve.cluster.serve_cli import *; "
+    code = "import sys; from cbserve.config import *; from cbserve.cluster.serve_cli import *; "
     code += "servable_config(CBServeConfig()); assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -354,7 +354,7 @@ def test_speculative_config_reaches_the_engine_and_turns_async_scheduling_off(
 ) -> None:
     cfg = CBServeConfig(speculative_config=NGRAM)
     assert cfg.async_scheduling  # the default, kept as the user set it...
-    with caplog.at_level("INFO", logger="cbserve.cluster.config"):
+    with caplog.at_level("INFO", logger="cbserve.config.serve_config"):
         engine = cfg.engine_config(64)
     assert not engine.scheduler.async_scheduling  # ...but the engine runs without it
     assert engine.speculative == SpeculativeConfig("ngram", 4, 2, 5)

@@ -213,7 +213,7 @@ def test_profile_off_leaves_every_process_as_it_was(tmp_path: Path) -> None:
         child.wait()
     with pytest.raises(ValueError, match="node_tuning must be one of"):
         node_tuning("fast")
-    from cbserve.cluster.config import CBServeConfig
+    from cbserve.config import CBServeConfig
 
     with pytest.raises(ValueError, match="node_tuning"):
         CBServeConfig(node_tuning="fast")  # type: ignore[arg-type]

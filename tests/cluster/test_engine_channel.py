@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.engine_messages import (
     ADMITTED,
     AbortRequest,
@@ -26,6 +25,7 @@ from cbserve.cluster.engine_messages import (
 from cbserve.cluster.output_channel import ChannelReader, ChannelServer
 from cbserve.cluster.scheduler_actor import SchedulerActor
 from cbserve.cluster.transport import encode, read_message
+from cbserve.config import CBServeConfig
 from cbserve.scheduler.errors import QueueFullError
 from cbserve.scheduler.kv_events import KVCacheEvents
 from cbserve.scheduler.request import EngineRequest, RequestOutput

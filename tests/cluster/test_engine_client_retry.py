@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from channel_fakes import FakeChannelServer, Inbox
 
-from cbserve.cluster.config import CBServeConfig
 from cbserve.cluster.engine_client import EngineClient
 from cbserve.cluster.engine_messages import ADMITTED, AbortRequest, AddRequest, EngineFailure, FinishSequence
 from cbserve.cluster.output_channel import ChannelReader
 from cbserve.cluster.router import Router
+from cbserve.config import CBServeConfig
 from cbserve.frontend.protocol import APIError
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from cbserve.scheduler.sampling_params import SamplingParams

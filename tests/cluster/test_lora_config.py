@@ -13,9 +13,9 @@ import pydantic
 import pytest
 
 from cbserve.cluster import serve_cli
-from cbserve.cluster.config import CBServeConfig, ConfigError, servable_config
-from cbserve.cluster.lora_config import parse_lora_modules
 from cbserve.cluster.serve_cli import add_arguments, config_from_args
+from cbserve.config import CBServeConfig, ConfigError, servable_config
+from cbserve.config.lora_config import parse_lora_modules
 
 SMOLLM2 = {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
            "num_hidden_layers": 30, "max_position_embeddings": 8192, "intermediate_size": 1536}  # fmt: skip

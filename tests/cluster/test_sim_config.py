@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from cbserve.cluster.config import CBServeConfig, ConfigError, servable_config
+from cbserve.config import CBServeConfig, ConfigError, servable_config
 from cbserve.worker.sim_cost import SimCostModel
 
 

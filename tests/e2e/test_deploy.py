@@ -60,8 +60,8 @@ def test_serve_yaml_validates_against_ray_serve_schema(serve_config: dict[str, A
 
 
 def test_serve_yaml_args_validate_against_cbserve_config(serve_config: dict[str, Any]) -> None:
-    from cbserve.cluster.autoscaling import parse_autoscaling
-    from cbserve.cluster.config import CBServeConfig
+    from cbserve.config import CBServeConfig
+    from cbserve.config.autoscaling import parse_autoscaling
 
     app = _cbserve_app(serve_config)
     cfg = CBServeConfig.from_args(app["args"])

@@ -1,4 +1,4 @@
-"""Autoscaling on a real local Ray cluster (``autoscaling``, cluster/autoscaling.py), with a tiny random Llama
+"""Autoscaling on a real local Ray cluster (``autoscaling``, config/autoscaling.py), with a tiny random Llama
 (seconds to load) behind Serve's proxy:
 
 min 0, max 2, a target of 2 requests in flight per replica: the app starts with no replica and a request sent

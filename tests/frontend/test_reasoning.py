@@ -109,7 +109,7 @@ def test_parser_from_the_chat_template() -> None:
 
 
 def test_config_field_and_cli_flag() -> None:
-    from cbserve.cluster.config import CBServeConfig
+    from cbserve.config import CBServeConfig
 
     assert CBServeConfig().reasoning_parser == "none" and CBServeConfig().disable_any_whitespace
     cfg = CBServeConfig.from_args({"reasoning-parser": "qwen3", "disable-any-whitespace": "false"})

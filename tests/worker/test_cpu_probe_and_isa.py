@@ -106,7 +106,7 @@ def test_cpu_isa_is_validated() -> None:
         ModelConfig(cpu_isa="avx9")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="does not run"):
         ModelConfig(cpu_isa="avx2", cpu_ops="torch")
-    from cbserve.cluster.config import CBServeConfig
+    from cbserve.config import CBServeConfig
 
     assert CBServeConfig(cpu_isa="scalar").worker_model_config().cpu_isa == "scalar"
 

@@ -103,7 +103,7 @@ def test_one_adapter_slot_chunked_prefill_preemption_and_prefix_cache(llama_case
     loras = [adapters[0], adapters[1], None, adapters[2], adapters[0], adapters[1]]
     ref = _reference(base, loras, PROMPTS, MAX_NEW)
     llm = LLM(str(base), enable_lora=True, max_loras=1, max_cpu_loras=3, max_lora_rank=12, progress=False,
-              max_num_batched_tokens=16, num_kv_blocks=12, block_size=4)
+              max_num_batched_tokens=16, num_kv_blocks=12, block_size=4, max_model_len=48)  # 12 blocks: one request
     with caplog.at_level(logging.INFO, logger="cbserve.worker.lora"):
         outs = llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False)
         again = llm.generate(PROMPTS[:2], GREEDY, lora_request=loras[:2], use_tqdm=False)

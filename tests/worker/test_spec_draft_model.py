@@ -83,13 +83,14 @@ def self_draft(models: dict[str, Path]) -> Iterator[LLM]:
 def test_greedy_with_a_draft_model_equals_greedy_decoding(
     models: dict[str, Path], reference: list[list[int]], draft: str, num_blocks: int
 ) -> None:
-    """28 blocks of 4 tokens for 6 sequences of up to 81: preemption by recompute happens."""
+    """28 blocks of 4 tokens for 6 sequences of up to 81: preemption by recompute happens (max_model_len: one
+    request must fit the cache)."""
     llm = LLM(
         str(models["target"]),
         speculative_config=_spec(models[draft]),
         num_kv_blocks=num_blocks,
         enable_prefix_caching=True,
-        **ENGINE,
+        **{**ENGINE, "max_model_len": min(ENGINE["max_model_len"], 4 * num_blocks)},
     )
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -122,7 +123,7 @@ def test_seeded_sampling_with_a_draft_model_is_reproducible(self_draft: LLM) -> 
 
 def test_a_draft_with_another_vocabulary_is_refused(models: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="vocabulary .*256 tokens.* differs from the target's .*320"):
-        LLM(str(models["target"]), speculative_config=_spec(models["other_vocab"]), num_kv_blocks=32, **ENGINE)
+        LLM(str(models["target"]), speculative_config=_spec(models["other_vocab"]), num_kv_blocks=64, **ENGINE)
 
 
 def test_draft_model_needs_a_model_path() -> None:

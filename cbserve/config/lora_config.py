@@ -1,6 +1,6 @@
 """The LoRA keys of CBServeConfig (vLLM's names): ``lora_modules`` read from every form users write it in, the
 checks between the LoRA keys, and the start-up check of every adapter against the model (read without torch:
-``worker/lora_files.py``). ``config.py`` declares the keys; this module holds their rules."""
+``worker/lora_files.py``). ``serve_config.py`` declares the keys; this module holds their rules."""
 
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 Serve's autoscaler. The key takes the flag's form ``min=1,max=4,target_ongoing=2[,upscale_delay_s=S,...]``, a JSON
 object, or a mapping (YAML), with Serve's own key names or the short ones below; ``CBServeConfig.from_yaml`` also
 reads Serve's ``autoscaling_config`` of the ``OpenAIIngress`` deployment in a Serve config file. Every key goes to
-Serve's ``AutoscalingConfig`` as it is (``serve_options``), checked by it here, at start-up; its replaced smoothing
-keys and a custom ``policy`` are refused by name. ``metrics_interval_s`` (how often Serve's handles report load),
+Serve's ``AutoscalingConfig`` as it is (``serve_options``), checked here by a copy of its rules (``ServeAutoscaling``:
+this package is read without ray) and by Serve itself when the app is built; its replaced smoothing keys and a
+custom ``policy`` are refused by name. ``metrics_interval_s`` (how often Serve's handles report load),
 which Serve calls deprecated, is taken: Ray 2.60 reads nothing else for it.
 
 Scaling works through Serve's proxy: it queues a request while no replica can take it (a new one starting,
@@ -16,19 +17,66 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 INGRESS_DEPLOYMENT = "OpenAIIngress"  # the one Serve deployment of the app (cluster/ingress.py)
 
 # the flag's short names, as the issue and vLLM-style flags spell them
 ALIASES = {"min": "min_replicas", "max": "max_replicas", "initial": "initial_replicas",
            "target_ongoing": "target_ongoing_requests"}  # fmt: skip
+
+
+class ServeAutoscaling(BaseModel):
+    """The rules of Ray Serve's ``AutoscalingConfig`` (ray/serve/config.py, Ray 2.60) for the keys cbserve passes
+    on: the same types, bounds, defaults and replica-count checks, without importing ray. Serve validates the
+    same dict again when the app is built; tests/cluster/test_autoscaling.py runs both on the same inputs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: NonNegativeInt = 1
+    initial_replicas: NonNegativeInt | None = None
+    max_replicas: PositiveInt = 1
+    target_ongoing_requests: PositiveFloat | None = 2.0
+    metrics_interval_s: PositiveFloat = 10.0
+    look_back_period_s: PositiveFloat = 30.0
+    upscaling_factor: PositiveFloat | None = None
+    downscaling_factor: PositiveFloat | None = None
+    downscale_delay_s: NonNegativeFloat = 600.0
+    downscale_to_zero_delay_s: NonNegativeFloat | None = None
+    upscale_delay_s: NonNegativeFloat = 30.0
+    aggregation_function: Literal["mean", "max", "min"] = "mean"
+
+    @field_validator("aggregation_function", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return str(value).lower()  # as Serve reads it
+
+    @model_validator(mode="after")
+    def _replicas(self) -> ServeAutoscaling:
+        low, high, initial = self.min_replicas, self.max_replicas, self.initial_replicas
+        if high < low:
+            raise ValueError(f"max_replicas ({high}) must be greater than or equal to min_replicas ({low})!")
+        if initial is not None and initial < low:
+            raise ValueError(f"min_replicas ({low}) must be less than or equal to initial_replicas ({initial})!")
+        if initial is not None and initial > high:
+            raise ValueError(f"max_replicas ({high}) must be greater than or equal to initial_replicas ({initial})!")
+        return self
+
+
 # Serve's AutoscalingConfig keys that reach Serve unchanged
-SERVE_KEYS = frozenset({
-    "min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests", "upscale_delay_s",
-    "downscale_delay_s", "downscale_to_zero_delay_s", "look_back_period_s", "metrics_interval_s",
-    "upscaling_factor", "downscaling_factor", "aggregation_function",
-})  # fmt: skip
+SERVE_KEYS = frozenset(ServeAutoscaling.model_fields)
 _REFUSED = {
     "smoothing_factor": "deprecated by Serve: use upscaling_factor / downscaling_factor",
     "upscale_smoothing_factor": "deprecated by Serve: use upscaling_factor",
@@ -75,13 +123,10 @@ def _from_string(text: str) -> Any:
 
 
 def _checked_by_serve(given: dict[str, Any]) -> dict[str, Any]:
-    """``given`` validated by Serve's own AutoscalingConfig (types, min <= initial <= max), its values coerced."""
-    import pydantic
-    from ray.serve.config import AutoscalingConfig
-
+    """``given`` validated by Serve's AutoscalingConfig rules (types, min <= initial <= max), its values coerced."""
     try:
-        checked = AutoscalingConfig.model_validate(given)
-    except pydantic.ValidationError as e:
+        checked = ServeAutoscaling.model_validate(given)
+    except ValidationError as e:
         errors = "; ".join(
             "".join(f"{loc}: " for loc in err["loc"]) + err["msg"].removeprefix("Value error, ") for err in e.errors()
         )

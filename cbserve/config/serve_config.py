@@ -1,29 +1,27 @@
-"""The one user-facing configuration of a cbserve deployment (pydantic), read from YAML, CLI flags or a
-Serve app's ``args``, and turned into the frozen dataclasses the engine (``engine_config``) and the workers
-(``worker_model_config``) use: a value is checked here, once. ``servable_config`` adds the checks that need
-the model (its heads, context length, KV size), read without torch: a configuration that could never serve
-stops at start-up with one ``ConfigError`` message."""
+"""The one user-facing configuration of cbserve (pydantic), read from YAML, CLI flags, a Serve app's ``args``
+or ``LLM(**fields)`` offline, and turned into the frozen dataclasses the engine (``engine_config``) and the
+workers (``worker_model_config``) use: a value is checked here, once. ``servable.py`` adds the checks that
+need the model (its heads, context length, KV size), read without torch; ``offline.py`` the fields that only
+make sense served. Importable without ray: ``cluster/`` and the front end both read it."""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
+import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cbserve.cluster.autoscaling import from_serve_deployments, parse_autoscaling
-from cbserve.cluster.lora_config import check_lora_keys, check_lora_modules, parse_lora_modules
-from cbserve.cluster.router import RoutingMode
-from cbserve.cluster.sim_config import check_sim_keys, is_sim, sim_num_blocks
+from cbserve.config.autoscaling import from_serve_deployments, parse_autoscaling
+from cbserve.config.lora_config import check_lora_keys, parse_lora_modules
+from cbserve.config.sim_config import check_sim_keys
 from cbserve.scheduler.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from cbserve.worker.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
-    DTYPE_BYTES,
     AttentionBackendName,
     CpuIsaName,
     CpuOpsName,
@@ -31,12 +29,20 @@ from cbserve.worker.config import (
     Dtype,
     ModelConfig,
 )
-from cbserve.worker.model_info import SUPPORTED_MODEL_TYPES, ModelInfo, locate_model, read_model_info
-from cbserve.worker.pooling_config import read_pooling_config
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# how requests are spread over the engine replicas (cluster/router.py)
+RoutingMode = Literal["cache_aware", "affinity", "round_robin"]
+ROUTING_MODES: tuple[str, ...] = get_args(RoutingMode)
+
+
+def connected_ray() -> Any | None:
+    """The ray module when this process is connected to a Ray cluster, else None. Looked up, never imported: a
+    process that has not imported ray is connected to no cluster (and the offline path stays without ray)."""
+    ray = sys.modules.get("ray")
+    return ray if ray is not None and ray.is_initialized() else None
 
 
 class ConfigError(ValueError):
@@ -49,7 +55,7 @@ class CBServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     # model
-    model: str | None = None  # HF folder or GGUF path; None = the bundled SmolLM2 GGUF; "sim": cluster/sim_config.py
+    model: str | None = None  # HF folder or GGUF path; None = the bundled SmolLM2 GGUF; "sim": config/sim_config.py
     served_model_name: str | None = None  # name clients use in "model"; default from the model
     dtype: Dtype = "auto"  # float32 on CPU, bfloat16 on CUDA
     device: Device = "auto"  # cuda when the Ray cluster has a GPU, else cpu
@@ -85,7 +91,7 @@ class CBServeConfig(BaseModel):
     # "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "draft_model", "model": PATH,
     # "num_speculative_tokens": k} (same tokenizer); turns async scheduling off (they do not combine yet)
     speculative_config: dict[str, Any] | None = None
-    # LoRA adapters (vLLM's keys, cluster/lora_config.py): a request whose "model" names an adapter runs with it
+    # LoRA adapters (vLLM's keys, config/lora_config.py): a request whose "model" names an adapter runs with it
     enable_lora: bool = False
     lora_modules: dict[str, str] | None = None  # name -> PEFT folder, served from the start (needs enable_lora)
     max_loras: int = Field(1, ge=1)  # distinct adapters in one step (the workers' adapter slots)
@@ -129,7 +135,7 @@ class CBServeConfig(BaseModel):
     # get 503 meanwhile) before the rest are aborted
     shutdown_timeout: float = Field(20.0, ge=0.0)
     # ingress replicas (each with its num_replicas engines) on Serve's autoscaler: "min=1,max=4,target_ongoing=2"
-    # or Serve's autoscaling_config; min 0 scales to zero (cluster/autoscaling.py); unset: one ingress replica
+    # or Serve's autoscaling_config; min 0 scales to zero (config/autoscaling.py); unset: one ingress replica
     autoscaling: dict[str, Any] | None = None
 
     @field_validator("speculative_config", mode="before")
@@ -206,9 +212,8 @@ class CBServeConfig(BaseModel):
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
-        import ray
-
-        if ray.is_initialized():  # the cluster decides: an actor that asked for no GPU sees none itself
+        ray = connected_ray()
+        if ray is not None:  # the cluster decides: an actor that asked for no GPU sees none itself
             return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
         try:
             import torch
@@ -306,88 +311,6 @@ class CBServeConfig(BaseModel):
         if spec is None or spec.method != "draft_model":
             return {}
         return {"draft_model": spec.model, "num_speculative_tokens": spec.num_speculative_tokens}
-
-
-# ---- can this configuration serve this model? ---------------------------------------------------------
-def known_device(config: CBServeConfig) -> str | None:
-    """The device, where it is known without importing torch: set in the config, or decided by the Ray
-    cluster this process is connected to; None otherwise."""
-    if config.device != "auto":
-        return config.device
-    import ray
-
-    return config.resolved_device if ray.is_initialized() else None
-
-
-def servable_config(config: CBServeConfig, device: str | None = None) -> CBServeConfig:
-    """``config`` checked against its model (read without torch) and resolved (an unset max_model_len
-    capped by the model's). ``device``: "cpu" or "cuda" where known (the KV budget is checked on CPU);
-    None = unknown yet. Raises ConfigError."""
-    try:
-        info = read_model_info(config.model)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load the model {config.model or DEFAULT_MODEL_NAME!r}: {e}") from e
-    if config.runner == "pooling":  # a sentence-transformers pipeline cbserve cannot run stops here
-        try:
-            read_pooling_config(locate_model(config.model).path)
-        except ValueError as e:
-            raise ConfigError(f"runner 'pooling': {e}") from e
-    return check_servable(config, info, device)
-
-
-def check_servable(config: CBServeConfig, info: ModelInfo, device: str | None = None) -> CBServeConfig:
-    """The model-dependent checks (see ``servable_config``), given the model's shape."""
-    if info.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"model_type {info.model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
-    tp = config.tensor_parallel_size
-    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"):
-        if (n := getattr(info, what)) is not None and n % tp:
-            raise ConfigError(f"{what} ({n}) is not divisible by the tensor-parallel size ({tp})")
-    model_max = info.max_position_embeddings
-    if model_max is not None and config.max_model_len > model_max:
-        if "max_model_len" in config.model_fields_set:
-            raise ConfigError(
-                f"max_model_len ({config.max_model_len}) is longer than the model's max_position_embeddings "
-                f"({model_max})"
-            )
-        config = config.model_copy(update={"max_model_len": model_max})
-    try:
-        check_lora_modules(config.lora_modules, info, config.max_lora_rank)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    num_blocks = config.num_kv_blocks
-    if num_blocks is None and is_sim(config.model):  # the simulated H100's (worker/sim_cost.py)
-        num_blocks, device = sim_num_blocks(config), "cuda"  # its budget is gpu_memory_utilization
-    elif num_blocks is None and device == "cpu":  # on CUDA the budget is known once the weights are loaded
-        num_blocks = config.kv_cache_memory_bytes // kv_block_bytes(config, info)
-    if num_blocks is not None:
-        check_kv_capacity(config, num_blocks, device)
-    return config
-
-
-def kv_block_bytes(config: CBServeConfig, info: ModelInfo) -> int:
-    """Bytes of one KV block on one rank (all layers, K and V), as the worker allocates it on CPU."""
-    elem = DTYPE_BYTES.get(config.dtype, 4)  # "auto" is float32 on CPU
-    kv_heads = info.num_key_value_heads // config.tensor_parallel_size
-    return 2 * info.num_hidden_layers * config.block_size * kv_heads * info.head_dim * elem
-
-
-def check_kv_capacity(config: CBServeConfig, num_blocks: int, device: str | None = None) -> None:
-    """One request of max_model_len tokens must fit in the KV cache (as the engine admits it: the last
-    token's KV is never stored). Raises ConfigError."""
-    needed = max(1, math.ceil((config.max_model_len - 1) / config.block_size))
-    if num_blocks >= needed:
-        return
-    if config.num_kv_blocks is not None:
-        budget = f"num_kv_blocks={config.num_kv_blocks}"
-    elif device == "cuda":
-        budget = f"gpu_memory_utilization={config.gpu_memory_utilization}"
-    else:
-        budget = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
-    raise ConfigError(
-        f"the KV cache ({budget}) holds {num_blocks} blocks of {config.block_size} tokens, but one request of "
-        f"max_model_len ({config.max_model_len}) tokens needs {needed}: raise the KV budget or lower max_model_len"
-    )
 
 
 def _none_if_null(value: Any) -> Any:
