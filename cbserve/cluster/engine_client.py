@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "cbserve"
 HEALTH_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 5.0
+# A request that finds no replica ready (all failed at once, or being rebuilt) waits this long for one, polling.
+FAILOVER_WAIT_S = 30.0
+FAILOVER_POLL_S = 0.05
 
 _FAILURE_STATUS = {
     "rejected": 400, "duplicate": 400, "queue_full": 429, "unavailable": 503, "aborted": 503, "timeout": 504,
@@ -181,24 +184,29 @@ class EngineClient:
     async def _routed(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
         """``generate`` without a deadline. A replica that turns the request away (waiting queue full, or gone),
         or that fails after admitting it but before any token of it came back (its worker or scheduler died),
-        is skipped and the request runs on the next healthy replica, unseen by the client; it sees a 429 / 503
-        only when none is left, and an error after tokens were streamed (a retry would repeat them)."""
-        tried: set[int] = set()
+        is skipped and the request runs on another replica, unseen by the client. When no replica is ready (both
+        failed at once, or all are being rebuilt), the request waits up to ``FAILOVER_WAIT_S`` for one. The
+        client sees a 429 when every ready replica is full, a 503 when none comes back in time, and an error
+        after tokens were streamed (a retry would repeat them)."""
+        full: set[int] = set()  # replicas whose waiting queue turned the request away (a gone one is unhealthy)
         admitted = streamed = False
         lora_id = None if request.lora is None else request.lora.lora_int_id
         extra_keys = cache_extra_keys(request.cache_salt, request.lora)
+        deadline = asyncio.get_running_loop().time() + FAILOVER_WAIT_S
         while True:
-            try:
-                idx = self.router.choose(request.prompt_token_ids, tried, lora_id, extra_keys)
-            except NoHealthyReplicaError as e:
-                raise APIError(503, f"{e}; retry later", "service_unavailable") from e
-            tried.add(idx)
+            idx = await self._choose(request, full, lora_id, extra_keys, deadline)
             async with contextlib.aclosing(self._attempt(idx, request)) as stream:
                 async for item in stream:
                     if isinstance(item, EngineFailure):
-                        if streamed or item.kind not in _TRY_ELSEWHERE or not self._another(tried):
+                        if streamed or item.kind not in _TRY_ELSEWHERE:
                             raise failure_to_api_error(item)
-                        if admitted:
+                        if item.kind == "queue_full":
+                            full.add(idx)
+                            if not self._another(full):
+                                raise failure_to_api_error(item)
+                        elif asyncio.get_running_loop().time() >= deadline:  # replicas keep failing it
+                            raise failure_to_api_error(item)
+                        elif admitted:
                             logger.warning("engine replica %d failed before request %s's first token (%s); "
                                            "running it on another replica", idx, request.req_id, item.message)
                         break
@@ -212,8 +220,22 @@ class EngineClient:
                 else:
                     return
 
-    def _another(self, tried: set[int]) -> bool:
-        return any(i not in tried for i in self.router.healthy_replicas())
+    async def _choose(self, request: EngineRequest, full: set[int], lora_id: int | None, extra_keys: tuple,
+                      deadline: float) -> int:
+        """The replica for the next attempt: a ready one that did not turn the request away, waiting until
+        ``deadline`` for one to be ready when none is (but not for replicas that failed for good)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                return self.router.choose(request.prompt_token_ids, full, lora_id, extra_keys)
+            except NoHealthyReplicaError as e:
+                recoverable = any(h.get("state") != "failed" for h in self.health)
+                if full or not recoverable or loop.time() >= deadline:
+                    raise APIError(503, f"{e}; retry later", "service_unavailable") from e
+            await asyncio.sleep(FAILOVER_POLL_S)
+
+    def _another(self, full: set[int]) -> bool:
+        return any(i not in full for i in self.router.healthy_replicas())
 
     async def _attempt(
         self, idx: int, request: EngineRequest

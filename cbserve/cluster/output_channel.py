@@ -28,6 +28,7 @@ that cache. Framing and the token: transport.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import uuid
@@ -247,8 +248,12 @@ class ChannelReader:
     def _write(self, data: bytes) -> None:
         if self._writer is None:
             self._outbox.append(data)  # written, in order, once connected
-        else:
-            self._writer.write(data)
+            return
+        # A connection the engine broke (its actor died) closes before the reader sees it: nothing is written,
+        # and the reader, ending, fails every request registered here with "unavailable" (so they run elsewhere).
+        with contextlib.suppress(RuntimeError, ConnectionError):
+            if not self._writer.is_closing():
+                self._writer.write(data)
 
     def fail(self, req_id: str, failure: EngineFailure) -> None:
         """End request ``req_id`` on this side with ``failure`` (nothing when it is not registered here)."""

@@ -81,6 +81,7 @@ def _client(*engines: FakeEngine, request_timeout_s: float | None = None) -> Eng
         client.router.set_healthy(i, True)
     client.engines = list(engines)
     client.channels = [ChannelReader(e, "owner") for e in engines]
+    client.health = [{"state": "ready"} for _ in engines]
     client._routes = {}
     return client
 
@@ -156,6 +157,50 @@ def test_a_channel_that_breaks_before_admission_sends_the_request_elsewhere() ->
     client.router.add(1, 1000)
     assert _run(client) == [[], [_out(3, True)]]
     assert (gone.calls, ok.calls) == (1, 1) and client.router.healthy_replicas() == [1]
+
+
+def test_with_no_replica_ready_a_request_waits_for_one_to_come_back() -> None:
+    """Replica 0 is lost with the request unanswered while replica 1 is still being rebuilt: the request waits
+    (up to FAILOVER_WAIT_S) and runs on replica 1 once it is ready, instead of a 503."""
+    gone, back = FakeEngine([DROP]), FakeEngine([[], [_out(4, True)]])
+    client = _client(gone, back)
+    client.router.set_healthy(1, False)
+    client.health[1] = {"state": "restarting"}
+
+    async def collect() -> list[Any]:
+        asyncio.get_running_loop().call_later(0.3, client.router.set_healthy, 1, True)
+        try:
+            return [item async for item in client.generate(EngineRequest("r1", [1, 2, 3], SamplingParams()))]
+        finally:
+            await _close(client)
+
+    assert asyncio.run(collect()) == [[], [_out(4, True)]]
+    assert (gone.calls, back.calls) == (1, 1)
+
+
+def test_no_wait_when_every_replica_failed_for_good_and_a_bounded_one_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import cbserve.cluster.engine_client as engine_client
+
+    client = _client(FakeEngine([[]]))
+    client.router.set_healthy(0, False)
+    client.health[0] = {"state": "failed", "error": "the model cannot load"}
+    monkeypatch.setattr(engine_client, "FAILOVER_WAIT_S", 5.0)
+    for state, least_s, most_s in (("failed", 0.0, 0.5), ("restarting", 0.3, 2.0)):
+        client.health[0] = {"state": state}
+        if state == "restarting":
+            monkeypatch.setattr(engine_client, "FAILOVER_WAIT_S", 0.3)
+        t0 = asyncio.run(_clock())
+        with pytest.raises(APIError) as info:
+            _run(client)
+        waited = asyncio.run(_clock()) - t0
+        assert info.value.status == 503 and "no engine replica is ready" in info.value.message
+        assert least_s <= waited <= most_s, (state, waited)
+
+
+async def _clock() -> float:
+    return asyncio.get_running_loop().time()
 
 
 def test_a_stop_string_finish_reaches_the_engine_on_the_channel() -> None:
