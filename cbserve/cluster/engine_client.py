@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cbserve.cluster.engine_messages import AbortRequest, AddRequest, Admitted, EngineFailure, FinishSequence
 from cbserve.cluster.output_channel import ChannelReader
-from cbserve.cluster.router import NoHealthyReplicaError, Router
+from cbserve.cluster.router import NoHealthyReplicaError, Route, Router
 from cbserve.cluster.scheduler_actor import SchedulerActor
 from cbserve.config import CBServeConfig
 from cbserve.frontend.protocol import APIError
@@ -194,8 +194,9 @@ class EngineClient:
         extra_keys = cache_extra_keys(request.cache_salt, request.lora)
         deadline = asyncio.get_running_loop().time() + FAILOVER_WAIT_S
         while True:
-            idx = await self._choose(request, full, lora_id, extra_keys, deadline)
-            async with contextlib.aclosing(self._attempt(idx, request)) as stream:
+            route = await self._choose(request, full, lora_id, extra_keys, deadline)
+            idx = route.replica
+            async with contextlib.aclosing(self._attempt(route, request)) as stream:
                 async for item in stream:
                     if isinstance(item, EngineFailure):
                         if streamed or item.kind not in _TRY_ELSEWHERE:
@@ -221,13 +222,13 @@ class EngineClient:
                     return
 
     async def _choose(self, request: EngineRequest, full: set[int], lora_id: int | None, extra_keys: tuple,
-                      deadline: float) -> int:
+                      deadline: float) -> Route:
         """The replica for the next attempt: a ready one that did not turn the request away, waiting until
         ``deadline`` for one to be ready when none is (but not for replicas that failed for good)."""
         loop = asyncio.get_running_loop()
         while True:
             try:
-                return self.router.choose(request.prompt_token_ids, full, lora_id, extra_keys)
+                return self.router.route(request.prompt_token_ids, full, lora_id, extra_keys)
             except NoHealthyReplicaError as e:
                 recoverable = any(h.get("state") != "failed" for h in self.health)
                 if full or not recoverable or loop.time() >= deadline:
@@ -238,15 +239,17 @@ class EngineClient:
         return any(i not in full for i in self.router.healthy_replicas())
 
     async def _attempt(
-        self, idx: int, request: EngineRequest
+        self, route: Route, request: EngineRequest
     ) -> AsyncIterator[Admitted | list[RequestOutput] | EngineFailure]:
-        """What replica ``idx`` says about the request: ``Admitted``, then batches of its outputs; ends with an
+        """What the routed replica says about the request: ``Admitted``, then batches of its outputs; ends with an
         EngineFailure item when the replica refuses or fails it. The request goes out, and its items come back, on
-        the replica's channel (cluster/output_channel.py), its queue registered before it is sent."""
+        the replica's channel (cluster/output_channel.py), its queue registered before it is sent. The router
+        counts its prefill as pending there until its first output."""
         sp = request.sampling_params
         cost = len(request.prompt_token_ids) + sp.num_sequences * (sp.max_tokens or 0)
+        idx, prefill = route.replica, route.prefill_tokens
         channel, req_id = self.channels[idx], request.req_id
-        self.router.add(idx, cost, None if request.lora is None else request.lora.lora_int_id)
+        self.router.add(idx, cost, None if request.lora is None else request.lora.lora_int_id, prefill)
         self._routes[req_id] = idx
         queue = channel.register(req_id)
         finished = False
@@ -270,10 +273,14 @@ class EngineClient:
                         outputs.append(item)
                         remaining -= int(item.finished)
                 if outputs:
+                    if prefill:  # its first token: the replica's prefill queue is that much shorter
+                        self.router.prefilled(idx, prefill)
+                        prefill = 0
                     yield outputs
             finished = True
         finally:
             channel.unregister(req_id)
+            self.router.prefilled(idx, prefill)
             self.router.done(idx, cost)
             self._routes.pop(req_id, None)
             if not finished:

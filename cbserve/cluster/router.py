@@ -12,11 +12,14 @@ within the same imbalance bound; otherwise to the adapter's own replica by rende
 the prompt), so an adapter's requests gather on one replica instead of loading it everywhere.
 
 Modes (``routing``): ``cache_aware`` (the default) first looks at what each replica's prefix cache really holds
-(cluster/prefix_index.py, fed by the replicas' block events): the request goes to the replica holding the longest
-cached prefix of its prompt, in whole blocks, among those within the imbalance bound of the least loaded one (the
-less loaded of equals); a prefix counts when it covers the affinity chunk (or every cacheable block of a shorter
-prompt). With no such hit, the rules above apply. So a tenant's prompts follow its cache where the cache went (a
-spill past the bound, a rebuilt or added replica), and never pile onto one replica for a chat template's block.
+(cluster/prefix_index.py, fed by the replicas' block events). When some replica within the imbalance bound of the
+least loaded one holds a cached prefix of the prompt (in whole blocks; it counts when it covers the affinity chunk,
+or every cacheable block of a shorter prompt), the request goes to the replica of that bound where its first token
+should come soonest: the fewest prompt tokens to prefill ahead of it (those of the requests routed there that have
+no token yet) plus its own uncached ones; with no prefill waiting anywhere that is the longest cached prefix
+(then more cached blocks, then the less loaded). With no such hit, the rules above apply. So a tenant's prompts
+follow its cache where the cache went (a spill past the bound, a rebuilt or added replica) unless prefilling the
+prompt elsewhere beats the queue of prefills there, and never pile onto one replica for a chat template's block.
 ``affinity`` is the rules above alone; ``round_robin`` takes the healthy replicas in turn (a baseline). Every
 decision is counted by kind (``RoutingStats``, exported by cluster/metrics.py).
 Pure Python (no ray): the ingress owns one Router and tells it which replicas are healthy.
@@ -46,6 +49,15 @@ class RoutingStats:
     matched_tokens: dict[int, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Route:
+    """A routing decision: the replica, and the prompt tokens it is expected to prefill for the request (its
+    uncached ones as the router sees the replica's cache)."""
+
+    replica: int
+    prefill_tokens: int
+
+
 class NoHealthyReplicaError(RuntimeError):
     """Every engine replica is down or still starting (HTTP 503)."""
 
@@ -57,6 +69,7 @@ class ReplicaState:
     total_routed: int = 0
     cache_hits: int = 0  # requests sent here for the prefix its cache holds
     healthy: bool = False
+    pending_prefill_tokens: int = 0  # uncached prompt tokens of the requests routed here that have no token yet
     adapters: OrderedDict[int, None] = field(default_factory=OrderedDict)  # recently sent adapter ids, oldest first
 
 
@@ -87,10 +100,12 @@ class Router:
     def healthy_replicas(self) -> list[int]:
         return [i for i, r in enumerate(self.replicas) if r.healthy]
 
-    def add(self, idx: int, tokens: int, lora_id: int | None = None) -> None:
-        """A request of ``tokens`` outstanding tokens (with adapter ``lora_id``, if any) went to replica ``idx``."""
+    def add(self, idx: int, tokens: int, lora_id: int | None = None, prefill_tokens: int = 0) -> None:
+        """A request of ``tokens`` outstanding tokens (with adapter ``lora_id``, if any; ``prefill_tokens`` of its
+        prompt to prefill there, until ``prefilled``) went to replica ``idx``."""
         r = self.replicas[idx]
         r.outstanding_tokens += tokens
+        r.pending_prefill_tokens += prefill_tokens
         r.num_requests += 1
         r.total_routed += 1
         if lora_id is not None:
@@ -98,6 +113,11 @@ class Router:
             r.adapters.move_to_end(lora_id)
             while len(r.adapters) > self.adapter_memory:
                 r.adapters.popitem(last=False)
+
+    def prefilled(self, idx: int, prefill_tokens: int) -> None:
+        """The request ``add`` counted with ``prefill_tokens`` has its first token (or ended)."""
+        r = self.replicas[idx]
+        r.pending_prefill_tokens = max(0, r.pending_prefill_tokens - prefill_tokens)
 
     def done(self, idx: int, tokens: int) -> None:
         r = self.replicas[idx]
@@ -146,23 +166,43 @@ class Router:
         self, prompt_token_ids: Sequence[int], exclude: Collection[int] = (), lora_id: int | None = None,
         extra_keys: tuple = (),
     ) -> int:
+        """The replica ``route`` picks."""
+        return self.route(prompt_token_ids, exclude, lora_id, extra_keys).replica
+
+    def route(
+        self, prompt_token_ids: Sequence[int], exclude: Collection[int] = (), lora_id: int | None = None,
+        extra_keys: tuple = (),
+    ) -> Route:
         """The replica for a request (with adapter ``lora_id``, if any, and its prefix-cache ``extra_keys``:
         scheduler/kv_events.py's ``cache_extra_keys``); ``exclude``: replicas that already turned it away."""
         healthy = [i for i in self.healthy_replicas() if i not in exclude]
         if not healthy:
             raise NoHealthyReplicaError("no engine replica is ready" if not exclude else "every ready replica is full")
+        n = len(prompt_token_ids)
         if self.mode == "round_robin":
             self._turn += 1
-            return self._decided(healthy[self._turn % len(healthy)], "round_robin")
+            return Route(self._decided(healthy[self._turn % len(healthy)], "round_robin"), n)
         least = self._least_loaded(healthy)
         if self.mode == "cache_aware":
             matched = self.index.matched_blocks(prompt_token_ids, extra_keys, healthy)
             within = [i for i in healthy if self._within_bound(i, least)]
-            best = max(within, key=lambda i: (matched[i], -self.replicas[i].outstanding_tokens))
-            if matched[best] >= self._min_hit_blocks(len(prompt_token_ids)):
-                return self._decided(best, "cache_hit", matched[best] * self.block_size)
+            min_hit = self._min_hit_blocks(n)
+            if any(matched[i] >= min_hit for i in within):
+                best = min(within, key=lambda i: self._first_token_cost(i, n, matched[i]))
+                kind = "cache_hit" if matched[best] >= min_hit else "least_loaded"
+                return Route(self._decided(best, kind, matched[best] * self.block_size),
+                             n - matched[best] * self.block_size)  # fmt: skip
+            idx, kind = self._by_affinity(prompt_token_ids, healthy, least, lora_id)
+            return Route(self._decided(idx, kind, 0), n - matched.get(idx, 0) * self.block_size)
         idx, kind = self._by_affinity(prompt_token_ids, healthy, least, lora_id)
-        return self._decided(idx, kind, 0 if self.mode == "cache_aware" else None)
+        return Route(self._decided(idx, kind), n)
+
+    def _first_token_cost(self, idx: int, num_prompt_tokens: int, matched_blocks: int) -> tuple[int, int, int]:
+        """How soon replica ``idx`` should give a request its first token, lower first: the prompt tokens to
+        prefill there before it (and its own), then fewer cached blocks, then more outstanding tokens."""
+        r = self.replicas[idx]
+        uncached = num_prompt_tokens - matched_blocks * self.block_size
+        return r.pending_prefill_tokens + uncached, -matched_blocks, r.outstanding_tokens
 
     def _min_hit_blocks(self, num_prompt_tokens: int) -> int:
         """The shortest cached prefix (blocks) that counts as a hit: the affinity chunk, or the prompt's cacheable

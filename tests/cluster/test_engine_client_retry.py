@@ -148,6 +148,7 @@ def test_a_replica_lost_before_the_first_token_hands_the_request_over() -> None:
     assert _run(client) == [[], [_out(5)], [_out(6, True)]]
     assert (dying.calls, other.calls) == (1, 1) and client.router.healthy_replicas() == [1]
     assert [r.outstanding_tokens for r in client.router.replicas] == [0, 1000] and client._routes == {}
+    assert [r.pending_prefill_tokens for r in client.router.replicas] == [0, 0]  # each attempt's prefill counted off
 
 
 def test_a_channel_that_breaks_before_admission_sends_the_request_elsewhere() -> None:
