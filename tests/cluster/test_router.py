@@ -167,16 +167,17 @@ def test_the_load_bound_overrides_the_longest_prefix() -> None:
 
 def test_a_queue_of_prefills_outweighs_a_cached_prefix_until_it_drains() -> None:
     """The cache holder has 100 prompt tokens to prefill before a new request: prefilling the request's 40 tokens on
-    the idle replica gives its first token sooner; once those prefills are done, the cache wins again."""
+    the idle replica gives its first token sooner (its uncached tokens count twice: 100 + 2 x 4 against 2 x 40);
+    once those prefills are done, the cache wins again."""
     r = _router(2, imbalance=10_000)
     prompt = _prompt_where_affinity_prefers(r, 0)  # 40 tokens
     _cached(r, 0, prompt, 9)
     assert r.route(prompt) == Route(0, 4) and r.take_stats().decisions == {"cache_hit": 1}
     r.add(0, 0, prefill_tokens=100)
-    assert r.route(prompt) == Route(1, 40)  # 100 + 4 tokens before its first token on 0, 40 on 1
+    assert r.route(prompt) == Route(1, 40)  # a cost of 108 on 0, 80 on 1
     assert r.take_stats() == RoutingStats({"least_loaded": 1}, {0: 1})
     r.add(1, 0, prefill_tokens=80)
-    assert r.route(prompt) == Route(0, 4)  # 104 < 120
+    assert r.route(prompt) == Route(0, 4)  # 108 < 160
     r.prefilled(0, 100)
     r.prefilled(0, 100)  # more than was pending: never below zero
     assert r.replicas[0].pending_prefill_tokens == 0 and r.route(prompt).replica == 0
