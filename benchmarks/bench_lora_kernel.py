@@ -3,7 +3,8 @@ over adapter groups (two matmuls and an add per group, as ``LoRALinear.apply`` d
 adapters for a mixed batch, per ISA build this CPU runs. Each timing cycles through --layers copies of the
 adapters (as a model's layers do, so their weights come from memory, not the cache; --layers 1: from the
 cache). Prints microseconds per call (best of --repeats passes over the layers) and the C kernel's GFLOP/s;
-asserts nothing.
+asserts nothing. ``--dtype bfloat16``: the adapters stored in bfloat16 and multiplied as bfloat16 products
+(``cb_lora_add_bf16``, what ``dtype: bfloat16`` serves on the C kernels); the torch loop stays float32.
 
     python benchmarks/bench_lora_kernel.py                       # SmolLM2's qkv_proj: 576 -> 960, 3 parts of rank 16
     python benchmarks/bench_lora_kernel.py --in 576 --out 1536 --cmax 32 --threads 1
@@ -45,6 +46,7 @@ def _case(name: str, rows: list[int], args: argparse.Namespace) -> None:
         bounds.append((start, n, slot, args.cmax))
         start += n
     segments = LoRASegments.of(torch.tensor(bounds, dtype=torch.int32))
+    ak, btk = a.to(args.dtype), bt.to(args.dtype)  # the kernel's slots
     flops = 2 * m * args.cmax * (args.fan_in + args.fan_out)
 
     def torch_loop(layer: int) -> None:
@@ -56,7 +58,7 @@ def _case(name: str, rows: list[int], args: argparse.Namespace) -> None:
         kernels = cpu_native.load_cpu_kernels(level).kernels
         if kernels is None:
             continue
-        us = _best(lambda i, k=kernels: k.lora_add_(x, y, a[i], bt[i], segments), args.layers, args.repeats)
+        us = _best(lambda i, k=kernels: k.lora_add_(x, y, ak[i], btk[i], segments), args.layers, args.repeats)
         line += f" | {level} {us:7.1f} us ({flops / us / 1e3:5.1f} GFLOP/s)"
     print(line)
 
@@ -69,9 +71,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the adapters' slots")
     args = p.parse_args()
+    args.dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
-    print(f"in={args.fan_in} out={args.fan_out} cmax={args.cmax} threads={args.threads} layers={args.layers}")
+    print(f"in={args.fan_in} out={args.fan_out} cmax={args.cmax} threads={args.threads} layers={args.layers} "
+          f"slots={args.dtype}")
     _case("16 segments x 4 rows", [4] * 16, args)
     _case("16 segments x 1 row", [1] * 16, args)
     _case("1 segment x 1 row", [1], args)
