@@ -43,6 +43,19 @@ def local_serve_app(args: dict[str, Any], name: str) -> Iterator[str]:
         ray.shutdown()
 
 
+def post_text(url: str, body: dict[str, Any]) -> tuple[int, str]:
+    """The status and text of a JSON POST (the LoRA adapter routes answer success as text, errors as JSON)."""
+    import urllib.error
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 def wait_for(what: str, cond: Callable[[], Any], timeout: float, period: float = 0.5) -> Any:
     """Poll ``cond`` until it returns something true (exceptions count as "not yet"); TimeoutError after."""
     deadline = time.monotonic() + timeout

@@ -13,7 +13,6 @@ proxy (which answers from either) reaches both at once; a replica restarted late
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_lib import free_port, wait_for
+from e2e_lib import free_port, post_text, wait_for
 from lora_lib import make_adapter, make_tiny_llama
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -187,16 +186,7 @@ def _both_alive(answers: list[list[str]]) -> list[list[str]] | None:
 
 
 def _post(url: str, path: str, body: dict[str, Any]) -> tuple[int, str]:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+    return post_text(url + path, body)
 
 
 def test_lora_loads_and_unloads_reach_every_ingress_replica_and_a_restarted_one(

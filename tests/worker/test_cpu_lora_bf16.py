@@ -15,7 +15,15 @@ import ctypes
 import pytest
 import test_isa_levels
 import torch
-from test_cpu_lora_kernel import MIXED, UNTOUCHED, _adapters, _prefill_and_decode, _reference, _table
+from test_cpu_lora_kernel import (
+    MIXED,
+    UNTOUCHED,
+    _adapters,
+    _prefill_and_decode,
+    _reference,
+    _table,
+    outputs_on_1_and_2_threads,
+)
 
 from cbserve.worker.cpu import abi
 from cbserve.worker.cpu import native as cpu_native
@@ -94,14 +102,7 @@ def test_results_do_not_depend_on_the_thread_count(kernels: CpuKernels, segments
     a, bt = _bf16_adapters(16, 48, 576, 960, [48] * 8 + [16] * 8, gen)
     m = max(start + rows for start, rows, _, _ in segments)
     x, y0 = torch.randn(m, 576, generator=gen), torch.randn(m, 960, generator=gen)
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            outs.append(kernels.lora_add_(x, y0.clone(), a, bt, _table(segments)))
-    finally:
-        torch.set_num_threads(threads)
+    outs = outputs_on_1_and_2_threads(kernels, x, y0, a, bt, segments)
     assert torch.equal(outs[0], outs[1])
     _check(outs[0], _rounded_reference(x, y0, a, bt, segments), "threads")
 

@@ -105,6 +105,14 @@ def test_results_do_not_depend_on_the_thread_count(
     a, bt = _adapters(16, 48, 576, 960, [48] * 8 + [16] * 8, gen)
     m = max(start + rows for start, rows, _, _ in segments)
     x, y0 = torch.randn(m, 576, generator=gen), torch.randn(m, 960, generator=gen)
+    outs = outputs_on_1_and_2_threads(kernels, x, y0, a, bt, segments)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0].double(), _reference(x, y0, a, bt, segments), rtol=1e-5, atol=1e-5)
+
+
+def outputs_on_1_and_2_threads(kernels: CpuKernels, x: torch.Tensor, y0: torch.Tensor, a: torch.Tensor,
+                               bt: torch.Tensor, segments: list[tuple[int, int, int, int]]) -> list[torch.Tensor]:
+    """The kernel's y on 1 thread, then on 2 (from the same y0)."""
     threads = torch.get_num_threads()
     try:
         outs = []
@@ -113,8 +121,7 @@ def test_results_do_not_depend_on_the_thread_count(
             outs.append(kernels.lora_add_(x, y0.clone(), a, bt, _table(segments)))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1])
-    torch.testing.assert_close(outs[0].double(), _reference(x, y0, a, bt, segments), rtol=1e-5, atol=1e-5)
+    return outs
 
 
 def test_no_segments_and_no_rows(kernels: CpuKernels) -> None:

@@ -7,15 +7,13 @@ unloaded while requests run (a request in flight finishes with its adapter; late
 
 from __future__ import annotations
 
-import json
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from e2e_lib import post_text
 
 from .cases import PROMPTS
 from .conftest import COMMON, LORA_ARGS, LORA_MODEL, App, Server
@@ -93,13 +91,7 @@ def test_models_lists_the_adapters_and_an_unknown_model_is_a_404(server: Server)
 
 def _post(app: App, path: str, body: dict[str, str]) -> tuple[int, str]:
     """The status and text of a POST (the adapter routes answer success as text, errors as OpenAI's JSON)."""
-    req = urllib.request.Request(app.base_url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+    return post_text(app.base_url + path, body)
 
 
 def _stream(client: Any, model: str, started: threading.Event) -> int:
