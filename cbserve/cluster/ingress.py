@@ -189,7 +189,7 @@ class OpenAIIngress:
         self.metrics.refresh()
         self.metrics.observe_routing(self.client.router.take_stats())
         if self.shared_loras is not None:
-            asyncio.get_running_loop().create_task(self.shared_loras.pull_when_due())
+            self.shared_loras.tick()
 
     async def _broadcast_loras(self, adapters: AdapterSet) -> None:
         if self._ingress_handle is None:

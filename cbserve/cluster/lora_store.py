@@ -98,6 +98,7 @@ class SharedLoRAs:
         self.store = LoRAStore.options(name=store_name(app_name), namespace=NAMESPACE, lifetime="detached",
                                        get_if_exists=True).remote()  # fmt: skip
         self._pulled_at = 0.0
+        self._pulling: asyncio.Task[None] | None = None
 
     async def start(self, model: str, modules: dict[str, str]) -> None:
         """Serve the store's adapters, after adding ``modules`` (checked at start-up) to them."""
@@ -130,10 +131,15 @@ class SharedLoRAs:
         self.registry.apply(await self.store.snapshot.remote())
         self._pulled_at = asyncio.get_running_loop().time()
 
-    async def pull_when_due(self) -> None:
-        """The periodic pull (the replica's health tick calls it)."""
-        if asyncio.get_running_loop().time() - self._pulled_at >= PULL_PERIOD_S:
-            try:
-                await self.pull()
-            except Exception as e:  # the store is being restarted or removed: next period
-                logger.warning("LoRA store not reachable (%s: %s)", type(e).__name__, e)
+    def tick(self) -> None:
+        """The periodic pull (the replica's health tick calls it): one every ``PULL_PERIOD_S``, never two at once."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._pulled_at >= PULL_PERIOD_S and (self._pulling is None or self._pulling.done()):
+            self._pulled_at = loop.time()
+            self._pulling = loop.create_task(self._pull_quietly())
+
+    async def _pull_quietly(self) -> None:
+        try:
+            await self.pull()
+        except Exception as e:  # the store is being restarted or removed: next period
+            logger.warning("LoRA store not reachable (%s: %s)", type(e).__name__, e)
