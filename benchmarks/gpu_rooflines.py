@@ -62,7 +62,7 @@ def _batch(runner: Any, n: int, ctx: int, new_tokens: int, first_block: int = 0)
 
 def _step_fn(runner: Any, batch: Any, graphs: Any = None) -> Callable[[], torch.Tensor]:
     model, md = runner.model, batch.metadata
-    model.prepare_attention(md)
+    md.prepared = runner.attention_builder.build(md)  # the step's attention plan, as the runner builds it
 
     @torch.inference_mode()
     def step() -> torch.Tensor:

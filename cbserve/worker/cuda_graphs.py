@@ -10,9 +10,11 @@ to sample.
 
 Only backends whose decode path is shape-stable and free of host synchronisation declare
 ``supports_cuda_graphs = True`` (Triton, flash-attn); the torch reference backend does not. A graph's
-static metadata carries host fields at their worst case (every context ``max_model_len`` long), so the
-backend's ``prepare()`` at capture picks launch constants (the Triton decode kernel's split count) that
-hold for any batch the graph replays. Graphs are off on CPU and with ``ModelConfig.enforce_eager``.
+static metadata carries host fields at their worst case (every context ``max_model_len`` long), so the plan
+the runner's attention builder makes for it at capture (``build_attention``, set as the metadata's
+``prepared``) picks launch constants (the Triton decode kernel's split count) that hold for any batch the
+graph replays; a replay uses that plan, none is built for it. Graphs are off on CPU and with
+``ModelConfig.enforce_eager``.
 
 The model runner captures them in ``init_kv_cache`` (``maybe_capture_decode_graphs``) and replays one in
 ``_forward`` when ``can_run`` holds. ``capture`` is the one CUDA-only step: tests pass a stand-in for it.
@@ -28,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .attention.backend import AttentionMetadata, KVCache, PreparedAttention
+from .attention.backend import AttentionMetadata, AttentionMetadataBuilder, KVCache, PreparedAttention
 from .config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -74,9 +76,11 @@ class DecodeCUDAGraphs:
 
     def __init__(
         self, model: ModelFn, kv_caches: list[KVCache], *, max_batch: int, max_model_len: int,
-        block_size: int, prepare: Callable[[AttentionMetadata], PreparedAttention | None],
+        block_size: int, build_attention: Callable[[AttentionMetadata], PreparedAttention],
         device: torch.device, sizes: Sequence[int] | None = None, capture: CaptureFn = capture_cuda_graph,
     ) -> None:
+        """``build_attention``: the runner's attention builder's ``build``; each graph's static metadata gets
+        its plan before capture."""
         self.sizes = sorted(sizes) if sizes is not None else capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.max_model_len = max_model_len
@@ -85,7 +89,7 @@ class DecodeCUDAGraphs:
         self.device = device
         self._model = model
         self._kv_caches = kv_caches
-        self._prepare = prepare
+        self._build_attention = build_attention
         self._capture = capture
         self._replays: dict[int, tuple[Replayable, torch.Tensor]] = {}  # size -> (graph, static output)
         b, i32 = self.max_batch, dict(dtype=torch.int32, device=device)
@@ -120,7 +124,7 @@ class DecodeCUDAGraphs:
             pool = torch.cuda.graph_pool_handle() if cuda else None
             for b in sorted(self.sizes, reverse=True):
                 md = self._metadata(b)
-                self._prepare(md)
+                md.prepared = self._build_attention(md)
                 self._replays[b] = self._capture(lambda b=b, md=md: self._forward(b, md), pool)
             if cuda:
                 torch.cuda.synchronize(self.device)
@@ -170,6 +174,7 @@ class GraphedRunner(Protocol):
     config: ModelConfig
     device: torch.device
     backend_cls: type
+    attention_builder: AttentionMetadataBuilder
     model: Any
     kv_caches: list[KVCache]
     block_size: int
@@ -198,7 +203,7 @@ def maybe_capture_decode_graphs(runner: GraphedRunner, capture: CaptureFn | None
         runner.model, runner.kv_caches,
         max_batch=min(runner.max_num_seqs, runner.max_num_batched_tokens),
         max_model_len=runner.max_model_len, block_size=runner.block_size,
-        prepare=runner.model.prepare_attention, device=runner.device, capture=capture,
+        build_attention=runner.attention_builder.build, device=runner.device, capture=capture,
     )
     graphs.capture()
     return graphs

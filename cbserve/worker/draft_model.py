@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .attention.backend import KVCache
+from .attention.backend import AttentionMetadataBuilder, KVCache
 from .config import ModelConfig
 from .input_batch import CachedRequestState, PreparedBatch, build_batch
 from .kv_cache import allocate_kv_cache, copy_blocks
@@ -95,6 +95,9 @@ class DraftModel:
         self.max_len = min(max_model_len + self.k + 1, own_max)
         built = build_model(self.folder, hf, config, self.device, self.dtype, self.max_len, progress=False)
         self.model, self.dtype = built.model, built.dtype
+        # the draft's own attention plans (its heads, its scratch buffer), one a forward pass
+        self.attention_builder: AttentionMetadataBuilder = self.model.attention_backend.make_builder(
+            self.model.attention_layout)
         self.num_layers = int(hf.num_hidden_layers)
         self.num_kv_heads, self.head_dim = num_kv_heads_of(hf), head_dim_of(hf)
         self.block_size = block_size
@@ -124,7 +127,7 @@ class DraftModel:
 
     def _hidden(self, batch: PreparedBatch) -> torch.Tensor:
         md = batch.metadata
-        self.model.prepare_attention(md)  # the draft's own plan (its heads, its buffer)
+        md.prepared = self.attention_builder.build(md)  # the draft's own plan (the target's pass is done)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, md)
 
     def run(self, batch: PreparedBatch) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 
-from .attention.backend import KVCache
+from .attention.backend import AttentionMetadataBuilder, KVCache
 from .block_table import BlockTable
 from .config import ModelConfig
 from .cpu.malloc import tune_malloc_for_cpu_inference
@@ -76,6 +76,9 @@ class ModelRunner:
         built = build_model(self.model_folder, self.hf_config, config, self.device, self.dtype, self.max_model_len,
                             progress and tp_rank() == 0, weights)
         self.model, self.cpu_ops, self.backend_cls = built.model, built.cpu_ops, built.backend_cls
+        # The runner owns each step's attention plan: built once a step, before the forward pass, for every layer.
+        self.attention_builder: AttentionMetadataBuilder = self.model.attention_backend.make_builder(
+            self.model.attention_layout)
         self.dtype = built.dtype  # float32 for bfloat16 products on the CPU kernels (see cpu/ops.py)
         self.cpu_report = built.cpu_report  # the CPU path: mode, kernels' ISA level, probe figures (/stats)
         if self.device.type == "cpu":
@@ -206,7 +209,7 @@ class ModelRunner:
     def forward_logits(self, batch: PreparedBatch, kv_caches: list[KVCache]) -> torch.Tensor | None:
         """Logits of the batch's ``logits_rows`` (None when there are none), run eagerly over ``kv_caches``
         (memory profiling runs it over a scratch cache)."""
-        self.model.prepare_attention(batch.metadata)
+        batch.metadata.prepared = self.attention_builder.build(batch.metadata)
         hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.metadata)
         return self._logits(batch, hidden)
 
@@ -222,7 +225,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(batch.input_ids.shape[0], md):
             hidden = self.graphs.run(batch.input_ids, batch.positions, md)
         else:
-            self.model.prepare_attention(md)  # once per step, for every layer
+            md.prepared = self.attention_builder.build(md)  # once per step, for every layer
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, md)
         return hidden
 

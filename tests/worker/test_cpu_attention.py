@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from worker_testlib import fused_qkv, paged_metadata
+from worker_testlib import build_plan, fused_qkv, paged_metadata
 
 from cbserve.worker.attention import CpuAttentionBackend, TorchAttentionBackend, get_attention_backend
 from cbserve.worker.attention.cpu_backend import row_args
@@ -32,10 +32,11 @@ def _run_both(ctx_q: list[tuple[int, int]], hq: int, hkv: int, d: int, bs: int, 
     v_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen).to(dtype)
     q, k, v = fused_qkv(int(md_c.query_start_loc[-1]), hq, hkv, d, gen, dtype)
     cache_c, cache_t = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
-    cpu_be = CpuAttentionBackend(hq, hkv, d, d**-0.5)
-    cpu_be.prepare(md_c)
+    cpu_be, torch_be = CpuAttentionBackend(hq, hkv, d, d**-0.5), TorchAttentionBackend(hq, hkv, d, d**-0.5)
+    build_plan(cpu_be, md_c, dtype)
+    build_plan(torch_be, md_t, dtype)
     out_c = cpu_be.forward(q, k, v, cache_c, md_c)
-    out_t = TorchAttentionBackend(hq, hkv, d, d**-0.5).forward(q, k, v, cache_t, md_t)
+    out_t = torch_be.forward(q, k, v, cache_t, md_t)
     assert torch.equal(cache_c[0], cache_t[0]) and torch.equal(cache_c[1], cache_t[1])
     return out_c, out_t
 
@@ -64,7 +65,7 @@ def test_long_prefill_contexts_go_to_sdpa_and_decodes_stay_on_the_kernel() -> No
 
     ctx_q = [(40, 1), (300, 1), (ROWS_MAX_PREFILL_CONTEXT - 60, 100), (0, 12)]
     md = paged_metadata(ctx_q, 16, 80, torch.Generator().manual_seed(0))
-    CpuAttentionBackend(9, 3, 64, 0.125).prepare(md)
+    build_plan(CpuAttentionBackend(9, 3, 64, 0.125), md)
     assert md.prepared.prefill is not None and md.prepared.rows.seq_lens.tolist() == [41, 301]
     assert not NativeLayers.applies(int(md.query_start_loc[-1]), md)
     out_c, out_t = _run_both(ctx_q, 9, 3, 64, 16, seed=5)
@@ -80,14 +81,14 @@ def test_short_queries_at_long_contexts_stay_kernel_rows() -> None:
 
     ctx_q = [(40, 1), (ROWS_MAX_PREFILL_CONTEXT + 200, 5), (ROWS_MAX_PREFILL_CONTEXT, ROWS_MAX_SHORT_QUERY)]
     md = paged_metadata(ctx_q, 16, 140, torch.Generator().manual_seed(0))
-    CpuAttentionBackend(9, 3, 64, 0.125).prepare(md)
+    build_plan(CpuAttentionBackend(9, 3, 64, 0.125), md)
     assert md.prepared.prefill is None and md.prepared.rows.seq_lens.shape[0] == 1 + 5 + ROWS_MAX_SHORT_QUERY
     assert NativeLayers.applies(int(md.query_start_loc[-1]), md)
     out_c, out_t = _run_both(ctx_q, 9, 3, 64, 16, seed=6)
     torch.testing.assert_close(out_c, out_t, atol=2e-5, rtol=1e-5)
     longer = paged_metadata([(40, 1), (ROWS_MAX_PREFILL_CONTEXT, ROWS_MAX_SHORT_QUERY + 1)], 16, 140,
                             torch.Generator().manual_seed(0))
-    CpuAttentionBackend(9, 3, 64, 0.125).prepare(longer)
+    build_plan(CpuAttentionBackend(9, 3, 64, 0.125), longer)
     assert longer.prepared.prefill is not None
 
 

@@ -61,7 +61,7 @@ def _forward(runner: ModelRunner, states: list[CachedRequestState], counts: dict
     saved, model.native_layers = model.native_layers, (model.native_layers if native else None)
     try:
         batch = build_batch(states, counts, BS, torch.device("cpu"))
-        model.model.layers[0].self_attn.attn.prepare(batch.metadata)
+        batch.metadata.prepared = runner.attention_builder.build(batch.metadata)  # as the runner plans a step
         if native:  # the step really goes through the driver
             assert model.native_layers.applies(batch.input_ids.shape[0], batch.metadata)
         with torch.inference_mode():

@@ -4,7 +4,8 @@ The stand-in "capture" runs the forward once on the graph's static buffers and r
 ``replay()`` runs it again on the same buffers, as a CUDA graph would. The attention backend is the torch
 reference, made graph-safe the way the Triton kernels are: a decode-only step is read from its device
 tensors only (the host copies of a graph's static metadata hold worst-case values) and padded rows (slot
--1, seq_len 0) write nothing and read nothing. A runner with graphs and one with ``enforce_eager`` get the
+-1, seq_len 0) write nothing and read nothing (its real rows are attended with a plan of their own, built by
+the backend's builder). A runner with graphs and one with ``enforce_eager`` get the
 same scheduler outputs and must sample the same tokens, with the same logprobs and KV cache contents.
 """
 
@@ -21,7 +22,7 @@ from worker_testlib import make_tiny_model
 from cbserve.scheduler.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker import model_build as model_build_module
-from cbserve.worker.attention import AttentionMetadata, KVCache, TorchAttentionBackend
+from cbserve.worker.attention import AttentionLayout, AttentionMetadata, KVCache, TorchAttentionBackend
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cuda_graphs import PAD_SLOT, CaptureFn, maybe_capture_decode_graphs
 from cbserve.worker.model_runner import ModelRunner
@@ -52,6 +53,8 @@ class GraphSafeTorchBackend(TorchAttentionBackend):
             max_query_len=1, max_seq_len=max(lens), block_size=md.block_size, query_lens_cpu=[1] * len(real),
             seq_lens_cpu=[lens[i] for i in real],
         )
+        layout = AttentionLayout(self.num_heads, self.num_kv_heads, self.head_dim, q.dtype, q.device)
+        sub.prepared = self.make_builder(layout).build(sub)
         out = torch.zeros_like(q)
         out[rows] = super().forward(q[rows], k[rows], v[rows], kv_cache, sub)
         return out

@@ -14,7 +14,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorators running
 pytest.importorskip("triton")
-from worker_testlib import fused_qkv, paged_metadata  # noqa: E402
+from worker_testlib import build_plan, fused_qkv, paged_metadata  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 pytestmark = pytest.mark.cuda  # the GPU suite (`pytest -m cuda`): compiled on CUDA, interpreted on CPU
@@ -56,7 +56,8 @@ def test_matches_torch_backend_mixed_batch(backend_cls, hq: int, hkv: int, d: in
     torch_be = TorchAttentionBackend(hq, hkv, d, d ** -0.5)
     cache_t = (k_cache.clone(), v_cache.clone())
     cache_r = (k_cache.clone(), v_cache.clone())
-    triton_be.prepare(md_t)
+    build_plan(triton_be, md_t, DTYPE, DEVICE)
+    build_plan(torch_be, md_r, DTYPE, DEVICE)
     out_t = triton_be.forward(q, k, v, cache_t, md_t)
     out_r = torch_be.forward(q, k, v, cache_r, md_r)
     assert torch.equal(cache_t[0], cache_r[0]) and torch.equal(cache_t[1], cache_r[1])
@@ -79,10 +80,13 @@ def test_padded_decode_rows_and_fixed_splits(backend_cls) -> None:
     q, k, v = _qkv(6, hq, hkv, d, gen)
     be = backend_cls(hq, hkv, d, d ** -0.5)
     cache = (k_cache.clone(), v_cache.clone())
+    build_plan(be, md, DTYPE, DEVICE)
     out = be.forward(q, k, v, cache, md)
     assert md.prepared.num_splits == 4
     ref_cache = (k_cache.clone(), v_cache.clone())
-    ref = TorchAttentionBackend(hq, hkv, d, d ** -0.5).forward(q[:3], k[:3], v[:3], ref_cache, md_ref)
+    ref_be = TorchAttentionBackend(hq, hkv, d, d ** -0.5)
+    build_plan(ref_be, md_ref, DTYPE, DEVICE)
+    ref = ref_be.forward(q[:3], k[:3], v[:3], ref_cache, md_ref)
     assert torch.equal(cache[0], ref_cache[0]) and torch.equal(cache[1], ref_cache[1])
     torch.testing.assert_close(out[:3].float(), ref.float(), atol=ATOL, rtol=RTOL)
     assert out[3:].float().abs().sum().item() == 0.0

@@ -17,7 +17,7 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorators running
 pytest.importorskip("triton")
 
-from cbserve.worker.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from cbserve.worker.attention import AttentionLayout, AttentionMetadata, TorchAttentionBackend  # noqa: E402
 from cbserve.worker.cuda_graphs import DecodeCUDAGraphs, capture_sizes, graphs_supported  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -49,11 +49,21 @@ def _eager_capture(forward, pool):
     return _EagerReplay(forward, out), out
 
 
-def _tiny_model(backend):
+@pytest.fixture(scope="module")
+def builder(backend):
+    """The Triton backend's metadata builder, as the model runner makes it for this tiny model."""
+    return type(backend).make_builder(AttentionLayout(HQ, HKV, D, DTYPE, DEVICE))
+
+
+def _tiny_model(backend, builder=None):
+    """An attention-only "model"; with ``builder`` it plans an eager step itself, as the runner would (the
+    graphs' static metadata is planned at capture)."""
     gen = torch.Generator().manual_seed(0)
     tables = [torch.randn(VOCAB, h, D, generator=gen).to(DTYPE).to(DEVICE) for h in (HQ, HKV, HKV)]
 
     def model(input_ids, positions, kv_caches, md):
+        if builder is not None and md.prepared is None:
+            md.prepared = builder.build(md)
         q, k, v = (t[input_ids] + positions[:, None, None].to(DTYPE) * 0.01 for t in tables)
         return backend.forward(q, k, v, kv_caches[0], md).flatten(1)
 
@@ -91,8 +101,8 @@ def test_graphs_off_on_cpu_eager_and_torch_backend() -> None:
     assert graphs_supported(torch.device("cuda"), TritonAttentionBackend, False)
 
 
-def test_padded_replay_matches_eager(backend) -> None:
-    model = _tiny_model(backend)
+def test_padded_replay_matches_eager(backend, builder) -> None:
+    model = _tiny_model(backend, builder)
     num_blocks, max_len = 24, 128
     gen = torch.Generator().manual_seed(1)
     cache = [(torch.randn(num_blocks, BS, HKV, D, generator=gen).to(DTYPE).to(DEVICE),
@@ -100,7 +110,7 @@ def test_padded_replay_matches_eager(backend) -> None:
     eager_cache = [(cache[0][0].clone(), cache[0][1].clone())]
     kw = {} if CUDA else {"capture": _eager_capture}
     graphs = DecodeCUDAGraphs(model, cache, max_batch=8, max_model_len=max_len, block_size=BS,
-                              prepare=backend.prepare, device=DEVICE, sizes=[1, 4, 8], **kw)
+                              build_attention=builder.build, device=DEVICE, sizes=[1, 4, 8], **kw)
     graphs.capture()
     assert torch.equal(cache[0][0], eager_cache[0][0]), "capture must not write the KV cache"
     steps = [  # (seq_lens, block tables): 5 decodes (bucket 8), then 3 (bucket 4), then 6 (bucket 8)
@@ -120,9 +130,9 @@ def test_padded_replay_matches_eager(backend) -> None:
         torch.testing.assert_close(cache[0][1].float(), eager_cache[0][1].float(), atol=0, rtol=0)
 
 
-def test_can_run_rejects_prefill_and_oversize(backend) -> None:
+def test_can_run_rejects_prefill_and_oversize(backend, builder) -> None:
     graphs = DecodeCUDAGraphs(_tiny_model(backend), [], max_batch=4, max_model_len=64, block_size=BS,
-                              prepare=backend.prepare, device=DEVICE, sizes=[1, 4])
+                              build_attention=builder.build, device=DEVICE, sizes=[1, 4])
     md = _decode_md([3, 4], [[0], [1]])
     assert not graphs.can_run(2, md)  # nothing captured yet
     graphs._replays[4] = (None, None)

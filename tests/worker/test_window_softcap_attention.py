@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from worker_testlib import fused_qkv, paged_metadata
+from worker_testlib import build_plan, fused_qkv, paged_metadata
 
 from cbserve.worker.attention import CpuAttentionBackend, TorchAttentionBackend
 from cbserve.worker.cpu import native as cpu_native
@@ -66,7 +66,7 @@ def test_backend_window_and_softcap(backend: str, window: int | None, softcap: f
     md, cache, q, k, v = _batch(MIX, hq, hkv, d, bs, seed=hq + d + (window or 0))
     cls = CpuAttentionBackend if backend == "cpu" else TorchAttentionBackend
     be = cls(hq, hkv, d, 0.3, window, softcap)
-    be.prepare(md)
+    build_plan(be, md)
     out = be.forward(q, k, v, cache, md)
     torch.testing.assert_close(out, _expected(md, cache, q, 0.3, window, softcap), atol=2e-5, rtol=1e-5)
 
@@ -78,7 +78,7 @@ def test_cpu_long_prefill_context_takes_the_window_to_sdpa() -> None:
 
     md, cache, q, k, v = _batch([(40, 1), (ROWS_MAX_PREFILL_CONTEXT, 30)], 4, 2, 64, 16, seed=9)
     be = CpuAttentionBackend(4, 2, 64, 0.125, 24, 3.0)
-    be.prepare(md)
+    build_plan(be, md)
     assert md.prepared.prefill is not None
     out = be.forward(q, k, v, cache, md)
     torch.testing.assert_close(out, _expected(md, cache, q, 0.125, 24, 3.0), atol=2e-5, rtol=1e-5)

@@ -10,7 +10,8 @@ import torch
 
 from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, SchedulerConfig
 from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker.attention import AttentionMetadata
+from cbserve.worker.attention import AttentionBackend, AttentionLayout, AttentionMetadata
+from cbserve.worker.attention.backend import PreparedAttention
 
 VARIANTS = ("llama_gqa", "qwen2_bias", "llama3_tied", "llama_bf16_values")
 
@@ -169,3 +170,12 @@ def fused_qkv(num_tokens: int, hq: int, hkv: int, d: int, gen: torch.Generator, 
     fused = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype).to(device)
     q, k, v = fused.split([hq * d, hkv * d, hkv * d], dim=-1)
     return q.view(num_tokens, hq, d), k.view(num_tokens, hkv, d), v.reshape(num_tokens, hkv, d)
+
+
+def build_plan(backend: AttentionBackend, md: AttentionMetadata, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> PreparedAttention:
+    """Set ``md.prepared`` to the step's plan from ``backend``'s builder, for a model of its heads whose
+    activations and KV cache are ``dtype`` on ``device``, as the model runner does each step."""
+    layout = AttentionLayout(backend.num_heads, backend.num_kv_heads, backend.head_dim, dtype, torch.device(device))
+    md.prepared = type(backend).make_builder(layout).build(md)
+    return md.prepared

@@ -1,9 +1,14 @@
 """The attention backend interface and the per-iteration metadata every backend receives.
 
-Each backend turns the metadata into what its kernels need once per step, in ``prepare()`` (the model
-runner calls it on layer 0's backend before the forward pass); the result, a small dataclass of the
-backend's own (``TorchPrepared``, ``CpuPrepared``, ``TritonPrepared``, ``FlashPrepared``, all
-``PreparedAttention``), is stored in ``metadata.prepared`` and read by every layer.
+The model runner owns a step's attention plan, as vLLM V1 does: each backend class makes an
+``AttentionMetadataBuilder`` for the model's ``AttentionLayout`` (``AttentionBackend.make_builder``; the
+model says which backend class and layout it was built with, ``CausalLM.attention_backend`` and
+``attention_layout``), the runner creates it once and, before each forward pass, sets
+``metadata.prepared = builder.build(metadata)``. The plan is a small dataclass of the backend's own
+(``TorchPrepared``, ``CpuPrepared``, ``TritonPrepared``, ``FlashPrepared``, all ``PreparedAttention``),
+built once per step and read by every layer; a backend's ``forward`` only reads it and raises
+RuntimeError when the step has none of its type. A builder may hold scratch memory its plans lend the
+layers (the torch backend's gather buffer), never request state.
 
 The model runner orders the requests of an iteration decode-first: the first ``num_decodes`` requests
 have exactly one query token each (rows ``0..num_decodes-1`` of the flattened batch); the rest are
@@ -22,7 +27,19 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_blocks, block_s
 
 @dataclass
 class PreparedAttention:
-    """Base of the per-step data a backend's ``prepare()`` computes once for all layers."""
+    """Base of the per-step plan a backend's builder computes once for all layers."""
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """What a backend's metadata builder needs to know of the model: the attention heads of this rank (after
+    tensor parallelism), the head size, and the dtype and device of its activations and KV cache."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
 
 
 @dataclass
@@ -43,7 +60,7 @@ class AttentionMetadata:
     # The decode kernel's split count, fixed by a CUDA-graph runner for the life of a captured graph (the
     # Triton backend's launch constant); None: the backend picks it per step.
     decode_num_splits: int | None = None
-    # What the backend's prepare() computed for this step (its own PreparedAttention subclass).
+    # The step's plan, set by the model runner from its backend's builder (its own PreparedAttention subclass).
     prepared: PreparedAttention | None = None
 
     @property
@@ -55,9 +72,21 @@ class AttentionMetadata:
         return self.num_decodes
 
 
+class AttentionMetadataBuilder(ABC):
+    """Builds a backend's per-step plan from the step's metadata; made once per model by the model runner
+    (``AttentionBackend.make_builder``)."""
+
+    def __init__(self, layout: AttentionLayout) -> None:
+        self.layout = layout
+
+    @abstractmethod
+    def build(self, md: AttentionMetadata) -> PreparedAttention:
+        """This step's plan for every layer (the caller stores it in ``md.prepared``)."""
+
+
 class AttentionBackend(ABC):
-    """One attention implementation over the paged KV cache. Holds its configuration and, at most, scratch
-    buffers reused between steps (never request state)."""
+    """One attention implementation over the paged KV cache, one instance per layer. Holds the layer's
+    configuration only; the step's plan comes from the backend's builder, in ``metadata.prepared``."""
 
     name: str = "abstract"
 
@@ -79,10 +108,20 @@ class AttentionBackend(ABC):
         # Attention logits are soft-capped before the softmax (Gemma 2): s -> softcap * tanh(s / softcap).
         self.softcap = softcap
 
+    @classmethod
     @abstractmethod
-    def prepare(self, metadata: AttentionMetadata) -> PreparedAttention:
-        """Compute this step's per-iteration data (once per step, not per layer), store it in
-        ``metadata.prepared`` and return it."""
+    def make_builder(cls, layout: AttentionLayout) -> AttentionMetadataBuilder:
+        """The builder of this backend's per-step plans for a model of ``layout``."""
+
+    @classmethod
+    def missing_plan(cls, md: AttentionMetadata, plan_type: type) -> RuntimeError:
+        """The error a layer raises when ``md`` carries no plan of ``plan_type`` (``forward`` never builds one)."""
+        got = type(md.prepared).__name__ if md.prepared is not None else "none"
+        return RuntimeError(
+            f"attention backend {cls.name!r} needs the step's {plan_type.__name__} in metadata.prepared (got "
+            f"{got}): the model runner must build it with the backend's builder first "
+            f"(metadata.prepared = {cls.__name__}.make_builder(layout).build(metadata))"
+        )
 
     @abstractmethod
     def forward(
@@ -93,7 +132,8 @@ class AttentionBackend(ABC):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Write k/v into the cache at ``metadata.slot_mapping``, then attend; returns
+        """Write k/v into the cache at ``metadata.slot_mapping``, then attend with the step's plan,
+        ``metadata.prepared`` (RuntimeError without one of this backend's); returns
         [num_tokens, num_heads, head_dim]."""
 
 

@@ -17,9 +17,10 @@ verification (1 + k tokens) at a 1,000-token context took 24.4 ms a step on the 
 Sliding windows and logit soft-capping (per layer, see ``backend.AttentionBackend``) are the kernel's own
 arguments: a row reads only the blocks of its window.
 
-Tensors other than float32 take the torch path, which stays the reference this one is tested against. The
-selector picks this backend for ``attention_backend="auto"`` on CPU when the kernels build (see
-``../cpu/native.py``).
+Tensors other than float32 take the torch path, which stays the reference this one is tested against: the
+backend's builder (``CpuMetadataBuilder``) sees from the model's layout (dtype, device) that they will, and
+builds torch's plan for the step up front (``CpuPrepared.fallback``). The selector picks this backend for
+``attention_backend="auto"`` on CPU when the kernels build (see ``../cpu/native.py``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,15 @@ import torch
 
 from ..cpu.kernels import CpuKernels
 from ..cpu.native import load_cpu_kernels
-from .backend import AttentionMetadata, KVCache, PreparedAttention, write_kv_cache
-from .torch_backend import TorchAttentionBackend, TorchPrepared, _prefill_chunks
+from .backend import (
+    AttentionLayout,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    KVCache,
+    PreparedAttention,
+    write_kv_cache,
+)
+from .torch_backend import TorchAttentionBackend, TorchMetadataBuilder, TorchPrepared, _prefill_chunks
 
 # Longest prefill context (tokens) attended as kernel rows; longer ones go to torch's SDPA (see above).
 ROWS_MAX_PREFILL_CONTEXT = 768
@@ -73,12 +81,35 @@ def row_args(md: AttentionMetadata) -> RowArgs:
 class CpuPrepared(PreparedAttention):
     """A step for the CPU backend: the kernel's rows, one per query token, or, when a prefill context is too
     long for rows, the decodes' rows alone and torch's plan for the prefill chunks (``prefill``).
-    ``fallback`` is torch's plan for the whole step, made when a layer gets tensors the kernel does not take
-    (not float32)."""
+    ``fallback`` is torch's plan for the whole step, built when the model's layers get tensors the kernel does
+    not take (a layout that is not float32 on the CPU), else None."""
 
     rows: RowArgs
     prefill: TorchPrepared | None = None  # None: ``rows`` cover every token of the step
     fallback: TorchPrepared | None = None
+
+
+def kernel_takes(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether the C kernel attends tensors of ``dtype`` on ``device`` (float32 on the CPU); others take torch."""
+    return dtype == torch.float32 and torch.device(device).type == "cpu"
+
+
+class CpuMetadataBuilder(TorchMetadataBuilder):
+    """Plans steps for the CPU backend: the kernel's rows, and torch's whole-step plan as well when the
+    layout's tensors are not the kernel's (see ``kernel_takes``)."""
+
+    def __init__(self, layout: AttentionLayout) -> None:
+        super().__init__(layout)
+        self.needs_fallback = not kernel_takes(layout.dtype, layout.device)
+
+    def build(self, md: AttentionMetadata) -> CpuPrepared:
+        fallback = super().build(md) if self.needs_fallback else None
+        nd = md.num_decodes
+        if all(q <= ROWS_MAX_SHORT_QUERY or s <= ROWS_MAX_PREFILL_CONTEXT
+               for q, s in zip(md.query_lens_cpu[nd:], md.seq_lens_cpu[nd:], strict=True)):
+            return CpuPrepared(row_args(md), fallback=fallback)
+        # long prefill contexts: those chunks through torch's SDPA
+        return CpuPrepared(decode_row_args(md), TorchPrepared([], _prefill_chunks(md), self.buffer), fallback)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -92,17 +123,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap)
         self._kernels = kernels if kernels is not None else require_cpu_kernels()
 
-    def prepare(self, metadata: AttentionMetadata) -> PreparedAttention:
-        metadata.prepared = self.cpu_prepared(metadata)
-        return metadata.prepared
-
-    def cpu_prepared(self, md: AttentionMetadata) -> CpuPrepared:
-        nd = md.num_decodes
-        if all(q <= ROWS_MAX_SHORT_QUERY or s <= ROWS_MAX_PREFILL_CONTEXT
-               for q, s in zip(md.query_lens_cpu[nd:], md.seq_lens_cpu[nd:], strict=True)):
-            return CpuPrepared(row_args(md))
-        # long prefill contexts: those chunks through torch's SDPA
-        return CpuPrepared(decode_row_args(md), TorchPrepared([], _prefill_chunks(md), self._buffer))
+    @classmethod
+    def make_builder(cls, layout: AttentionLayout) -> AttentionMetadataBuilder:
+        return CpuMetadataBuilder(layout)
 
     def forward(
         self,
@@ -115,10 +138,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         md = metadata
         p = md.prepared
         if not isinstance(p, CpuPrepared):
-            p = md.prepared = self.cpu_prepared(md)
-        if q.dtype != torch.float32 or q.device.type != "cpu" or kv_cache[0].dtype != torch.float32:
+            raise self.missing_plan(md, CpuPrepared)
+        if not kernel_takes(q.dtype, q.device) or kv_cache[0].dtype != torch.float32:
             if p.fallback is None:
-                p.fallback = self.torch_prepared(md)
+                raise RuntimeError(
+                    f"attention backend 'cpu' got {q.dtype} tensors on {q.device} (KV cache {kv_cache[0].dtype}) but "
+                    "the step's plan was built for a float32 CPU layout: build it with the builder of the model's "
+                    "own AttentionLayout"
+                )
             return self.attend(q, k, v, kv_cache, md, p.fallback)
         write_kv_cache(k, v, kv_cache, md.slot_mapping)
         rows = q if q.stride(1) == q.shape[2] and q.stride(2) == 1 else q.contiguous()

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .backend import AttentionBackend, AttentionMetadata, KVCache, PreparedAttention
+from .backend import (
+    AttentionBackend,
+    AttentionLayout,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    KVCache,
+    PreparedAttention,
+)
 
 _CANDIDATES = ("vllm_flash_attn", "flash_attn")
 _PROBE_BLOCK_SIZE = 16
@@ -104,16 +111,10 @@ class FlashPrepared(PreparedAttention):
     max_k: int = 0
 
 
-class FlashAttentionBackend(AttentionBackend):
-    name = "flash"
-    supports_cuda_graphs = True
+class FlashMetadataBuilder(AttentionMetadataBuilder):
+    """Plans steps for flash-attn: the prefill chunks' offsets and longest query and key."""
 
-    def prepare(self, metadata: AttentionMetadata) -> PreparedAttention:
-        metadata.prepared = self._prepared(metadata)
-        return metadata.prepared
-
-    @staticmethod
-    def _prepared(md: AttentionMetadata) -> FlashPrepared:
+    def build(self, md: AttentionMetadata) -> FlashPrepared:
         nd = md.num_decodes
         if md.seq_lens.shape[0] <= nd:
             return FlashPrepared()
@@ -124,6 +125,15 @@ class FlashAttentionBackend(AttentionBackend):
             max_q=max(q_lens) if q_lens else md.max_query_len,
             max_k=max(s_lens) if s_lens else md.max_seq_len,
         )
+
+
+class FlashAttentionBackend(AttentionBackend):
+    name = "flash"
+    supports_cuda_graphs = True
+
+    @classmethod
+    def make_builder(cls, layout: AttentionLayout) -> AttentionMetadataBuilder:
+        return FlashMetadataBuilder(layout)
 
     def _window_softcap(self) -> dict[str, object]:
         """flash-attn's own arguments for this layer's sliding window (keys p - (W - 1)..p: ``window_size``
@@ -142,7 +152,7 @@ class FlashAttentionBackend(AttentionBackend):
         md = metadata
         p = md.prepared
         if not isinstance(p, FlashPrepared):
-            p = md.prepared = self._prepared(md)
+            raise self.missing_plan(md, FlashPrepared)
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"flash-attn needs float16/bfloat16 activations, got {q.dtype}")
         _write_kv(k, v, kv_cache, md.slot_mapping)

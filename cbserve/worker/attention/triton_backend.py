@@ -5,9 +5,10 @@ launch (+ merge) for the first ``num_decodes`` requests, one varlen prefill laun
 prefill kernel reads query rows at absolute offsets ``query_start_loc[r]``, so the prefill part of the
 batch needs no re-basing: it gets views of the metadata tensors past the decodes.
 
-The split count of the decode kernel is a launch constant. A CUDA-graph runner must fix it for the life of
-a captured graph: it sets ``metadata.decode_num_splits`` before capture (see worker/cuda_graphs.py);
-otherwise it is chosen per iteration from the batch size and the longest decode context, always one of
+The split count of the decode kernel is a launch constant, part of the step's plan (``TritonMetadataBuilder``).
+A CUDA-graph runner must fix it for the life of a captured graph: it sets ``metadata.decode_num_splits``
+before the plan is built (see worker/cuda_graphs.py); otherwise it is chosen per iteration from the batch
+size, the layout's kv heads, the device's SM count and the longest decode context, always one of
 ``triton_kernels.SPLIT_BUCKETS`` (1, 2, 4, 8, 16), so the kernel is compiled for at most five split counts.
 """
 
@@ -18,7 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from . import triton_kernels
-from .backend import AttentionBackend, AttentionMetadata, KVCache, PreparedAttention
+from .backend import (
+    AttentionBackend,
+    AttentionLayout,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    KVCache,
+    PreparedAttention,
+)
 
 _DEFAULT_NUM_SMS = 132  # H100 SXM; only used for the split heuristic off-GPU (interpreter tests)
 
@@ -42,26 +50,34 @@ class TritonPrepared(PreparedAttention):
     prefill_max_q: int | None
 
 
-class TritonAttentionBackend(AttentionBackend):
-    name = "triton"
-    supports_cuda_graphs = True  # decode launches are shape-stable given a fixed split count
+class TritonMetadataBuilder(AttentionMetadataBuilder):
+    """Plans steps for the Triton kernels: the decode split count (``md.decode_num_splits`` when set, else from
+    the layout's kv heads and its device's SM count) and the longest prefill chunk."""
 
-    def prepare(self, metadata: AttentionMetadata) -> PreparedAttention:
-        metadata.prepared = self._prepared(metadata)
-        return metadata.prepared
+    def __init__(self, layout: AttentionLayout) -> None:
+        super().__init__(layout)
+        self.num_sms = num_sms(torch.device(layout.device))
 
-    def _prepared(self, md: AttentionMetadata) -> TritonPrepared:
+    def build(self, md: AttentionMetadata) -> TritonPrepared:
         nd = md.num_decodes
         splits = md.decode_num_splits
         if nd and splits is None:
             max_decode_len = max(md.seq_lens_cpu[:nd]) if md.seq_lens_cpu else md.max_seq_len
-            splits = triton_kernels.default_num_splits(nd, self.num_kv_heads, max_decode_len,
-                                                       num_sms(md.seq_lens.device))
+            splits = triton_kernels.default_num_splits(nd, self.layout.num_kv_heads, max_decode_len, self.num_sms)
         max_q = None
         if md.seq_lens.shape[0] > nd:  # prefill chunks follow the decodes
             lens = md.query_lens_cpu[nd:]
             max_q = max(lens) if lens else md.max_query_len
         return TritonPrepared(splits if nd else None, max_q)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graphs = True  # decode launches are shape-stable given a fixed split count
+
+    @classmethod
+    def make_builder(cls, layout: AttentionLayout) -> AttentionMetadataBuilder:
+        return TritonMetadataBuilder(layout)
 
     def forward(
         self,
@@ -74,7 +90,7 @@ class TritonAttentionBackend(AttentionBackend):
         md = metadata
         p = md.prepared
         if not isinstance(p, TritonPrepared):
-            p = md.prepared = self._prepared(md)
+            raise self.missing_plan(md, TritonPrepared)
         k_cache, v_cache = kv_cache
         q = _last_dim_contiguous(q)
         triton_kernels.write_kv_cache(

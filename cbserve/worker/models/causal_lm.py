@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.backend import AttentionBackend, AttentionMetadata, KVCache, PreparedAttention
+from ..attention.backend import AttentionBackend, AttentionLayout, AttentionMetadata, KVCache
 from ..cpu.gguf_blocks import QuantBlocks
 from ..cpu.kernels import CpuKernels
 from ..cpu.layers import NativeLayers
@@ -40,7 +40,11 @@ class CausalLM(nn.Module):
     ``ops`` (``cpu.ops.resolve_cpu_ops``) chooses the CPU kernels the model is built on: with the native
     ops, the norms, the activation and the rotary embedding run on cbserve's C kernels. After
     ``load_weights``, ``finish_loading`` packs the linear weights for those ops and, where it applies,
-    binds the C driver that runs every decoder layer of a step in one call."""
+    binds the C driver that runs every decoder layer of a step in one call.
+
+    ``attention_backend`` and ``attention_layout`` say which attention backend class the layers were built
+    with and for what heads, dtype and device: the model runner makes the backend's metadata builder from
+    them and sets each step's plan (``AttentionMetadata.prepared``) before ``forward``."""
 
     def __init__(
         self, cfg: Any, backend_cls: type[AttentionBackend], max_positions: int, ops: CpuOps = TORCH_OPS
@@ -55,6 +59,10 @@ class CausalLM(nn.Module):
             for i in range(cfg.num_hidden_layers)
         ]
         self.model = DecoderModel(cfg, self.spec, layers, max_positions, kernels)
+        attn = layers[0].self_attn  # this rank's heads (every layer's); dtype, device: the parameters'
+        self.attention_backend = backend_cls
+        self.attention_layout = AttentionLayout(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                                torch.get_default_dtype(), torch.get_default_device())
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if self.tie_word_embeddings:
@@ -91,14 +99,11 @@ class CausalLM(nn.Module):
         return self.spec.driver_blocker()
 
     # ---- running -----------------------------------------------------------------------------------
-    def prepare_attention(self, md: AttentionMetadata) -> PreparedAttention:
-        """The step's attention plan, built once for every layer (their backends share it): call it before
-        ``forward`` (a backend builds it on first use otherwise) or outside a captured CUDA graph."""
-        return self.model.layers[0].self_attn.attn.prepare(md)
-
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], md: AttentionMetadata
     ) -> torch.Tensor:
+        """Final hidden states of every token; ``md.prepared`` must hold the step's attention plan (built by
+        the runner with ``attention_backend.make_builder(attention_layout)``)."""
         x = self.model.embed_tokens(input_ids)
         if self.spec.embed_scale is not None:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
