@@ -6,17 +6,25 @@ and normalization written beside it (a decoder embedding model's usual recipe, a
 Qwen3-Embedding), so both sides read the same weights and pooling.
 
     .venv/bin/python benchmarks/bench_embeddings.py --texts 512 --out-dir benchmarks/results/embeddings
+
+``--servers cbserve vllm`` also times ``POST /v1/embeddings`` over HTTP: ``cbserve serve --runner pooling`` and
+``vllm serve --runner pooling`` (vLLM's CPU build, its own venv: benchmarks/peers/setup_peers.sh; float32, its best
+dtype on a CPU without native bfloat16) on the same folder, the texts in requests of ``--request-texts`` sent by
+``--concurrency`` clients, the vectors checked against sentence-transformers'.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import sys
 import tempfile
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +35,7 @@ from bench_serving import default_peers_dir  # noqa: E402
 from cpu_info import describe  # noqa: E402
 
 from cbserve.bench.datasets import WORDS  # noqa: E402
+from cbserve.worker.cpu import native  # noqa: E402
 
 ST_MODULES = [
     {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -77,6 +86,45 @@ def run_sentence_transformers(folder: Path, batch: list[str], batch_size: int) -
     return time.perf_counter() - t0, vectors.tolist()
 
 
+def post_embeddings(base_url: str, model: str, texts_: list[str]) -> list[list[float]]:
+    body = json.dumps({"model": model, "input": texts_, "encoding_format": "float"}).encode()
+    req = urllib.request.Request(base_url + "/v1/embeddings", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        data = json.loads(r.read())["data"]
+    return [d["embedding"] for d in sorted(data, key=lambda d: d["index"])]
+
+
+def time_server(base_url: str, model: str, batch: list[str], args: argparse.Namespace) -> tuple[float, list]:
+    """Seconds to embed ``batch`` in requests of ``--request-texts`` texts from ``--concurrency`` clients."""
+    post_embeddings(base_url, model, batch[:16])  # warm-up
+    chunks = [batch[i:i + args.request_texts] for i in range(0, len(batch), args.request_texts)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        parts = list(pool.map(lambda c: post_embeddings(base_url, model, c), chunks))
+    return time.perf_counter() - t0, [v for part in parts for v in part]
+
+
+def run_server(name: str, folder: Path, batch: list[str], args: argparse.Namespace) -> tuple[float, list] | None:
+    from cbserve.bench.deploy import HOST, free_port, local_deployment, server_process
+
+    log = Path(args.out_dir) / f"{name}_server.log"
+    if name == "cbserve":
+        app = {"model": str(folder), "runner": "pooling", "served_model_name": "emb", "dtype": "float32"}
+        with local_deployment(app, log_path=log) as base_url:
+            return time_server(base_url, "emb", batch, args)
+    exe = Path(args.vllm_venv) / "bin" / "vllm"
+    if not exe.exists():
+        print(f"vLLM not installed at {exe}: skipped (benchmarks/peers/setup_peers.sh)")
+        return None
+    port = free_port()
+    cmd = [str(exe), "serve", str(folder), "--runner", "pooling", "--dtype", "float32", "--served-model-name",
+           "emb", "--host", HOST, "--port", str(port), "--gpu-memory-utilization", "0.15"]
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "RAY_ADDRESS")}
+    env.update(PATH=f"{exe.parent}:{env.get('PATH', '')}", VLLM_TARGET_DEVICE="cpu")
+    with server_process(cmd, f"http://{HOST}:{port}", 600, log, env):
+        return time_server(f"http://{HOST}:{port}", "emb", batch, args)
+
+
 def min_cosine(a: list[list[float]], b: list[list[float]]) -> float:
     x, y = torch.tensor(a), torch.tensor(b)
     return float(torch.nn.functional.cosine_similarity(x, y, dim=-1).min())
@@ -90,8 +138,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     names = list(result["embeddings_per_s"])
     values = [result["embeddings_per_s"][n] for n in names]
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.barh(names, values, color=["#2b6cb0", "#a0aec0"][: len(names)])
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    ax.barh(names, values, color=["#2b6cb0", "#a0aec0", "#2c7a7b", "#dd6b20"][: len(names)])
     for i, v in enumerate(values):
         ax.text(v, i, f" {v:.0f}", va="center")
     ax.set_xlabel("embeddings / s (higher is better)")
@@ -107,26 +155,44 @@ def main() -> int:
     p.add_argument("--hf-model", default=str(default_peers_dir() / "smollm2-hf"),
                    help="an HF folder of the bundled model (benchmarks/peers/setup_peers.sh hf)")
     p.add_argument("--out-dir", default="benchmarks/results/embeddings")
+    p.add_argument("--servers", nargs="*", choices=["cbserve", "vllm"], default=[],
+                   help="also time POST /v1/embeddings on these servers")
+    p.add_argument("--request-texts", type=int, default=32, help="texts per /v1/embeddings request")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    p.add_argument("--vllm-venv", default=str(default_peers_dir() / "vllm-venv"))
     args = p.parse_args()
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     batch = texts(args.texts)
     with tempfile.TemporaryDirectory(prefix="cbserve-emb-") as tmp:
         folder = embedding_folder(Path(args.hf_model), Path(tmp) / "smollm2-embedding")
         cb_s, cb_vecs = run_cbserve(folder, batch)
         st_s, st_vecs = run_sentence_transformers(folder, batch, args.st_batch_size)
-    result = {
-        "texts": len(batch), "model": "SmolLM2-135M (last token, normalized), float32", "cpu": describe("auto"),
-        "embeddings_per_s": {"cbserve": len(batch) / cb_s, "sentence-transformers": len(batch) / st_s},
-        "seconds": {"cbserve": cb_s, "sentence-transformers": st_s},
+        served = {name: run_server(name, folder, batch, args) for name in args.servers}
+    result: dict[str, Any] = {
+        "texts": len(batch), "model": "SmolLM2-135M (last token, normalized), float32",
+        "cpu": describe(native.supported_levels()[0]),
+        "embeddings_per_s": {"cbserve (offline LLM)": len(batch) / cb_s, "sentence-transformers": len(batch) / st_s},
+        "seconds": {"cbserve (offline LLM)": cb_s, "sentence-transformers": st_s},
         "min_cosine_cbserve_vs_st": min_cosine(cb_vecs, st_vecs),
     }
     result["cbserve_over_st"] = st_s / cb_s
+    for name, timing in served.items():
+        if timing is not None:
+            label = f"{name} serve (HTTP)"
+            result["embeddings_per_s"][label] = len(batch) / timing[0]
+            result["seconds"][label] = timing[0]
+            result[f"min_cosine_{name}_serve_vs_st"] = min_cosine(timing[1], st_vecs)
+    if served.get("cbserve") and served.get("vllm"):
+        result["cbserve_serve_over_vllm_serve"] = served["vllm"][0] / served["cbserve"][0]
+        result["http"] = {"request_texts": args.request_texts, "concurrency": args.concurrency}
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "embeddings.json").write_text(json.dumps(result, indent=2))
     plot(result, out / "embeddings.png")
     print(json.dumps(result, indent=2))
     print(f"cbserve / sentence-transformers: {result['cbserve_over_st']:.2f}x (goal >= 2x); "
           f"vectors agree to cosine >= {result['min_cosine_cbserve_vs_st']:.6f}")
+    if "cbserve_serve_over_vllm_serve" in result:
+        print(f"cbserve serve / vllm serve: {result['cbserve_serve_over_vllm_serve']:.2f}x (goal >= 1.25x)")
     return 0
 
 

@@ -78,16 +78,18 @@ def local_deployment(app_args: dict[str, Any], timeout_s: float = 600.0,
 @contextlib.contextmanager
 def local_deployment_process(app_args: dict[str, Any], timeout_s: float = 600.0,
                              log_path: str | os.PathLike[str] | None = None,
-                             extra_args: list[str] | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+                             extra_args: list[str] | None = None,
+                             ray_address: str = "local") -> Iterator[tuple[str, subprocess.Popen]]:
     """:func:`local_deployment` that also yields the ``cbserve serve`` child (its process tree is the
-    deployment's Ray instance: GCS, raylet, actors)."""
+    deployment's Ray instance: GCS, raylet, actors). ``ray_address``: a running cluster's address makes the
+    child join it (e.g. a ``ray.cluster_utils.Cluster`` of simulated nodes) instead of starting its own."""
     port = int(app_args.get("port") or 0) or free_port()
     config = {k: v for k, v in app_args.items() if k not in ("host", "port")}
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     with tempfile.TemporaryDirectory(prefix="cbserve-deploy-") as tmp:
         config_file = Path(tmp) / "config.yaml"
         config_file.write_text(json.dumps(config))  # JSON is YAML
-        cmd = serve_command(config_file, port, timeout_s) + list(extra_args or [])
+        cmd = serve_command(config_file, port, timeout_s, ray_address) + list(extra_args or [])
         base_url = f"http://{HOST}:{port}"
         with server_process(cmd, base_url, timeout_s, log_path, env) as proc:
             yield base_url, proc
@@ -111,10 +113,11 @@ def server_process(cmd: list[str], base_url: str, timeout_s: float = 600.0,
             stop_process(proc)
 
 
-def serve_command(config_file: str | os.PathLike[str], port: int, ready_timeout_s: float = 600.0) -> list[str]:
-    """The child's command line: ``cbserve serve`` on a new local Ray instance."""
+def serve_command(config_file: str | os.PathLike[str], port: int, ready_timeout_s: float = 600.0,
+                  ray_address: str = "local") -> list[str]:
+    """The child's command line: ``cbserve serve`` on a new local Ray instance (or joining ``ray_address``)."""
     return [
-        sys.executable, "-m", "cbserve.cluster.cli", "serve", "--ray-address", "local",
+        sys.executable, "-m", "cbserve.cluster.cli", "serve", "--ray-address", ray_address,
         "--config", str(config_file), "--host", HOST, "--port", str(port),
         "--ready-timeout", str(ready_timeout_s),
     ]  # fmt: skip

@@ -245,6 +245,8 @@ def test_local_deployment_runs_cbserve_serve(tmp_path) -> None:
     (tmp_path / "c.yaml").write_text(json.dumps({"device": "cpu", "max_num_seqs": 8}))
     config = CBServeConfig.from_yaml(args.config)
     assert config.device == "cpu" and config.max_num_seqs == 8
+    joined = parser.parse_args(serve_command(tmp_path / "c.yaml", 4321, 90.0, ray_address="127.0.0.1:6379")[4:])
+    assert joined.ray_address == "127.0.0.1:6379"  # a running cluster (simulated nodes) is joined
 
 
 def test_free_port_is_bindable_and_outside_the_ephemeral_range() -> None:

@@ -2,7 +2,7 @@
 Ray cluster, serves the bundled model (here without the compiled graph), says where it listens, answers the
 official OpenAI client, ends a request that outlives ``request_timeout_s`` with HTTP 504 (freeing its KV
 blocks), and shuts down cleanly on Ctrl-C. A model its engine cannot load ends the command with that error
-instead of a restart loop."""
+instead of a restart loop. The simulated engine (``--model sim``) serves through Serve's proxy."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).with_name("cbserve")
 MODEL = "SmolLM2-135M-Instruct"
 TIMEOUT_S = 12  # request_timeout_s: far above an 8-token answer (< 1 s), far below 8000 tokens on a CPU
+DRAIN_STREAM_S = 5.0  # how long the drain check's streams last: in flight when the drain starts, within TIMEOUT_S
 
 
 class Serve:
@@ -105,20 +106,21 @@ def _check_drain_on_sigterm(srv: Serve, client: Any) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     started = threading.Semaphore(0)
+    tokens = _tokens_lasting(client, DRAIN_STREAM_S)
 
     def stream(i: int) -> int:
-        """Streams 160 tokens (seconds: still running when the drain starts); the final usage chunk's count."""
-        chunks = client.completions.create(model=MODEL, prompt=f"Count to ten, take {i}:", max_tokens=160,
+        """Streams ``tokens`` tokens (seconds: still running when the drain starts); the final usage count."""
+        chunks = client.completions.create(model=MODEL, prompt=f"Count to ten, take {i}:", max_tokens=tokens,
                                            temperature=0, stream=True, stream_options={"include_usage": True},
                                            extra_body={"ignore_eos": True})  # fmt: skip
-        first, tokens = True, 0
+        first, count = True, 0
         for chunk in chunks:
             if first and chunk.choices:
                 first = False
                 started.release()
             if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        return tokens
+                count = chunk.usage.completion_tokens
+        return count
 
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(stream, i) for i in range(4)]
@@ -137,12 +139,23 @@ def _check_drain_on_sigterm(srv: Serve, client: Any) -> None:
         with pytest.raises(openai.APIStatusError) as info:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
         assert info.value.status_code == 503 and info.value.response.headers["retry-after"]
-        assert [f.result(timeout=120) for f in futures] == [160] * 4  # every stream ran to its end
+        assert [f.result(timeout=120) for f in futures] == [tokens] * 4  # every stream ran to its end
     assert srv.proc.wait(timeout=90) == 0
     srv.reader.join(timeout=10)
     assert "shutting down (SIGTERM)" in srv.output, srv.output[-3000:]
     drained = re.search(r"drained: (\d+) of (\d+) requests in flight finished, 0 aborted", srv.output)
     assert drained and drained[1] == drained[2] and int(drained[1]) >= 4, srv.output[-3000:]  # + any /health poll
+
+
+def _tokens_lasting(client: Any, seconds: float) -> int:
+    """How many tokens 4 streams decode in about ``seconds`` on this machine now (timed on one 32-token answer,
+    batched decoding taken as 1.5x slower), kept within 60% of TIMEOUT_S: a fixed count either outlives the
+    request timeout on a busy machine or ends before the drain starts on a quiet one."""
+    t0 = time.monotonic()
+    client.completions.create(model=MODEL, prompt="Count:", max_tokens=32, temperature=0,
+                              extra_body={"ignore_eos": True})  # fmt: skip
+    per_token = 1.5 * (time.monotonic() - t0) / 32
+    return max(32, min(int(seconds / per_token), int(0.6 * TIMEOUT_S / per_token)))
 
 
 def _check_no_ray_dashboard_but_metrics_discovery(srv: Serve) -> None:
@@ -272,11 +285,13 @@ def _listener(port: int) -> str:
     return ""
 
 
-def test_cbserve_serve_without_direct_ingress_serves_through_the_proxy() -> None:
+def test_cbserve_serve_model_sim_without_direct_ingress_serves_through_the_proxy() -> None:
     """``--direct-ingress false``: Serve's proxy listens on --port and streams the ingress's answers. With
-    ``--node-tuning off`` every process of the Ray instance keeps the OS's and Ray's defaults."""
-    srv = Serve("--direct-ingress", "false", "--max-model-len", "512", "--kv-cache-memory-bytes",
-                str(64 * 1024**2), "--node-tuning", "off")  # fmt: skip
+    ``--node-tuning off`` every process of the Ray instance keeps the OS's and Ray's defaults. The model is
+    ``sim`` (the simulated engine: an H100 serving Llama-3-8B, no weights) on 2 engine replicas: the whole stack
+    above it answers the official client, streamed and not, with text the bundled tokenizer decodes."""
+    srv = Serve("--model", "sim", "--num-replicas", "2", "--max-model-len", "4096", "--direct-ingress", "false",
+                "--node-tuning", "off")  # fmt: skip
     try:
         assert srv.ready.wait(300), "cbserve serve did not get ready:\n" + "".join(srv.lines[-40:])
         owner = _listener(srv.port)
@@ -284,10 +299,16 @@ def test_cbserve_serve_without_direct_ingress_serves_through_the_proxy() -> None
         _check_untuned(srv)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="none", max_retries=0,
                                timeout=120)  # fmt: skip
-        stream = client.completions.create(model=MODEL, prompt="Say hello.", max_tokens=8, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})  # fmt: skip
-        pieces = [c.choices[0].text for c in stream if c.choices]
-        assert len(pieces) >= 8 and "".join(pieces)
+        assert [m.id for m in client.models.list().data] == ["sim"]
+        messages = [{"role": "user", "content": "Hello!"}]
+        reply = client.chat.completions.create(model="sim", messages=messages, max_tokens=12)
+        assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 12
+        assert reply.choices[0].message.content
+        stream = client.chat.completions.create(model="sim", messages=messages, max_tokens=16, stream=True,
+                                                stream_options={"include_usage": True})  # fmt: skip
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
         srv.proc.send_signal(signal.SIGINT)
         assert srv.proc.wait(timeout=90) == 0
     finally:
