@@ -25,8 +25,17 @@ def free_port() -> int:
 def local_serve_app(args: dict[str, Any], name: str) -> Iterator[str]:
     """A local Ray (4 CPUs) serving cbserve's app built from ``args`` on a free port; yields its URL once
     /health answers, shuts Serve and Ray down after."""
+    with local_serve_apps({name: args}, prefixed=False) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def local_serve_apps(apps: dict[str, dict[str, Any]], prefixed: bool = True) -> Iterator[str]:
+    """One local Ray (4 CPUs) serving a cbserve app per entry of ``apps`` (name -> args), each under ``/{name}``
+    (at ``/`` when not ``prefixed``: one app); yields the base URL once every app's /health answers."""
     import ray
     from ray import serve
+    from ray.serve.api import RunTarget
 
     from cbserve.cluster.app import build_app
 
@@ -34,9 +43,13 @@ def local_serve_app(args: dict[str, Any], name: str) -> Iterator[str]:
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(args), name=name, route_prefix="/")
+        prefixes = {name: f"/{name}" if prefixed else "/" for name in apps}
+        serve.run_many([RunTarget(build_app(args), name=name, route_prefix=prefixes[name])
+                        for name, args in apps.items()], wait_for_applications_running=False)  # fmt: skip
         url = f"http://127.0.0.1:{port}"
-        wait_for("the app's /health", lambda: urllib.request.urlopen(url + "/health", timeout=5).status == 200, 240)
+        for prefix in prefixes.values():
+            health = url + prefix.rstrip("/") + "/health"
+            wait_for(f"{health}", lambda h=health: urllib.request.urlopen(h, timeout=5).status == 200, 240)
         yield url
     finally:
         serve.shutdown()

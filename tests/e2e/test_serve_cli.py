@@ -179,32 +179,39 @@ def _check_no_ray_dashboard_but_metrics_discovery(srv: Serve) -> None:
 
 
 def _check_request_timeout(srv: Serve, client: Any) -> None:
-    """A request still running after request_timeout_s: aborted in the engine (its blocks freed) and
-    answered 504 with OpenAI's error body; streamed: an error event, then [DONE]."""
+    """Requests still running after request_timeout_s, one whole and one streamed, side by side: both aborted in
+    the engine (their blocks freed); the whole one answered 504 with OpenAI's error body, the streamed one with an
+    error event, then [DONE]."""
+    from concurrent.futures import ThreadPoolExecutor
+
     long = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 8000,
             "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
-    t0 = time.monotonic()
-    with pytest.raises(openai.InternalServerError) as info:
-        client.completions.create(**long)
-    assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 30
+    with ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        whole = pool.submit(client.completions.create, **long)
+        events = _timed_out_stream(srv, {k: v for k, v in long.items() if k != "extra_body"} | {"ignore_eos": True})
+        with pytest.raises(openai.InternalServerError) as info:
+            whole.result(timeout=TIMEOUT_S + 60)
+        assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 30
     assert info.value.status_code == 504
     error = info.value.response.json()["error"]
     assert error["type"] == "timeout" and "request_timeout_s" in error["message"], error
-    stats = wait_for("the timed-out request's blocks freed", lambda: _engine_idle(srv), 20, 0.2)
-    assert stats["num_aborted"] == 1
-
-    body = {k: v for k, v in long.items() if k != "extra_body"} | {"ignore_eos": True, "stream": True}
-    req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=120) as r:
-        assert r.status == 200  # committed to a stream before the deadline
-        events = [line.removeprefix("data: ") for line in r.read().decode().splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["error"]["code"] == 504 and last["error"]["type"] == "timeout", last
     assert len(events) > 3  # tokens were streamed before the deadline
-    stats = wait_for("the timed-out stream's blocks freed", lambda: _engine_idle(srv), 20, 0.2)
+    stats = wait_for("the timed-out requests' blocks freed", lambda: _engine_idle(srv), 20, 0.2)
     assert stats["num_aborted"] == 2
+
+
+def _timed_out_stream(srv: Serve, body: dict[str, Any]) -> list[str]:
+    """The SSE events of ``body`` streamed until the server ends it."""
+    req = urllib.request.Request(f"http://127.0.0.1:{srv.port}/v1/completions",
+                                 data=json.dumps(body | {"stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200  # committed to a stream before the deadline
+        return [line.removeprefix("data: ") for line in r.read().decode().splitlines() if line.startswith("data: ")]
 
 
 def test_cbserve_serve_exits_with_the_engines_error_when_the_model_cannot_load(tmp_path: Path) -> None:
