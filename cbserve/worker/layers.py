@@ -26,6 +26,14 @@ class LoRASlots(Protocol):
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> None: ...
 
 SKINNY_LOGITS_ROWS = 96  # up to this many sampled rows, CPU logits are computed as W @ h^T
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the fused kernels (triton_fused.py) take
+
+
+def use_triton(x: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether the fused Triton kernels (triton_fused.py) run on x: a CUDA tensor whose data (x's own, or
+    ``dtype`` where x holds something else, e.g. positions) is of a dtype they take. triton_fused (and so
+    triton) is imported only once this holds: a CPU run never loads triton."""
+    return x.is_cuda and (x.dtype if dtype is None else dtype) in TRITON_DTYPES
 
 
 def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -37,7 +45,7 @@ def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 like HF's LlamaRMSNorm; optionally fused with the residual add. With
     ``kernels`` (float32 CPU models on the native ops, see cpu/ops.py) both run as one C pass and the sum is
-    written into ``residual`` in place.
+    written into ``residual`` in place; on CUDA likewise as one Triton kernel (triton_fused.py, same rounding).
 
     ``gemma``: Gemma's form, ``(1 + w) * x_normed`` with the product taken in float32 before the cast. The
     checkpoint's w is stored as 1 + w (float32) when it is loaded (the same float32 sum HF computes at every
@@ -51,6 +59,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32 if gemma else None))
         self.weight.weight_loader = _gemma_norm_loader if gemma else _default_loader
         self.kernels = kernels
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether the Triton kernel norms x: on CUDA, with a weight in x's dtype (or Gemma's float32 1 + w),
+        where the torch path's result keeps x's dtype."""
+        return use_triton(x) and (self.gemma or self.weight.dtype == x.dtype)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; the same float32 arithmetic as below
@@ -68,6 +81,10 @@ class RMSNorm(nn.Module):
         if self.kernels is not None and x.dtype == torch.float32:
             n, heads, dim = x.shape
             return self.kernels.add_rms_norm(x.reshape(n * heads, dim), None, self.weight, self.eps)[0].view(x.shape)
+        if self._fused(x):
+            from . import triton_fused
+
+            return triton_fused.rms_norm_heads(x, self.weight, self.eps, self.gemma)
         return self._norm(x).contiguous()
 
     def forward(
@@ -76,6 +93,10 @@ class RMSNorm(nn.Module):
         """Returns (normed, new_residual) where new_residual = x + residual (or x)."""
         if self.kernels is not None:
             return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        if x.dim() == 2 and self._fused(x):
+            from . import triton_fused
+
+            return triton_fused.add_rms_norm(x, residual, self.weight, self.eps, self.gemma)
         if residual is not None:
             x = x + residual
         return self._norm(x), x
@@ -219,7 +240,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 class GeluTanhAndMul(nn.Module):
     """gelu(gate, tanh approximation) * up of a fused [gate | up] projection (Gemma's GeGLU); one C pass with
-    ``kernels`` (float32)."""
+    ``kernels`` (float32), one Triton kernel on CUDA."""
 
     def __init__(self, kernels: CpuKernels | None = None) -> None:
         super().__init__()
@@ -228,12 +249,16 @@ class GeluTanhAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.dtype == torch.float32:
             return self.kernels.gelu_tanh_and_mul(x)
+        if use_triton(x):
+            from . import triton_fused
+
+            return triton_fused.gelu_tanh_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up of a fused [gate | up] projection; one C pass with ``kernels``."""
+    """silu(gate) * up of a fused [gate | up] projection; one C pass with ``kernels``, one Triton kernel on CUDA."""
 
     def __init__(self, kernels: CpuKernels | None = None) -> None:
         super().__init__()
@@ -242,5 +267,9 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             return self.kernels.silu_and_mul(x)
+        if use_triton(x):
+            from . import triton_fused
+
+            return triton_fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

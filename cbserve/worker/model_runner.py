@@ -23,12 +23,12 @@ from .lora import LoRAManager
 from .model_build import build_model
 from .model_info import head_dim_of, num_kv_heads_of, read_eos_token_ids
 from .model_loader import hide_triton_from_torch, load_hf_config, resolve_model
-from .parallel import broadcast_from_rank0, divide, tp_rank, tp_world_size
+from .parallel import broadcast_token_ids, divide, tp_rank, tp_world_size
 from .pooler import Pooler
 from .pooling_config import read_pooling_config
 from .profiling import profile_cuda_kv_budget
 from .prompt_logprobs import compute_prompt_logprobs
-from .sampler import Sampler
+from .sampler import Sampler, to_device
 from .spec_verify import verify_drafts
 from .step_buffers import StepBuffers
 from .structured import StructuredOutputs
@@ -233,8 +233,9 @@ class ModelRunner:
         out = ModelRunnerOutput(req_ids=list(batch.sampled_req_ids))
         if logits is None:
             return out
-        owner = torch.tensor(batch.sample_owner, dtype=torch.long, device=logits.device)
-        rows_logits = logits if len(batch.sample_owner) == logits.shape[0] else logits.index_select(0, owner)
+        rows_logits = logits  # index copies from pinned memory: no host sync on CUDA (see sampler.to_device)
+        if len(batch.sample_owner) != logits.shape[0]:
+            rows_logits = logits.index_select(0, to_device(batch.sample_owner, torch.long, logits.device))
         sampled: list[list[int]] = [[] for _ in batch.sampled_req_ids]
         lps: list[list[TokenLogprob] | None] = [None for _ in batch.sampled_req_ids]
         plain = list(range(len(batch.sample_rows)))
@@ -250,7 +251,7 @@ class ModelRunner:
                 in_groups.update(range(g.first_row, g.first_row + len(g.drafts) + 1))
             plain = [j for j in plain if j not in in_groups]
             if plain and len(plain) != len(batch.sample_rows):
-                rows_logits = rows_logits.index_select(0, torch.tensor(plain, device=rows_logits.device))
+                rows_logits = rows_logits.index_select(0, to_device(plain, torch.long, rows_logits.device))
         if plain:
             ids, rows = batch.sampled_req_ids, [batch.sample_rows[j] for j in plain]
             owners = [ids[batch.sample_owner[j]] for j in plain]
@@ -273,7 +274,8 @@ class ModelRunner:
         fork points and beam search, whose tokens the scheduler decides. Every rank appends rank 0's.
         A request with drafts keeps its accepted drafts + one token and rolls back the rest: computed up
         to its last token, block table cut to the blocks its tokens need (as spec_decode.rollback)."""
-        sampled = broadcast_from_rank0(out.sampled_token_ids)
+        sampled = broadcast_token_ids(out.sampled_token_ids if tp_rank() == 0 else None,  # no pickle
+                                      len(batch.sampled_req_ids), len(batch.sample_rows), self.device)
         bs = self.block_size
         for req_id, tokens in zip(batch.sampled_req_ids, sampled, strict=True):
             state = self.requests[req_id]

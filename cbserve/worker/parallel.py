@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 import torch
 import torch.distributed as dist
-
-T = TypeVar("T")
 
 
 def tp_world_size() -> int:
@@ -35,13 +31,33 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def broadcast_from_rank0(obj: T) -> T:
-    """Rank 0's ``obj`` on every rank (a small picklable object, e.g. the sampled token ids)."""
+def broadcast_token_ids(
+    ids: list[list[int]] | None, num_lists: int, max_total: int, device: torch.device
+) -> list[list[int]]:
+    """Rank 0's ``ids`` (``num_lists`` lists of at most ``max_total`` ids in all, sizes every rank knows from
+    its batch) on every rank, in one int64 broadcast on ``device`` (the process group's: CUDA for NCCL, the CPU
+    for gloo): the lists' lengths, then their ids, then padding. No pickle; one host read on the other ranks.
+    ``ids`` is only read on rank 0 (returned as is on a single rank)."""
     if tp_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+        return ids if ids is not None else [[] for _ in range(num_lists)]
+    if num_lists + max_total == 0:
+        return []
+    if tp_rank() != 0:
+        buf = torch.empty(num_lists + max_total, dtype=torch.long, device=device)
+        dist.broadcast(buf, src=0)
+        values = buf.tolist()
+        out, at = [], num_lists
+        for n in values[:num_lists]:
+            out.append(values[at : at + n])
+            at += n
+        return out
+    if ids is None or len(ids) != num_lists or sum(map(len, ids)) > max_total:
+        raise ValueError(f"rank 0 must give {num_lists} lists of at most {max_total} ids in all")
+    flat = [len(x) for x in ids] + [t for x in ids for t in x]
+    host = torch.zeros(num_lists + max_total, dtype=torch.long, pin_memory=device.type == "cuda")
+    host[: len(flat)] = torch.tensor(flat, dtype=torch.long)
+    dist.broadcast(host.to(device, non_blocking=True), src=0)
+    return ids
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .cpu.kernels import CpuKernels
+from .layers import use_triton
 
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -110,10 +111,24 @@ class NativeRope:
         return x
 
 
+@dataclass(frozen=True)
+class TritonRope:
+    """CUDA: one fused Triton kernel (triton_fused.rotary_) over x, in place, with the torch path's rounding."""
+
+    positions: torch.Tensor  # [num_tokens] int64
+    cos: torch.Tensor  # the whole [max_positions, head_dim] float32 tables
+    sin: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        from . import triton_fused
+
+        return triton_fused.rotary_(x, self.positions, self.cos, self.sin)
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables [max_positions, head_dim] (float32); ``prepare(positions)`` once per
     forward. With ``kernels`` (float32 CPU models on the native ops, see cpu/ops.py) the rotation is one C
-    pass, in place."""
+    pass, in place; on CUDA one Triton kernel, in place (``TritonRope``)."""
 
     def __init__(
         self, hf_config: Any, head_dim: int, max_positions: int, kernels: CpuKernels | None = None,
@@ -131,6 +146,8 @@ class RotaryEmbedding(nn.Module):
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         if self.kernels is not None and dtype == torch.float32:
             return NativeRope(self.kernels, positions, self.cos, self.sin)
+        if use_triton(positions, dtype):
+            return TritonRope(positions, self.cos, self.sin)
         cos, sin = self.cos_sin(positions, dtype)
         return TorchRope(cos, sin)
 

@@ -13,8 +13,8 @@ min_tokens, temperature, top-k/p, min-p), so speculation changes how fast tokens
   target's p. A draft model's q is its own distribution (draft_model.py); an n-gram draft is
   deterministic (q = one-hot on d): accepted with probability p(d), the residual is p with d removed.
 
-A seeded row draws its uniform and its noise from a generator seeded with (seed, position), like the
-sampler: the same seed, prompt and drafts give the same tokens.
+A seeded row draws its uniforms from a CPU generator seeded with (seed, position), like the sampler: the
+same seed, prompt and drafts give the same tokens, on any device.
 """
 
 from __future__ import annotations
@@ -42,9 +42,17 @@ class DraftGroup:
         return DraftGroup(self.owner, self.first_row, self.drafts, q)
 
 
+def _uniform(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator | None,
+             device: torch.device) -> torch.Tensor:
+    """Uniforms on ``device``: from ``gen`` (a seeded row's, on the CPU) when given, else the device's default."""
+    if gen is None:
+        return torch.rand(shape, dtype=dtype, device=device)
+    return torch.rand(shape, dtype=dtype, generator=gen, device=gen.device).to(device)
+
+
 def draw_one(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     """A draw from ``probs`` [vocab] (unnormalised is fine), by inverse CDF on one uniform number of ``gen``."""
-    u = torch.rand(1, dtype=torch.float64, generator=gen, device=probs.device)
+    u = _uniform((1,), torch.float64, gen, probs.device)
     return int(draw(probs.unsqueeze(0), u)[0])
 
 
@@ -59,7 +67,8 @@ def accept_random(probs: torch.Tensor, drafts: Sequence[int], gens: Sequence[tor
     for j, draft in enumerate(drafts):
         p = probs[j]
         total = float(p.sum())
-        u = float(torch.rand((), generator=gens[j], device=p.device))
+        gen = gens[j]  # a seeded row's number stays on the host
+        u = float(_uniform((), torch.float32, gen, p.device if gen is None else gen.device))
         qd = 1.0 if q is None else float(q[j, draft])
         if total > 0.0 and u * total * qd < float(p[draft]):
             out.append(draft)
@@ -114,7 +123,7 @@ def verify_drafts(
             if probs is None:
                 raise RuntimeError("random rows without probabilities")
             p = probs[[prob_index[base + j] for j in range(n)]]
-            gens = [row_generator(srows[base + j], lg.device) for j in range(n)]
+            gens = [row_generator(srows[base + j], torch.device("cpu")) for j in range(n)]
             tokens = accept_random(p, g.drafts, gens, g.q)
         lps = None
         if raw is not None and srows[base].params.logprobs is not None:

@@ -47,10 +47,13 @@ def test_temperature_sampling_follows_the_distribution() -> None:
 def test_draw_maps_each_uniform_to_its_cumulative_mass_interval() -> None:
     # masses 0, 1, 0, 2, 1 (unnormalised, total 4): cumulative 0 | 1 | 1 | 3 | 4
     probs = torch.tensor([[0.0, 1.0, 0.0, 2.0, 1.0]]).expand(7, -1)
-    u = torch.tensor([0.0, 0.2499, 0.25, 0.5, 0.7499, 0.75, 1.0], dtype=torch.float64)
-    # u * 4 in [0, 1) -> token 1, [1, 3) -> token 3, [3, 4) -> token 4; zero-mass tokens never; a product
-    # at the total (only u = 1 here, u < 1 when rounding meets it) -> the most likely token
-    assert draw(probs, u).tolist() == [1, 1, 3, 3, 3, 4, 3]
+    u = torch.tensor([0.0, 0.2499, 0.25, 0.5, 0.7499, 0.75, 1.0 - 2.0**-53], dtype=torch.float64)
+    # u * 4 in [0, 1) -> token 1, [1, 3) -> token 3, [3, 4) -> token 4; zero-mass tokens never; the largest
+    # uniform torch draws (1 - 2^-53) stays below the total
+    assert draw(probs, u).tolist() == [1, 1, 3, 3, 3, 4, 4]
+    # u = 1, outside [0, 1): the last token of positive mass, never a zero-mass one or an index past the row
+    assert draw(probs[:1], torch.ones(1, dtype=torch.float64)).tolist() == [4]
+    assert draw(torch.tensor([[0.0, 1.0, 2.0, 0.0]]), torch.ones(1, dtype=torch.float64)).tolist() == [2]
 
 
 def test_draw_matches_the_distribution_over_a_large_vocabulary() -> None:
@@ -85,12 +88,16 @@ def _nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
 
 
-@pytest.mark.parametrize("backend", ["topk", "c_kernel"])
-def test_top_p_nucleus_equals_a_full_sort_whatever_its_size(backend: str) -> None:
+@pytest.mark.parametrize("backend", ["topk", "c_kernel", "sort"])
+def test_top_p_nucleus_equals_a_full_sort_whatever_its_size(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # peaked rows end within the first 64 tokens; flatter ones within 512 or 4096; the flattest need the
     # whole row: every round of the top-k search, in one batch, with per-row top_p (1.0: the row untouched);
-    # the C kernel's quickselect on the same rows
+    # the C kernel's quickselect on the same rows; the accelerators' sort of every row (forced on the CPU)
     kernels = None
+    if backend == "sort":
+        from cbserve.worker import sampler
+
+        monkeypatch.setattr(sampler, "_top_p_threshold_by_topk", sampler._top_p_threshold_by_sort)
     if backend == "c_kernel":
         kernels = load_cpu_kernels().kernels
         if kernels is None:
