@@ -10,6 +10,10 @@ The fused expert path touches only the experts the batch routes to: the (token, 
 expert, the routed tokens gathered once, and every routed expert runs one matmul pair over its contiguous run
 of rows; the rows are put back in token order and each token's k rows weighted and summed in one batched
 product. Experts no token chose are never read, which is what makes a decode step of a sparse model cheap.
+That path picks the routed experts on the host (a sync and a Python loop per block). On CUDA (``use_triton``)
+the block runs ``moe_triton.fused_moe`` instead: two grouped GEMMs over the experts' weights stacked once into
+[E, 2I, H] and [E, H, I] (the experts' parameters become views of the stacks), sorted and padded on the device,
+with no host sync, so such models' decode steps are captured as CUDA graphs (``cuda_graphs_blocker``).
 
 Tensor parallelism splits every expert's intermediate dimension across ranks (gate/up column-parallel, down
 row-parallel); the router is replicated, so every rank routes identically, and the partial sums of all experts
@@ -18,6 +22,7 @@ are all-reduced once per block.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cpu.kernels import CpuKernels
-from .layers import ColumnParallelLinear, RowParallelLinear, SiluAndMul, _default_loader
+from .layers import ColumnParallelLinear, RowParallelLinear, SiluAndMul, _default_loader, use_triton
 from .parallel import all_reduce
 
 
@@ -98,6 +103,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(
             MoEExpert(moe.hidden_size, moe.intermediate_size, kernels) for _ in range(moe.num_experts)
         )
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (gate_up, down): see stacked_weights
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [n, k] in x's dtype, expert ids [n, k]) of every token."""
@@ -109,7 +115,32 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if use_triton(x) and self.experts[0].gate_up_proj.weight.dtype == x.dtype:
+            from . import moe_triton
+
+            return all_reduce(moe_triton.fused_moe(x, *self.stacked_weights(), weights, ids))
         return all_reduce(fused_experts(x, weights, ids, self.experts))
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) of this rank's expert shards, for the grouped GEMMs of
+        ``moe_triton``. Built once, on first use on the weights' device: the experts' weights are stacked and
+        every expert's parameter is then made a view into the stack (its own storage is freed, so memory does
+        not double, and later loads through the weight loaders land in the stack). Rebuilt when the experts'
+        weights no longer live there (the model was moved, or a parameter replaced)."""
+        first = self.experts[0]
+        if self._stacked is not None and _is_view_of(first.gate_up_proj.weight, self._stacked[0]) and \
+                _is_view_of(first.down_proj.weight, self._stacked[1]):
+            return self._stacked
+        stacks = []
+        for kind in ("gate_up_proj", "down_proj"):
+            params = [getattr(e, kind).weight for e in self.experts]
+            with torch.inference_mode(False):  # a normal tensor, as the parameters were: later loads can write it
+                stack = torch.stack([p.data for p in params])
+            for i, p in enumerate(params):
+                p.data = stack[i]
+            stacks.append(stack)
+        self._stacked = (stacks[0], stacks[1])
+        return self._stacked
 
     def load_stacked(self, kind: str, tensor: torch.Tensor) -> None:
         """Load the experts from HF's stacked 3-D form (see ``split_stacked``)."""
@@ -119,6 +150,22 @@ class SparseMoeBlock(nn.Module):
                 proj.weight.weight_loader(proj.weight, piece)
             else:
                 proj.weight.weight_loader(proj.weight, piece, shard)
+
+
+HOST_ROUTING = "mixture-of-experts blocks run only the routed experts, chosen on the host each step"
+
+
+def cuda_graphs_blocker(expert_weights: Iterable[Any]) -> str | None:
+    """Why decode steps of a model with these sparse blocks (one expert weight of each block given) cannot be
+    captured as CUDA graphs, None when they can: on CUDA in a Triton dtype every block runs ``moe_triton``
+    (no host sync, launch grids fixed by the token count); anywhere else ``fused_experts`` picks the routed
+    experts on the host."""
+    return None if all(use_triton(w) for w in expert_weights) else HOST_ROUTING
+
+
+def _is_view_of(param: torch.Tensor, stack: torch.Tensor) -> bool:
+    """Whether param is expert 0's slice of stack (host-side pointer and shape checks only)."""
+    return param.data_ptr() == stack.data_ptr() and param.device == stack.device and param.shape == stack.shape[1:]
 
 
 def split_stacked(

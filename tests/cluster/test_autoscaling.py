@@ -34,10 +34,11 @@ def test_the_flag_form_becomes_serves_autoscaling_config() -> None:
     # Serve's own names, a JSON object (a `serve run ... autoscaling=...` arg) and a mapping agree
     same = '{"min_replicas": 1, "max": 3, "target_ongoing_requests": 2, "upscale_delay_s": 0.5, "downscale_delay_s": 4}'
     assert CBServeConfig.from_args({"autoscaling": same}).autoscaling == config.autoscaling
-    assert CBServeConfig(autoscaling=dict(config.autoscaling)).autoscaling == config.autoscaling
+    assert CBServeConfig(autoscaling=dict(config.autoscaling), device="cpu").autoscaling == config.autoscaling
     # a config that went through model_dump (the ingress replica's copy) reads back the same
     assert CBServeConfig.model_validate(config.model_dump()) == config
-    assert CBServeConfig().autoscaling is None and CBServeConfig(autoscaling="none").autoscaling is None
+    assert CBServeConfig(device="cpu").autoscaling is None
+    assert CBServeConfig(autoscaling="none", device="cpu").autoscaling is None
 
 
 def test_yaml_takes_autoscaling_from_args_or_from_serves_deployment_options(tmp_path: Path) -> None:
@@ -79,7 +80,7 @@ def test_yaml_takes_autoscaling_from_args_or_from_serves_deployment_options(tmp_
 ])  # fmt: skip
 def test_bad_autoscaling_is_refused_by_name(bad: object, match: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=match):
-        CBServeConfig(autoscaling=bad)
+        CBServeConfig(autoscaling=bad, device="cpu")
 
 
 SAME_AS_SERVE = [

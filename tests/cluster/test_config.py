@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pydantic
 import pytest
+import torch
 
 from cbserve.cluster import serve_cli
 from cbserve.cluster.serve_cli import add_arguments, config_from_args
@@ -30,10 +31,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_local_yaml_serves_the_bundled_model_on_cpu() -> None:
+def test_local_yaml_serves_the_bundled_model_on_the_auto_device() -> None:
     config = CBServeConfig.from_yaml(ROOT / "deploy" / "serve-local.yaml")
     assert config.model is None and config.model_name == "SmolLM2-135M-Instruct"
-    assert config.resolved_device == "cpu"  # no GPU here, Ray not initialised: torch decides
+    assert config.device == "auto" and config.resolved_device == ("cuda" if torch.cuda.is_available() else "cpu")
     assert config.port == 8000 and config.tensor_parallel_size == 1
 
 
@@ -95,7 +96,7 @@ def _hf_folder(tmp_path: Path, **changes: object) -> str:
 
 
 def _serve(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    rc = serve_cli.main(_parse(argv + ["--ready-timeout", "1"]))
+    rc = serve_cli.main(_parse(["--device", "cpu"] + argv + ["--ready-timeout", "1"]))  # argv's own --device wins
     return rc, capsys.readouterr().err
 
 
@@ -151,18 +152,18 @@ def test_a_file_that_is_no_gguf_is_refused(tmp_path: Path) -> None:
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(ConfigError, match="is not a GGUF v2/v3 file"):
-        servable_config(CBServeConfig(model=str(bad)))
+        servable_config(CBServeConfig(model=str(bad), device="cpu"))
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(Path(default_model_path()).read_bytes()[:4096])
     with pytest.raises(ConfigError, match="truncated or malformed GGUF header"):
-        servable_config(CBServeConfig(model=str(truncated)))
+        servable_config(CBServeConfig(model=str(truncated), device="cpu"))
 
 
 def test_the_cli_stops_in_a_subprocess_before_ray_starts() -> None:
     cli = Path(sys.executable).with_name("cbserve")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([str(cli), "serve", "--ray-address", "local", "--tensor-parallel-size", "2"],
-                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    argv = [str(cli), "serve", "--ray-address", "local", "--device", "cpu", "--tensor-parallel-size", "2"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 1
     assert proc.stderr.strip() == (
         "cbserve: error: num_attention_heads (9) is not divisible by the tensor-parallel size (2)"
@@ -198,33 +199,33 @@ def test_gguf_architectures_map_to_served_model_types_or_are_refused_with_the_re
     info = read_model_info(moe)
     assert (info.model_type, info.moe_intermediate_size) == ("qwen3_moe", 52)
     with pytest.raises(ConfigError, match=r"moe_intermediate_size \(52\) is not divisible .* \(8\)"):
-        servable_config(CBServeConfig(model=moe, tensor_parallel_size=8))
+        servable_config(CBServeConfig(model=moe, tensor_parallel_size=8, device="cpu"))
     gemma3 = _gguf_header(tmp_path / "g3.gguf", "gemma3", attention__head_count=4, embedding_length=64,
                           block_count=2)
     assert read_model_info(gemma3).model_type == "gemma3_text"  # the text backbone's model type
     for arch, reason in [("gemma", "Gemma 1"), ("qwen2moe", "architecture 'qwen2moe' is not supported")]:
         path = _gguf_header(tmp_path / f"{arch}.gguf", arch, attention__head_count=4, block_count=2)
         with pytest.raises(ConfigError, match=f"cannot load the model .*{reason}"):
-            servable_config(CBServeConfig(model=path))
+            servable_config(CBServeConfig(model=path, device="cpu"))
     mixtral = _gguf_header(tmp_path / "mixtral.gguf", "llama", attention__head_count=4, block_count=2,
                            expert_count=8)
     with pytest.raises(ConfigError, match="Mixtral"):
-        servable_config(CBServeConfig(model=mixtral))
+        servable_config(CBServeConfig(model=mixtral, device="cpu"))
 
 
 def test_an_unset_max_model_len_is_capped_by_the_model_an_explicit_one_is_not(tmp_path: Path) -> None:
     folder = _hf_folder(tmp_path, max_position_embeddings=512)
-    assert servable_config(CBServeConfig(model=folder)).max_model_len == 512
-    assert servable_config(CBServeConfig(model=folder, max_model_len=256)).max_model_len == 256
+    assert servable_config(CBServeConfig(model=folder, device="cpu")).max_model_len == 512
+    assert servable_config(CBServeConfig(model=folder, max_model_len=256, device="cpu")).max_model_len == 256
     with pytest.raises(ConfigError, match=r"max_model_len \(1024\) is longer"):
-        servable_config(CBServeConfig(model=folder, max_model_len=1024))
-    resolved = servable_config(CBServeConfig(model=folder))
+        servable_config(CBServeConfig(model=folder, max_model_len=1024, device="cpu"))
+    resolved = servable_config(CBServeConfig(model=folder, device="cpu"))
     assert CBServeConfig.model_validate(resolved.model_dump()).max_model_len == 512  # what the actors get
 
 
 def test_kv_budget_is_checked_on_cpu_and_where_the_blocks_are_known(tmp_path: Path) -> None:
     folder = _hf_folder(tmp_path)  # 30 layers x 3 KV heads x 64 x 2 x 4 bytes x 16 tokens = 737280 B/block
-    fits = CBServeConfig(model=folder, max_model_len=353, kv_cache_memory_bytes=22 * 737280)  # 22 blocks
+    fits = CBServeConfig(model=folder, max_model_len=353, kv_cache_memory_bytes=22 * 737280, device="cpu")  # 22 blocks
     servable_config(fits, "cpu")
     with pytest.raises(ConfigError, match="needs 23"):
         servable_config(fits.model_copy(update={"max_model_len": 354}), "cpu")
@@ -259,7 +260,7 @@ def test_the_worker_config_is_derived_from_every_matching_field() -> None:
 
 
 def test_the_engine_config_is_derived_from_the_engine_fields() -> None:
-    config = CBServeConfig(block_size=8, max_num_batched_tokens=64, max_num_seqs=3, max_model_len=99,
+    config = CBServeConfig(device="cpu", block_size=8, max_num_batched_tokens=64, max_num_seqs=3, max_model_len=99,
                            policy="static", enable_prefix_caching=False, max_waiting=7, ordering="priority")
     ec = config.engine_config(num_blocks=42)
     assert (ec.cache.block_size, ec.cache.num_blocks, ec.cache.enable_prefix_caching) == (8, 42, False)
@@ -268,25 +269,25 @@ def test_the_engine_config_is_derived_from_the_engine_fields() -> None:
         64, 3, 99, "static", 7, "priority"
     )
     assert sc.async_scheduling is True  # the served engine overlaps by default
-    assert CBServeConfig(async_scheduling=False).engine_config(num_blocks=4).scheduler.async_scheduling is False
+    assert CBServeConfig(async_scheduling=False, device="cpu").engine_config(4).scheduler.async_scheduling is False
     knobs = CBServeConfig(enable_chunked_prefill=False, policy="dynamic", dynamic_batch_window_s=0.2,
-                          dynamic_batch_size=5).engine_config(num_blocks=4).scheduler
+                          dynamic_batch_size=5, device="cpu").engine_config(num_blocks=4).scheduler
     assert (knobs.enable_chunked_prefill, knobs.dynamic_batch_window_s, knobs.dynamic_batch_size) == (False, 0.2, 5)
 
 
 def test_runner_pooling_reaches_the_engine_without_prefix_caching(tmp_path: Path) -> None:
-    ec = CBServeConfig(runner="pooling").engine_config(num_blocks=4)
+    ec = CBServeConfig(runner="pooling", device="cpu").engine_config(num_blocks=4)
     assert (ec.runner, ec.cache.enable_prefix_caching) == ("pooling", False)
-    assert CBServeConfig().engine_config(num_blocks=4).runner == "generate"
+    assert CBServeConfig(device="cpu").engine_config(num_blocks=4).runner == "generate"
     with pytest.raises(ValueError, match="speculative_config"):
-        CBServeConfig(runner="pooling", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        CBServeConfig(runner="pooling", speculative_config=dict(method="ngram", num_speculative_tokens=2), device="cpu")
     folder = Path(_hf_folder(tmp_path))
     (folder / "modules.json").write_text(json.dumps([{"path": "1_Pooling", "type": "x.Pooling"}]))
     (folder / "1_Pooling").mkdir()
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "weightedmean"}))
-    servable_config(CBServeConfig(model=str(folder)))  # generating: the files do not matter
+    servable_config(CBServeConfig(model=str(folder), device="cpu"))  # generating: the files do not matter
     with pytest.raises(ConfigError, match="runner 'pooling'.*weightedmean"):
-        servable_config(CBServeConfig(model=str(folder), runner="pooling"))
+        servable_config(CBServeConfig(model=str(folder), runner="pooling", device="cpu"))
 
 
 @pytest.mark.parametrize("bad", [{"request_timeout_s": 0}, {"request_timeout_s": -1}, {"attention_backend": "x"}])
@@ -352,7 +353,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 def test_speculative_config_reaches_the_engine_and_turns_async_scheduling_off(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    cfg = CBServeConfig(speculative_config=NGRAM)
+    cfg = CBServeConfig(speculative_config=NGRAM, device="cpu")
     assert cfg.async_scheduling  # the default, kept as the user set it...
     with caplog.at_level("INFO", logger="cbserve.config.serve_config"):
         engine = cfg.engine_config(64)
@@ -360,7 +361,7 @@ def test_speculative_config_reaches_the_engine_and_turns_async_scheduling_off(
     assert engine.speculative == SpeculativeConfig("ngram", 4, 2, 5)
     lines = [r.getMessage() for r in caplog.records if "async scheduling" in r.getMessage()]
     assert len(lines) == 1 and "speculative_config" in lines[0]
-    plain = CBServeConfig().engine_config(64)
+    plain = CBServeConfig(device="cpu").engine_config(64)
     assert plain.scheduler.async_scheduling and plain.speculative is None
 
 
@@ -372,10 +373,11 @@ def test_speculative_config_from_yaml_and_flags(tmp_path: Path) -> None:
     add_arguments(parser)
     args = parser.parse_args(["--speculative-config", json.dumps(NGRAM)])
     assert config_from_args(args).speculative == SpeculativeConfig("ngram", 4, 2, 5)
-    draft = CBServeConfig(speculative_config={"method": "draft_model", "model": "/m", "num_speculative_tokens": 3})
+    draft = CBServeConfig(speculative_config={"method": "draft_model", "model": "/m", "num_speculative_tokens": 3},
+                          device="cpu")
     worker = draft.worker_model_config()
     assert (worker.draft_model, worker.num_speculative_tokens) == ("/m", 3)  # the worker loads the draft
-    assert CBServeConfig(speculative_config=NGRAM).worker_model_config().draft_model is None
+    assert CBServeConfig(speculative_config=NGRAM, device="cpu").worker_model_config().draft_model is None
     local = CBServeConfig.from_yaml(Path(__file__).parents[2] / "deploy" / "serve-local.yaml")
     assert local.speculative_config is None
 
@@ -395,4 +397,4 @@ def test_speculative_config_from_yaml_and_flags(tmp_path: Path) -> None:
 )
 def test_bad_speculative_configs_are_refused(bad: object, match: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=match):
-        CBServeConfig(speculative_config=bad)
+        CBServeConfig(speculative_config=bad, device="cpu")

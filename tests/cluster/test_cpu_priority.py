@@ -216,4 +216,4 @@ def test_profile_off_leaves_every_process_as_it_was(tmp_path: Path) -> None:
     from cbserve.config import CBServeConfig
 
     with pytest.raises(ValueError, match="node_tuning"):
-        CBServeConfig(node_tuning="fast")  # type: ignore[arg-type]
+        CBServeConfig(node_tuning="fast", device="cpu")  # type: ignore[arg-type]

@@ -86,7 +86,8 @@ class _Metrics:
 def _actor(core: _FakeCore) -> Any:
     """A SchedulerActor (the class Ray wraps, no actor) that is ready, over ``core``; its channel server is real."""
     actor = object.__new__(SchedulerActor.__ray_actor_class__)
-    actor.config, actor.replica, actor.state, actor.error, actor.generation = CBServeConfig(), "0", "ready", None, 1
+    config = CBServeConfig(device="cpu")
+    actor.config, actor.replica, actor.state, actor.error, actor.generation = config, "0", "ready", None, 1
     actor.engine, actor.requests, actor.metrics = core, {}, _Metrics()
     actor._wakeup = asyncio.Event()
     actor.outputs = ChannelServer(actor._on_message, actor._channel_closed)

@@ -75,7 +75,7 @@ class FakeEngine:
 
 def _client(*engines: FakeEngine, request_timeout_s: float | None = None) -> EngineClient:
     client = object.__new__(EngineClient)  # no Ray: the fakes stand in for the SchedulerActors
-    client.config = CBServeConfig(request_timeout_s=request_timeout_s)
+    client.config = CBServeConfig(request_timeout_s=request_timeout_s, device="cpu")
     client.router = Router(len(engines), block_size=4)
     for i in range(len(engines)):
         client.router.set_healthy(i, True)
@@ -323,7 +323,7 @@ def test_the_engines_and_the_router_are_built_from_the_config(monkeypatch: pytes
     monkeypatch.setattr(engine_client, "SchedulerActor", FakeActorClass())
     monkeypatch.setattr(engine_client.ray, "get_runtime_context", lambda: context)
     config = CBServeConfig(num_replicas=3, max_restarts=7, block_size=8, prefix_affinity_tokens=32,
-                           affinity_max_imbalance_tokens=99, routing="round_robin")  # fmt: skip
+                           affinity_max_imbalance_tokens=99, routing="round_robin", device="cpu")  # fmt: skip
     client = EngineClient(config, "app", "owner")
     assert len(client.engines) == 3 and len(client.router.replicas) == 3
     assert [kw["name"] for kw, _ in created] == [f"app:owner:engine-{i}" for i in range(3)]
@@ -333,7 +333,7 @@ def test_the_engines_and_the_router_are_built_from_the_config(monkeypatch: pytes
     r = client.router
     assert (r.block_size, r.affinity_tokens, r.max_imbalance_tokens, r.mode) == (8, 32, 99, "round_robin")
     assert not config.uses_kv_events  # the engines report no prefix-cache blocks to a router that ignores them
-    assert CBServeConfig().routing == "cache_aware" and CBServeConfig().uses_kv_events
-    assert not CBServeConfig(routing="affinity").uses_kv_events
+    assert CBServeConfig(device="cpu").routing == "cache_aware" and CBServeConfig(device="cpu").uses_kv_events
+    assert not CBServeConfig(routing="affinity", device="cpu").uses_kv_events
     with pytest.raises(ValueError, match="routing"):
-        CBServeConfig(routing="random")
+        CBServeConfig(routing="random", device="cpu")

@@ -41,11 +41,11 @@ def test_the_flags_take_vllms_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_the_keys_reach_the_engine_and_the_workers() -> None:
-    on = CBServeConfig(enable_lora=True, max_loras=3, max_lora_rank=32, max_cpu_loras=5)
+    on = CBServeConfig(enable_lora=True, max_loras=3, max_lora_rank=32, max_cpu_loras=5, device="cpu")
     assert on.engine_config(num_blocks=4).scheduler.max_loras == 3
     worker = on.worker_model_config()
     assert (worker.enable_lora, worker.max_loras, worker.max_lora_rank, worker.max_cpu_loras) == (True, 3, 32, 5)
-    off = CBServeConfig(max_loras=3)
+    off = CBServeConfig(max_loras=3, device="cpu")
     assert off.engine_config(num_blocks=4).scheduler.max_loras == 0  # LoRA off: requests naming one are refused
     assert off.worker_model_config().enable_lora is False
 
@@ -95,11 +95,11 @@ def test_every_adapter_is_checked_at_start_up(tmp_path: Path, capsys: pytest.Cap
     (model / "config.json").write_text(json.dumps(SMOLLM2))
     empty = tmp_path / "empty"
     empty.mkdir()
-    config = CBServeConfig(model=str(model), enable_lora=True, lora_modules={"sql": str(empty)})
+    config = CBServeConfig(model=str(model), enable_lora=True, lora_modules={"sql": str(empty)}, device="cpu")
     with pytest.raises(ConfigError, match=r"lora_modules: adapter 'sql': .*empty has no adapter_config.json"):
         servable_config(config)
-    servable_config(CBServeConfig(model=str(model), enable_lora=True))  # no adapters: nothing to check
-    rc = serve_cli.main(_parse(["--model", str(model), "--enable-lora", "--lora-modules", f"bad={tmp_path}/none",
-                                "--ready-timeout", "1"]))  # fmt: skip
+    servable_config(CBServeConfig(model=str(model), enable_lora=True, device="cpu"))  # no adapters: nothing to check
+    rc = serve_cli.main(_parse(["--model", str(model), "--device", "cpu", "--enable-lora", "--lora-modules",
+                                f"bad={tmp_path}/none", "--ready-timeout", "1"]))  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith("cbserve: error: lora_modules: adapter 'bad': ") and "is not a folder" in err

@@ -10,12 +10,12 @@ from cbserve.worker.sim_cost import SimCostModel
 
 
 def test_sim_config_is_servable_with_the_simulated_kv_cache() -> None:
-    config = servable_config(CBServeConfig(model="sim", num_replicas=2, max_model_len=8192), "cpu")
+    config = servable_config(CBServeConfig(model="sim", num_replicas=2, max_model_len=8192, device="cpu"), "cpu")
     assert config.model_name == "sim" and config.max_model_len == 8192
     cfg = config.engine_config(SimCostModel().num_blocks(16, 0.9))
     assert cfg.cache.num_blocks > 20_000
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):  # 16 GB of weights leave no KV at 0.2
-        servable_config(CBServeConfig(model="sim", gpu_memory_utilization=0.2), "cpu")
+        servable_config(CBServeConfig(model="sim", gpu_memory_utilization=0.2, device="cpu"), "cpu")
 
 
 @pytest.mark.parametrize("key, value, match", [

@@ -27,14 +27,14 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL = "SmolLM2-135M-Instruct"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-ENGINE = {"max_model_len": 384, "max_num_batched_tokens": 384}
+ENGINE = {"device": "cpu", "max_model_len": 384, "max_num_batched_tokens": 384}
 TEXT = "Sphinx of black quartz, judge my vow. The five boxing wizards jump quickly. Pack my box with five jugs."
 CHAT = [{"role": "user", "content": f"Repeat this text exactly: {TEXT}"}]
 PROMPT = f"Rewrite the following text exactly.\nText: {TEXT}\nRewritten text: {TEXT[:30]}"
 # the draft-model app
 NAME = "tiny-draft"
 VOCAB = 320
-DRAFT_ENGINE = {"max_model_len": 256, "max_num_batched_tokens": 32, "block_size": 4}
+DRAFT_ENGINE = {"device": "cpu", "max_model_len": 256, "max_num_batched_tokens": 32, "block_size": 4}
 PROMPTS = [" ".join(f"w{(7 * i + j) % (VOCAB - 3) + 3}" for j in range(n)) for i, n in ((1, 9), (2, 23))]
 
 

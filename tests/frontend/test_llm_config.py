@@ -40,15 +40,15 @@ def test_served_only_fields_are_refused_by_name(name: str) -> None:
 
 def test_llm_refuses_served_only_and_unknown_names_before_loading_anything() -> None:
     with pytest.raises(TypeError, match=r"served-only fields \(api_key: .*; port: .*\)"):
-        LLM(port=8001, api_key="k")
+        LLM(port=8001, api_key="k", device="cpu")
     with pytest.raises(TypeError, match="unknown LLM arguments: max_num_batched_token, rank"):
-        LLM(rank=0, max_num_batched_token=64)
+        LLM(rank=0, max_num_batched_token=64, device="cpu")
     with pytest.raises(TypeError, match="model once"):
         offline_config(None, {"model": "x"})
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= block_size"):
-        LLM(block_size=32, max_num_batched_tokens=16)  # CBServeConfig's own check
+        LLM(block_size=32, max_num_batched_tokens=16, device="cpu")  # CBServeConfig's own check
     with pytest.raises(ConfigError, match=r"max_model_len \(9000\) is longer than the model's"):
-        LLM(max_model_len=9000)  # the bundled SmolLM2 has 8192 positions: the served start-up check
+        LLM(max_model_len=9000, device="cpu")  # the bundled SmolLM2 has 8192 positions: the served start-up check
 
 
 def test_none_means_unset() -> None:
@@ -61,13 +61,13 @@ def llm() -> Iterator[LLM]:
     import torch
 
     torch.set_num_threads(1)
-    llm = LLM(progress=False, max_model_len=256, num_kv_blocks=40, max_num_seqs=8, policy="prefill_first")
+    llm = LLM(progress=False, max_model_len=256, num_kv_blocks=40, max_num_seqs=8, policy="prefill_first", device="cpu")
     yield llm
     llm.shutdown()
 
 
 def test_the_engine_and_worker_configs_are_the_served_derivations(llm: LLM) -> None:
-    config = CBServeConfig(max_model_len=256, num_kv_blocks=40, max_num_seqs=8, policy="prefill_first")
+    config = CBServeConfig(max_model_len=256, num_kv_blocks=40, max_num_seqs=8, policy="prefill_first", device="cpu")
     assert llm.config == config
     assert llm.engine_config == config.engine_config(40)
     assert llm.model_config == config.worker_model_config()
@@ -79,7 +79,7 @@ def test_the_engine_and_worker_configs_are_the_served_derivations(llm: LLM) -> N
 
 def test_a_kv_cache_that_cannot_hold_one_request_is_refused_as_served() -> None:
     with pytest.raises(ConfigError, match=r"num_kv_blocks=8.* holds 8 blocks .* needs 16"):
-        LLM(progress=False, max_model_len=256, num_kv_blocks=8)
+        LLM(progress=False, max_model_len=256, num_kv_blocks=8, device="cpu")
 
 
 def test_the_configuration_is_read_and_checked_without_ray() -> None:

@@ -111,12 +111,12 @@ def test_parser_from_the_chat_template() -> None:
 def test_config_field_and_cli_flag() -> None:
     from cbserve.config import CBServeConfig
 
-    assert CBServeConfig().reasoning_parser == "none" and CBServeConfig().disable_any_whitespace
+    assert CBServeConfig(device="cpu").reasoning_parser == "none" and CBServeConfig(device="cpu").disable_any_whitespace
     cfg = CBServeConfig.from_args({"reasoning-parser": "qwen3", "disable-any-whitespace": "false"})
     assert cfg.reasoning_parser == "qwen3" and cfg.disable_any_whitespace is False
     assert CBServeConfig.from_args({"reasoning_parser": "null"}).reasoning_parser == "none"
     with pytest.raises(ValueError, match="reasoning_parser"):
-        CBServeConfig(reasoning_parser="granite")
+        CBServeConfig(reasoning_parser="granite", device="cpu")
 
 
 # ---- the chat flow -----------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ def test_cpu_forward_without_a_plan_raises() -> None:
     _refuses_without_its_plan(be, TorchAttentionBackend.make_builder(_layout()).build(md))
 
 
+@pytest.mark.cuda  # the GPU suite (`pytest -m cuda`)
 def test_triton_forward_without_a_plan_raises(triton_kernels_module: Any) -> None:
     from cbserve.worker.attention.triton_backend import TritonAttentionBackend
 
@@ -76,6 +77,7 @@ def test_triton_forward_without_a_plan_raises(triton_kernels_module: Any) -> Non
     _refuses_without_its_plan(be, TorchAttentionBackend.make_builder(_layout(dtype, dev)).build(md), dev, dtype)
 
 
+@pytest.mark.cuda  # the GPU suite (`pytest -m cuda`)
 def test_flash_forward_without_a_plan_raises() -> None:
     try:
         from cbserve.worker.attention.flash_backend import FlashAttentionBackend
@@ -183,7 +185,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=needs_kernels)])
 def test_the_runner_builds_the_plan_once_a_step(folder: Path, backend: str) -> None:
-    ex = LocalExecutor(ModelConfig(model=str(folder), attention_backend=backend), 4, num_blocks=64, progress=False)
+    cfg = ModelConfig(model=str(folder), attention_backend=backend, device="cpu")
+    ex = LocalExecutor(cfg, 4, num_blocks=64, progress=False)
     runner = ex.runner
     model = runner.model
     assert not hasattr(model, "prepare_attention")
@@ -205,7 +208,7 @@ def test_the_draft_model_builds_its_own_plan_for_each_of_its_passes(folder: Path
     from test_spec_draft_model import _tiny_draft
 
     draft = _tiny_draft(tmp_path / "draft")
-    cfg = ModelConfig(model=str(folder), draft_model=str(draft), num_speculative_tokens=2)
+    cfg = ModelConfig(model=str(folder), draft_model=str(draft), num_speculative_tokens=2, device="cpu")
     ex = LocalExecutor(cfg, 4, num_blocks=64, progress=False)
     runner = ex.runner
     assert runner.draft.model.attention_layout.num_heads == 2 and runner.draft.model.attention_layout.head_dim == 16

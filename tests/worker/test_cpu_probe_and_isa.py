@@ -103,12 +103,12 @@ def test_a_verdict_is_taken_once_per_machine_and_shared(kernels: CpuKernels, tmp
 
 def test_cpu_isa_is_validated() -> None:
     with pytest.raises(ValueError, match="cpu_isa must be one of"):
-        ModelConfig(cpu_isa="avx9")  # type: ignore[arg-type]
+        ModelConfig(cpu_isa="avx9", device="cpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="does not run"):
-        ModelConfig(cpu_isa="avx2", cpu_ops="torch")
+        ModelConfig(cpu_isa="avx2", cpu_ops="torch", device="cpu")
     from cbserve.config import CBServeConfig
 
-    assert CBServeConfig(cpu_isa="scalar").worker_model_config().cpu_isa == "scalar"
+    assert CBServeConfig(cpu_isa="scalar", device="cpu").worker_model_config().cpu_isa == "scalar"
 
 
 def test_a_level_the_cpu_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,7 +129,7 @@ def test_every_isa_build_generates_hf_greedy_tokens(tiny_hd64: tuple, isa: str) 
     folder, hf = tiny_hd64
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     reqs = [(f"r{i}", p, greedy) for i, p in enumerate(prompts(4))]
-    cfg = ModelConfig(model=str(folder), cpu_ops="native", cpu_isa=isa)
+    cfg = ModelConfig(model=str(folder), cpu_ops="native", cpu_isa=isa, device="cpu")
     executor = LocalExecutor(cfg, block_size=4, num_blocks=64, progress=False)
     runner = executor.runner
     assert runner.cpu_report["cpu_isa"] == isa and runner.model.native_layers is not None

@@ -92,7 +92,7 @@ def graph_safe_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _runner(folder: Path, enforce_eager: bool, log: list[int]) -> ModelRunner:
-    cfg = ModelConfig(model=str(folder), cpu_ops="torch", enforce_eager=enforce_eager)
+    cfg = ModelConfig(model=str(folder), cpu_ops="torch", enforce_eager=enforce_eager, device="cpu")
     r = ModelRunner(cfg, BLOCK, max_num_batched_tokens=256, max_num_seqs=MAX_SEQS, progress=False)
     r.init_kv_cache(64, capture=stand_in_capture(log))
     return r

@@ -207,7 +207,7 @@ def test_gguf_tokenizer_serves_text(tmp_path: Path) -> None:
     text = "the rain on the shore is not a thing that others order"
     ids = tok(text)["input_ids"]
     assert len(ids) > 8 and max(ids) < COMMON["vocab_size"] and any(i >= 259 for i in ids)  # merged tokens
-    llm = LLM(str(path), max_model_len=256, num_kv_blocks=64, block_size=4, progress=False)
+    llm = LLM(str(path), max_model_len=256, num_kv_blocks=64, block_size=4, progress=False, device="cpu")
     try:
         out = llm.generate(text, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     finally:

@@ -22,8 +22,8 @@ from cbserve.worker.lora_files import LoRAAdapterError
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 GREEDY_LP = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
-PATHS = {"native": dict(cpu_ops="native", attention_backend="cpu"),
-         "torch": dict(cpu_ops="torch", attention_backend="torch")}
+PATHS = {"native": dict(cpu_ops="native", attention_backend="cpu", device="cpu"),
+         "torch": dict(cpu_ops="torch", attention_backend="torch", device="cpu")}
 SHARED = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
 PROMPTS = [SHARED + [40], [30, 31, 32], SHARED + [41, 42, 43], list(range(50, 87)), SHARED + [40], [60, 61, 62, 63]]
 # family -> (adapter targets of the first adapter, of the second)
@@ -103,7 +103,8 @@ def test_one_adapter_slot_chunked_prefill_preemption_and_prefix_cache(llama_case
     loras = [adapters[0], adapters[1], None, adapters[2], adapters[0], adapters[1]]
     ref = _reference(base, loras, PROMPTS, MAX_NEW)
     llm = LLM(str(base), enable_lora=True, max_loras=1, max_cpu_loras=3, max_lora_rank=12, progress=False,
-              max_num_batched_tokens=16, num_kv_blocks=12, block_size=4, max_model_len=48)  # 12 blocks: one request
+              max_num_batched_tokens=16, num_kv_blocks=12, block_size=4, max_model_len=48,
+              device="cpu")  # 12 blocks: one request
     with caplog.at_level(logging.INFO, logger="cbserve.worker.lora"):
         outs = llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False)
         again = llm.generate(PROMPTS[:2], GREEDY, lora_request=loras[:2], use_tqdm=False)
@@ -117,7 +118,7 @@ def test_one_adapter_slot_chunked_prefill_preemption_and_prefix_cache(llama_case
 
 def test_adapter_lru_evicts_past_max_cpu_loras(llama_case: tuple) -> None:
     base, adapters, _ = llama_case
-    llm = LLM(str(base), enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=12, progress=False)
+    llm = LLM(str(base), enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=12, progress=False, device="cpu")
     for lora in (adapters[0], adapters[1], adapters[0]):
         llm.generate(PROMPTS[1], GREEDY, lora_request=lora, use_tqdm=False)
     manager = llm.executor.runner.lora
@@ -133,7 +134,7 @@ def _write_config(folder: Path, **changes: object) -> None:
 
 def test_bad_adapters_are_refused_with_the_reason(llama_case: tuple, tmp_path: Path) -> None:
     base, adapters, root = llama_case
-    llm = LLM(str(base), enable_lora=True, max_loras=1, max_lora_rank=8, progress=False)
+    llm = LLM(str(base), enable_lora=True, max_loras=1, max_lora_rank=8, progress=False, device="cpu")
     with pytest.raises(LoRAAdapterError, match="rank 12 is over max_lora_rank 8"):
         llm.generate(PROMPTS[1], GREEDY, lora_request=adapters[2])
     with pytest.raises(LoRAAdapterError, match="no adapter_config.json"):
@@ -152,7 +153,7 @@ def test_bad_adapters_are_refused_with_the_reason(llama_case: tuple, tmp_path: P
     _write_config(dora, use_dora=True)
     with pytest.raises(LoRAAdapterError, match="DoRA"):
         llm.generate(PROMPTS[1], GREEDY, lora_request=LoRARequest("dora", 6, str(dora)))
-    base_llm = LLM(str(base), progress=False)
+    base_llm = LLM(str(base), progress=False, device="cpu")
     with pytest.raises(ValueError, match="enable_lora=True"):
         base_llm.generate(PROMPTS[1], GREEDY, lora_request=adapters[0])
     assert root.exists()
@@ -165,7 +166,7 @@ def test_triton_lora_kernels_in_the_model(llama_case: tuple) -> None:
     loras = [None, adapters[0], adapters[1]]
     ref = _reference(base, loras, PROMPTS[:3], 2)
     llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, progress=False, cpu_ops="torch",
-              attention_backend="torch")
+              attention_backend="torch", device="cpu")
     runner = llm.executor.runner
     assert runner.lora is not None
     manager = LoRAManager(runner.model, runner.hf_config, 2, 8, 2, runner.dtype, runner.device, use_triton=True)

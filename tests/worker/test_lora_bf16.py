@@ -38,7 +38,7 @@ def test_tiny_llama_adapters_in_bf16_track_peft_bf16(tmp_path: Path) -> None:
                                                  rslora=True)))
     loras = [None, one, two, one, one, None]  # PROMPTS[0] and [4] are one prompt: base and adapter
     llm = LLM(str(base), dtype="bfloat16", cpu_ops="native", attention_backend="cpu", enable_lora=True, max_loras=2,
-              progress=False)
+              progress=False, device="cpu")
     runner = llm.executor.runner
     manager = runner.lora
     assert runner.dtype == torch.float32 and runner.model.ops.bf16_products  # bfloat16 products

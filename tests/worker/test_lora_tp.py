@@ -50,7 +50,7 @@ def _worker(rank: int, folder: str, port: int, loras: list[LoRARequest | None], 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         cfg = ModelConfig(model=folder, tensor_parallel_size=2, rank=rank, enable_lora=True, max_loras=2,
-                          max_lora_rank=8, max_model_len=128)
+                          max_lora_rank=8, max_model_len=128, device="cpu")
         runner = ModelRunner(cfg, BLOCK, progress=False)
         runner.init_kv_cache(NUM_BLOCKS)
         if rank == 0:

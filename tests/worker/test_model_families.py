@@ -19,8 +19,8 @@ from cbserve.worker.config import ModelConfig
 from cbserve.worker.executor import LocalExecutor
 
 MAX_NEW = 16
-PATHS = {"native": dict(cpu_ops="native", attention_backend="cpu"),
-         "torch": dict(cpu_ops="torch", attention_backend="torch")}
+PATHS = {"native": dict(cpu_ops="native", attention_backend="cpu", device="cpu"),
+         "torch": dict(cpu_ops="torch", attention_backend="torch", device="cpu")}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -74,7 +74,7 @@ def test_text_prompts_through_llm(tiny: tuple) -> None:
     text = " ".join(f"w{i}" for i in range(3, 40, 2))  # 19 words: longer than the window
     ids = tok(text)["input_ids"]
     llm = LLM(str(folder), max_model_len=MAX_MODEL_LEN.get(family, 256), num_kv_blocks=64, block_size=4,
-              progress=False, async_scheduling=True)
+              progress=False, async_scheduling=True, device="cpu")
     assert llm.engine.max_in_flight == 2
     try:
         out = llm.generate(text, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)

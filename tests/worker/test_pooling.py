@@ -93,7 +93,7 @@ def reference(folder: Path, texts: list[str], default_pooling: bool = False) -> 
 def embed(folder: Path, texts: list[str], **kw: Any) -> torch.Tensor:
     llm = LLM(str(folder), runner="pooling", max_model_len=128, block_size=4, num_kv_blocks=128,
               max_num_batched_tokens=kw.pop("max_num_batched_tokens", 16), cpu_ops=kw.pop("cpu_ops", "auto"),
-              progress=False, **kw)
+              progress=False, device="cpu", **kw)
     try:
         return torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
     finally:
@@ -133,7 +133,8 @@ def test_default_pooling_is_last_token_normalized_and_torch_ops_agree(tmp_path: 
 def test_embed_truncates_and_the_runners_refuse_each_others_calls(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     folder = make_embedding_model(tmp_path / "m", "llama", "mean")
-    llm = LLM(str(folder), runner="pooling", max_model_len=32, block_size=4, num_kv_blocks=64, progress=False)
+    llm = LLM(str(folder), runner="pooling", max_model_len=32, block_size=4, num_kv_blocks=64, progress=False,
+              device="cpu")
     try:
         long = TEXTS[3]  # 40 tokens: over max_model_len
         with pytest.raises(Exception, match="maximum context length is 32"):

@@ -30,7 +30,8 @@ class FakeTime:
 
 
 def _runner(fake: FakeTime, **kw: object) -> SimRunner:
-    return SimRunner(ModelConfig(model=SIM_MODEL, **kw), block_size=16, sleep=fake.sleep, clock=fake.clock)
+    return SimRunner(ModelConfig(model=SIM_MODEL, device="cpu", **kw), block_size=16, sleep=fake.sleep,
+                     clock=fake.clock)
 
 
 def _new(req_id: str, prompt_len: int, computed: int = 0, **sp: object) -> NewRequestData:
@@ -113,7 +114,7 @@ def test_tokenizer_vocabulary_matches_the_bundled_model() -> None:
 def test_runner_refuses_what_it_cannot_simulate() -> None:
     fake = FakeTime()
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        SimRunner(ModelConfig(model=SIM_MODEL, tensor_parallel_size=2))
+        SimRunner(ModelConfig(model=SIM_MODEL, tensor_parallel_size=2, device="cpu"))
     runner = _runner(fake)
     with pytest.raises(ValueError, match="drafts"):
         runner.execute_model(SchedulerOutput([_new("a", 4)], [], {"a": 4}, 4, scheduled_spec_decode_tokens={"a": [1]}))

@@ -20,7 +20,7 @@ PROMPTS = [
       "The five boxing wizards jump quickly."}],
 ]
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-ENGINE = {"max_model_len": 512, "max_num_batched_tokens": 512, "num_kv_blocks": 256, "progress": False}
+ENGINE = {"device": "cpu", "max_model_len": 512, "max_num_batched_tokens": 512, "num_kv_blocks": 256, "progress": False}
 
 
 @pytest.fixture(scope="module")

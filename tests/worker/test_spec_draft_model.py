@@ -17,7 +17,7 @@ from worker_testlib import make_tiny_model
 
 from cbserve import LLM, SamplingParams
 
-ENGINE = {"max_model_len": 256, "block_size": 4, "max_num_batched_tokens": 24, "progress": False}
+ENGINE = {"device": "cpu", "max_model_len": 256, "block_size": 4, "max_num_batched_tokens": 24, "progress": False}
 
 
 def _tiny_draft(folder: Path, vocab: int = 320) -> Path:

@@ -133,7 +133,8 @@ def test_grammars_are_cached_and_matchers_follow_the_tokens(structured: Structur
 
 
 def _run(folder: Path, num_blocks: int, requests: list, async_scheduling: bool = False) -> object:
-    ex = LocalExecutor(ModelConfig(model=str(folder), max_model_len=256), BLOCK, 64, 8, num_blocks, progress=False)
+    cfg = ModelConfig(model=str(folder), max_model_len=256, device="cpu")
+    ex = LocalExecutor(cfg, BLOCK, 64, 8, num_blocks, progress=False)
     try:
         return run_engine(ex, requests, block_size=BLOCK, num_blocks=num_blocks, max_num_batched_tokens=64,
                           async_scheduling=async_scheduling)  # fmt: skip

@@ -97,6 +97,7 @@ def tk(triton_kernels_module):  # noqa: ANN001, ANN201
     return triton_kernels_module
 
 
+@pytest.mark.cuda  # the GPU suite (`pytest -m cuda`): compiled on CUDA, interpreted on CPU
 @pytest.mark.parametrize("window,softcap", [(5, None), (16, 2.0), (None, 2.0), (1, None)])
 def test_triton_prefill_and_decode_window_and_softcap(tk, window: int | None, softcap: float | None) -> None:  # noqa: ANN001
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..moe import SparseMoeBlock, map_expert_name, split_stacked
+from ..moe import SparseMoeBlock, cuda_graphs_blocker, map_expert_name, split_stacked
 
 
 class MoEWeights:
@@ -36,9 +36,8 @@ class MoEWeights:
     @property
     def cuda_graphs_blocker(self) -> str | None:
         """Why decode steps cannot be captured as CUDA graphs (see cuda_graphs.py), None when they can."""
-        if any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers):
-            return "mixture-of-experts blocks run only the routed experts, chosen on the host each step"
-        return None
+        blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        return cuda_graphs_blocker(b.experts[0].gate_up_proj.weight for b in blocks) if blocks else None
 
     def driver_blocker(self) -> str | None:
         if any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.model.layers):
