@@ -37,7 +37,14 @@ lint: setup
 test: setup lint
 	@# Triton runs the CUDA kernels' tests interpreted on CPU (CUDA builds of torch bring their own).
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q triton
+ifeq ($(strip $(PYTEST_ARGS)),)
+	@# The unit tests on every core (pytest-xdist, one test file per worker), then the end-to-end tests alone: each
+	@# starts a Ray instance and servers whose steps, on cores shared with unit tests, outrun their timeouts.
+	$(BIN)/pytest -q --durations=10 -n auto --dist loadfile --ignore=tests/e2e
+	$(BIN)/pytest -q --durations=10 tests/e2e
+else
 	$(BIN)/pytest -q --durations=15 $(PYTEST_ARGS)
+endif
 
 # The benchmark scripts' end-to-end smoke runs (bench_serving.py, bench_spec_serving.py against real servers):
 # minutes each, so outside `make test`.
