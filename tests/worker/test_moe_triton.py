@@ -9,16 +9,12 @@ run on CPU tensors under ``TRITON_INTERPRET=1`` (conftest.py)."""
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
+from sm90_compile_lib import assert_sm90_builds_fit
 
 torch = pytest.importorskip("torch")
 CUDA = torch.cuda.is_available()
@@ -206,7 +202,6 @@ for dtype, pairs, row_div in json.loads(sys.argv[1]):
         sys.exit(f"no resource usage:\n{usage}")
     print("COMPILED", dtype, pairs, row_div, "shared", k.metadata.shared, "reg", m[1], "stack", m[2], "local", m[4])
 """
-_SHARED_MAX = 232448  # sm_90's shared memory per block, bytes
 # (dtype, pairs: the decode tiles or the prefill tiles, ROW_DIV: the gate_up GEMM of top-2 or the down GEMM)
 CASES = [[d, pairs, row_div] for d in ("bfloat16", "float16") for pairs in (8, 4096) for row_div in (2, 1)]
 
@@ -215,24 +210,7 @@ CASES = [[d, pairs, row_div] for d in ("bfloat16", "float16") for pairs in (8, 4
 def test_kernel_compiles_for_sm90() -> None:
     """The grouped GEMM compiles to an sm_90 cubin with the launcher's tiles in bfloat16 and float16, within the
     shared memory of a block, at most 255 registers a thread and no spills to local memory."""
-    root = os.path.dirname(triton.__file__)
-    ptxas, cuobjdump = (os.path.join(root, "backends", "nvidia", "bin", n) for n in ("ptxas", "cuobjdump"))
-    if not (os.path.exists(ptxas) or shutil.which("ptxas")):
-        pytest.skip("no ptxas bundled with triton")
-    cuobjdump = cuobjdump if os.path.exists(cuobjdump) else shutil.which("cuobjdump") or ""
-    if not cuobjdump:
-        pytest.skip("no cuobjdump bundled with triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(CASES), cuobjdump], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("COMPILED")]
-    assert len(lines) == len(CASES), proc.stdout
-    for line in lines:
-        usage = dict(re.findall(r"(shared|reg|stack|local) (\d+)", line))
-        assert int(usage["shared"]) <= _SHARED_MAX and int(usage["reg"]) <= 255, line
-        assert usage["stack"] == usage["local"] == "0", f"spills: {line}"
+    assert_sm90_builds_fit(_SCRIPT, CASES)
 
 
 @pytest.mark.cuda

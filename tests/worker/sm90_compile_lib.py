@@ -1,0 +1,42 @@
+"""Ahead-of-time sm_90 builds of Triton kernels in a fresh process (Triton's compiler and ptxas run without a
+GPU), checked against the SM's limits with the cuobjdump bundled with Triton: shared memory of a block, at most
+255 registers a thread, no spills to local memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+SHARED_MAX = 232448  # sm_90's shared memory per block, bytes
+
+
+def assert_sm90_builds_fit(script: str, cases: list[list[Any]]) -> None:
+    """Run ``script`` (argv: the JSON ``cases``, cuobjdump's path; one "COMPILED ... shared N reg N stack N local N"
+    line per case) without TRITON_INTERPRET and check every build's resource usage; skip without the tools."""
+    import triton
+
+    root = os.path.dirname(triton.__file__)
+    ptxas, cuobjdump = (os.path.join(root, "backends", "nvidia", "bin", n) for n in ("ptxas", "cuobjdump"))
+    if not (os.path.exists(ptxas) or shutil.which("ptxas")):
+        pytest.skip("no ptxas bundled with triton")
+    cuobjdump = cuobjdump if os.path.exists(cuobjdump) else shutil.which("cuobjdump") or ""
+    if not cuobjdump:
+        pytest.skip("no cuobjdump bundled with triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases), cuobjdump], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("COMPILED")]
+    assert len(lines) == len(cases), proc.stdout
+    for line in lines:
+        usage = dict(re.findall(r"(shared|reg|stack|local) (\d+)", line))
+        assert int(usage["shared"]) <= SHARED_MAX and int(usage["reg"]) <= 255, line
+        assert usage["stack"] == usage["local"] == "0", f"spills: {line}"
