@@ -8,18 +8,15 @@ run on CPU tensors under ``TRITON_INTERPRET=1`` (conftest.py)."""
 
 from __future__ import annotations
 
-import importlib
-import os
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
 from sm90_compile_lib import assert_sm90_builds_fit
+from worker_testlib import interpreted_triton
 
 torch = pytest.importorskip("torch")
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorators running
+CUDA = torch.cuda.is_available()  # without it, conftest.py has set TRITON_INTERPRET=1
 triton = pytest.importorskip("triton")
 
 from cbserve.worker import moe  # noqa: E402
@@ -36,16 +33,8 @@ def mt() -> ModuleType:
     imported before the interpreter was switched on; skipped if triton itself was)."""
     from cbserve.worker import moe_triton, triton_fused
 
-    if CUDA:
-        return moe_triton
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.max, InterpretedFunction):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process")
-    if not isinstance(moe_triton._moe_gemm_kernel, InterpretedFunction):
-        importlib.reload(triton_fused)
-        importlib.reload(moe_triton)
+    if not CUDA:
+        interpreted_triton(triton_fused, moe_triton, probe="_moe_gemm_kernel")
     return moe_triton
 
 

@@ -14,17 +14,14 @@ the launchers' tiles and checks shared memory, registers and that nothing spills
 
 from __future__ import annotations
 
-import importlib
-import os
 from types import ModuleType, SimpleNamespace
 
 import pytest
 from sm90_compile_lib import assert_sm90_builds_fit
+from worker_testlib import interpreted_triton
 
 torch = pytest.importorskip("torch")
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorators running
+CUDA = torch.cuda.is_available()  # without it, conftest.py has set TRITON_INTERPRET=1
 triton = pytest.importorskip("triton")
 
 from cbserve.worker import layers, rotary  # noqa: E402
@@ -46,15 +43,8 @@ def tf() -> ModuleType:
     switched on; skipped if triton itself was)."""
     from cbserve.worker import triton_fused
 
-    if CUDA:
-        return triton_fused
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.max, InterpretedFunction):
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process")
-    if not isinstance(triton_fused._rotary_kernel, InterpretedFunction):
-        importlib.reload(triton_fused)
+    if not CUDA:
+        interpreted_triton(triton_fused, probe="_rotary_kernel")
     return triton_fused
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -179,3 +180,20 @@ def build_plan(backend: AttentionBackend, md: AttentionMetadata, dtype: torch.dt
     layout = AttentionLayout(backend.num_heads, backend.num_kv_heads, backend.head_dim, dtype, torch.device(device))
     md.prepared = type(backend).make_builder(layout).build(md)
     return md.prepared
+
+
+def interpreted_triton(*modules: ModuleType, probe: str) -> None:
+    """Without CUDA, make ``modules`` run under the Triton interpreter (conftest.py sets TRITON_INTERPRET=1 before
+    triton is first imported): skip if triton itself was imported without it, else re-import the modules, in
+    order, when their kernel ``probe`` (of the last module) was decorated before the interpreter was on."""
+    import importlib
+
+    import pytest
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.max, InterpretedFunction):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process")
+    if not isinstance(getattr(modules[-1], probe), InterpretedFunction):
+        for module in modules:
+            importlib.reload(module)
