@@ -17,9 +17,10 @@ import pytest
 SHARED_MAX = 232448  # sm_90's shared memory per block, bytes
 
 
-def assert_sm90_builds_fit(script: str, cases: list[list[Any]]) -> None:
+def assert_sm90_builds_fit(script: str, cases: list[list[Any]]) -> list[str]:
     """Run ``script`` (argv: the JSON ``cases``, cuobjdump's path; one "COMPILED ... shared N reg N stack N local N"
-    line per case) without TRITON_INTERPRET and check every build's resource usage; skip without the tools."""
+    line per case) without TRITON_INTERPRET and check every build's resource usage; skip without the tools.
+    Returns the COMPILED lines."""
     import triton
 
     root = os.path.dirname(triton.__file__)
@@ -40,3 +41,4 @@ def assert_sm90_builds_fit(script: str, cases: list[list[Any]]) -> None:
         usage = dict(re.findall(r"(shared|reg|stack|local) (\d+)", line))
         assert int(usage["shared"]) <= SHARED_MAX and int(usage["reg"]) <= 255, line
         assert usage["stack"] == usage["local"] == "0", f"spills: {line}"
+    return lines

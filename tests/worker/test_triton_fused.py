@@ -163,6 +163,22 @@ def test_rotary_q_and_k_in_place(tf: ModuleType, dtype: torch.dtype, head_dim: i
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rotary_rounds_tiny_and_cancelling_values_as_torch(tf: ModuleType, dtype: torch.dtype) -> None:
+    """Bit-equal to ``TorchRope`` where the kernel's own rounding is tested hardest: values around float16's
+    subnormals (below 2**-14, a fixed quantum of 2**-24) and x1 c - x2 s cancelling (every product rounded before
+    the difference, no fused multiply-add)."""
+    gen = torch.Generator().manual_seed(7)
+    rope = _rope(64)
+    for scale in (3e-5, 3e-4, 2.0):
+        qkv = _randn(33, 4 * 64, gen=gen, dtype=dtype, scale=scale)
+        positions = torch.randint(0, 64, (33,), generator=gen)
+        want = TorchRope(*rope.cos_sin(positions, dtype)).apply(qkv.view(33, 4, 64))
+        out = tf.rotary_(_dev(qkv).view(33, 4, 64), _dev(positions), _dev(rope.cos), _dev(rope.sin))
+        assert torch.equal(out.cpu(), want), f"scale {scale}: {(out.cpu() != want).sum()} elements differ"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_act_and_mul(tf: ModuleType, act: str, dtype: torch.dtype) -> None:
@@ -290,7 +306,7 @@ for case in json.loads(sys.argv[1]):
         sys.exit(f"{kind}: test signature out of date with the kernel {fn.arg_names}")
     sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps})
+                       options={"num_warps": warps, "enable_fp_fusion": False})  # as _launch launches them
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
@@ -299,7 +315,7 @@ for case in json.loads(sys.argv[1]):
     if m is None:
         sys.exit(f"no resource usage for {case}:\n{usage}")
     print("COMPILED", json.dumps(case), "warps", warps, "shared", k.metadata.shared,
-          "reg", m[1], "stack", m[2], "local", m[4])
+          "reg", m[1], "stack", m[2], "local", m[4], "fma", len(re.findall(r"\bfma\.", k.asm["ptx"])))
 """
 
 # Llama-3-8B (hidden 4096, head_dim 128, 32 + 8 heads, inter 14336) and 70B (8192), SmolLM2 (576, 64, 9 + 3),
@@ -322,5 +338,7 @@ CASES = [
 def test_kernels_compile_for_sm90() -> None:
     """Every kernel compiles to an sm_90 cubin (bfloat16 and float16, the launchers' tiles and warps) in a fresh
     process without TRITON_INTERPRET, within the shared memory of a block, at most 255 registers a thread and
-    without spilling to local memory (cuobjdump's resource usage)."""
-    assert_sm90_builds_fit(_SCRIPT, CASES)
+    without spilling to local memory (cuobjdump's resource usage), and without a fused multiply-add in the PTX
+    (each product and sum rounded as the torch path rounds it)."""
+    for line in assert_sm90_builds_fit(_SCRIPT, CASES):
+        assert line.endswith(" fma 0"), line

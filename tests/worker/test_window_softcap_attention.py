@@ -102,9 +102,9 @@ def tk(triton_kernels_module):  # noqa: ANN001, ANN201
 def test_triton_prefill_and_decode_window_and_softcap(tk, window: int | None, softcap: float | None) -> None:  # noqa: ANN001
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     md, cache, q, k, v = _batch(MIX, 6, 2, 64, 16, seed=31 + (window or 0))
-    k_cache, v_cache = cache
-    tk.write_kv_cache(k.contiguous(), v.contiguous(), k_cache, v_cache, md.slot_mapping)
-    expected = _expected(md, cache, q, 0.3, window, softcap)
+    k_cache, v_cache = (c.to(dev) for c in cache)  # written by the kernel on the kernel's device
+    tk.write_kv_cache(k.contiguous().to(dev), v.contiguous().to(dev), k_cache, v_cache, md.slot_mapping.to(dev))
+    expected = _expected(md, (k_cache.cpu(), v_cache.cpu()), q, 0.3, window, softcap)
     nd, qc = md.num_decodes, q.contiguous()
     to = [t.to(dev) for t in (qc, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc)]
     for splits in (1, 3):  # 3: a window shorter than a split leaves some splits empty
