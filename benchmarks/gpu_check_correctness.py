@@ -154,8 +154,8 @@ def hf_greedy(model: Any, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def engine_tokens(folder: Path, fam: Family, device: str, dtype: str, eager: bool,
-                  prompts: list[list[int]]) -> dict[str, Any]:
+def engine_tokens(folder: Path, fam: Family, device: str, dtype: str, eager: bool, prompts: list[list[int]],
+                  graph_mode: str = "full_decode_only") -> dict[str, Any]:
     """Greedy tokens of cbserve's engine (chunked prefill, preemption, prefix hits, requests joining late)."""
     from worker_testlib import run_engine
 
@@ -164,7 +164,7 @@ def engine_tokens(folder: Path, fam: Family, device: str, dtype: str, eager: boo
     from cbserve.worker.executor import LocalExecutor
 
     cfg = ModelConfig(model=str(folder), dtype=dtype, device=device, enforce_eager=eager,  # type: ignore[arg-type]
-                      max_model_len=fam.max_model_len)
+                      max_model_len=fam.max_model_len, cudagraph_mode=graph_mode)  # type: ignore[arg-type]
     executor = LocalExecutor(cfg, block_size=ENGINE["block_size"], num_blocks=ENGINE["num_blocks"],
                              max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
                              max_num_seqs=ENGINE["max_num_seqs"], progress=False)
@@ -175,7 +175,7 @@ def engine_tokens(folder: Path, fam: Family, device: str, dtype: str, eager: boo
                          join_at_step=JOIN_AT_STEP)
         return {"tokens": [run.tokens[r][0] for r, _, _ in reqs], "preemptions": run.num_preemptions,
                 "prefix_hits": run.prefix_hits, "graphs": executor.runner.graphs is not None,
-                "backend": executor.runner.backend_cls.name}
+                "piecewise": executor.runner.piecewise is not None, "backend": executor.runner.backend_cls.name}
     finally:
         executor.shutdown()
 
@@ -189,8 +189,12 @@ def _agreement(got: list[list[int]], ref: list[list[int]]) -> float:
     return same / max(1, sum(map(len, ref)))
 
 
-# (name, dtype, enforce_eager): fp32 must equal HF exactly; bf16 is reported as the share of tokens that agree
-MODES = (("fp32_eager", "float32", True), ("fp32_graphs", "float32", False), ("bf16_graphs", "bfloat16", False))
+# (name, dtype, enforce_eager, cudagraph_mode): fp32 must equal HF exactly (the goal: eager and graphs; the
+# piecewise graphs of mixed steps are reported apart); bf16 is reported as the share of tokens that agree
+MODES = (("fp32_eager", "float32", True, "full_decode_only"), ("fp32_graphs", "float32", False, "full_decode_only"),
+         ("fp32_piecewise", "float32", False, "full_and_piecewise"),
+         ("bf16_graphs", "bfloat16", False, "full_decode_only"))
+GOAL_MODES = ("fp32_eager", "fp32_graphs")
 
 
 def check_family(check: Any, fam: Family, device: str, folder: Path, modes: tuple = MODES) -> dict[str, Any]:
@@ -202,14 +206,15 @@ def check_family(check: Any, fam: Family, device: str, folder: Path, modes: tupl
     fam.build(folder)
     refs: dict[str, list[list[int]]] = {}
     detail: dict[str, Any] = {"prompts": len(batch), "max_new_tokens": MAX_NEW}
-    for mode, dtype, eager in modes:
+    for mode, dtype, eager, graph_mode in modes:
         if dtype not in refs:
             refs[dtype] = check.step(f"greedy.{fam.name}.hf_{dtype}", _hf_reference, folder, device, dtype, batch)
         ref = refs[dtype]
         if ref is None:
             detail[mode] = {"ok": False, "error": "no HF reference"}
             continue
-        run = check.step(f"greedy.{fam.name}.{mode}", engine_tokens, folder, fam, device, dtype, eager, batch)
+        run = check.step(f"greedy.{fam.name}.{mode}", engine_tokens, folder, fam, device, dtype, eager, batch,
+                         graph_mode)
         if run is None:
             detail[mode] = {"ok": False, "error": "engine run failed (see parts.1.errors)"}
             continue
@@ -221,7 +226,8 @@ def check_family(check: Any, fam: Family, device: str, folder: Path, modes: tupl
             row["first_mismatch"] = {"request": f"r{i}", "cbserve": tokens[i], "hf": ref[i]}
         detail[mode] = row
         check.log(f"  {fam.name} {mode}: {'EQUAL' if equal else 'DIFFERENT'} (agreement {row['agreement']:.2f}, "
-                  f"preemptions {run['preemptions']}, prefix hits {run['prefix_hits']}, graphs {run['graphs']})")
+                  f"preemptions {run['preemptions']}, prefix hits {run['prefix_hits']}, graphs {run['graphs']}, "
+                  f"piecewise {run['piecewise']})")
     return detail
 
 
@@ -247,6 +253,7 @@ def greedy_all(check: Any, device: str, dry_run: bool) -> None:
     fams = [f for f in families() if not dry_run or f.name in DRY_RUN_FAMILIES]
     modes = tuple(m for m in MODES if not dry_run or m[1] == "float32")
     equal: dict[str, bool | None] = {f.name: None for f in fams}
+    piecewise: dict[str, bool | None] = {f.name: None for f in fams}
     detail: dict[str, Any] = {}
     check.set("greedy_equal", equal)
     min_s = 5.0 if dry_run else 20.0
@@ -261,8 +268,9 @@ def greedy_all(check: Any, device: str, dry_run: bool) -> None:
             d = d if d is not None else {"error": "see parts.1.errors"}
             d["seconds"] = round(time.perf_counter() - t0, 1)
             detail[fam.name] = d
-            fp32 = [d.get(m, {}) for m, dt, _ in MODES if dt == "float32"]
-            equal[fam.name] = all(r.get("equal") is True for r in fp32)
+            equal[fam.name] = all(d.get(m, {}).get("equal") is True for m in GOAL_MODES)
+            piecewise[fam.name] = d.get("fp32_piecewise", {}).get("equal")
             check.set("greedy_equal", equal)
+            check.set("greedy_equal_piecewise", piecewise)
             check.set("greedy", detail)
             _free(device)

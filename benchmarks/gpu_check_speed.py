@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_rooflines import _batch, _step_fn, _weight_bytes, copy_bandwidth, matmul_flops, prefill_roofline, time_fn
+from gpu_rooflines import (
+    _batch,
+    _mixed_batch,
+    _step_fn,
+    _weight_bytes,
+    copy_bandwidth,
+    matmul_flops,
+    prefill_roofline,
+    time_fn,
+)
 from gpu_workload import build_cbserve, make_workload
 
 # (name fragment, HBM bytes/s, dense bf16 FLOP/s) from the vendor's sheets; the first fragment found wins
@@ -29,11 +38,13 @@ def workload(dry_run: bool) -> argparse.Namespace:
         return argparse.Namespace(**common, preset="tiny", device="cpu", num_requests=8, prompt_len=32, min_out=4,
                                   max_out=8, max_num_seqs=8, max_num_batched_tokens=128,
                                   gpu_memory_utilization=0.5, decode_batches=[1, 4], decode_context=64,
-                                  hf_static_batch=4, hf_warmup=False, hf_num_blocks=16, bandwidth_bytes=1 << 26)
+                                  hf_static_batch=4, hf_warmup=False, hf_num_blocks=16, bandwidth_bytes=1 << 26,
+                                  mixed_steps=[(2, 6)])
     return argparse.Namespace(**common, preset="llama3-8b", device="cuda", num_requests=256, prompt_len=512,
                               min_out=64, max_out=256, max_num_seqs=256, max_num_batched_tokens=8192,
                               gpu_memory_utilization=0.85, decode_batches=[1, 16, 64, 256], decode_context=768,
-                              hf_static_batch=64, hf_warmup=True, hf_num_blocks=None, bandwidth_bytes=1 << 30)
+                              hf_static_batch=64, hf_warmup=True, hf_num_blocks=None, bandwidth_bytes=1 << 30,
+                              mixed_steps=[(1, 32), (16, 128), (64, 256)])
 
 
 def hardware(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -67,6 +78,70 @@ def decode_row(runner: Any, b: int, ctx: int, bw: float, nominal_bw: float | Non
     if nominal_bw:
         row["nominal_roofline_fraction"] = roofline * bw / nominal_bw / served
     return row
+
+
+class _EagerPiece:
+    """A dry run's stand-in for a captured piece: a replay reruns it into the outputs of its first run."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+        self.outputs = forward()
+
+    def replay(self) -> None:
+        for static, new in zip(self.outputs, self.forward(), strict=True):
+            static.copy_(new)
+
+
+def _eager_pieces(forward: Any, pool: Any) -> tuple[_EagerPiece, Any]:
+    piece = _EagerPiece(forward)
+    return piece, piece.outputs
+
+
+def capture_piecewise(runner: Any) -> Any:
+    """Piecewise CUDA graphs (``cudagraph_mode: full_and_piecewise``) captured on the runner built with the
+    decode graphs only: steps with prefill chunks measured both ways on one model."""
+    from cbserve.worker.piecewise_graphs import MAX_PIECEWISE_TOKENS, PiecewiseCUDAGraphs
+
+    kw = {} if runner.device.type == "cuda" else {"capture": _eager_pieces}  # a dry run: no CUDA graphs
+    pieces = PiecewiseCUDAGraphs(runner.model, runner.kv_caches, device=runner.device,
+                                 max_tokens=min(runner.max_num_batched_tokens, MAX_PIECEWISE_TOKENS), **kw)
+    t0 = time.perf_counter()
+    pieces.capture()
+    return pieces, time.perf_counter() - t0
+
+
+def mixed_row(runner: Any, pieces: Any, decodes: int, ctx: int, chunk: int) -> dict[str, Any]:
+    """One step of ``decodes`` decodes and a ``chunk``-token prefill chunk, eagerly and from the pieces."""
+    ctx = min(ctx, runner.max_model_len)
+    batch = _mixed_batch(runner, decodes, ctx, chunk)
+    eager = time_fn(_step_fn(runner, batch), runner.device, iters=10)
+    piecewise = time_fn(_step_fn(runner, batch, pieces), runner.device, iters=10)
+    return {"decodes": decodes, "context": ctx, "chunk": chunk, "tokens": decodes + chunk,
+            "bucket": pieces.bucket(decodes + chunk), "eager_ms": eager * 1e3, "piecewise_ms": piecewise * 1e3,
+            "piecewise_speedup": eager / piecewise}
+
+
+def _measure_piecewise(check: Any, args: argparse.Namespace, runner: Any) -> None:
+    """Mixed steps eagerly and from piecewise graphs, recorded under ``mixed`` and ``piecewise_speedup``."""
+    got = check.step("piecewise.capture", capture_piecewise, runner, min_s=20)
+    if got is None:
+        return
+    pieces, seconds = got
+    check.set("piecewise", {"buckets": len(pieces.sizes), "max_tokens": pieces.max_tokens,
+                            "capture_s": round(seconds, 1)})
+    rows, speedup = [], {}
+    for decodes, chunk in args.mixed_steps:
+        row = check.step(f"mixed.d{decodes}_c{chunk}", mixed_row, runner, pieces, decodes, args.decode_context,
+                         chunk, min_s=10)
+        if row is None:
+            continue
+        rows.append(row)
+        speedup[f"{decodes}+{chunk}"] = round(row["piecewise_speedup"], 3)
+        check.log(f"  mixed {decodes} decodes + {chunk}-token chunk: eager {row['eager_ms']:.2f} ms, piecewise "
+                  f"{row['piecewise_ms']:.2f} ms ({row['piecewise_speedup']:.2f}x)")
+        check.results.update(mixed=rows, piecewise_speedup=speedup)
+        check.save()
+    del pieces
 
 
 def prefill(args: argparse.Namespace, runner: Any, hw: dict[str, Any]) -> dict[str, Any]:
@@ -159,6 +234,7 @@ def _measure_cbserve(check: Any, args: argparse.Namespace, executor: Any, hw: di
                   f"({row['roofline_fraction']:.0%})")
         check.results.update(decode=rows, decode_roofline_fraction=fraction, graphs_speedup=speedup)
         check.save()
+    _measure_piecewise(check, args, runner)
     pf = check.step("prefill", prefill, args, runner, hw, min_s=10)
     if pf is not None:
         check.set("prefill", pf)

@@ -60,6 +60,25 @@ def _batch(runner: Any, n: int, ctx: int, new_tokens: int, first_block: int = 0)
     return build_batch(states, {s.req_id: new_tokens for s in states}, bs, runner.device)
 
 
+def _mixed_batch(runner: Any, decodes: int, ctx: int, chunk: int) -> Any:
+    """``decodes`` requests decoding at ``ctx`` tokens of context, then one prompt's ``chunk``-token prefill chunk
+    (its first): the step the scheduler builds when a request arrives while others decode."""
+    from cbserve.scheduler.sampling_params import SamplingParams
+    from cbserve.worker.input_batch import CachedRequestState, build_batch
+
+    bs = runner.block_size
+    per, chunk_blocks = -(-ctx // bs), -(-chunk // bs)
+    if decodes * per + chunk_blocks > runner.num_blocks:
+        raise ValueError(f"{decodes} x {ctx} + {chunk} tokens do not fit the cache's {runner.num_blocks} blocks")
+    states = [CachedRequestState(f"d{r}", [7] * ctx, ctx - 1, SamplingParams(), list(range(r * per, (r + 1) * per)),
+                                 ctx - 1) for r in range(decodes)]
+    first = decodes * per
+    states.append(CachedRequestState("p", [7] * chunk, chunk, SamplingParams(),
+                                     list(range(first, first + chunk_blocks)), 0))
+    sched = {s.req_id: 1 for s in states[:-1]} | {"p": chunk}
+    return build_batch(states, sched, bs, runner.device)
+
+
 def _step_fn(runner: Any, batch: Any, graphs: Any = None) -> Callable[[], torch.Tensor]:
     model, md = runner.model, batch.metadata
     md.prepared = runner.attention_builder.build(md)  # the step's attention plan, as the runner builds it

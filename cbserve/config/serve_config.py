@@ -25,6 +25,7 @@ from cbserve.worker.config import (
     AttentionBackendName,
     CpuIsaName,
     CpuOpsName,
+    CudaGraphMode,
     Device,
     Dtype,
     ModelConfig,
@@ -64,6 +65,8 @@ class CBServeConfig(BaseModel):
     cpu_compact_weights: bool = True  # native CPU kernels read exact compact weights
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA-graph capture of decode steps
+    # CUDA: "full_and_piecewise" also replays steps with prefill chunks (<= 512 tokens) from piecewise graphs
+    cudagraph_mode: CudaGraphMode = "full_decode_only"
     tensor_parallel_size: int = Field(1, ge=1)
     num_replicas: int = Field(1, ge=1)  # data-parallel engine replicas
     seed: int = 0
@@ -292,6 +295,7 @@ class CBServeConfig(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            cudagraph_mode=self.cudagraph_mode,
             cpu_ops=self.cpu_ops,
             cpu_isa=self.cpu_isa,
             cpu_compact_weights=self.cpu_compact_weights,

@@ -14,10 +14,11 @@ AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash"]
 CpuOpsName = Literal["auto", "native", "onednn", "torch"]
 CpuIsaName = Literal["auto", "avx512", "avx2", "scalar"]
 RunnerName = Literal["generate", "pooling"]
+CudaGraphMode = Literal["full_decode_only", "full_and_piecewise"]
 
 _DTYPES, _DEVICES = get_args(Dtype), get_args(Device)
 _BACKENDS, _CPU_OPS, _CPU_ISAS = get_args(AttentionBackendName), get_args(CpuOpsName), get_args(CpuIsaName)
-_RUNNERS = get_args(RunnerName)
+_RUNNERS, _GRAPH_MODES = get_args(RunnerName), get_args(CudaGraphMode)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 
@@ -44,6 +45,9 @@ class ModelConfig:
     reproducibly from a fresh worker. Served and offline, these values come from ``cbserve.config.CBServeConfig``.
     ``draft_model`` / ``num_speculative_tokens``: speculative decoding's draft model (its path) and how many
     tokens it proposes a step (from ``speculative_config`` with method "draft_model"; see draft_model.py).
+    ``cudagraph_mode`` (CUDA, without ``enforce_eager``): "full_decode_only" replays whole decode-only steps from
+    CUDA graphs and runs steps with prefill chunks eagerly; "full_and_piecewise" also replays those (up to 512
+    tokens) from graphs captured in pieces around each layer's attention (piecewise_graphs.py).
     ``runner="pooling"``: the worker samples nothing and returns each prompt's embedding (pooler.py).
     ``enable_lora``: requests may run with LoRA adapters (lora.py): ``max_loras`` adapter slots of weights (a
     step holds at most that many distinct adapters), ranks up to ``max_lora_rank``, and up to
@@ -58,6 +62,7 @@ class ModelConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False
+    cudagraph_mode: CudaGraphMode = "full_decode_only"
     cpu_ops: CpuOpsName = "auto"
     cpu_isa: CpuIsaName = "auto"
     cpu_compact_weights: bool = True
@@ -90,6 +95,8 @@ class ModelConfig:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if self.cudagraph_mode not in _GRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {_GRAPH_MODES}, got {self.cudagraph_mode!r}")
         if self.cpu_ops not in _CPU_OPS:
             raise ValueError(f"cpu_ops must be one of {_CPU_OPS}, got {self.cpu_ops!r}")
         if self.cpu_isa not in _CPU_ISAS:

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -36,6 +36,7 @@ from .config import ModelConfig
 logger = logging.getLogger(__name__)
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor, list[KVCache], AttentionMetadata], torch.Tensor]
+Out = TypeVar("Out")
 PAD_SLOT = -1  # slot mapping of padded rows: the cache-write kernels skip negative slots
 
 
@@ -60,8 +61,9 @@ def graphs_supported(device: torch.device, backend_cls: type, enforce_eager: boo
     return device.type == "cuda" and not enforce_eager and supported
 
 
-def capture_cuda_graph(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[Replayable, torch.Tensor]:
-    """Record ``forward`` into a CUDA graph (after two warm-up runs: Triton JIT, cuBLAS workspaces)."""
+def capture_cuda_graph(forward: Callable[[], Out], pool: Any) -> tuple[Replayable, Out]:
+    """Record ``forward`` into a CUDA graph (after two warm-up runs: Triton JIT, cuBLAS workspaces); returns the
+    graph and ``forward``'s result (a tensor or a tuple of them), the static outputs a replay fills."""
     for _ in range(2):
         forward()
     torch.cuda.synchronize()

@@ -24,6 +24,7 @@ from .model_build import build_model
 from .model_info import head_dim_of, num_kv_heads_of, read_eos_token_ids
 from .model_loader import hide_triton_from_torch, load_hf_config, resolve_model
 from .parallel import broadcast_token_ids, divide, tp_rank, tp_world_size
+from .piecewise_graphs import PieceCaptureFn, PiecewiseCUDAGraphs, maybe_capture_piecewise_graphs
 from .pooler import Pooler
 from .pooling_config import read_pooling_config
 from .profiling import profile_cuda_kv_budget
@@ -91,6 +92,7 @@ class ModelRunner:
         self.head_dim = head_dim_of(self.hf_config)
         self.kv_caches: list[KVCache] = []
         self.graphs: DecodeCUDAGraphs | None = None
+        self.piecewise: PiecewiseCUDAGraphs | None = None
         self.num_blocks = 0
         self.requests: dict[str, CachedRequestState] = {}  # their block tables kept in step (block_table.py)
         self.block_table, self.step_buffers = BlockTable(max_num_seqs), StepBuffers(self.device)
@@ -132,16 +134,19 @@ class ModelRunner:
             self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
         )
 
-    def init_kv_cache(self, num_blocks: int, capture: CaptureFn | None = None) -> None:
+    def init_kv_cache(self, num_blocks: int, capture: CaptureFn | None = None,
+                      piece_capture: PieceCaptureFn | None = None) -> None:
         """Allocate the KV cache, then capture the decode CUDA graphs over it (CUDA, a backend that supports
-        them, ``enforce_eager`` off; ``capture``: a stand-in for the CUDA capture, for tests)."""
-        self.graphs = None  # graphs of an earlier cache point at its tensors
+        them, ``enforce_eager`` off) and, with ``cudagraph_mode: full_and_piecewise``, the piecewise graphs of
+        steps with prefill chunks (``capture`` / ``piece_capture``: stand-ins for the CUDA capture, for tests)."""
+        self.graphs = self.piecewise = None  # graphs of an earlier cache point at its tensors
         self.kv_caches = self.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks)
         if self.lora is None:  # a step's adapters change between steps: no graphs with LoRA
             self.graphs = maybe_capture_decode_graphs(self, capture)
+            self.piecewise = maybe_capture_piecewise_graphs(self, piece_capture)
 
     # ---- one iteration -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -221,9 +226,12 @@ class ModelRunner:
     def _hidden(self, batch: PreparedBatch) -> torch.Tensor:
         """The final hidden states of every token of the batch. A decode-only batch that fits a captured
         CUDA graph replays it; anything else runs eagerly."""
-        md = batch.metadata
-        if self.graphs is not None and self.graphs.can_run(batch.input_ids.shape[0], md):
+        md, n = batch.metadata, batch.input_ids.shape[0]
+        if self.graphs is not None and self.graphs.can_run(n, md):
             hidden = self.graphs.run(batch.input_ids, batch.positions, md)
+        elif self.piecewise is not None and self.piecewise.can_run(n):
+            md.prepared = self.attention_builder.build(md)  # the attention runs eagerly between the pieces
+            hidden = self.piecewise.run(batch.input_ids, batch.positions, md)
         else:
             md.prepared = self.attention_builder.build(md)  # once per step, for every layer
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, md)
@@ -292,7 +300,7 @@ class ModelRunner:
         self.block_table.truncate(state.req_id, num_blocks)
 
     def shutdown(self) -> None:
-        self.graphs = None
+        self.graphs = self.piecewise = None
         self.kv_caches = []
         self.requests.clear()
         self.block_table = BlockTable()

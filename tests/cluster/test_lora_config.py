@@ -37,6 +37,10 @@ def test_the_flags_take_vllms_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (4, 64, 8)
     assert config_from_args(_parse(["--enable-lora", "false"])).enable_lora is False  # a value still works
     assert config_from_args(_parse(["--enforce-eager"])).enforce_eager is True  # every boolean flag alike
+    piecewise = config_from_args(_parse(["--cudagraph-mode", "full_and_piecewise"]))
+    assert piecewise.worker_model_config().cudagraph_mode == "full_and_piecewise"
+    with pytest.raises(pydantic.ValidationError, match="cudagraph_mode"):
+        config_from_args(_parse(["--cudagraph-mode", "piecewise"]))
     assert config_from_args(_parse([])).enable_lora is False
 
 

@@ -12,25 +12,21 @@ same scheduler outputs and must sample the same tokens, with the same logprobs a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from graph_testlib import BLOCK, BLOCKS_PER_REQ, Driver, same_output
 from worker_testlib import make_tiny_model
 
-from cbserve.scheduler.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker import model_build as model_build_module
 from cbserve.worker.attention import AttentionLayout, AttentionMetadata, KVCache, TorchAttentionBackend
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cuda_graphs import PAD_SLOT, CaptureFn, maybe_capture_decode_graphs
 from cbserve.worker.model_runner import ModelRunner
 
-BLOCK = 4
-BLOCKS_PER_REQ = 6
 MAX_SEQS = 8  # buckets 1, 2, 4, 8
-SP = SamplingParams(temperature=0.0, logprobs=2, max_tokens=None)
 
 
 class GraphSafeTorchBackend(TorchAttentionBackend):
@@ -98,39 +94,6 @@ def _runner(folder: Path, enforce_eager: bool, log: list[int]) -> ModelRunner:
     return r
 
 
-@dataclass
-class Driver:
-    """Builds scheduler outputs for hand-written steps; the worker keeps the tokens it samples (they are never
-    sent back), as the scheduler's protocol says."""
-
-    prompts: dict[str, list[int]]
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    computed: dict[str, int] = field(default_factory=dict)
-    sent: dict[str, int] = field(default_factory=dict)  # tokens the worker knows
-
-    def schedule(self, rids: list[str]) -> SchedulerOutput:
-        new, cached, sched = [], [], {}
-        for rid in rids:
-            if rid not in self.tokens:
-                self.tokens[rid], self.computed[rid] = list(self.prompts[rid]), 0
-                first = (len(self.tokens) - 1) * BLOCKS_PER_REQ
-                blocks = list(range(first, first + BLOCKS_PER_REQ))
-                new.append(NewRequestData(rid, list(self.tokens[rid]), len(self.prompts[rid]), SP, blocks, 0))
-            else:
-                cached.append(CachedRequestData(rid, self.tokens[rid][self.sent[rid]:], [], self.computed[rid]))
-            self.sent[rid] = len(self.tokens[rid])
-            sched[rid] = len(self.tokens[rid]) - self.computed[rid]
-        return SchedulerOutput(new, cached, sched, sum(sched.values()))
-
-    def update(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
-        for rid, n in so.num_scheduled_tokens.items():
-            self.computed[rid] += n
-        for rid, toks in zip(out.req_ids, out.sampled_token_ids, strict=True):
-            self.tokens[rid].extend(toks)
-            if len(toks) == 1:  # the worker keeps its own sample: never sent back (scheduler/outputs.py)
-                self.sent[rid] += 1
-
-
 PROMPTS = {r: [(7 * i + 3 * j) % 300 + 5 for j in range(3 + i)] for i, r in enumerate("abcdefghi")}
 STEPS = [  # (requests scheduled, bucket replayed or None for an eager step)
     ("abc", None),  # prefills
@@ -157,15 +120,6 @@ def _check_padding(runner: ModelRunner, n: int, bucket: int) -> None:
     assert (g._seq_lens[:n] > 0).all() and (g._slots[:n] >= 0).all()
 
 
-def _same_output(got: ModelRunnerOutput, want: ModelRunnerOutput) -> None:
-    assert got.req_ids == want.req_ids
-    assert got.sampled_token_ids == want.sampled_token_ids
-    for lg, lw in zip(got.logprobs, want.logprobs, strict=True):
-        assert (lg is None) == (lw is None)
-        for a, b in zip(lg or [], lw or [], strict=True):
-            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
-
-
 @pytest.mark.usefixtures("graph_safe_backend")
 def test_decode_steps_replay_padded_buckets_token_for_token(folder: Path) -> None:
     graph_log: list[int] = []
@@ -184,7 +138,7 @@ def test_decode_steps_replay_padded_buckets_token_for_token(folder: Path) -> Non
         assert graph_log[before:] == ([] if bucket is None else [bucket]), f"step {step}"
         if bucket is not None:
             _check_padding(graphed, len(rids), bucket)
-        _same_output(got, want)
+        same_output(got, want)
         drive.update(so, got)
     assert eager_log == []
     for (kg, vg), (ke, ve) in zip(graphed.kv_caches, eager.kv_caches, strict=True):

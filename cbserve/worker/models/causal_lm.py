@@ -19,6 +19,7 @@ from ..cpu.layers import NativeLayers
 from ..cpu.ops import TORCH_OPS, CpuOps, pack_weights
 from ..layers import ColumnParallelLinear, ParallelLMHead
 from ..parallel import tp_world_size
+from ..rotary import Rope
 from .decoder import DecoderLayer, DecoderModel, DecoderSpec, GatedMLP
 
 logger = logging.getLogger(__name__)
@@ -104,9 +105,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states of every token; ``md.prepared`` must hold the step's attention plan (built by
         the runner with ``attention_backend.make_builder(attention_layout)``)."""
-        x = self.model.embed_tokens(input_ids)
-        if self.spec.embed_scale is not None:
-            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        x = self.embed(input_ids)
         adapters = self.lora_step is not None and self.lora_step.runs
         if self.native_layers is not None and not adapters and self.native_layers.applies(x.shape[0], md):
             return self.native_layers.forward(x, positions, kv_caches, md)
@@ -117,6 +116,18 @@ class CausalLM(nn.Module):
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             x, residual = layer(x, residual, rope_local if self.spec.uses_local_rope(i) else rope, kv_cache, md)
         return x + residual
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        if self.spec.embed_scale is not None:
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        return x
+
+    def layer_rope(self, layer: int, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The rotary embedding of layer ``layer`` at ``positions`` (the local table where the family has one)."""
+        local = self.model.rotary_local
+        table = local if local is not None and self.spec.uses_local_rope(layer) else self.model.rotary
+        return table.prepare(positions, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h, _ = self.model.norm(hidden)

@@ -109,6 +109,15 @@ class Attention(nn.Module):
                                 spec.attn_softcap, **own)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, md: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv(x, rope)
+        return self.project(self.attn.forward(q, k, v, kv_cache, md))
+
+    def project(self, o: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention's result ``[tokens, heads, head_dim]``."""
+        return self.o_proj(o.reshape(o.shape[0], self.q_size))
+
+    def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (normed per head where the family does, rotated) and v of ``x``: what the attention reads."""
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.q_norm is None or self.k_norm is None:
@@ -122,8 +131,7 @@ class Attention(nn.Module):
             )
             q, k = rope.apply(q.contiguous()), rope.apply(k.contiguous())
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        o = self.attn.forward(q, k, v, kv_cache, md)
-        return self.o_proj(o.reshape(n, self.q_size))
+        return q, k, v
 
 
 class GatedMLP(nn.Module):
@@ -161,8 +169,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCache, md: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.before_attention(x, residual, rope)
+        return self.after_attention(self.self_attn.attn.forward(q, k, v, kv_cache, md), residual)
+
+    def before_attention(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer up to its attention: (q, k, v, residual). With ``after_attention``, the two halves that
+        piecewise CUDA graphs capture on either side of the attention (piecewise_graphs.py)."""
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, kv_cache, md)
+        q, k, v = self.self_attn.qkv(h, rope)
+        return q, k, v, residual
+
+    def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer from its attention's result ``o`` ``[tokens, heads, head_dim]`` on: (output, residual)."""
+        h = self.self_attn.project(o)
         if not self.sandwich:
             h, residual = self.post_attention_layernorm(h, residual)
             return self.mlp(h), residual
