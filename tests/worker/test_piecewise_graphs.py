@@ -6,8 +6,8 @@ it again and copies its results into the tensors it returned the first time, as 
 static outputs. A runner with piecewise graphs and one with ``enforce_eager`` get the same scheduler outputs
 (prefills, decodes and mixed steps) and must sample the same tokens, with the same logprobs and KV cache
 contents; every step of up to the largest bucket replays each of its bucket's pieces once, larger steps run
-eagerly. Families whose layers differ most (Gemma 2's sandwich norms, windows and soft-caps, Gemma 3's local rope, Qwen 3's per-head
-q/k norms, Phi-3's fused projections) are cut and replayed too.
+eagerly. Families whose layers differ most (Gemma 2's sandwich norms, windows and soft-caps, Gemma 3's local
+rope, Qwen 3's per-head q/k norms, Phi-3's fused projections) are cut and replayed too.
 """
 
 from __future__ import annotations
