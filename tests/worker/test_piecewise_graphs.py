@@ -163,4 +163,4 @@ def test_piecewise_only_when_asked(folder: Path) -> None:
     graphed.shutdown()
     assert graphed.piecewise is None and log == []
     with pytest.raises(ValueError, match="cudagraph_mode"):
-        ModelConfig(cudagraph_mode="piecewise")  # type: ignore[arg-type]
+        ModelConfig(cudagraph_mode="piecewise", device="cpu")  # type: ignore[arg-type]
