@@ -10,7 +10,10 @@ import torch
 from cbserve.scheduler.sampling_params import SamplingParams
 
 from .attention.backend import KVCache
+from .config import ModelConfig
 from .input_batch import CachedRequestState, PreparedBatch, build_batch
+from .piecewise_graphs import MAX_PIECEWISE_TOKENS
+from .sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +30,35 @@ class ProfiledRunner(Protocol):
     def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]: ...
 
     def forward_logits(self, batch: PreparedBatch, kv_caches: list[KVCache]) -> torch.Tensor | None: ...
+
+    @property
+    def sampler(self) -> Sampler: ...
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+
+# every row with each of the sampler's transforms and the most logprobs: its largest workspace (the float32
+# logits and log-softmax, the top-p sort's values and indices, the float64 cumulative sums)
+WORST_CASE_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, presence_penalty=0.1,
+                                   frequency_penalty=0.1, repetition_penalty=1.1, logprobs=20)
+
+
+def graph_pool_tokens(runner: ProfiledRunner) -> int:
+    """Tokens of the largest step whose activations the CUDA-graph memory pools keep (captured after the KV
+    cache is allocated): the decode graphs' largest batch, plus the piecewise graphs' largest token count."""
+    if runner.config.enforce_eager:
+        return 0
+    tokens = min(runner.max_num_seqs, runner.max_num_batched_tokens)
+    if runner.config.cudagraph_mode == "full_and_piecewise":
+        tokens += min(runner.max_num_batched_tokens, MAX_PIECEWISE_TOKENS)
+    return tokens
+
+
+def profile_sampler(sampler: Sampler, logits: torch.Tensor) -> torch.Tensor:
+    """One sampling step over ``logits`` [rows, vocab] at the sampler's largest workspace; the packed result."""
+    rows = [SamplingRow(WORST_CASE_PARAMS, list(range(8)), 4) for _ in range(logits.shape[0])]
+    return sampler.sample(logits, rows)
 
 
 def dummy_batch(runner: ProfiledRunner, num_tokens: int, num_logits: int) -> PreparedBatch:
@@ -50,13 +82,15 @@ def dummy_batch(runner: ProfiledRunner, num_tokens: int, num_logits: int) -> Pre
 
 
 def profile_cuda_kv_budget(runner: ProfiledRunner, gpu_memory_utilization: float) -> int:
-    """Bytes left for the KV cache: total * utilization - (memory in use before profiling) - (activation
-    peak of a forward pass at max_num_batched_tokens with max_num_seqs logits rows)."""
+    """Bytes left for the KV cache: total * utilization - (memory in use before profiling) - (the peak of a
+    forward pass at max_num_batched_tokens with max_num_seqs logits rows and a worst-case sampling step over
+    them) - (memory taken outside torch's allocator meanwhile) - (the CUDA graphs' pools, estimated)."""
     device = runner.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     in_use_before = total - free  # weights, CUDA context, other processes
+    reserved_before = torch.cuda.memory_reserved(device)
     scratch_blocks = -(-min(runner.max_num_batched_tokens, runner.max_model_len) // runner.block_size)
     scratch = runner.allocate_kv_cache(scratch_blocks)  # a scratch cache: no graphs captured on it
     allocated_before = torch.cuda.memory_allocated(device)
@@ -64,18 +98,19 @@ def profile_cuda_kv_budget(runner: ProfiledRunner, gpu_memory_utilization: float
     with torch.inference_mode():
         batch = dummy_batch(runner, runner.max_num_batched_tokens, runner.max_num_seqs)
         logits = runner.forward_logits(batch, scratch)
+        forward_peak = torch.cuda.max_memory_allocated(device) - allocated_before
         if logits is not None:
-            torch.softmax(logits.float(), dim=-1)  # the sampler's float32 copy of the logits
+            profile_sampler(runner.sampler, logits)
     torch.cuda.synchronize(device)
     activation_peak = torch.cuda.max_memory_allocated(device) - allocated_before
+    # memory taken outside torch's allocator meanwhile: NCCL's buffers (first collectives), cuBLAS workspaces
+    outside = max(0, free - torch.cuda.mem_get_info(device)[0] - (torch.cuda.memory_reserved(device) - reserved_before))
     del scratch, batch, logits
     torch.cuda.empty_cache()
-    budget = int(total * gpu_memory_utilization) - in_use_before - activation_peak
-    logger.info(
-        "CUDA memory: total %.2f GiB, in use %.2f GiB, activation peak %.2f GiB -> KV cache %.2f GiB",
-        total / 2**30,
-        in_use_before / 2**30,
-        activation_peak / 2**30,
-        budget / 2**30,
-    )
+    # the graphs' pools: activations of their largest steps, in proportion to the profiled step's
+    graphs = forward_peak * min(1.0, graph_pool_tokens(runner) / max(1, runner.max_num_batched_tokens))
+    budget = int(total * gpu_memory_utilization - in_use_before - activation_peak - outside - graphs)
+    logger.info("CUDA memory: total %.2f GiB, in use %.2f GiB, activation and sampling peak %.2f GiB, outside "
+                "torch's allocator %.2f GiB, CUDA graphs ~%.2f GiB -> KV cache %.2f GiB", total / 2**30,
+                in_use_before / 2**30, activation_peak / 2**30, outside / 2**30, graphs / 2**30, budget / 2**30)
     return budget
