@@ -7,12 +7,18 @@ eagerly: a few hundred kernel launches from Python, bound by the host (about 18 
 model on an H200 at any batch). Here the model's forward is cut at each layer's attention into
 ``num_layers + 1`` pieces: the embedding and layer 0 up to its attention's q, k, v; then for each layer its
 output projection, MLP and norms followed by the next layer up to its q, k, v; then the last layer's rest. Each
-piece is captured once per token-count bucket over static input buffers (token ids and positions; rows past
-the step's tokens are padding: token 0 at position 0). A replay runs piece 0, then per layer the attention
-eagerly on the step's real metadata (its plan built by the runner's builder as in an eager step) over the
-real rows of the piece's q, k, v, writing the result into one static buffer the next piece reads, then the
-next piece. Padded rows never reach the attention, so they never write the KV cache; their hidden rows are
-dropped. Any attention backend works (the attention is not captured).
+piece is captured once per token-count bucket (rows past the step's tokens are padding: token 0 at position 0).
+
+Every value that crosses from one piece to the next lives in a static buffer allocated before capture, outside
+the graphs' memory pool: the token ids and positions, the residual stream, the q/k/v rows each piece copies
+out for the attention, the attention's result and the final hidden states. A piece therefore keeps nothing
+alive in the pool after its capture, and all pieces of all buckets share one pool of temporaries (a
+Llama-3-8B-sized model would otherwise hold ~2 GiB of q/k/v per bucket set). A replay runs piece 0, then per
+layer the attention eagerly on the step's real metadata (its plan built by the runner's builder, as in an
+eager step) over the real rows of the q/k/v buffer, writing the attention buffer the next piece reads, then
+the next piece. Padded rows never reach the attention, so they never write the KV cache; their hidden rows are
+dropped. Any attention backend works (the attention is not captured). A ``run`` consumes what its pieces
+wrote, and runs never interleave, so buckets may replay in any order.
 
 The runner uses them with ``cudagraph_mode: full_and_piecewise`` (decode-only steps still replay the full
 decode graphs). ``capture`` is the one CUDA-only step: tests pass a stand-in for it.
@@ -35,9 +41,8 @@ logger = logging.getLogger(__name__)
 
 MAX_PIECEWISE_TOKENS = 512  # larger steps are compute-bound: launches are a small share of their time
 
-Outputs = tuple[torch.Tensor, ...]
-# (piece over the static buffers, memory pool) -> (graph, the static outputs it fills on replay)
-PieceCaptureFn = Callable[[Callable[[], Outputs], Any], tuple[Replayable, Outputs]]
+# (piece over the static buffers, memory pool) -> (graph, None): a piece writes only static buffers
+PieceCaptureFn = Callable[[Callable[[], None], Any], tuple[Replayable, None]]
 
 
 def piecewise_sizes(max_tokens: int) -> list[int]:
@@ -49,14 +54,6 @@ def piecewise_sizes(max_tokens: int) -> list[int]:
     return sorted(sizes)
 
 
-class _Bucket:
-    """The captured pieces of one token count: each piece's graph and its static outputs."""
-
-    def __init__(self) -> None:
-        self.graphs: list[Replayable] = []
-        self.outputs: list[Outputs] = []
-
-
 class PiecewiseCUDAGraphs:
     """Captured pieces of ``model`` (a ``CausalLM``: ``embed``, ``layer_rope`` and the layers'
     ``before_attention`` / ``after_attention``) for steps of up to ``max_tokens`` tokens."""
@@ -66,78 +63,72 @@ class PiecewiseCUDAGraphs:
         sizes: Sequence[int] | None = None, capture: PieceCaptureFn = capture_cuda_graph,
     ) -> None:
         self.sizes = sorted(sizes) if sizes is not None else piecewise_sizes(max_tokens)
-        self.max_tokens = self.sizes[-1]
+        self.max_tokens = t = self.sizes[-1]
         self.device = device
         self._model = model
         self._layers = list(model.model.layers)
         self._kv_caches = kv_caches
         self._capture = capture
-        self._buckets: dict[int, _Bucket] = {}
+        self._graphs: dict[int, list[Replayable]] = {}  # bucket -> its pieces, in order
         attn = self._layers[0].self_attn
-        dtype = model.model.embed_tokens.weight.dtype
+        self._heads, self._kv_heads = attn.num_heads, attn.num_kv_heads
+        weight = model.model.embed_tokens.weight
+        hidden, f = weight.shape[1], dict(dtype=weight.dtype, device=device)
         with torch.inference_mode():
-            self._input_ids = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
-            self._positions = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
-            # every layer's attention result, read by the piece after it (one buffer: pieces run in order)
-            self._attn_out = torch.zeros(self.max_tokens, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
+            self._input_ids = torch.zeros(t, dtype=torch.long, device=device)
+            self._positions = torch.zeros(t, dtype=torch.long, device=device)
+            self._residual = torch.zeros(t, hidden, **f)
+            self._qkv = torch.zeros(t, self._heads + 2 * self._kv_heads, attn.head_dim, **f)
+            self._attn_out = torch.zeros(t, self._heads, attn.head_dim, **f)  # each layer's, read by the next piece
+            self._hidden = torch.zeros(t, hidden, **f)
 
     # ---- the pieces ---------------------------------------------------------------------------------
-    def _first(self, b: int) -> Callable[[], Outputs]:
-        ids, pos = self._input_ids[:b], self._positions[:b]
+    def _stage(self, b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> None:
+        """A layer's q, k, v into the attention's buffer, the residual stream into its own (where the fused
+        norm did not already update it there in place)."""
+        h, kv = self._heads, self._kv_heads
+        self._qkv[:b, :h].copy_(q)
+        self._qkv[:b, h : h + kv].copy_(k)
+        self._qkv[:b, h + kv :].copy_(v)
+        if residual.data_ptr() != self._residual.data_ptr():
+            self._residual[:b].copy_(residual)
 
-        def piece() -> Outputs:
-            x = self._model.embed(ids)
-            return self._layers[0].before_attention(x, None, self._model.layer_rope(0, pos, x.dtype))
+    def _piece(self, b: int, i: int) -> Callable[[], None]:
+        """Piece ``i`` of bucket ``b``: layer ``i - 1`` after its attention (none for i = 0: the embedding),
+        then layer ``i`` up to its attention (none for the last piece: the final hidden states)."""
+        ids, pos, res, o = self._input_ids[:b], self._positions[:b], self._residual[:b], self._attn_out[:b]
+        last = i == len(self._layers)
 
-        return piece
-
-    def _middle(self, b: int, i: int, residual: torch.Tensor) -> Callable[[], Outputs]:
-        """Layer ``i - 1`` after its attention, then layer ``i`` up to its attention."""
-        pos, o = self._positions[:b], self._attn_out[:b]
-
-        def piece() -> Outputs:
-            h, res = self._layers[i - 1].after_attention(o, residual)
-            return self._layers[i].before_attention(h, res, self._model.layer_rope(i, pos, h.dtype))
-
-        return piece
-
-    def _last(self, b: int, residual: torch.Tensor) -> Callable[[], Outputs]:
-        o = self._attn_out[:b]
-
-        def piece() -> Outputs:
-            h, res = self._layers[-1].after_attention(o, residual)
-            return (h + res,)
+        def piece() -> None:
+            if i == 0:
+                h, r = self._model.embed(ids), None
+            else:
+                h, r = self._layers[i - 1].after_attention(o, res)
+            if last:
+                torch.add(h, r, out=self._hidden[:b])
+            else:
+                self._stage(b, *self._layers[i].before_attention(h, r, self._model.layer_rope(i, pos, h.dtype)))
 
         return piece
 
     # ---- capture and replay -------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's pieces, largest bucket first, all in one memory pool (replayed in the
-        order captured, as the pool requires). All rows are padding while capturing; no attention runs."""
+        """Capture every bucket's pieces, largest bucket first, in one memory pool of temporaries. All rows are
+        padding while capturing; no attention runs."""
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
         with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
             pool = torch.cuda.graph_pool_handle() if cuda else None
             for b in sorted(self.sizes, reverse=True):
-                bucket = _Bucket()
-                piece = self._first(b)
-                for i in range(len(self._layers) + 1):
-                    graph, out = self._capture(piece, pool)
-                    bucket.graphs.append(graph)
-                    bucket.outputs.append(out)
-                    if i + 1 < len(self._layers):
-                        piece = self._middle(b, i + 1, out[3])
-                    elif i + 1 == len(self._layers):
-                        piece = self._last(b, out[3])
-                self._buckets[b] = bucket
+                self._graphs[b] = [self._capture(self._piece(b, i), pool)[0] for i in range(len(self._layers) + 1)]
             if cuda:
                 torch.cuda.synchronize(self.device)
         logger.info("captured piecewise CUDA graphs for %d token counts (%d..%d), %d pieces each, in %.1f s",
                     len(self.sizes), self.sizes[0], self.max_tokens, len(self._layers) + 1, time.perf_counter() - t0)
 
     def can_run(self, num_tokens: int) -> bool:
-        return bool(self._buckets) and 0 < num_tokens <= self.max_tokens
+        return bool(self._graphs) and 0 < num_tokens <= self.max_tokens
 
     def bucket(self, n: int) -> int:
         """The smallest captured token count that holds ``n`` tokens."""
@@ -146,7 +137,7 @@ class PiecewiseCUDAGraphs:
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of the step (``md.prepared``: the step's attention plan). The result
-        is a view of graph memory, valid until the next ``run``."""
+        is a view of a static buffer, valid until the next ``run``."""
         n = input_ids.shape[0]
         if not self.can_run(n):
             raise ValueError(f"a step of {n} tokens cannot replay piecewise graphs (at most {self.max_tokens})")
@@ -155,14 +146,14 @@ class PiecewiseCUDAGraphs:
         self._positions[:n].copy_(positions, non_blocking=True)
         self._input_ids[n:b].zero_()
         self._positions[n:b].zero_()
-        bucket = self._buckets[b]
+        graphs, h, kv = self._graphs[b], self._heads, self._kv_heads
+        q, k, v = self._qkv[:n, :h], self._qkv[:n, h : h + kv], self._qkv[:n, h + kv :]
         for i, layer in enumerate(self._layers):
-            bucket.graphs[i].replay()
-            q, k, v, _ = bucket.outputs[i]
-            o = layer.self_attn.attn.forward(q[:n], k[:n], v[:n], self._kv_caches[i], md)
+            graphs[i].replay()
+            o = layer.self_attn.attn.forward(q, k, v, self._kv_caches[i], md)
             self._attn_out[:n].view(n, -1).copy_(o.reshape(n, -1))
-        bucket.graphs[-1].replay()
-        return bucket.outputs[-1][0][:n]
+        graphs[-1].replay()
+        return self._hidden[:n]
 
 
 def maybe_capture_piecewise_graphs(

@@ -37,6 +37,15 @@ class ProfiledRunner(Protocol):
     @property
     def config(self) -> ModelConfig: ...
 
+    @property
+    def lora(self) -> object | None: ...
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def backend_cls(self) -> type: ...
+
 
 # every row with each of the sampler's transforms and the most logprobs: its largest workspace (the float32
 # logits and log-softmax, the top-p sort's values and indices, the float64 cumulative sums)
@@ -45,11 +54,15 @@ WORST_CASE_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0
 
 
 def graph_pool_tokens(runner: ProfiledRunner) -> int:
-    """Tokens of the largest step whose activations the CUDA-graph memory pools keep (captured after the KV
-    cache is allocated): the decode graphs' largest batch, plus the piecewise graphs' largest token count."""
-    if runner.config.enforce_eager:
+    """Tokens of the largest steps whose temporaries the CUDA-graph memory pools keep (captured after the KV
+    cache is allocated, under the conditions ``maybe_capture_*`` apply): the decode graphs' largest batch,
+    plus the piecewise graphs' largest token count (their own pool; what crosses pieces lives in buffers of a
+    few MB outside it)."""
+    if runner.config.enforce_eager or runner.lora is not None or getattr(runner.model, "cuda_graphs_blocker", None):
         return 0
-    tokens = min(runner.max_num_seqs, runner.max_num_batched_tokens)
+    tokens = 0
+    if getattr(runner.backend_cls, "supports_cuda_graphs", False):
+        tokens += min(runner.max_num_seqs, runner.max_num_batched_tokens)
     if runner.config.cudagraph_mode == "full_and_piecewise":
         tokens += min(runner.max_num_batched_tokens, MAX_PIECEWISE_TOKENS)
     return tokens
@@ -107,8 +120,8 @@ def profile_cuda_kv_budget(runner: ProfiledRunner, gpu_memory_utilization: float
     outside = max(0, free - torch.cuda.mem_get_info(device)[0] - (torch.cuda.memory_reserved(device) - reserved_before))
     del scratch, batch, logits
     torch.cuda.empty_cache()
-    # the graphs' pools: activations of their largest steps, in proportion to the profiled step's
-    graphs = forward_peak * min(1.0, graph_pool_tokens(runner) / max(1, runner.max_num_batched_tokens))
+    # the graphs' pools (one per kind): temporaries of their largest steps, in proportion to the profiled step's
+    graphs = forward_peak * graph_pool_tokens(runner) / max(1, runner.max_num_batched_tokens)
     budget = int(total * gpu_memory_utilization - in_use_before - activation_peak - outside - graphs)
     logger.info("CUDA memory: total %.2f GiB, in use %.2f GiB, activation and sampling peak %.2f GiB, outside "
                 "torch's allocator %.2f GiB, CUDA graphs ~%.2f GiB -> KV cache %.2f GiB", total / 2**30,

@@ -1,10 +1,10 @@
 """Piecewise CUDA graphs (``cudagraph_mode: full_and_piecewise``) wired into ModelRunner, checked on CPU against
 a stand-in for the captured pieces.
 
-The stand-in "capture" runs a piece once on the static buffers and returns an object whose ``replay()`` runs
-it again and copies its results into the tensors it returned the first time, as a CUDA graph refills its
-static outputs. A runner with piecewise graphs and one with ``enforce_eager`` get the same scheduler outputs
-(prefills, decodes and mixed steps) and must sample the same tokens, with the same logprobs and KV cache
+The stand-in "capture" runs a piece once and returns an object whose ``replay()`` runs it again: a piece reads
+and writes only static buffers allocated before capture, so rerunning it is what replaying its graph does. A
+runner with piecewise graphs and one with ``enforce_eager`` get the same scheduler outputs (prefills, decodes
+and mixed steps) and must sample the same tokens, with the same logprobs and KV cache
 contents; every step of up to the largest bucket replays each of its bucket's pieces once, larger steps run
 eagerly. Families whose layers differ most (Gemma 2's sandwich norms, windows and soft-caps, Gemma 3's local
 rope, Qwen 3's per-head q/k norms, Phi-3's fused projections) are cut and replayed too.
@@ -31,27 +31,33 @@ from cbserve.worker.piecewise_graphs import PieceCaptureFn, maybe_capture_piecew
 
 BLOCK = 4
 MAX_TOKENS = 16  # buckets 1, 2, 4, 8, 16
-Outputs = tuple[torch.Tensor, ...]
 
 
 @dataclass
 class StandInPiece:
-    forward: Callable[[], Outputs]
-    outs: Outputs
+    """Replays a piece by running it again: it writes only the static buffers, as its CUDA graph would."""
+
+    forward: Callable[[], None]
+    bucket: int
     log: list[int]
 
     def replay(self) -> None:
-        self.log.append(self.outs[0].shape[0])
-        for static, new in zip(self.outs, self.forward(), strict=True):
-            static.copy_(new)
+        self.log.append(self.bucket)
+        self.forward()
 
 
 def stand_in_pieces(log: list[int]) -> PieceCaptureFn:
-    def capture(forward: Callable[[], Outputs], pool: object) -> tuple[StandInPiece, Outputs]:
-        outs = forward()
-        return StandInPiece(forward, outs, log), outs
+    def capture(forward: Callable[[], None], pool: object) -> tuple[StandInPiece, None]:
+        forward()
+        # the bucket: the rows of the static residual buffer the piece reads (its closure's view)
+        return StandInPiece(forward, _bucket_of(forward), log), None
 
     return capture
+
+
+def _bucket_of(piece: Callable[[], None]) -> int:
+    cells = [c.cell_contents for c in piece.__closure__ or ()]
+    return next(int(c.shape[0]) for c in cells if isinstance(c, torch.Tensor))
 
 
 def _runner(folder: Path, log: list[int], *, eager: bool = False, mode: str = "full_and_piecewise",
