@@ -60,14 +60,15 @@ test-bench: setup
 # `make gpu-check` proves the CUDA path on one GPU (benchmarks/gpu_check.py): PART=1 correctness, PART=2 speed, each
 # under 6 minutes, both by default; results merged into benchmarks/results/gpu/check.json beside their logs.
 # DRY_RUN=1 runs the same script on the CPU with tiny shapes (CI). It installs nothing: the GPU machines have
-# torch, triton, transformers and pytest but no network, and the tree reaches them without .venv.
+# torch, triton, transformers and pytest but no network, and the tree reaches them without .venv. On a copied tree
+# whose .git is not its own, name the commit: `make gpu-check CBSERVE_COMMIT=<sha>` (it is recorded in check.json).
 PART ?= all
 DRY_RUN ?= 0
 GPU_CHECK_ARGS ?=
 GPU_CHECK_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
 gpu-check:
-	PYTHONPATH=.$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_CHECK_PYTHON) benchmarks/gpu_check.py --part $(PART) \
+	$(if $(CBSERVE_COMMIT),CBSERVE_COMMIT=$(CBSERVE_COMMIT)) PYTHONPATH=.$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_CHECK_PYTHON) benchmarks/gpu_check.py --part $(PART) \
 		$(if $(filter 1 yes true,$(DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
 
 clean:
