@@ -3,13 +3,13 @@ on the torch and the C kernels, touches only the routed experts, and splits acro
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from worker_testlib import free_port
 
 from cbserve.worker.cpu.linear import NativeWeight, pack_linear_weights
 from cbserve.worker.cpu.native import load_cpu_kernels
@@ -145,8 +145,5 @@ def test_tp2_block_equals_tp1(tmp_path: Path) -> None:
     x = torch.randn(17, HIDDEN, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         want = _ours(hf, moe)(x)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_tp_worker, args=(port, str(tmp_path / "y.pt")), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(free_port(), str(tmp_path / "y.pt")), nprocs=2, join=True)
     torch.testing.assert_close(torch.load(tmp_path / "y.pt"), want, atol=1e-5, rtol=1e-5)

@@ -162,12 +162,7 @@ def test_cuda_graphs_decision() -> None:
 
 
 _SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from cbserve.worker import moe_triton as mt
-cuobjdump = sys.argv[2]
 fn = mt._moe_gemm_kernel
 for dtype, pairs, row_div in json.loads(sys.argv[1]):
     p = {"bfloat16": "*bf16", "float16": "*fp16"}[dtype]
@@ -177,19 +172,8 @@ for dtype, pairs, row_div in json.loads(sys.argv[1]):
                  **{a: "i32" for a in fn.arg_names if a.startswith("stride")})
     consts = dict(ROW_DIV=row_div, DOT_PRECISION="tf32", UPCAST=False, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                   BLOCK_K=tiles.block_k)
-    if set(types) | set(consts) != set(fn.arg_names):
-        sys.exit(f"test signature out of date with the kernel {fn.arg_names}")
-    sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
-    if m is None:
-        sys.exit(f"no resource usage:\n{usage}")
-    print("COMPILED", dtype, pairs, row_div, "shared", k.metadata.shared, "reg", m[1], "stack", m[2], "local", m[4])
+    k, usage = build(fn, types, consts, {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+    print("COMPILED", dtype, pairs, row_div, usage)
 """
 # (dtype, pairs: the decode tiles or the prefill tiles, ROW_DIV: the gate_up GEMM of top-2 or the down GEMM)
 CASES = [[d, pairs, row_div] for d in ("bfloat16", "float16") for pairs in (8, 4096) for row_div in (2, 1)]

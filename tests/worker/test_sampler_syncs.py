@@ -5,7 +5,6 @@ used to draw from, and the tensor-parallel broadcast of the sampled ids without 
 from __future__ import annotations
 
 import random
-import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from worker_testlib import free_port
 
 from cbserve.scheduler.sampling_params import SamplingParams as SP
 from cbserve.worker import sampler as sampler_mod
@@ -194,16 +194,10 @@ def _tp_worker(rank: int, port: int, result_file: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_tp_broadcast_gives_rank0s_lists(tmp_path: Path) -> None:
     result_file = str(tmp_path / "rank1.pt")
-    mp.spawn(_tp_worker, args=(_free_port(), result_file), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(free_port(), result_file), nprocs=2, join=True)
     assert torch.load(result_file) == [ids for ids, _ in _TP_CASES]
 
 

@@ -3,7 +3,6 @@ the vocabulary-gathering LM head over the prompt rows) as TP=1 on the tiny model
 
 from __future__ import annotations
 
-import socket
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from worker_testlib import make_tiny_model, run_engine
+from worker_testlib import free_port, make_tiny_model, run_engine
 
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, done_future
 from cbserve.scheduler.sampling_params import SamplingParams
@@ -72,12 +71,6 @@ def _worker(rank: int, folder: str, port: int, result_file: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(180)
 def test_tp2_matches_tp1(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path / "model", "llama_gqa")
@@ -85,7 +78,7 @@ def test_tp2_matches_tp1(tmp_path: Path) -> None:
     tp1 = run_engine(executor, _requests(), block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
                      max_num_seqs=4)
     result_file = str(tmp_path / "tp2.pt")
-    mp.spawn(_worker, args=(str(folder), _free_port(), result_file), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(folder), free_port(), result_file), nprocs=2, join=True)
     tp2, tp2_lps = torch.load(result_file)
     assert tp2 == {k: v[0] for k, v in tp1.tokens.items()}
     tp1_lps = _prompt_lps(tp1)

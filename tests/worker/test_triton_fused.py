@@ -270,12 +270,7 @@ def test_layers_fused_branches(tf: ModuleType, monkeypatch: pytest.MonkeyPatch, 
 
 
 _SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from cbserve.worker import triton_fused as tf
-cuobjdump = sys.argv[2]
 P = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 for case in json.loads(sys.argv[1]):
     kind, dtype = case[0], case[1]
@@ -302,20 +297,8 @@ for case in json.loads(sys.argv[1]):
         warps = 4
         types = dict(x_ptr=p, out_ptr=p, inter="i32", **{a: "i32" for a in fn.arg_names if a.startswith("stride")})
         consts = dict(ACT=act, BLOCK=tf.act_block(inter))
-    if set(types) | set(consts) != set(fn.arg_names):
-        sys.exit(f"{kind}: test signature out of date with the kernel {fn.arg_names}")
-    sig = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
-    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps, "enable_fp_fusion": False})  # as _launch launches them
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    os.unlink(f.name)
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
-    if m is None:
-        sys.exit(f"no resource usage for {case}:\n{usage}")
-    print("COMPILED", json.dumps(case), "warps", warps, "shared", k.metadata.shared,
-          "reg", m[1], "stack", m[2], "local", m[4], "fma", len(re.findall(r"\bfma\.", k.asm["ptx"])))
+    k, usage = build(fn, types, consts, {"num_warps": warps, "enable_fp_fusion": False})  # as _launch does
+    print("COMPILED", json.dumps(case), "warps", warps, usage, "fma", len(re.findall(r"\bfma\.", k.asm["ptx"])))
 """
 
 # Llama-3-8B (hidden 4096, head_dim 128, 32 + 8 heads, inter 14336) and 70B (8192), SmolLM2 (576, 64, 9 + 3),

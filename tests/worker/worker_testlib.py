@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,3 +198,10 @@ def interpreted_triton(*modules: ModuleType, probe: str) -> None:
     if not isinstance(getattr(modules[-1], probe), InterpretedFunction):
         for module in modules:
             importlib.reload(module)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
