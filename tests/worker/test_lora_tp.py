@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from family_testlib import make_family_model, save_tokenizer
 from lora_testlib import ALL_SPLIT, make_adapter, peft_greedy, peft_model
-from test_tensor_parallel import BLOCK, NUM_BLOCKS, PROMPTS, _BroadcastExecutor, _free_port
-from worker_testlib import make_tiny_model
+from test_tensor_parallel import BLOCK, NUM_BLOCKS, PROMPTS, _BroadcastExecutor
+from worker_testlib import free_port, make_tiny_model
 
 from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, LoRARequest, SchedulerConfig
 from cbserve.scheduler.sampling_params import SamplingParams
@@ -79,7 +79,7 @@ def test_tp2_lora_matches_peft(tmp_path: Path, family: str) -> None:
     two = LoRARequest("two", 2, str(make_adapter(base, tmp_path / "two", 2, r=4, targets=TARGETS[family][:2])))
     loras = [one, None, two]
     result_file = str(tmp_path / "tp2.pt")
-    mp.spawn(_worker, args=(str(base), _free_port(), loras, result_file), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(base), free_port(), loras, result_file), nprocs=2, join=True)
     got = torch.load(result_file)
     for i, (prompt, lora) in enumerate(zip(PROMPTS, loras, strict=True)):
         ref = peft_greedy(peft_model(base, None if lora is None else Path(lora.lora_path)), prompt, MAX_NEW)

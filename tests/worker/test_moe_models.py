@@ -13,8 +13,8 @@ import torch
 import torch.multiprocessing as mp
 from moe_testlib import MOE_VARIANTS, make_tiny_moe
 from test_model_equivalence import _prompts  # mixed lengths around a shared prefix
-from test_tensor_parallel import BLOCK, NUM_BLOCKS, _free_port, _requests, _worker  # the TP=2 rank loop, shared
-from worker_testlib import hf_greedy, run_engine
+from test_tensor_parallel import BLOCK, NUM_BLOCKS, _requests, _worker  # the TP=2 rank loop, shared
+from worker_testlib import free_port, hf_greedy, run_engine
 
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
@@ -147,6 +147,6 @@ def test_tp2_matches_tp1(tmp_path: Path, variant: str) -> None:
     executor = LocalExecutor(ModelConfig(model=str(folder), device="cpu"), BLOCK, num_blocks=NUM_BLOCKS, progress=False)
     tp1 = run_engine(executor, _requests(), block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
                      max_num_seqs=4)
-    mp.spawn(_worker, args=(str(folder), _free_port(), str(tmp_path / "tp2.pt")), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(folder), free_port(), str(tmp_path / "tp2.pt")), nprocs=2, join=True)
     tp2, _ = torch.load(tmp_path / "tp2.pt")  # (tokens, prompt logprobs): test_tensor_parallel's worker
     assert tp2 == {k: v[0] for k, v in tp1.tokens.items()}

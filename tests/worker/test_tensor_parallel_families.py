@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from family_testlib import make_family_model
-from test_tensor_parallel import BLOCK, NUM_BLOCKS, _free_port, _requests, _worker
-from worker_testlib import run_engine
+from test_tensor_parallel import BLOCK, NUM_BLOCKS, _requests, _worker
+from worker_testlib import free_port, run_engine
 
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.executor import LocalExecutor
@@ -26,7 +26,7 @@ def test_tp2_matches_tp1(tmp_path: Path, family: str) -> None:
     tp1 = run_engine(executor, _requests(), block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
                      max_num_seqs=4)
     result_file = str(tmp_path / "tp2.pt")
-    mp.spawn(_worker, args=(str(folder), _free_port(), result_file), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(folder), free_port(), result_file), nprocs=2, join=True)
     tp2, _ = torch.load(result_file)  # (tokens, prompt logprobs): test_tensor_parallel's worker
     assert tp2 == {k: v[0] for k, v in tp1.tokens.items()}
     assert all(len(v[0]) == 12 for v in tp1.tokens.values())
