@@ -13,6 +13,9 @@
  * once, in order, and the compact formats read 2x (bfloat16) to 5x (Q4_1) fewer bytes than float32 for the
  * same float32 arithmetic. benchmarks/bench_cpu.py prints the rates; BENCHMARKS.md has the runs.
  *
+ * A few rows (a decode step's, up to 4) go to rows.c instead, which decodes each weight vector in registers
+ * for all of them at once: the same sums, without the scratch round trip.
+ *
  * Each C element is one dot product summed in k order (from the bias, or zero) by one thread, so results
  * do not depend on the thread count, the chunking or the format the same values were packed in. The items
  * are shared out by cb_share_next (cb_simd.h): a thread's own contiguous share first, then what is left of
@@ -206,6 +209,10 @@ int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t 
     if (m < 0 || n < 1 || pbytes < 0 || lda < k || ldc < n) return CB_EINVAL;
     if (m == 0) return CB_OK;
     if (cb_bf16_products(fmt)) return cb_linear_bf16_dot(fmt, a, lda, m, k, wp, n, bias, c, ldc);
+    if (cb_rows_take(fmt, m, k)) {
+        cb_linear_rows(fmt, a, lda, m, k, wp, n, bias, c, ldc);
+        return CB_OK;
+    }
     linear_items(fmt, a, lda, m, k, wp, n, bias, c, ldc);
     return CB_OK;
 }

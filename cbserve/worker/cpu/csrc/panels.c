@@ -1,51 +1,6 @@
 /* Packing weights into the panel layouts of panels.h, and decoding panel chunks back to float32 for the
  * linear kernel (gemm.c) and for the load-time check that a packing is lossless (cb_unpack_panels). */
-#include "panels.h"
-
-#include "cb_simd.h"
-
-#if CB_VW >= 8
-#include <immintrin.h>
-#endif
-
-/* CB_VW integers of 8 or 16 bits widened to int32 lanes. GCC turns __builtin_convertvector from 8-bit lanes
- * into scalar code, so these use the widening loads where the level has them. */
-#if CB_VW == 16
-static inline vi widen_u8(const uint8_t *p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-static inline vi widen_s8(const int8_t *p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-static inline vi widen_u16(const uint16_t *p) {
-    return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-}
-#elif CB_VW == 8
-static inline vi widen_u8(const uint8_t *p) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-static inline vi widen_s8(const int8_t *p) { return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-static inline vi widen_u16(const uint16_t *p) {
-    return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-}
-#else
-#define CB_WIDEN(name, type)                                  \
-    static inline vi name(const type *p) {                    \
-        vi r;                                                 \
-        for (int i = 0; i < CB_VW; ++i) r[i] = (int32_t)p[i]; \
-        return r;                                             \
-    }
-CB_WIDEN(widen_u8, uint8_t)
-CB_WIDEN(widen_s8, int8_t)
-CB_WIDEN(widen_u16, uint16_t)
-#endif
-
-static inline vf to_float(vi v) { return __builtin_convertvector(v, vf); }
-static inline vi load_bits(const void *p) {
-    vi r;
-    memcpy(&r, p, sizeof r);
-    return r;
-}
-static inline void store_bits(float *p, vi v) { memcpy(p, &v, sizeof v); }
-
-#define CB_PV (CB_NR / CB_VW) /* vectors per panel row */
-
-#define Q8_BLOCK_BYTES (CB_NR * 4 + CB_QK * CB_NR)          /* d[48] + q[32][48] = 1728 */
-#define Q41_BLOCK_BYTES (2 * CB_NR * 4 + CB_QK / 2 * CB_NR) /* d[48] + m[48] + q[16][48] = 1152 */
+#include "decode.h"
 
 int cb_storage_format(int fmt) {
     return fmt == CB_FMT_Q8_0_BF16 ? CB_FMT_Q8_0 : fmt == CB_FMT_Q4_1_BF16 ? CB_FMT_Q4_1 : fmt;
@@ -76,7 +31,7 @@ int cb_gemm_panel_width(void) { return CB_NR; }
 /* ---- decoding --------------------------------------------------------------------------------------- */
 
 static void chunk_bf16(const uint16_t *restrict src, int kn, float *restrict dst) {
-    for (int i = 0; i < kn * CB_NR; i += CB_VW) store_bits(dst + i, widen_u16(src + i) << 16);
+    for (int i = 0; i < kn * CB_NR; i += CB_VW) cb_store(dst + i, bf16_value(src + i));
 }
 
 /* pairs [kn / 2][48][2] -> [kn][48] (kn even: the pad row of an odd k lands in the scratch's spare row). A pair
@@ -100,7 +55,7 @@ static void chunk_q8_0(const uint8_t *restrict blocks, int kn, float *restrict d
         for (int j = 0; j < CB_QK; ++j) {
             const int8_t *qj = q + j * CB_NR;
             float *o = dst + (int64_t)(b * CB_QK + j) * CB_NR;
-            for (int v = 0; v < CB_PV; ++v) cb_store(o + CB_VW * v, dv[v] * to_float(widen_s8(qj + CB_VW * v)));
+            for (int v = 0; v < CB_PV; ++v) cb_store(o + CB_VW * v, q8_0_value(dv[v], qj + CB_VW * v));
         }
     }
 }
@@ -114,9 +69,8 @@ static void chunk_q4_1(const uint8_t *restrict blocks, int kn, float *restrict d
             for (int j = 0; j < CB_QK / 2; ++j) {
                 const vi pair = widen_u8(q + j * CB_NR + CB_VW * v);
                 float *o = dst + (int64_t)(b * CB_QK + 2 * j) * CB_NR + CB_VW * v;
-                /* d * q is exact (an 11-bit float16 significand times 4 bits): one rounding, in the add */
-                cb_store(o, dv * to_float(pair & 15) + mv);
-                cb_store(o + CB_NR, dv * to_float(pair >> 4) + mv);
+                cb_store(o, q4_1_low(dv, mv, pair));
+                cb_store(o + CB_NR, q4_1_high(dv, mv, pair));
             }
         }
     }
@@ -164,11 +118,11 @@ static inline __m512i pair_vector(vf16 even, vf16 odd) {
  * one-row path alike (their results must agree bit for bit). */
 static inline __m512i q4_1_pairs(vf16 d, vf16 m, const uint8_t *q) {
     const vi pair = widen_u8(q);
-    return pair_vector(d * to_float(pair & 15) + m, d * to_float(pair >> 4) + m);
+    return pair_vector(q4_1_low(d, m, pair), q4_1_high(d, m, pair));
 }
 
 static inline __m512i q8_0_pairs(vf16 d, const int8_t *even, const int8_t *odd) {
-    return pair_vector(d * to_float(widen_s8(even)), d * to_float(widen_s8(odd)));
+    return pair_vector(q8_0_value(d, even), q8_0_value(d, odd));
 }
 
 /* Q4_1 blocks -> pairs: byte [j][c] already holds the pair (2j, 2j + 1) of column c in its two nibbles. */

@@ -45,6 +45,13 @@ int64_t cb_panel_bytes(int fmt, int k);
  * of CB_QK for the block formats and even for CB_FMT_BF16_DOT (kn may end at k). */
 const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch);
 
+/* Few-row products straight from the packed weights (rows.c): cb_rows_take says whether cb_linear_rows takes
+ * (fmt, m, k): a float32-products format and a few rows (decode steps); cb_linear_rows is then cb_linear's
+ * product, bit for bit. */
+int cb_rows_take(int fmt, int m, int k);
+void cb_linear_rows(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n, const float *bias,
+                    float *c, int64_t ldc);
+
 #ifdef __AVX512BF16__
 /* The bfloat16 pairs of k values [k0, k0 + kn) of one panel of a bfloat16-products format, [kn / 2][48][2]: a
  * pointer into the panel itself (CB_FMT_BF16_DOT) or into scratch (kn * 48 values), decoded and rounded as

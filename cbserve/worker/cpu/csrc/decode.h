@@ -1,0 +1,91 @@
+/* Decoding packed weights to float32 vectors, for the chunk decoder (panels.c) and the few-row products that
+ * decode in registers (rows.c). Internal to the kernels. Each format's value is one inline expression used
+ * by both, so the two paths multiply by the same float32 weights bit for bit. */
+#ifndef CB_DECODE_H
+#define CB_DECODE_H
+
+#include "cb_simd.h"
+#include "panels.h"
+
+#if CB_VW >= 8
+#include <immintrin.h>
+#endif
+
+/* CB_VW integers of 8 or 16 bits widened to int32 lanes. GCC turns __builtin_convertvector from 8-bit lanes
+ * into scalar code, so these use the widening loads where the level has them. */
+#if CB_VW == 16
+static inline vi widen_u8(const uint8_t *p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi widen_s8(const int8_t *p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi widen_u16(const uint16_t *p) {
+    return (vi)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+}
+#elif CB_VW == 8
+static inline vi widen_u8(const uint8_t *p) { return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi widen_s8(const int8_t *p) { return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vi widen_u16(const uint16_t *p) {
+    return (vi)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+#else
+#define CB_WIDEN(name, type)                                  \
+    static inline vi name(const type *p) {                    \
+        vi r;                                                 \
+        for (int i = 0; i < CB_VW; ++i) r[i] = (int32_t)p[i]; \
+        return r;                                             \
+    }
+CB_WIDEN(widen_u8, uint8_t)
+CB_WIDEN(widen_s8, int8_t)
+CB_WIDEN(widen_u16, uint16_t)
+#endif
+
+static inline vf to_float(vi v) { return __builtin_convertvector(v, vf); }
+static inline vi load_bits(const void *p) {
+    vi r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+static inline void store_bits(float *p, vi v) { memcpy(p, &v, sizeof v); }
+
+#define CB_PV (CB_NR / CB_VW) /* vectors per panel row */
+
+#define Q8_BLOCK_BYTES (CB_NR * 4 + CB_QK * CB_NR)          /* d[48] + q[32][48] = 1728 */
+#define Q41_BLOCK_BYTES (2 * CB_NR * 4 + CB_QK / 2 * CB_NR) /* d[48] + m[48] + q[16][48] = 1152 */
+
+
+/* The weights of CB_VW columns. Q4_1: one byte per column holds k = 2j (low nibble) and k = 2j + 1 (high);
+ * d * q is exact (an 11-bit float16 significand times 4 bits), so the one rounding is in the add. Q8_0: d * q,
+ * exact. bfloat16: the upper halves of float32 values. */
+#if CB_VW == 16
+/* the nibble's value as a float: one lookup in a 16-entry table (vpermps reads the low 4 bits of each lane)
+ * instead of a mask and a conversion */
+static inline vf nibble_float(vi v) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return (vf)_mm512_permutexvar_ps((__m512i)v, table);
+}
+static inline vf q4_1_low(vf d, vf m, vi pair) { return d * nibble_float(pair) + m; }
+static inline vf q4_1_high(vf d, vf m, vi pair) { return d * nibble_float(pair >> 4) + m; }
+#else
+static inline vf q4_1_low(vf d, vf m, vi pair) { return d * to_float(pair & 15) + m; }
+static inline vf q4_1_high(vf d, vf m, vi pair) { return d * to_float(pair >> 4) + m; }
+#endif
+static inline vf q8_0_value(vf d, const int8_t *q) { return d * to_float(widen_s8(q)); }
+static inline vf bf16_value(const uint16_t *src) {
+    const vi bits = widen_u16(src) << 16;
+    vf r;
+    memcpy(&r, &bits, sizeof r);
+    return r;
+}
+
+/* v as computed: the compiler may not regroup the operations that made v with the ones that use it. The kernels
+ * are built with -fassociative-math (../native.py), under which GCC turns a column's running sum
+ * (acc + x0 w0) + x1 w1 into acc + (x0 w0 + x1 w1), or x (d q) into (x d) q: other bits than the tiled path's,
+ * which sums each column in k order over weights stored to memory first. */
+static inline vf cb_settled(vf v) {
+#if defined(__x86_64__) || defined(__i386__)
+    __asm__("" : "+v"(v));
+#elif defined(__aarch64__)
+    __asm__("" : "+w"(v));
+#endif
+    return v;
+}
+
+#endif

@@ -1,0 +1,142 @@
+/* Products of a few rows, C[m, N] = A[m, K] @ W[N, K]^T (+ bias) for m <= CB_ROWS_MAX, straight from the
+ * packed weights: a decode step's rows (one per running request). The tiled path (gemm.c) decodes each chunk
+ * of a panel into a float32 scratch and reads it back, which pays when many rows share the decoded chunk; with
+ * a few rows that round trip, not the multiply, is the cost. Here each weight vector is decoded in registers
+ * (decode.h, the expressions the scratch decoder uses) and multiplied into every row's sums at once, so each
+ * packed byte is read once and nothing is written but C.
+ *
+ * Same bits as the tiled path: every C element is one dot product summed in k order from the bias (or zero)
+ * by one thread, with the same float32 weights. A panel's 48 columns go in groups of CB_RG vectors (the
+ * whole panel with AVX-512), each group over all of k with its sums in registers, then the next group (its
+ * bytes are in cache by then: a panel is at most tens of KB). Work items are panels, shared as gemm.c shares. */
+#include "decode.h"
+
+/* vectors per column group: 3 (48 columns with AVX-512, 24 with AVX2, 12 with the portable build's 4 lanes) */
+#define CB_RG 3
+#define CB_ROWS_MAX 4
+/* The most rows this path takes at this level. Timed on a 2-core Xeon (Cascade Lake) on 80 MB of Q4_1 panels
+ * (a SmolLM2 step's weights, streamed from memory), against the tiled path: AVX-512 1.56x / 1.37x / 1.24x /
+ * 1.06x at 1-4 rows; AVX2 1.22x / 1.12x at 1-2 rows, but with 16 registers 3 and 4 rows spill their sums
+ * (1.07x and 1.03x streamed, slower than the tiled path on weights already in cache). */
+#if CB_VW == 16
+#define CB_ROWS_TAKE 4
+#else
+#define CB_ROWS_TAKE 2
+#endif
+/* Each block asks for the bytes 4 KB ahead into L2: one thread's misses alone do not keep memory busy (the
+ * same 80 MB, one row: 17.3 against 13.6 GB/s with AVX-512, 12.1 against 9.4 with AVX2; Q8_0 19.7 against
+ * 14.4). Float32 and bfloat16 panels stream at the copy bandwidth without it. */
+#define CB_ROWS_AHEAD 4096
+
+static inline void prefetch_ahead(const uint8_t *at, int bytes) {
+    for (int off = 0; off < bytes; off += 64) __builtin_prefetch(at + CB_ROWS_AHEAD + off, 0, 2);
+}
+
+#define CB_ROWS_K(i, kk) a[(int64_t)(i) * lda + (kk)]
+
+/* The sums of rows [0, mr) of A against columns [col, col + CB_RG * CB_VW) of one panel, in acc_io ([mr][48],
+ * holding the starting values) and back. */
+static inline __attribute__((always_inline)) void rows_group(const int mr, int fmt, const float *restrict a,
+                                                             int64_t lda, int k, const uint8_t *restrict panel,
+                                                             int col, float *restrict acc_io) {
+    vf acc[CB_ROWS_MAX][CB_RG];
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < CB_RG; ++v) acc[i][v] = cb_load(acc_io + i * CB_NR + col + CB_VW * v);
+    if (fmt == CB_FMT_Q4_1) {
+        for (int b = 0; b < k / CB_QK; ++b, panel += Q41_BLOCK_BYTES) {
+            const float *d = (const float *)panel + col, *m = d + CB_NR;
+            const uint8_t *q = panel + 2 * CB_NR * 4 + col;
+            if (col == 0) prefetch_ahead(panel, Q41_BLOCK_BYTES);
+            vf dv[CB_RG], mv[CB_RG];
+            for (int v = 0; v < CB_RG; ++v) dv[v] = cb_load(d + CB_VW * v), mv[v] = cb_load(m + CB_VW * v);
+            for (int j = 0; j < CB_QK / 2; ++j) {
+                const int kk = b * CB_QK + 2 * j;
+                for (int v = 0; v < CB_RG; ++v) {
+                    const vi pair = widen_u8(q + j * CB_NR + CB_VW * v);
+                    const vf lo = cb_settled(q4_1_low(dv[v], mv[v], pair)), hi = cb_settled(q4_1_high(dv[v], mv[v], pair));
+                    for (int i = 0; i < mr; ++i) acc[i][v] = cb_settled(acc[i][v] + CB_ROWS_K(i, kk) * lo);
+                    for (int i = 0; i < mr; ++i) acc[i][v] = cb_settled(acc[i][v] + CB_ROWS_K(i, kk + 1) * hi);
+                }
+            }
+        }
+    } else if (fmt == CB_FMT_Q8_0) {
+        for (int b = 0; b < k / CB_QK; ++b, panel += Q8_BLOCK_BYTES) {
+            const float *d = (const float *)panel + col;
+            const int8_t *q = (const int8_t *)(panel + CB_NR * 4) + col;
+            if (col == 0) prefetch_ahead(panel, Q8_BLOCK_BYTES);
+            vf dv[CB_RG];
+            for (int v = 0; v < CB_RG; ++v) dv[v] = cb_load(d + CB_VW * v);
+            for (int j = 0; j < CB_QK; ++j)
+                for (int v = 0; v < CB_RG; ++v) {
+                    const vf w = cb_settled(q8_0_value(dv[v], q + j * CB_NR + CB_VW * v));
+                    for (int i = 0; i < mr; ++i) acc[i][v] = cb_settled(acc[i][v] + CB_ROWS_K(i, b * CB_QK + j) * w);
+                }
+        }
+    } else if (fmt == CB_FMT_BF16) {
+        const uint16_t *src = (const uint16_t *)panel + col;
+        for (int kk = 0; kk < k; ++kk)
+            for (int v = 0; v < CB_RG; ++v) {
+                const vf w = bf16_value(src + (int64_t)kk * CB_NR + CB_VW * v);
+                for (int i = 0; i < mr; ++i) acc[i][v] = cb_settled(acc[i][v] + CB_ROWS_K(i, kk) * w);
+            }
+    } else { /* CB_FMT_F32 */
+        const float *src = (const float *)panel + col;
+        for (int kk = 0; kk < k; ++kk)
+            for (int v = 0; v < CB_RG; ++v) {
+                const vf w = cb_load(src + (int64_t)kk * CB_NR + CB_VW * v);
+                for (int i = 0; i < mr; ++i) acc[i][v] = cb_settled(acc[i][v] + CB_ROWS_K(i, kk) * w);
+            }
+    }
+    for (int i = 0; i < mr; ++i)
+        for (int v = 0; v < CB_RG; ++v) cb_store(acc_io + i * CB_NR + col + CB_VW * v, acc[i][v]);
+}
+
+/* A whole panel, group by group; mr and the format as compile-time constants in each case of the switches. */
+static inline __attribute__((always_inline)) void rows_panel_fmt(const int mr, const int fmt, const float *a,
+                                                                 int64_t lda, int k, const uint8_t *panel,
+                                                                 float *acc_io) {
+    for (int col = 0; col < CB_NR; col += CB_RG * CB_VW) rows_group(mr, fmt, a, lda, k, panel, col, acc_io);
+}
+
+static inline __attribute__((always_inline)) void rows_panel_mr(const int mr, int fmt, const float *a, int64_t lda,
+                                                                int k, const uint8_t *panel, float *acc_io) {
+    switch (fmt) {
+    case CB_FMT_Q4_1: rows_panel_fmt(mr, CB_FMT_Q4_1, a, lda, k, panel, acc_io); break;
+    case CB_FMT_Q8_0: rows_panel_fmt(mr, CB_FMT_Q8_0, a, lda, k, panel, acc_io); break;
+    case CB_FMT_BF16: rows_panel_fmt(mr, CB_FMT_BF16, a, lda, k, panel, acc_io); break;
+    default: rows_panel_fmt(mr, CB_FMT_F32, a, lda, k, panel, acc_io); break;
+    }
+}
+
+static void rows_panel(int mr, int fmt, const float *a, int64_t lda, int k, const uint8_t *panel, float *acc_io) {
+    switch (mr) {
+    case 1: rows_panel_mr(1, fmt, a, lda, k, panel, acc_io); break;
+    case 2: rows_panel_mr(2, fmt, a, lda, k, panel, acc_io); break;
+    case 3: rows_panel_mr(3, fmt, a, lda, k, panel, acc_io); break;
+    default: rows_panel_mr(4, fmt, a, lda, k, panel, acc_io); break;
+    }
+}
+
+int cb_rows_take(int fmt, int m, int k) {
+    const int fits = fmt == CB_FMT_F32 || fmt == CB_FMT_BF16 || ((fmt == CB_FMT_Q8_0 || fmt == CB_FMT_Q4_1) && k % CB_QK == 0);
+    return fits && m >= 1 && m <= CB_ROWS_TAKE;
+}
+
+void cb_linear_rows(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
+                    const float *bias, float *c, int64_t ldc) {
+    const int64_t pbytes = cb_panel_bytes(fmt, k);
+    const int panels = (n + CB_NR - 1) / CB_NR;
+    cb_share_t shares[CB_MAX_SHARES];
+    const int nshares = cb_shares_init(shares, panels);
+#pragma omp parallel
+    {
+        float acc[CB_ROWS_MAX * CB_NR] __attribute__((aligned(64)));
+        for (int p; (p = cb_share_next(shares, nshares)) >= 0;) {
+            const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
+            for (int i = 0; i < m; ++i)
+                for (int j = 0; j < CB_NR; ++j) acc[i * CB_NR + j] = bias && j < ncols ? bias[p * CB_NR + j] : 0.0f;
+            rows_panel(m, fmt, a, lda, k, wp + p * pbytes, acc);
+            for (int i = 0; i < m; ++i) memcpy(c + (int64_t)i * ldc + p * CB_NR, acc + i * CB_NR, sizeof(float) * (size_t)ncols);
+        }
+    }
+}
