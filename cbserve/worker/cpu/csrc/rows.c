@@ -34,6 +34,59 @@ static inline void prefetch_ahead(const uint8_t *at, int bytes) {
 
 #define CB_ROWS_K(i, kk) a[(int64_t)(i) * lda + (kk)]
 
+/* Each format's loop over all of k for rows [0, mr) and one column group: acc[i][v] += A[i, kk] * W[kk, v-th
+ * vector of the group], kk in order. w: the group's first column in the panel's first block (or row). */
+#define CB_ROWS_ADD(x, w)                                                                            \
+    for (int i = 0; i < mr; ++i) acc[i][v] = cb_settled(acc[i][v] + CB_ROWS_K(i, x) * (w))
+
+static inline __attribute__((always_inline)) void rows_q4_1(const int mr, vf acc[][CB_RG], const float *restrict a,
+                                                            int64_t lda, int k, const uint8_t *restrict panel,
+                                                            int col) {
+    for (int b = 0; b < k / CB_QK; ++b, panel += Q41_BLOCK_BYTES) {
+        const float *d = (const float *)panel + col, *m = d + CB_NR;
+        const uint8_t *q = panel + 2 * CB_NR * 4 + col;
+        if (col == 0) prefetch_ahead(panel, Q41_BLOCK_BYTES);
+        vf dv[CB_RG], mv[CB_RG];
+        for (int v = 0; v < CB_RG; ++v) dv[v] = cb_load(d + CB_VW * v), mv[v] = cb_load(m + CB_VW * v);
+        for (int j = 0; j < CB_QK / 2; ++j)
+            for (int v = 0; v < CB_RG; ++v) {
+                const vi pair = widen_u8(q + j * CB_NR + CB_VW * v);
+                const vf lo = cb_settled(q4_1_low(dv[v], mv[v], pair));
+                const vf hi = cb_settled(q4_1_high(dv[v], mv[v], pair));
+                CB_ROWS_ADD(b * CB_QK + 2 * j, lo);
+                CB_ROWS_ADD(b * CB_QK + 2 * j + 1, hi);
+            }
+    }
+}
+
+static inline __attribute__((always_inline)) void rows_q8_0(const int mr, vf acc[][CB_RG], const float *restrict a,
+                                                            int64_t lda, int k, const uint8_t *restrict panel,
+                                                            int col) {
+    for (int b = 0; b < k / CB_QK; ++b, panel += Q8_BLOCK_BYTES) {
+        const float *d = (const float *)panel + col;
+        const int8_t *q = (const int8_t *)(panel + CB_NR * 4) + col;
+        if (col == 0) prefetch_ahead(panel, Q8_BLOCK_BYTES);
+        vf dv[CB_RG];
+        for (int v = 0; v < CB_RG; ++v) dv[v] = cb_load(d + CB_VW * v);
+        for (int j = 0; j < CB_QK; ++j)
+            for (int v = 0; v < CB_RG; ++v) {
+                const vf w = cb_settled(q8_0_value(dv[v], q + j * CB_NR + CB_VW * v));
+                CB_ROWS_ADD(b * CB_QK + j, w);
+            }
+    }
+}
+
+/* bfloat16 (wide = 0) or float32 (wide = 1) panels: [k][48] values, read in place */
+static inline __attribute__((always_inline)) void rows_plain(const int mr, const int wide, vf acc[][CB_RG],
+                                                             const float *restrict a, int64_t lda, int k,
+                                                             const uint8_t *restrict panel, int col) {
+    for (int kk = 0; kk < k; ++kk)
+        for (int v = 0; v < CB_RG; ++v) {
+            const int64_t at = (int64_t)kk * CB_NR + col + CB_VW * v;
+            CB_ROWS_ADD(kk, wide ? cb_load((const float *)panel + at) : bf16_value((const uint16_t *)panel + at));
+        }
+}
+
 /* The sums of rows [0, mr) of A against columns [col, col + CB_RG * CB_VW) of one panel, in acc_io ([mr][48],
  * holding the starting values) and back. */
 static inline __attribute__((always_inline)) void rows_group(const int mr, int fmt, const float *restrict a,
@@ -42,51 +95,12 @@ static inline __attribute__((always_inline)) void rows_group(const int mr, int f
     vf acc[CB_ROWS_MAX][CB_RG];
     for (int i = 0; i < mr; ++i)
         for (int v = 0; v < CB_RG; ++v) acc[i][v] = cb_load(acc_io + i * CB_NR + col + CB_VW * v);
-    if (fmt == CB_FMT_Q4_1) {
-        for (int b = 0; b < k / CB_QK; ++b, panel += Q41_BLOCK_BYTES) {
-            const float *d = (const float *)panel + col, *m = d + CB_NR;
-            const uint8_t *q = panel + 2 * CB_NR * 4 + col;
-            if (col == 0) prefetch_ahead(panel, Q41_BLOCK_BYTES);
-            vf dv[CB_RG], mv[CB_RG];
-            for (int v = 0; v < CB_RG; ++v) dv[v] = cb_load(d + CB_VW * v), mv[v] = cb_load(m + CB_VW * v);
-            for (int j = 0; j < CB_QK / 2; ++j) {
-                const int kk = b * CB_QK + 2 * j;
-                for (int v = 0; v < CB_RG; ++v) {
-                    const vi pair = widen_u8(q + j * CB_NR + CB_VW * v);
-                    const vf lo = cb_settled(q4_1_low(dv[v], mv[v], pair)), hi = cb_settled(q4_1_high(dv[v], mv[v], pair));
-                    for (int i = 0; i < mr; ++i) acc[i][v] = cb_settled(acc[i][v] + CB_ROWS_K(i, kk) * lo);
-                    for (int i = 0; i < mr; ++i) acc[i][v] = cb_settled(acc[i][v] + CB_ROWS_K(i, kk + 1) * hi);
-                }
-            }
-        }
-    } else if (fmt == CB_FMT_Q8_0) {
-        for (int b = 0; b < k / CB_QK; ++b, panel += Q8_BLOCK_BYTES) {
-            const float *d = (const float *)panel + col;
-            const int8_t *q = (const int8_t *)(panel + CB_NR * 4) + col;
-            if (col == 0) prefetch_ahead(panel, Q8_BLOCK_BYTES);
-            vf dv[CB_RG];
-            for (int v = 0; v < CB_RG; ++v) dv[v] = cb_load(d + CB_VW * v);
-            for (int j = 0; j < CB_QK; ++j)
-                for (int v = 0; v < CB_RG; ++v) {
-                    const vf w = cb_settled(q8_0_value(dv[v], q + j * CB_NR + CB_VW * v));
-                    for (int i = 0; i < mr; ++i) acc[i][v] = cb_settled(acc[i][v] + CB_ROWS_K(i, b * CB_QK + j) * w);
-                }
-        }
-    } else if (fmt == CB_FMT_BF16) {
-        const uint16_t *src = (const uint16_t *)panel + col;
-        for (int kk = 0; kk < k; ++kk)
-            for (int v = 0; v < CB_RG; ++v) {
-                const vf w = bf16_value(src + (int64_t)kk * CB_NR + CB_VW * v);
-                for (int i = 0; i < mr; ++i) acc[i][v] = cb_settled(acc[i][v] + CB_ROWS_K(i, kk) * w);
-            }
-    } else { /* CB_FMT_F32 */
-        const float *src = (const float *)panel + col;
-        for (int kk = 0; kk < k; ++kk)
-            for (int v = 0; v < CB_RG; ++v) {
-                const vf w = cb_load(src + (int64_t)kk * CB_NR + CB_VW * v);
-                for (int i = 0; i < mr; ++i) acc[i][v] = cb_settled(acc[i][v] + CB_ROWS_K(i, kk) * w);
-            }
-    }
+    if (fmt == CB_FMT_Q4_1)
+        rows_q4_1(mr, acc, a, lda, k, panel, col);
+    else if (fmt == CB_FMT_Q8_0)
+        rows_q8_0(mr, acc, a, lda, k, panel, col);
+    else
+        rows_plain(mr, fmt == CB_FMT_F32, acc, a, lda, k, panel, col);
     for (int i = 0; i < mr; ++i)
         for (int v = 0; v < CB_RG; ++v) cb_store(acc_io + i * CB_NR + col + CB_VW * v, acc[i][v]);
 }
