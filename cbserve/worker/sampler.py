@@ -157,10 +157,10 @@ class Sampler:
     def _pick(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
-            return greedy_tokens(logits)
+            return greedy_tokens(logits, self.kernels)
         if not any(greedy):
             return self._sample_random(logits, rows)
-        tokens = greedy_tokens(logits)
+        tokens = greedy_tokens(logits, self.kernels)
         rand = [i for i, g in enumerate(greedy) if not g]
         rand_t = to_device(rand, torch.long, logits.device)
         return tokens.index_copy_(0, rand_t, self._sample_random(logits.index_select(0, rand_t),
@@ -364,7 +364,10 @@ def token_logprobs(
     return parse_logprob_block(values[len(idx) :], [int(t) for t in values[: len(idx)]], [rows[i] for i in idx])
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, the first index on ties (as ``argmax``): ``max``'s indices, 2.5x faster than ``argmax``
-    on CPU at decode shapes (64 x 49152: 0.8 vs 2.0 ms)."""
+def greedy_tokens(logits: torch.Tensor, kernels: CpuKernels | None = None) -> torch.Tensor:
+    """Each row's argmax, the first index on ties (as ``argmax``). On CPU with the C kernels their vectorised
+    ``cb_argmax_f32``; else ``max``'s indices, a little faster than ``argmax`` but a scalar loop on CPU (87 us a
+    row of 49,152 logits on the 2-core Xeon, 2.7 ms for 64 rows)."""
+    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        return kernels.argmax(logits if logits.stride(-1) == 1 else logits.contiguous())
     return logits.max(dim=-1).indices

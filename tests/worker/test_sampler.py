@@ -248,3 +248,32 @@ def test_greedy_tokens_equal_argmax_with_ties_and_infinities() -> None:
     logits[7, [3, 900]] = float("inf")
     assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
     assert greedy_tokens(logits)[7].item() == 3 and greedy_tokens(logits)[5].item() == 0
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+def test_c_argmax_is_torchs_max_indices_at_every_isa_level(isa: str) -> None:
+    """The C kernels' greedy choice (what the sampler uses on CPU) against torch's on rows with ties in every
+    row, infinities, a row of -inf, NaNs, a length that is no multiple of any vector width, and strided rows."""
+    from cbserve.worker.cpu.native import supported_levels
+    from cbserve.worker.sampler import greedy_tokens
+
+    if isa not in supported_levels():
+        pytest.skip(f"this CPU does not run {isa}")
+    load = load_cpu_kernels(isa)
+    assert load.kernels is not None, load.reason
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randint(-3, 4, (40, 1013 + 7), generator=gen).float()  # many ties in every row
+    logits = wide[:, :1013]
+    logits[5] = float("-inf")
+    logits[6, 10:] = float("-inf")
+    logits[7, [3, 900]] = float("inf")
+    logits[8, 1012] = 9.0  # the last value, in the scalar tail
+    logits[9, [17, 500]] = float("nan")
+    logits[10, 1000] = float("nan")
+    logits[11, :] = 5.0
+    expected = logits.max(dim=-1).indices
+    assert torch.equal(load.kernels.argmax(logits), expected)
+    assert torch.equal(greedy_tokens(logits, load.kernels), expected)
+    assert greedy_tokens(logits, load.kernels)[[5, 8, 9, 10, 11]].tolist() == [0, 1012, 17, 1000, 0]
+    one = torch.randn(1, 49152, generator=gen)  # a decode step's single row at a real vocabulary size
+    assert torch.equal(load.kernels.argmax(one), one.argmax(dim=-1))

@@ -64,6 +64,7 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
     "cb_gelu_tanh_mul_f32": (_I32, [_P, _I64, _I32, _I32, _P, _I64]),
     "cb_apply_token_bitmask_f32": (_I32, [_P, _I64, _I32, _I32, _P, _I64]),
     "cb_top_p_threshold_f32": (_I32, [_P, _I64, _I32, _I32, _P, _P]),
+    "cb_argmax_f32": (_I32, [_P, _I64, _I32, _I32, _P]),
     "cb_rotary_f32": (_I32, [_P, _I64, _I32, _I32, _I32, _P, _P, _P, _I64]),
     "cb_paged_decode_f32": (_I32, [_P, _I64, _P, _I64, _P, _P, _I32, _P, _I64, _P, _I32, _I32, _I32, _I32, _I32,
                                    _F32, _I32, _I32, _F32]),

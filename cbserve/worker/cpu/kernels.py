@@ -265,6 +265,15 @@ class CpuKernels:
                "top_p_threshold")
         return out
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows] int64: each row's index of its largest value in ``x`` [rows, n] float32, the first on ties
+        (``x.max(dim=-1).indices``, NaN included), without torch's scalar reduction loop."""
+        ld = _rows(x, "x")
+        rows, n = x.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        _check(self._lib.cb_argmax_f32(x.data_ptr(), ld, rows, n, out.data_ptr()), "argmax")
+        return out
+
     def rotary_(self, x: torch.Tensor, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> None:
         """Rotate x [m, heads * head_dim] in place (rotate-half convention) by ``positions`` [m] (int64),

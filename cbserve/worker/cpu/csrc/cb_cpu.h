@@ -132,6 +132,9 @@ CB_API int cb_apply_token_bitmask_f32(float *logits, int64_t ld, int rows, int v
  * below top_p[r]); 0 where top_p[r] >= 1 or the row has no positive probability. */
 CB_API int cb_top_p_threshold_f32(const float *probs, int64_t ld, int rows, int vocab, const float *top_p,
                                   float *threshold);
+/* Greedy choice: into out[r] the index of the largest of row r's n values (rows ld floats apart), the first on
+ * ties, or of its first NaN: torch's max(dim=-1).indices. */
+CB_API int cb_argmax_f32(const float *x, int64_t ld, int rows, int n, int64_t *out);
 
 /* ---- multi-LoRA (lora.c) ------------------------------------------------------------------------------- */
 

@@ -114,3 +114,47 @@ int cb_top_p_threshold_f32(const float *probs, int64_t ld, int rows, int vocab, 
     }
     return bad ? CB_ENOMEM : CB_OK;
 }
+
+/* ---- greedy choice ---------------------------------------------------------------------------------- */
+
+/* The index of the row's largest value, the first on ties (torch's argmax); the first NaN where there is one
+ * (torch's max propagates NaN). One vectorised pass: each lane keeps its largest value and where it first
+ * saw it (a later value replaces it only when greater), then the lanes' winner is the largest, at the least
+ * index among equals. */
+static int64_t row_argmax(const float *restrict x, int n) {
+    float best = x[0];
+    int64_t at = 0;
+    int i = 0, nan = 0;
+    if (n >= CB_VW) {
+        vi lane, seen, nanv = (vi){0};
+        for (int j = 0; j < CB_VW; ++j) lane[j] = j;
+        vf m = cb_load(x);
+        for (seen = lane; i + CB_VW <= n; i += CB_VW) {
+            const vf v = cb_load(x + i);
+            const vi gt = v > m;
+            m = (vf)(((vi)v & gt) | ((vi)m & ~gt));
+            seen = ((lane + i) & gt) | (seen & ~gt);
+            nanv |= v != v;
+        }
+        best = m[0], at = seen[0];
+        for (int j = 0; j < CB_VW; ++j) {
+            if (m[j] > best || (m[j] == best && seen[j] < at)) best = m[j], at = seen[j];
+            nan |= nanv[j];
+        }
+    }
+    for (; i < n; ++i) {
+        if (x[i] > best) best = x[i], at = i;
+        nan |= x[i] != x[i];
+    }
+    for (i = 0; nan && i < n; ++i)
+        if (x[i] != x[i]) return i;
+    return at;
+}
+
+int cb_argmax_f32(const float *x, int64_t ld, int rows, int n, int64_t *out) {
+    if (rows < 0 || n < 1 || ld < n) return CB_EINVAL;
+    /* a row is ~10 us: threads only where there are rows enough to pay for waking them */
+#pragma omp parallel for schedule(static) if (rows >= 8)
+    for (int r = 0; r < rows; ++r) out[r] = row_argmax(x + (int64_t)r * ld, n);
+    return CB_OK;
+}
