@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from cbserve.worker.cpu import native as cpu_native
-from cbserve.worker.cpu.kernels import LoRASegments
+from cbserve.worker.cpu.lora_segments import LoRASegments
 
 
 def _best(fn: Callable[[int], object], layers: int, repeats: int) -> float:

@@ -36,7 +36,8 @@ from torch import nn
 
 from cbserve.scheduler.lora import LoRARequest
 
-from .cpu.kernels import CpuKernels, LoRASegments
+from .cpu.kernels import CpuKernels
+from .cpu.lora_segments import LoRASegments
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .lora_files import AdapterFiles, check_adapter, read_adapter
 from .model_info import ModelInfo

@@ -13,7 +13,8 @@ import torch
 
 from cbserve.worker.cpu import abi
 from cbserve.worker.cpu import native as cpu_native
-from cbserve.worker.cpu.kernels import CpuKernels, LoRASegments
+from cbserve.worker.cpu.kernels import CpuKernels
+from cbserve.worker.cpu.lora_segments import LoRASegments
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 
