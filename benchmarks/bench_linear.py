@@ -6,11 +6,13 @@ format (GGUF Q4_1 blocks) or as bfloat16 pairs; random values.
 
     .venv/bin/python benchmarks/bench_linear.py                        # every ISA build this CPU runs
     .venv/bin/python benchmarks/bench_linear.py --isa avx2 --rows 64 256 --threads 1 --out results/linear.json
+    .venv/bin/python benchmarks/bench_linear.py --rows 1 2 4 8 --layers 30   # weights streamed, as in a decode step
 
 Prints the CPU, the build, its measured FMA peak and copy bandwidth, then one row per (row count, path):
 milliseconds for the four products of one decoder layer, GFLOP/s, each path's speed against the C kernels'
-float32 products, the float32 products' share of the FMA peak, and at one row their share of the memory
-roofline (the weights' bytes over the copy bandwidth). Min of --repeats."""
+float32 products (and, at 1-4 rows, the same products on the tiled path instead of the few-row one: "f32
+tiled"), the float32 products' share of the FMA peak, and at one row their share of the memory roofline (the
+weights' bytes over the copy bandwidth). Min of --repeats."""
 
 from __future__ import annotations
 
@@ -52,26 +54,30 @@ def packed_weights(kernels: CpuKernels, fmt: str, seed: int = 0) -> dict[str, di
     return out
 
 
-def torch_products(kernels: CpuKernels, weights: dict[str, dict[str, Panels]]) -> dict[str, Callable]:
+Layers = list[dict[str, dict[str, Panels]]]  # per layer: each shape's packings
+
+
+def torch_products(kernels: CpuKernels, layers: Layers) -> dict[str, Callable]:
     """torch's products of the same float32 weights: ``F.linear`` and, where torch has it, oneDNN's packing."""
-    dense = {name: kernels.unpack(weights[name]["f32"]) for name in SHAPES}
-    paths: dict[str, Callable] = {"torch F.linear": lambda name, x: F.linear(x, dense[name])}
-    if all(packing_supported(w) for w in dense.values()):
-        packed = {name: pack_onednn(w) for name, w in dense.items()}
-        paths["torch onednn"] = lambda name, x: packed_linear(x, packed[name], None)
+    dense = [{name: kernels.unpack(w[name]["f32"]) for name in SHAPES} for w in layers]
+    paths: dict[str, Callable] = {"torch F.linear": lambda layer, name, x: F.linear(x, dense[layer][name])}
+    if all(packing_supported(w) for w in dense[0].values()):
+        packed = [{name: pack_onednn(w) for name, w in d.items()} for d in dense]
+        paths["torch onednn"] = lambda layer, name, x: packed_linear(x, packed[layer][name], None)
     return paths
 
 
-def time_layer(product: Callable[[str, torch.Tensor], object], rows: int, repeats: int) -> float:
-    """Min seconds of the four products of one layer at ``rows`` rows."""
+def time_layer(product: Callable[[int, str, torch.Tensor], object], rows: int, repeats: int, layers: int) -> float:
+    """Min seconds of the four products of one layer at ``rows`` rows, over ``layers`` layers' weights in turn."""
     xs = {name: torch.randn(rows, k) for name, (_, k) in SHAPES.items()}
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):
             t0 = time.perf_counter()
-            for name in SHAPES:
-                product(name, xs[name])
-            best = min(best, time.perf_counter() - t0)
+            for layer in range(layers):
+                for name in SHAPES:
+                    product(layer, name, xs[name])
+            best = min(best, (time.perf_counter() - t0) / layers)
     return best
 
 
@@ -79,29 +85,37 @@ def layer_flops(rows: int) -> float:
     return 2.0 * rows * sum(n * k for n, k in SHAPES.values())
 
 
-def _paths(kernels: CpuKernels, weights: dict[str, dict[str, Panels]], has_amx: bool) -> dict[str, tuple]:
-    """path -> (product, AMX on): the C kernels' paths, then torch's."""
+def _paths(kernels: CpuKernels, layers: Layers, has_amx: bool) -> dict[str, tuple]:
+    """path -> (product, AMX on, few-row path on): the C kernels' paths, then torch's. "f32 tiled": the float32
+    products with the few-row path (csrc/rows.c, steps of up to 4 rows) off, the tiled path bigger steps take."""
     bf16 = "bf16 avx512" if "avx512_bf16" in kernels.isa_features else "bf16 fma"
-    paths: dict[str, tuple] = {"f32": (lambda name, x: kernels.linear(x, weights[name]["f32"], None), False),
-                               bf16: (lambda name, x: kernels.linear(x, weights[name]["bf16"], None), False)}
+    f32 = lambda layer, name, x: kernels.linear(x, layers[layer][name]["f32"], None)  # noqa: E731
+    paths: dict[str, tuple] = {"f32": (f32, False, True), "f32 tiled": (f32, False, False),
+                               bf16: (lambda layer, name, x: kernels.linear(x, layers[layer][name]["bf16"], None),
+                                      False, True)}
     if has_amx:
-        paths["bf16 amx"] = (paths[bf16][0], True)
-    return paths | {name: (fn, False) for name, fn in torch_products(kernels, weights).items()}
+        paths["bf16 amx"] = (paths[bf16][0], True, True)
+    return paths | {name: (fn, False, True) for name, fn in torch_products(kernels, layers).items()}
 
 
 def measure(kernels: CpuKernels, fmt: str, rows_list: list[int], repeats: int, peak_gflops: float | None = None,
-            roofline_ms: float | None = None) -> list[dict[str, object]]:
+            roofline_ms: float | None = None, layers: int = 1) -> list[dict[str, object]]:
     """One row per (row count, path); ``peak_gflops``: the f32 rows' share of it as "of_peak";
-    ``roofline_ms`` (one row's weight bytes over the copy bandwidth): the one-row f32 share as "of_roofline"."""
-    weights = packed_weights(kernels, fmt)
+    ``roofline_ms`` (one row's weight bytes over the copy bandwidth): the one-row f32 share as "of_roofline".
+    ``layers``: distinct copies of the weights, multiplied in turn (30, SmolLM2's: they stream from memory, as
+    in a real step, instead of staying in cache)."""
+    weights = [packed_weights(kernels, fmt, seed=layer) for layer in range(layers)]
     has_amx = kernels.set_amx(True)
     paths, results = _paths(kernels, weights, has_amx), []
     for rows in rows_list:
-        time_layer(paths["f32"][0], rows, 1)  # warm-up: pages, caches
+        time_layer(paths["f32"][0], rows, 1, layers)  # warm-up: pages, caches
         secs = {}
-        for path, (product, amx) in paths.items():
+        for path, (product, amx, few_rows) in paths.items():
+            if path == "f32 tiled" and rows > 4:
+                continue  # the same path as "f32" there
             kernels.set_amx(amx)
-            secs[path] = time_layer(product, rows, repeats)
+            kernels.set_rows(few_rows)
+            secs[path] = time_layer(product, rows, repeats, layers)
         for path, s in secs.items():
             row = {"rows": rows, "path": path, "ms": 1e3 * s, "gflops": layer_flops(rows) / s / 1e9,
                    "vs_f32": secs["f32"] / s}
@@ -112,6 +126,7 @@ def measure(kernels: CpuKernels, fmt: str, rows_list: list[int], repeats: int, p
             results.append(row)
             print(_line(row), flush=True)
     kernels.set_amx(True)
+    kernels.set_rows(True)
     return results
 
 
@@ -165,7 +180,7 @@ def run_isa(isa: str, args: argparse.Namespace, bandwidth: float) -> dict[str, o
     amx = kernels.set_amx(True)
     print(f"\n{describe(isa)}: {args.format} weights, AMX {'on' if amx else 'not available'}, FMA peak "
           f"{peak or float('nan'):.1f} GFLOP/s, copy bandwidth {bandwidth:.1f} GB/s")
-    results = measure(kernels, args.format, args.rows, args.repeats, peak, roofline_ms)
+    results = measure(kernels, args.format, args.rows, args.repeats, peak, roofline_ms, args.layers)
     return {"isa": isa, "cpu": describe(isa), "amx": amx, "fma_peak_gflops": peak, "results": results}
 
 
@@ -177,10 +192,13 @@ def main() -> int:
                     help="the builds to time (default: every level this CPU runs)")
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--layers", type=int, default=1,
+                    help="distinct copies of the layer's weights, multiplied in turn (30: SmolLM2's whole stack, "
+                         "streamed from memory as a decode step reads it; 1: one layer's, in cache)")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here, and a plot beside it")
     args = ap.parse_args()
-    if min(args.rows) < 1 or args.repeats < 1:
-        ap.error("--rows and --repeats must be at least 1")
+    if min(args.rows) < 1 or args.repeats < 1 or args.layers < 1:
+        ap.error("--rows, --repeats and --layers must be at least 1")
     levels = args.isa or list(supported_levels())
     if unknown := set(levels) - set(supported_levels()):
         ap.error(f"this CPU does not run {sorted(unknown)}")
@@ -191,7 +209,8 @@ def main() -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"format": args.format, "threads": torch.get_num_threads(),
-                                        "copy_bandwidth_gbs": bandwidth, "runs": runs}, indent=1))
+                                        "layers": args.layers, "copy_bandwidth_gbs": bandwidth, "runs": runs},
+                                       indent=1))
         plot(runs, args.format, args.out.with_suffix(".png"))
     return 0 if runs else 2
 

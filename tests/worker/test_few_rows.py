@@ -43,3 +43,8 @@ def test_few_rows_equal_the_same_rows_in_a_batch_bit_for_bit(level_kernels: CpuK
             for start in (0, 9 - m):
                 got = level_kernels.linear(x[start:start + m], panels, b)
                 assert torch.equal(got, batch[start:start + m]), (fmt, m, start, b is not None)
+                assert level_kernels.set_rows(False)  # the same rows with the few-row path switched off
+                try:
+                    assert torch.equal(level_kernels.linear(x[start:start + m], panels, b), got)
+                finally:
+                    level_kernels.set_rows(True)

@@ -59,6 +59,7 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
     "cb_unpack_panels": (_I32, [_I32, _P, _I32, _I32, _P, _I64]),
     "cb_linear": (_I32, [_I32, _P, _I64, _I32, _I32, _P, _I32, _P, _P, _I64]),
     "cb_set_amx": (_I32, [_I32]),
+    "cb_set_rows": (_I32, [_I32]),
     "cb_add_rms_norm_f32": (_I32, [_P, _I64, _P, _I64, _P, _F32, _P, _I64, _I32, _I32]),
     "cb_silu_mul_f32": (_I32, [_P, _I64, _I32, _I32, _P, _I64]),
     "cb_gelu_tanh_mul_f32": (_I32, [_P, _I64, _I32, _I32, _P, _I64]),

@@ -173,6 +173,11 @@ class CpuKernels:
         the build and the OS allow it) or not; returns whether they do from now on. Process-wide."""
         return bool(self._lib.cb_set_amx(int(enable)))
 
+    def set_rows(self, enable: bool) -> bool:
+        """Let steps of 1-4 rows of float32 products multiply the weights decoded in registers (the default) or
+        not (the tiled path of bigger steps; the same results bit for bit); returns the setting before. Process-wide."""
+        return bool(self._lib.cb_set_rows(int(enable)))
+
     def _check_panels(self, panels: Panels) -> None:
         size = self._lib.cb_packed_bytes(PANEL_FORMATS.get(panels.fmt, -1), panels.n, panels.k)
         if panels.data.dtype != torch.uint8 or panels.data.numel() != size or not panels.data.is_contiguous():

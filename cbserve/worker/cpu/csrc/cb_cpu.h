@@ -102,6 +102,10 @@ CB_API int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const u
  * operands, float32 sums in a different order): enable = 0 turns that off, 1 back on where the CPU and
  * the build have AMX and the OS grants the tile state. Returns whether AMX is used from now on. */
 CB_API int cb_set_amx(int enable);
+/* Whether a step of 1-4 rows of float32 products multiplies the weights decoded in registers (rows.c, the
+ * default) or takes the tiled path of bigger steps (same sums, bit for bit): enable = 0 turns the few-row
+ * path off, 1 back on (benchmarks and tests compare both). Returns the setting before the call. */
+CB_API int cb_set_rows(int enable);
 
 /* ---- elementwise (elementwise.c) ----------------------------------------------------------------------- */
 

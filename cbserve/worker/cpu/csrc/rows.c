@@ -14,17 +14,17 @@
 /* vectors per column group: 3 (48 columns with AVX-512, 24 with AVX2, 12 with the portable build's 4 lanes) */
 #define CB_RG 3
 #define CB_ROWS_MAX 4
-/* The most rows this path takes at this level. Timed on a 2-core Xeon (Cascade Lake) on 80 MB of Q4_1 panels
- * (a SmolLM2 step's weights, streamed from memory), against the tiled path: AVX-512 1.56x / 1.37x / 1.24x /
- * 1.06x at 1-4 rows; AVX2 1.22x / 1.12x at 1-2 rows, but with 16 registers 3 and 4 rows spill their sums
- * (1.07x and 1.03x streamed, slower than the tiled path on weights already in cache). */
+/* The most rows this path takes at this level. Against the tiled path on a 2-core Xeon (Cascade Lake), SmolLM2's
+ * 30 layers' weights streamed from memory (benchmarks/bench_linear.py --layers 30): AVX-512 1.33x / 1.25x /
+ * 1.14x / 1.09x at 1-4 rows; AVX2 1.11x / 1.07x at 1-2 rows, where with 16 registers 3 and 4 rows spill their
+ * sums (1.07x and 1.03x on one 80 MB product, slower than the tiled path on weights already in cache). */
 #if CB_VW == 16
 #define CB_ROWS_TAKE 4
 #else
 #define CB_ROWS_TAKE 2
 #endif
-/* Each block asks for the bytes 4 KB ahead into L2: one thread's misses alone do not keep memory busy (the
- * same 80 MB, one row: 17.3 against 13.6 GB/s with AVX-512, 12.1 against 9.4 with AVX2; Q8_0 19.7 against
+/* Each block asks for the bytes 4 KB ahead into L2: one thread's misses alone do not keep memory busy (one
+ * 80 MB product, one row: 17.3 against 13.6 GB/s with AVX-512, 12.1 against 9.4 with AVX2; Q8_0 19.7 against
  * 14.4). Float32 and bfloat16 panels stream at the copy bandwidth without it. */
 #define CB_ROWS_AHEAD 4096
 
@@ -131,9 +131,14 @@ static void rows_panel(int mr, int fmt, const float *a, int64_t lda, int k, cons
     }
 }
 
+static int rows_enabled = 1;
+
+int cb_set_rows(int enable) { return __atomic_exchange_n(&rows_enabled, enable != 0, __ATOMIC_RELAXED); }
+
 int cb_rows_take(int fmt, int m, int k) {
-    const int fits = fmt == CB_FMT_F32 || fmt == CB_FMT_BF16 || ((fmt == CB_FMT_Q8_0 || fmt == CB_FMT_Q4_1) && k % CB_QK == 0);
-    return fits && m >= 1 && m <= CB_ROWS_TAKE;
+    const int blocks = fmt == CB_FMT_Q8_0 || fmt == CB_FMT_Q4_1;
+    const int fits = fmt == CB_FMT_F32 || fmt == CB_FMT_BF16 || (blocks && k % CB_QK == 0);
+    return fits && m >= 1 && m <= CB_ROWS_TAKE && __atomic_load_n(&rows_enabled, __ATOMIC_RELAXED) != 0;
 }
 
 void cb_linear_rows(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
