@@ -108,10 +108,6 @@ class Attention(nn.Module):
         self.attn = backend_cls(self.num_heads, self.num_kv_heads, self.head_dim, scale, spec.window(layer),
                                 spec.attn_softcap, **own)
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, md: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv(x, rope)
-        return self.project(self.attn.forward(q, k, v, kv_cache, md))
-
     def project(self, o: torch.Tensor) -> torch.Tensor:
         """The output projection of the attention's result ``[tokens, heads, head_dim]``."""
         return self.o_proj(o.reshape(o.shape[0], self.q_size))

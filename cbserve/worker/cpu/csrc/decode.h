@@ -54,19 +54,8 @@ static inline void store_bits(float *p, vi v) { memcpy(p, &v, sizeof v); }
 /* The weights of CB_VW columns. Q4_1: one byte per column holds k = 2j (low nibble) and k = 2j + 1 (high);
  * d * q is exact (an 11-bit float16 significand times 4 bits), so the one rounding is in the add. Q8_0: d * q,
  * exact. bfloat16: the upper halves of float32 values. */
-#if CB_VW == 16
-/* the nibble's value as a float: one lookup in a 16-entry table (vpermps reads the low 4 bits of each lane)
- * instead of a mask and a conversion */
-static inline vf nibble_float(vi v) {
-    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return (vf)_mm512_permutexvar_ps((__m512i)v, table);
-}
-static inline vf q4_1_low(vf d, vf m, vi pair) { return d * nibble_float(pair) + m; }
-static inline vf q4_1_high(vf d, vf m, vi pair) { return d * nibble_float(pair >> 4) + m; }
-#else
 static inline vf q4_1_low(vf d, vf m, vi pair) { return d * to_float(pair & 15) + m; }
 static inline vf q4_1_high(vf d, vf m, vi pair) { return d * to_float(pair >> 4) + m; }
-#endif
 static inline vf q8_0_value(vf d, const int8_t *q) { return d * to_float(widen_s8(q)); }
 static inline vf bf16_value(const uint16_t *src) {
     const vi bits = widen_u16(src) << 16;

@@ -125,14 +125,6 @@ static void tile_rows(int mr, const float *a, int64_t lda, const float *w, int k
     }
 }
 
-/* The bias of panel p (NULL without one); the last panel's zero-padded into tail (the tile reads 48 at a time). */
-static inline const float *item_bias(const float *bias, int p, int ncols, float *tail) {
-    if (!bias || ncols == CB_NR) return bias ? bias + p * CB_NR : NULL;
-    memset(tail, 0, sizeof(float) * CB_NR);
-    memcpy(tail, bias + p * CB_NR, sizeof(float) * (size_t)ncols);
-    return tail;
-}
-
 /* Ask for the packed bytes that follow [begin, end) of a panel, as many again, into L2: the next chunk, or
  * the next panel's first (panels follow each other in memory, and a thread's items are consecutive). The
  * kernel reads a chunk in one burst and then computes for thousands of cycles without loads, so the
@@ -178,7 +170,7 @@ static void linear_items(int fmt, const float *a, int64_t lda, int m, int k, con
             const int rows = m - r0 < CB_ROW_BLOCK ? m - r0 : CB_ROW_BLOCK;
             const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
             float tail_bias[CB_NR];
-            const float *b = item_bias(bias, p, ncols, tail_bias);
+            const float *b = cb_item_bias(bias, p, ncols, tail_bias);
             panel_rows(fmt, a + (int64_t)r0 * lda, lda, rows, k, wp + p * pbytes, b, c + (int64_t)r0 * ldc + p * CB_NR,
                        ldc, ncols, scratch, accbuf);
         }
@@ -312,7 +304,7 @@ static void blocks_one_row(int fmt, const float *a, int k, const uint8_t *wp, in
         for (int p; (p = cb_share_next(shares, nshares)) >= 0;) {
             const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
             float tail_bias[CB_NR];
-            const float *b = item_bias(bias, p, ncols, tail_bias);
+            const float *b = cb_item_bias(bias, p, ncols, tail_bias);
             for (int j = 0; j < CB_NR; ++j) acc[j] = b ? b[j] : 0.0f;
             cb_blocks_row_dot(fmt, row, kp, wp + p * pbytes, acc);
             memcpy(c + p * CB_NR, acc, sizeof(float) * (size_t)ncols);
@@ -366,7 +358,7 @@ static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k
             const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
             float tail_bias[CB_NR];
             panel_rows_dot(fmt, ab + (int64_t)r0 * kp, kp, rows, kp, wp + p * pbytes,
-                           item_bias(bias, p, ncols, tail_bias), c + (int64_t)r0 * ldc + p * CB_NR, ldc, ncols,
+                           cb_item_bias(bias, p, ncols, tail_bias), c + (int64_t)r0 * ldc + p * CB_NR, ldc, ncols,
                            pairs, accbuf);
         }
     }

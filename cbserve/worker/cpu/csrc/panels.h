@@ -27,6 +27,8 @@
 #ifndef CB_PANELS_H
 #define CB_PANELS_H
 
+#include <string.h>
+
 #include "cb_cpu.h"
 
 #define CB_NR 48
@@ -44,6 +46,14 @@ int64_t cb_panel_bytes(int fmt, int k);
  * (CB_FMT_F32) or into scratch, which must hold kn * 48 floats (rounded up to even). k0 and kn are multiples
  * of CB_QK for the block formats and even for CB_FMT_BF16_DOT (kn may end at k). */
 const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch);
+
+/* The bias of panel p (NULL without one); the last panel's zero-padded into tail (the kernels read 48 at a time). */
+static inline const float *cb_item_bias(const float *bias, int p, int ncols, float *tail) {
+    if (!bias || ncols == CB_NR) return bias ? bias + p * CB_NR : NULL;
+    memset(tail, 0, sizeof(float) * CB_NR);
+    memcpy(tail, bias + p * CB_NR, sizeof(float) * (size_t)ncols);
+    return tail;
+}
 
 /* Few-row products straight from the packed weights (rows.c): cb_rows_take says whether cb_linear_rows takes
  * (fmt, m, k): a float32-products format and a few rows (decode steps); cb_linear_rows is then cb_linear's

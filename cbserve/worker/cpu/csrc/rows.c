@@ -152,8 +152,10 @@ void cb_linear_rows(int fmt, const float *a, int64_t lda, int m, int k, const ui
         float acc[CB_ROWS_MAX * CB_NR] __attribute__((aligned(64)));
         for (int p; (p = cb_share_next(shares, nshares)) >= 0;) {
             const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
+            float tail_bias[CB_NR];
+            const float *b = cb_item_bias(bias, p, ncols, tail_bias);
             for (int i = 0; i < m; ++i)
-                for (int j = 0; j < CB_NR; ++j) acc[i * CB_NR + j] = bias && j < ncols ? bias[p * CB_NR + j] : 0.0f;
+                for (int j = 0; j < CB_NR; ++j) acc[i * CB_NR + j] = b ? b[j] : 0.0f;
             rows_panel(m, fmt, a, lda, k, wp + p * pbytes, acc);
             for (int i = 0; i < m; ++i) memcpy(c + (int64_t)i * ldc + p * CB_NR, acc + i * CB_NR, sizeof(float) * (size_t)ncols);
         }
