@@ -37,10 +37,11 @@ HEALTH_TIMEOUT_S = 5.0
 # A request that finds no replica ready (all failed at once, or being rebuilt) waits this long for one, polling.
 FAILOVER_WAIT_S = 30.0
 FAILOVER_POLL_S = 0.05
+MAX_REPLICA_LOSSES = 2  # a request on this many replicas as they were lost is not retried again
 
 _FAILURE_STATUS = {
     "rejected": 400, "duplicate": 400, "queue_full": 429, "unavailable": 503, "aborted": 503, "timeout": 504,
-    "internal": 500,
+    "internal": 500, "failed": 500,
 }
 # Failures that say nothing about the request itself (the replica was full, or is gone): another replica may take
 # it, before admission or, if none of its tokens came back yet, after.
@@ -52,6 +53,7 @@ _FAILURE_TYPE = {
     "unavailable": "service_unavailable",
     "aborted": "service_unavailable",
     "timeout": "timeout",
+    "failed": "server_error",
 }
 
 
@@ -187,20 +189,29 @@ class EngineClient:
         is skipped and the request runs on another replica, unseen by the client. When no replica is ready (both
         failed at once, or all are being rebuilt), the request waits up to ``FAILOVER_WAIT_S`` for one. The
         client sees a 429 when every ready replica is full, a 503 when none comes back in time, and an error
-        after tokens were streamed (a retry would repeat them)."""
+        after tokens were streamed (a retry would repeat them). A request whose own step failed is never retried
+        ("failed", "rejected"), and one that was on ``MAX_REPLICA_LOSSES`` replicas as they were lost is failed as
+        the suspect it is (a poison that kills its worker would otherwise take down one replica after another)."""
         full: set[int] = set()  # replicas whose waiting queue turned the request away (a gone one is unhealthy)
         admitted = streamed = False
+        losses = 0  # replicas lost while they held the request
         lora_id = None if request.lora is None else request.lora.lora_int_id
         extra_keys = cache_extra_keys(request.cache_salt, request.lora)
         deadline = asyncio.get_running_loop().time() + FAILOVER_WAIT_S
         while True:
             route = await self._choose(request, full, lora_id, extra_keys, deadline)
-            idx = route.replica
+            idx, here = route.replica, False
             async with contextlib.aclosing(self._attempt(route, request)) as stream:
                 async for item in stream:
                     if isinstance(item, EngineFailure):
                         if streamed or item.kind not in _TRY_ELSEWHERE:
                             raise failure_to_api_error(item)
+                        losses += here and item.kind == "unavailable"
+                        if losses >= MAX_REPLICA_LOSSES:
+                            logger.error("request %s was on %d engine replicas as they were lost: failed as a suspect, "
+                                         "not retried", request.req_id, losses)
+                            raise APIError(500, f"the request was running on {losses} engine replicas that were lost; "
+                                           "it is not retried again", "server_error")
                         if item.kind == "queue_full":
                             full.add(idx)
                             if not self._another(full):
@@ -212,6 +223,7 @@ class EngineClient:
                                            "running it on another replica", idx, request.req_id, item.message)
                         break
                     if isinstance(item, Admitted):
+                        here = True
                         if not admitted:  # not again, by a replica that took the request over
                             admitted = True
                             yield []

@@ -62,7 +62,9 @@ ADMITTED = Admitted()
 class EngineFailure:
     """Sent instead of outputs when a request cannot run or stops abnormally.
     kind: "rejected" (400), "queue_full" (429), "duplicate" (400), "unavailable" (503), "aborted" (503),
-    "timeout" (504: request_timeout_s passed; the ingress side sets it), "internal" (500)."""
+    "timeout" (504: request_timeout_s passed; the ingress side sets it), "internal" (500), "failed" (500: its own
+    step failed, scheduler/fault_isolation.py; "rejected" when its input was at fault). Only "queue_full" and
+    "unavailable" are retried on another replica."""
 
     kind: str
     message: str

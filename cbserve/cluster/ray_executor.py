@@ -5,6 +5,13 @@ a Ray compiled graph (``ray.dag``: pre-allocated shared-memory channels, no task
 ``use_compiled_graph`` (CUDA by default), else through one socket per rank (cluster/step_channel.py: no Ray
 task per step, no busy wait; a compiled graph that fails to build falls back to it). ``dispatch overhead`` =
 wall time of one execute minus the worker-reported forward time: what the hop costs per iteration.
+
+Two kinds of failure, kept apart. A step that raised on a live worker comes back as its ``StepFailedError``
+(a reply like any other): the engine fails the requests to blame and goes on (scheduler/fault_isolation.py).
+A rank that is gone (its process or node) breaks the group: the pending step and every later one fail with
+``WorkerGroupError`` and the replica rebuilds. A gone rank is noticed once, by one signal per hop: the step
+channel's socket (end of file at once when the process dies; TCP keepalive within ``transport.KEEPALIVE_S``
+when its node vanishes), or, with a compiled graph, Ray's actor death (a pending ``lifetime`` call per rank).
 """
 
 from __future__ import annotations
@@ -25,11 +32,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cbserve.cluster.step_channel import StepClient, dumps
 from cbserve.cluster.worker_actor import WorkerActor
 from cbserve.config import CBServeConfig
+from cbserve.scheduler.errors import StepFailedError
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-NODE_CHECK_PERIOD_S = 2.0  # while a step is pending, how often the ranks (nodes, actors) are checked
 
 
 class WorkerGroupError(RuntimeError):
@@ -59,19 +65,23 @@ class DispatchStats:
 class RayExecutor:
     """Built with ``await RayExecutor.create(config, replica)`` (loads the model on every rank)."""
 
-    def __init__(self, workers: list[Any], pg: Any, num_blocks: int, node_ids: set[str] | None = None) -> None:
+    def __init__(self, workers: list[Any], pg: Any, num_blocks: int) -> None:
         self.workers = workers
         self.pg = pg
         self.num_blocks = num_blocks
-        self.node_ids = node_ids or set()  # the nodes the ranks run on (watched while a step is pending)
-        self._pings: dict[int, Any] = {}  # rank -> an outstanding liveness ping
         self.stats = DispatchStats()
         self._cgraph: Any = None
         self._channels: list[StepClient] = []
-        self._watchers: list[asyncio.Future[None]] = []  # one per rank: closes the channels when it is gone
-        self.rank_lost = False  # a rank's lifetime call failed: the group is broken, even while it is idle
-        self.on_rank_lost: Callable[[], None] | None = None  # called once when that happens (the engine loop)
+        self._watchers: list[asyncio.Future[None]] = []  # compiled graph: one lifetime call per rank
+        self._lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()  # why the group broke
+        self._closing = False
+        self.on_rank_lost: Callable[[], None] | None = None  # called once when a rank is gone (the engine loop)
         self._last_done = 0.0  # perf_counter() when the last step's output came back
+
+    @property
+    def rank_lost(self) -> bool:
+        """A rank is gone: the group is broken, even while it is idle."""
+        return self._lost.done()
 
     @classmethod
     async def create(cls, config: CBServeConfig, replica: str, pg_name: str) -> RayExecutor:
@@ -106,7 +116,7 @@ class RayExecutor:
         except BaseException:
             remove_placement_group(pg)
             raise
-        executor = cls(workers, pg, num_blocks, {p["node_id"] for p in pings})
+        executor = cls(workers, pg, num_blocks)
         executor.stats.torch_threads = [p["torch_threads"] for p in pings]
         executor.stats.pids = [p["pid"] for p in pings]
         executor.stats.cpu = [p["cpu"] for p in pings]
@@ -118,31 +128,41 @@ class RayExecutor:
             except BaseException:
                 executor.shutdown()
                 raise
+        else:
             executor.watch_ranks()
         return executor
 
     async def open_channels(self) -> None:
-        """Connect to every rank's step channel (cluster/step_channel.py). The channels close the moment Ray
-        knows a rank is gone (``watch_ranks``), as an actor call to it would fail: the pending step and every
-        later one then fail and the replica rebuilds."""
+        """Connect to every rank's step channel (cluster/step_channel.py): the one hop of every step, and the one
+        signal that a rank is gone (its socket closes)."""
         addresses = await asyncio.gather(*[w.open_step_channel.remote() for w in self.workers])
-        self._channels = [await StepClient.connect(a) for a in addresses]
+        self._channels = [
+            await StepClient.connect(a, lambda why, rank=rank: self._mark_lost(f"worker rank {rank}: {why}"))
+            for rank, a in enumerate(addresses)
+        ]
 
     def watch_ranks(self) -> None:
-        """One pending ``lifetime`` call per rank: when Ray knows a rank is gone (its node lost, its process
-        dead) the call fails, the step channels close and ``on_rank_lost`` tells the engine loop, which then
-        rebuilds the replica even when no step is pending (an idle replica would otherwise stay "ready")."""
-        self._watchers = [asyncio.ensure_future(self._when_gone(w.lifetime.remote())) for w in self.workers]
+        """With a compiled graph (no socket of ours): one pending ``lifetime`` call per rank, which fails when Ray
+        knows the rank is gone (its process or node)."""
+        self._watchers = [asyncio.ensure_future(self._when_gone(rank, w.lifetime.remote()))
+                          for rank, w in enumerate(self.workers)]
 
-    async def _when_gone(self, lifetime: Any) -> None:
+    async def _when_gone(self, rank: int, lifetime: Any) -> None:
         with contextlib.suppress(Exception):  # the rank died (or was killed at shutdown)
             await lifetime
+        self._mark_lost(f"worker rank {rank} is gone")
+
+    def _mark_lost(self, why: str) -> None:
+        """A rank is gone (noticed once): the pending step fails, the engine loop is told (it rebuilds now, even
+        when idle)."""
+        if self._closing or self._lost.done():
+            return
+        logger.error("engine worker group failed: %s", why)
+        self._lost.set_result(why)
         for channel in self._channels:
             channel.close()
-        if not self.rank_lost:
-            self.rank_lost = True
-            if self.on_rank_lost is not None:
-                self.on_rank_lost()
+        if self.on_rank_lost is not None:
+            self.on_rank_lost()
 
     def compile(self) -> None:
         """Build the compiled graph (scheduler -> all ranks); the step channel is used if it fails."""
@@ -168,51 +188,28 @@ class RayExecutor:
         start = time.perf_counter()
         step = asyncio.ensure_future(self._execute(scheduler_output))
         try:
-            while True:  # a lost node or actor can leave the channel waiting forever: watch the ranks
-                done, _ = await asyncio.wait({step}, timeout=NODE_CHECK_PERIOD_S)
-                if done:
-                    outputs = step.result()
-                    break
-                lost = await asyncio.to_thread(self._lost_ranks)
-                if lost:
-                    raise WorkerGroupError(f"engine worker group failed: {lost}")
+            done, _ = await asyncio.wait({step, self._lost}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            step.cancel()
+            _detach(step)  # its reply still comes (in order); nobody waits for it
             raise
-        except WorkerGroupError:
-            step.cancel()
-            raise
-        except Exception as e:
+        if step not in done:
+            _detach(step)
+            raise WorkerGroupError(f"engine worker group failed: {self._lost.result()}")
+        try:
+            outputs = step.result()
+        except Exception as e:  # the hop itself failed (a rank gone, or a step the guard did not catch)
             raise WorkerGroupError(f"engine worker group failed: {type(e).__name__}: {e}") from e
+        failures = [o for o in outputs if isinstance(o, StepFailedError)]
+        if failures:  # a step that raised on a live worker: the engine fails its culprits alone
+            raise next((f for f in failures if not f.skipped), failures[0])
         return self._finish(outputs[0], start)
 
-    async def _execute(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput | None]:
+    async def _execute(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput | StepFailedError | None]:
         if self._cgraph is not None:
             futures = await self._cgraph.execute_async(scheduler_output)
             return [await f for f in futures]
         data = dumps(scheduler_output)
         return list(await asyncio.gather(*[c.call(data) for c in self._channels]))
-
-    def _lost_ranks(self) -> str | None:
-        """Why the group is broken (a node gone, a worker actor dead), or None. Each rank keeps one ping
-        in flight: a busy live worker answers it later, a dead one fails it at once."""
-        lost = self.node_ids - {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        if lost:
-            return f"node(s) {sorted(lost)} died"
-        for rank, worker in enumerate(self.workers):
-            ref = self._pings.get(rank)
-            if ref is None:
-                self._pings[rank] = worker.ping.remote()
-                continue
-            if ray.wait([ref], timeout=0)[0]:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayActorError as e:
-                    return f"worker rank {rank} died ({type(e).__name__})"
-                except Exception:  # not a death: say so in the log, never fail the group for it
-                    logger.debug("liveness ping of rank %d failed", rank, exc_info=True)
-                self._pings[rank] = worker.ping.remote()
-        return None
 
     def _finish(self, out: ModelRunnerOutput | None, start: float) -> ModelRunnerOutput:
         """The hop's cost: wall time minus the worker's forward, from the later of the call and the end of
@@ -225,6 +222,9 @@ class RayExecutor:
         return out
 
     def shutdown(self) -> None:
+        self._closing = True
+        for watcher in self._watchers:
+            watcher.cancel()
         for channel in self._channels:
             channel.close()
         self._channels = []
@@ -260,6 +260,11 @@ def _as_concurrent(task: asyncio.Future[ModelRunnerOutput]) -> Future[ModelRunne
     task.add_done_callback(settle)
     future.add_done_callback(lambda f: task.cancel() if f.cancelled() else None)
     return future
+
+
+def _detach(task: asyncio.Future[Any]) -> None:
+    """Let ``task`` finish on its own, its result or error dropped (a step already sent cannot be taken back)."""
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def _remove_stale_placement_group(name: str) -> None:

@@ -22,6 +22,7 @@ of the one it replaces); the actor keeps none of its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -45,7 +46,7 @@ from cbserve.cluster.ray_executor import RayExecutor, WorkerGroupError
 from cbserve.cluster.transport import StepAddress
 from cbserve.config import CBServeConfig, check_kv_capacity
 from cbserve.scheduler.engine_core import EngineCore, tune_gc_for_serving
-from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
+from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError, StepFailedError
 from cbserve.scheduler.kv_events import KVCacheEvents
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from cbserve.scheduler.stats import EngineTotals
@@ -241,7 +242,8 @@ class SchedulerActor:
                 if so.is_empty and len(engine.batch_queue) == 1:
                     await asyncio.sleep(0.002)  # nothing runs: let a batching window fill without spinning
                 else:
-                    await asyncio.wrap_future(future)
+                    with contextlib.suppress(StepFailedError):  # the engine fails the culprits (next line)
+                        await asyncio.wrap_future(future)
                 result = engine.complete_oldest_step()
                 if result.kv_events is not None:
                     self.outputs.put_cache_events(result.kv_events)
@@ -268,6 +270,11 @@ class SchedulerActor:
         for out in outputs:
             entry = requests.get(out.req_id)
             if entry is None:
+                continue
+            if out.error is not None:  # its own step failed (scheduler/fault_isolation.py): it alone ends
+                kind = "rejected" if out.error.client_error else "failed"
+                self._send(out.req_id, entry, EngineFailure(kind, out.error.message))
+                del requests[out.req_id]
                 continue
             self._send(out.req_id, entry, out)
             if out.finished:

@@ -10,9 +10,12 @@ workers; only the per-step call moves here.
 
 The framing and the token handshake are transport.py's: the worker unpickles only what comes from the peer
 that first sent the token it handed out through Ray; any other connection is closed unread. Replies come
-back in the order the steps were sent (two may be in flight with async scheduling). A step that raises on
-the worker comes back as a ``StepError`` reply; a closed connection fails every
-pending step with ``ConnectionError``: either way the replica rebuilds its workers.
+back in the order the steps were sent (two may be in flight with async scheduling). A step that raised on the
+worker is a reply like any other (its ``StepFailedError``, worker/step_guard.py: the engine fails the requests to
+blame); an error outside the step (a bug of the channel's own) comes back as a ``StepError`` reply. The
+connection is the rank's liveness signal: closed (its process died) or silent under TCP keepalive (its node
+vanished, ``transport.KEEPALIVE_S``), it fails every pending step with ``ConnectionError`` and tells the executor
+(``on_closed``), which rebuilds the workers, idle or not.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from cbserve.cluster.transport import (
     dumps,
     encode,
     frame,
+    keep_alive,
     listen,
     loads,
     new_token,
@@ -76,15 +80,20 @@ class StepServer:
 class StepClient:
     """The scheduler end of one rank's channel (``await StepClient.connect(address)``)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 on_closed: Callable[[str], None] | None = None) -> None:
         self._reader, self._writer = reader, writer
+        self._on_closed = on_closed
         self._pending: deque[asyncio.Future[Any]] = deque()
         self._broken: Exception | None = None
         self._task = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
-    async def connect(cls, address: StepAddress) -> StepClient:
-        return cls(*await connect(address))
+    async def connect(cls, address: StepAddress, on_closed: Callable[[str], None] | None = None) -> StepClient:
+        """``on_closed(why)``: called once when the connection ends (the rank is gone, or ``close``)."""
+        reader, writer = await connect(address)
+        keep_alive(writer)
+        return cls(reader, writer, on_closed)
 
     def call(self, data: bytes) -> asyncio.Future[Any]:
         """Send one pickled step; the future gets its reply (replies come back in order)."""
@@ -119,6 +128,9 @@ class StepClient:
             future = self._pending.popleft()
             if not future.done():
                 future.set_exception(ConnectionError(f"step channel to the worker broke ({type(e).__name__})"))
+        if self._on_closed is not None:
+            on_closed, self._on_closed = self._on_closed, None
+            on_closed(f"its step channel closed ({type(e).__name__})")
 
     def close(self) -> None:
         self._task.cancel()

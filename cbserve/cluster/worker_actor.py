@@ -27,7 +27,9 @@ import ray
 from cbserve.cluster.metrics import WorkerMetrics
 from cbserve.cluster.step_channel import StepAddress, StepServer
 from cbserve.config import CBServeConfig
+from cbserve.scheduler.errors import StepFailedError
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from cbserve.worker.step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,6 +42,7 @@ class WorkerActor:
         self.rank = rank
         self.replica = replica
         self.runner: Any = None
+        self.guard: StepGuard | None = None
         self.step_server: StepServer | None = None
         self.threads = self.config.worker_threads(len(os.sched_getaffinity(0)))
         if self.threads is not None:  # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1): undo that on CPU
@@ -101,6 +104,7 @@ class WorkerActor:
             max_num_seqs=self.config.max_num_seqs,
             progress=False,
         )
+        self.guard = StepGuard(self.runner)  # a step that raises fails its requests alone (worker/step_guard.py)
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         return int(self.runner.determine_num_blocks())
@@ -109,13 +113,18 @@ class WorkerActor:
         self._on_model_thread(self.runner.init_kv_cache, num_blocks)
 
     # ---- the per-iteration call -----------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | StepFailedError | None:
         """One step (a compiled graph's call; the step channel runs ``_execute`` on the model thread itself)."""
         return self._on_model_thread(self._execute, scheduler_output)
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | StepFailedError | None:
+        """One step; a step that raised comes back as its ``StepFailedError`` (a value: both hops carry it as a
+        reply, and the engine fails the requests to blame alone)."""
         start = time.perf_counter()
-        out = self.runner.execute_model(scheduler_output)
+        try:
+            out = self.guard(scheduler_output)
+        except StepFailedError as e:
+            return e
         elapsed = time.perf_counter() - start
         lora = getattr(self.runner, "lora", None)  # adapter loads and evictions (enable_lora)
         self.metrics.observe_forward(elapsed, *((lora.num_loads, lora.num_evictions) if lora is not None else ()))

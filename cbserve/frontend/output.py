@@ -34,6 +34,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
     stop_reason: str | None = None  # the stop string that ended it, if any
+    error: str | None = None  # finish reason "error": what failed (the request alone; scheduler/fault_isolation.py)
 
 
 @dataclass
@@ -132,6 +133,7 @@ class RequestState:
         out.text += text
         if finish is not None:
             out.finish_reason, out.stop_reason = finish, detok.stop_reason
+            out.error = None if o.error is None else o.error.message
             self.result.num_cached_tokens = max(self.result.num_cached_tokens, o.num_cached_tokens)
         index = self.choice_offset + o.index
         return SeqDelta(index, text, list(o.new_token_ids), o.new_logprobs, finish, self.result.prompt_logprobs)

@@ -26,25 +26,30 @@ the later of the step's schedule() and the previous update, so overlapped steps 
 from __future__ import annotations
 
 import gc
-import math
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from .admission import id_in_use, validate_request
 from .config import EngineConfig
-from .errors import DuplicateRequestError, QueueFullError, RequestRejectedError
+from .errors import DuplicateRequestError, QueueFullError, RequestRejectedError, StepFailedError
+from .fault_isolation import FaultIsolation, step_requests
 from .kv_events import KVCacheEvents
-from .limits import check_pooling_prompt, resolve_max_tokens
 from .outputs import Executor, ModelRunnerOutput, SchedulerOutput, TokenLogprob, done_future
-from .request import EngineRequest, RequestOutput, RequestStatus
+from .request import EngineRequest, RequestFailure, RequestOutput, RequestStatus
 from .scheduler import Scheduler, StepState
-from .sequence import Sequence, SequenceGroup, child_seq_id
+from .sequence import SequenceGroup
 from .sequence_updater import SequenceUpdater
-from .spec_decode import rollback
 from .stats import EngineTotals, IterationStats, LoRAStats, SchedulerStats, SpecDecodeStats
 
+logger = logging.getLogger(__name__)
+
+# Failed steps in a row after which the workers, not a request, are taken to be broken: the error goes to the
+# host, which rebuilds them (a request's fault is isolated in fewer: fault_isolation.py).
+MAX_FAILED_STEPS_IN_A_ROW = 8
 _REASON_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
                   "abort": RequestStatus.FINISHED_ABORTED, "error": RequestStatus.FINISHED_ERROR}  # fmt: skip
 
@@ -109,14 +114,16 @@ class EngineCore:
         # Steps sent to the executor and not yet applied, oldest first, with their output's future.
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        self.isolation = FaultIsolation()  # the search for a failed step's culprit (fault_isolation.py)
+        self.failed_in_a_row = 0
 
     # ---- requests in and out ----------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request. Raises DuplicateRequestError, RequestRejectedError or QueueFullError."""
-        if self._id_in_use(request):
+        if id_in_use(self.groups, request):
             raise DuplicateRequestError(f"request id {request.req_id!r} is already in the engine")
         try:
-            max_tokens = self._validate(request)
+            max_tokens = validate_request(self.config, request)
         except RequestRejectedError as e:
             self._pending_iter.rejected_reasons.append(str(e))
             self.totals.num_rejected += 1
@@ -134,54 +141,6 @@ class EngineCore:
         self.groups[request.req_id] = group
         self.scheduler.add_sequence(group.new_sequence(0, list(request.prompt_token_ids)))
         self.totals.num_admitted += 1
-
-    def _id_in_use(self, request: EngineRequest) -> bool:
-        """Sequence ids share one namespace at the worker: "x" with n=2 owns "x" and "x#1"."""
-        groups = self.groups
-        for i in range(request.sampling_params.num_sequences):
-            seq_id = child_seq_id(request.req_id, i)
-            if seq_id in groups:
-                return True
-            base, sep, index = seq_id.rpartition("#")
-            owner = groups.get(base) if sep and index.isdigit() else None
-            if owner is not None and (owner.mode == "beam" or int(index) < owner.params.num_sequences):
-                return True  # beam search forks children with ever-growing indices
-        return False
-
-    def _validate(self, request: EngineRequest) -> int:
-        """Reject what could never run. Returns the effective max_tokens."""
-        cfg = self.config
-        num_prompt = len(request.prompt_token_ids)
-        if request.lora is not None and not cfg.scheduler.max_loras:
-            raise RequestRejectedError(f"adapter {request.lora.lora_name!r}: LoRA is not enabled on this engine")
-        if cfg.runner == "pooling":
-            return check_pooling_prompt(num_prompt, cfg.scheduler.max_model_len, request.sampling_params)
-        max_tokens = resolve_max_tokens(num_prompt, request.sampling_params.max_tokens, cfg.scheduler.max_model_len)
-        # The last generated token is never computed, so its KV needs no slot.
-        blocks = math.ceil((num_prompt + max_tokens - 1) / cfg.cache.block_size)
-        if blocks > cfg.cache.num_blocks:
-            raise RequestRejectedError(
-                f"the request needs {blocks} KV cache blocks (prompt {num_prompt} + max_tokens {max_tokens} "
-                f"tokens) but the whole cache has only {cfg.cache.num_blocks} blocks"
-            )
-        params = request.sampling_params
-        if params.use_beam_search and cfg.speculative is not None:
-            raise RequestRejectedError(
-                "beam search does not combine with speculative decoding (speculative_config is set on this "
-                "engine): use sampling or greedy decoding"
-            )
-        if params.use_beam_search:  # all beams live at once: they share the prompt's blocks only
-            bs, width = cfg.cache.block_size, params.beam_width
-            if cfg.cache.enable_prefix_caching:
-                blocks = math.ceil(num_prompt / bs) + width * (math.ceil(max_tokens / bs) + 1)
-            else:  # a preempted beam is recomputed into blocks of its own: no prefix hits on its siblings'
-                blocks = width * math.ceil((num_prompt + max_tokens) / bs)
-            if blocks > cfg.cache.num_blocks:
-                raise RequestRejectedError(
-                    f"beam search with width {params.beam_width} needs up to {blocks} KV cache blocks "
-                    f"but the whole cache has only {cfg.cache.num_blocks} blocks"
-                )
-        return max_tokens
 
     def abort_request(self, req_id: str) -> None:
         """Abort every sequence of the request; idempotent. The next step reports it finished "abort"."""
@@ -261,7 +220,7 @@ class EngineCore:
                 seq.num_sent_tokens += 1  # the worker keeps its own sample (ModelRunner._keep_samples)
             logprobs = all_logprobs[i] if i < num_logprobs else None
             if spec_stats is not None and seq_id in spec:
-                self._append_verified(seq, sampled, logprobs, len(spec[seq_id]), now, outputs, it, spec_stats)
+                self.processor.append_verified(seq, sampled, logprobs, len(spec[seq_id]), now, outputs, it, spec_stats)
                 continue
             if len(sampled) == 1 and seq.group.forked and seq.group.stream:
                 append(seq, sampled[0], logprobs[0] if logprobs else None, now, outputs, it)
@@ -276,34 +235,12 @@ class EngineCore:
         self._updated_at = time.perf_counter()
         return StepResult(outputs, stats, it, self.scheduler.kv.take_events())
 
-    def _append_verified(
-        self,
-        seq: Sequence,
-        sampled: list[int],
-        logprobs: list[TokenLogprob] | None,
-        num_drafts: int,
-        now: float,
-        outputs: list[RequestOutput],
-        it: IterationStats,
-        spec_stats: SpecDecodeStats,
-    ) -> None:
-        """Speculative decoding: the worker verified ``num_drafts`` drafts and returned the accepted ones
-        plus one token (all kept at the worker). Append them in order until the sequence stops, then roll
-        the rejected drafts back."""
-        seq.num_sent_tokens += len(sampled)
-        spec_stats.record(num_drafts, len(sampled) - 1)
-        for j, token in enumerate(sampled):
-            lp = logprobs[j] if logprobs and j < len(logprobs) else None
-            self.processor.append_token(seq, token, lp, now, outputs, it)
-            if seq.status is not RequestStatus.RUNNING:
-                return  # stopped (its blocks are freed): the rest is dropped
-        rollback(self.scheduler.kv, seq)
-
     def step(self) -> StepResult:
         """One step on its own: schedule, run and apply it (never overlapped with another)."""
         so = self.schedule()
-        out = ModelRunnerOutput() if so.is_empty else self.executor.execute_model(so).result()
-        return self.update_from_output(so, out)
+        future = done_future(ModelRunnerOutput()) if so.is_empty else self.executor.execute_model(so)
+        self.batch_queue.append((so, future))
+        return self.complete_oldest_step()
 
     # ---- the pipelined loop -----------------------------------------------------------------------
     def submit_steps(self) -> None:
@@ -321,9 +258,65 @@ class EngineCore:
         return self.batch_queue[0] if self.batch_queue else None
 
     def complete_oldest_step(self) -> StepResult:
-        """Apply the oldest step in flight; blocks until its output is back, raises the step's error."""
+        """Apply the oldest step in flight; blocks until its output is back. A ``StepFailedError`` fails the
+        request(s) responsible, or starts the search for them, and every other request goes on (``_step_failed``);
+        any other error of the step is raised (its workers are gone)."""
         so, future = self.batch_queue.popleft()
-        return self.update_from_output(so, future.result())
+        try:
+            out = future.result()
+        except StepFailedError as e:
+            return self._step_failed(so, e)
+        self.failed_in_a_row = 0
+        result = self.update_from_output(so, out)
+        if self.isolation.active:
+            self.isolation.on_outputs(result.outputs, self.groups)
+            self.scheduler.held = self.isolation.held
+        return result
+
+    def _step_failed(self, so: SchedulerOutput, error: StepFailedError) -> StepResult:
+        """A step raised on a live worker (fault_isolation.py): drop it and the steps sent after it, preempt their
+        requests' sequences (recomputed later), fail the culprits named or found, go on with the next epoch."""
+        self.failed_in_a_row += 1
+        if self.failed_in_a_row > MAX_FAILED_STEPS_IN_A_ROW:
+            raise error
+        dropped = [so, *(s for s, _ in self.batch_queue)]
+        self.cancel_steps()
+        sched = self.scheduler
+        sched.epoch += 1
+        sched.resend_removals(set().union(*(s.finished_req_ids | s.preempted_req_ids for s in dropped)))
+        failed, fresh = step_requests(so, self._request_of)
+        affected = {r for s in dropped for r in step_requests(s, self._request_of)[0]}
+        sched.preempt_running([seq for r in affected if r in self.groups for seq in self.groups[r].seqs])
+        live = [r for r in failed if r in self.groups]
+        named = list(dict.fromkeys(self._request_of(s) for s in error.culprits))
+        culprits = named or (self.isolation.on_failure(live, fresh) if live else [])
+        logger.warning("a step failed (%s): %d request(s) recomputed, failing %s%s", error, len(affected),
+                       culprits or "none yet", "" if named else f", suspects {self.isolation.suspects}")
+        for req_id in culprits:
+            self._fail_request(req_id, RequestFailure(f"the request failed in the model's step ({error})",
+                                                      error.client_error))
+        sched.held = self.isolation.held
+        self.totals.num_failed_steps += 1
+        it, self._pending_iter = self._pending_iter, IterationStats()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return StepResult(outputs, self._stats(None), it)
+
+    def _request_of(self, seq_id: str) -> str:
+        seq = self.scheduler.seqs.get(seq_id)
+        return seq.group.req_id if seq is not None else seq_id
+
+    def _fail_request(self, req_id: str, failure: RequestFailure) -> None:
+        """End every sequence of the request with finish reason "error" and ``failure`` (its blocks are freed)."""
+        group = self.groups.get(req_id)
+        if group is None:
+            return
+        start, now = len(self._pending_outputs), self.clock()
+        for seq in list(group.seqs):
+            if not seq.is_finished:
+                self.processor.finish_external(seq, RequestStatus.FINISHED_ERROR, now, self._pending_outputs,
+                                               self._pending_iter)
+        for out in self._pending_outputs[start:]:
+            out.error = failure
 
     def step_with_batch_queue(self) -> StepResult | None:
         """One turn of the loop: send what can be sent, then wait for the oldest step and apply it. None when

@@ -25,3 +25,23 @@ class QueueFullError(EngineError):
 
 class DuplicateRequestError(EngineError):
     """A request with this id is already in the engine. HTTP 400."""
+
+
+class StepFailedError(EngineError):
+    """A step raised on a worker whose process is alive (a lost process is the executor's own error: the replica
+    is rebuilt). ``culprits``: the sequence ids the worker found responsible (their adapter, their grammar), empty
+    when it could not tell: the engine then isolates them (``fault_isolation.py``). ``client_error``: the culprits'
+    own input is at fault (HTTP 400), else 500. ``skipped``: the worker did not run the step because an earlier
+    step of its epoch failed (``SchedulerOutput.epoch``)."""
+
+    def __init__(
+        self, message: str, culprits: tuple[str, ...] | list[str] = (), client_error: bool = False,
+        skipped: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.culprits = tuple(culprits)
+        self.client_error = client_error
+        self.skipped = skipped
+
+    def __reduce__(self) -> tuple:  # keep the fields across pickling (the step channel, Ray)
+        return (type(self), (str(self), self.culprits, self.client_error, self.skipped))

@@ -17,10 +17,12 @@ kernels read only the blocks inside each layer's window (see ``cbserve.worker.at
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Any
 
 from .block_pool import BlockPool, KVBlock
 from .config import CacheConfig
 from .kv_events import KVCacheEvents, stable_key_hasher
+from .request import RequestStatus
 
 ComputedBlocks = tuple[list[KVBlock], list[int]]  # prefix-cache hit blocks and their hashes
 NO_HITS: ComputedBlocks = ([], [])
@@ -168,6 +170,24 @@ class KVCacheManager:
         self.block_copies.append((old.block_id, new.block_id))
         table[idx] = new
         self.pool.free((old,))
+
+    def cow_holders(self, seq: Any, table: list[KVBlock] | None, idx: int) -> list[Any]:
+        """Copy-on-write for a sequence the worker already holds (``seq``, a scheduler Sequence): its block table
+        there cannot change, so the running sequences of its group sharing its partly filled block ``idx`` (fork
+        children the worker has not seen yet) get the copies instead, and it keeps writing in place."""
+        if table is None or idx >= len(table) or table[idx].ref_cnt == 1:
+            return []
+        block = table[idx]
+        holders = []
+        for other in seq.group.seqs:
+            if other is seq or other.status is not RequestStatus.RUNNING:
+                continue
+            other_table = self.tables.get(other.seq_id)
+            if other_table is not None and idx < len(other_table) and other_table[idx] is block:
+                holders.append(other)
+        if len(holders) != block.ref_cnt - 1 or any(h.sent for h in holders):
+            raise RuntimeError(f"cannot copy-on-write {block} of {seq}: shared with {holders}")
+        return holders
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares all of the parent's blocks (reference counts +1)."""

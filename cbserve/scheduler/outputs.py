@@ -21,7 +21,13 @@ Protocol (the scheduler is the single source of truth for token ids):
   ``num_computed_tokens`` back to ``len(token_ids) - 1`` and its block table to the blocks those tokens
   need; the scheduler does the same (``spec_decode.rollback``).
 - ``block_copies`` (src, dst) are carried out before the forward pass (copy-on-write after a fork).
-- ``finished_req_ids`` and ``preempted_req_ids``: the worker drops its state for them.
+- ``finished_req_ids`` and ``preempted_req_ids``: the worker drops its state for them (an id it does not hold
+  is no error: after a failed step the engine sends the ids of the steps it dropped again).
+- A step that raises on a worker whose process is alive comes back as ``StepFailedError`` (errors.py), naming the
+  sequences it could blame. The worker then runs no further step of the same ``epoch`` (those already sent
+  come back as skipped; only their finished and preempted ids are applied), and the engine preempts every
+  sequence of the failed and dropped steps (they are recomputed, as after any preemption) and sends its next
+  steps with the next epoch: whatever a failed step left half done at the worker is dropped with them.
 - Pooling (an engine with ``EngineConfig.runner == "pooling"``): the worker samples nothing; at the step that
   completes a request's prompt it returns the request's pooled vector in ``ModelRunnerOutput.pooled`` (pooling
   over prompt chunks accumulates in its own state) and the engine finishes the request with it.
@@ -71,6 +77,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    epoch: int = 0  # bumped by the engine after a failed step (see the module docstring)
 
     @property
     def is_empty(self) -> bool:

@@ -50,6 +50,15 @@ class EngineRequest:
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why a request ended with finish reason "error": its own execution failed (``client_error``: its input was at
+    fault, HTTP 400; else 500). Other requests are not affected."""
+
+    message: str
+    client_error: bool = False
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """New tokens of one sequence since the last step (what is streamed to the client).
@@ -73,3 +82,5 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     # Pooling engines: the request's embedding, on its one (finished) output.
     embedding: list[float] | None = None
+    # Finish reason "error": what failed (the request alone: see fault_isolation.py).
+    error: RequestFailure | None = None

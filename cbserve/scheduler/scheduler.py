@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
+from .fault_isolation import not_held
 from .integrity import check_scheduler
 from .kv_cache_manager import NO_HITS, KVCacheManager
 from .lora import lora_admission
@@ -41,6 +42,8 @@ def _sort_key(seq: Sequence) -> tuple:
 
 def _is_prefill(seq: Sequence) -> bool:
     return seq.is_prefill
+
+
 
 
 @dataclass
@@ -80,6 +83,10 @@ class Scheduler:
         self._preempted_beams: dict[str, Sequence] = {}
         self._finished_ids: set[str] = set()  # to tell the worker (sequences it holds state for)
         self._preempted_ids: set[str] = set()
+        # After a failed step (fault_isolation.py): the requests (ids) not admitted for now, and the epoch of the
+        # steps (the worker runs no step of the epoch that failed after the failure).
+        self.held: frozenset[str] = frozenset()
+        self.epoch = 0
         spec = config.speculative
         self.proposer = make_proposer(spec)
 
@@ -127,8 +134,9 @@ class Scheduler:
         allowed = self.policy.may_run(self.waiting, self.seqs)
         if allowed is None or allowed:
             select = None if allowed is None else (lambda seq: seq.group.req_id in allowed)
+            admissible = select if not self.held else not_held(self.held, select)  # held ones are all waiting
             lora_gate = self.config.max_loras and len(self.waiting)  # nothing to admit: no adapter set to build
-            admit = lora_admission(self.running, self.config.max_loras, select) if lora_gate else select
+            admit = lora_admission(self.running, self.config.max_loras, admissible) if lora_gate else admissible
             if self.policy.prefill_first:
                 self._schedule_running(st, _is_prefill if select is None else (lambda s: s.is_prefill and select(s)))
                 self._admit_waiting(st, admit)
@@ -296,7 +304,7 @@ class Scheduler:
         bs = self.block_size
         if table is not None and pos + num_new <= len(table) * bs and table[pos // bs].ref_cnt == 1:
             return True  # fast path: room in its own partly filled block
-        siblings = self._siblings_to_copy(seq, table, pos) if seq.sent else []
+        siblings = kv.cow_holders(seq, table, pos // bs) if seq.sent else []
         need = kv.num_blocks_to_allocate(seq.seq_id, pos, num_new) + len(siblings) - (1 if siblings else 0)
         if need > kv.num_free_blocks:
             return False
@@ -305,24 +313,18 @@ class Scheduler:
             kv.copy_on_write(sibling.seq_id, idx)
         return kv.allocate_slots(seq.seq_id, pos, num_new) is not None
 
-    def _siblings_to_copy(self, seq: Sequence, table: list | None, pos: int) -> list[Sequence]:
-        """Copy-on-write for a sequence the worker already holds: its block table there cannot change,
-        so the sequences sharing its partly filled block (fork children the worker has not seen yet)
-        get the copies instead, and it keeps writing in place."""
-        idx = pos // self.block_size
-        if table is None or idx >= len(table) or table[idx].ref_cnt == 1:
-            return []
-        block = table[idx]
-        holders = []
-        for other in seq.group.seqs:
-            if other is seq or other.status is not _RUNNING:
-                continue
-            other_table = self.kv.tables.get(other.seq_id)
-            if other_table is not None and idx < len(other_table) and other_table[idx] is block:
-                holders.append(other)
-        if len(holders) != block.ref_cnt - 1 or any(h.sent for h in holders):
-            raise RuntimeError(f"cannot copy-on-write {block} of {seq}: shared with {holders}")
-        return holders
+    def preempt_running(self, seqs: list[Sequence]) -> None:
+        """Preempt these sequences where they run (recomputed later, as when blocks run out): what the engine does
+        to the sequences of a failed step (fault_isolation.py)."""
+        st = StepState(budget=0)
+        for seq in seqs:
+            if seq.status is _RUNNING:
+                self._preempt(seq, st)
+
+    def resend_removals(self, seq_ids: set[str]) -> None:
+        """Tell the worker again to drop these sequences (the finished and preempted ids of steps dropped after a
+        failure: the worker may not have run them); dropping an id twice is harmless there."""
+        self._finished_ids |= seq_ids
 
     def _preempt(self, seq: Sequence, st: StepState) -> None:
         self._remove_running(seq)
@@ -366,6 +368,7 @@ class Scheduler:
             num_scheduled[seq.seq_id] = num
             total += num
         so.total_num_scheduled_tokens = total
+        so.epoch = self.epoch
         so.block_copies = self.kv.take_block_copies()
         if st.spec:
             so.scheduled_spec_decode_tokens = st.spec

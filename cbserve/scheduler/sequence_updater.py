@@ -12,7 +12,8 @@ from .outputs import TokenLogprob
 from .request import RequestOutput, RequestStatus
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceGroup
-from .stats import FinishedRequestStats, IterationStats
+from .spec_decode import rollback
+from .stats import FinishedRequestStats, IterationStats, SpecDecodeStats
 
 
 class SequenceUpdater:
@@ -140,6 +141,29 @@ class SequenceUpdater:
             self.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, now, outputs, it)
 
     # ---- finishing --------------------------------------------------------------------------------
+    def append_verified(
+        self,
+        seq: Sequence,
+        sampled: list[int],
+        logprobs: list[TokenLogprob] | None,
+        num_drafts: int,
+        now: float,
+        outputs: list[RequestOutput],
+        it: IterationStats,
+        spec_stats: SpecDecodeStats,
+    ) -> None:
+        """Speculative decoding: the worker verified ``num_drafts`` drafts and returned the accepted ones
+        plus one token (all kept at the worker). Append them in order until the sequence stops, then roll
+        the rejected drafts back."""
+        seq.num_sent_tokens += len(sampled)
+        spec_stats.record(num_drafts, len(sampled) - 1)
+        for j, token in enumerate(sampled):
+            lp = logprobs[j] if logprobs and j < len(logprobs) else None
+            self.append_token(seq, token, lp, now, outputs, it)
+            if seq.status is not RequestStatus.RUNNING:
+                return  # stopped (its blocks are freed): the rest is dropped
+        rollback(self.scheduler.kv, seq)
+
     def finish_external(
         self,
         seq: Sequence,

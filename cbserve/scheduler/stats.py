@@ -143,6 +143,7 @@ class EngineTotals:
     num_rejected: int = 0  # refused because they could never run (RequestRejectedError)
     num_queue_full: int = 0  # refused because the waiting queue was full (QueueFullError)
     num_aborted: int = 0  # unfinished requests aborted (abort_request)
+    num_failed_steps: int = 0  # steps that raised on a live worker (fault_isolation.py)
     num_steps: int = 0  # update_from_output() calls, empty steps included
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache

@@ -14,6 +14,7 @@ from .config import ModelConfig
 from .model_runner import ModelRunner
 from .sim_cost import SIM_MODEL
 from .sim_runner import SimRunner
+from .step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class LocalExecutor:
         if model_config.tensor_parallel_size != 1:
             raise ValueError("LocalExecutor runs one rank; use the Ray executor for tensor_parallel_size > 1")
         self.runner = build_runner(model_config, block_size, max_num_batched_tokens, max_num_seqs, progress, weights)
+        self.guard = StepGuard(self.runner)  # a step that raises: StepFailedError (step_guard.py)
         self.num_blocks = num_blocks if num_blocks is not None else self.runner.determine_num_blocks()
         self.runner.init_kv_cache(self.num_blocks)
         logger.info(
@@ -65,7 +67,7 @@ class LocalExecutor:
         """Runs the step in place: the future comes back done (or holding the step's error)."""
         future: Future[ModelRunnerOutput] = Future()
         try:
-            future.set_result(self.runner.execute_model(scheduler_output))
+            future.set_result(self.guard(scheduler_output))
         except Exception as e:
             future.set_exception(e)
         return future

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from cbserve.scheduler.errors import StepFailedError
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 
 from .attention.backend import AttentionMetadataBuilder, KVCache
@@ -17,9 +18,11 @@ from .config import ModelConfig
 from .cpu.malloc import tune_malloc_for_cpu_inference
 from .cuda_graphs import CaptureFn, DecodeCUDAGraphs, maybe_capture_decode_graphs
 from .draft_model import DraftModel
+from .faults import FaultPlan
 from .input_batch import CachedRequestState, PreparedBatch, build_batch, order_decode_first
 from .kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, num_blocks_for_budget
 from .lora import LoRAManager
+from .lora_files import LoRAAdapterError
 from .model_build import build_model
 from .model_info import head_dim_of, num_kv_heads_of, read_eos_token_ids
 from .model_loader import hide_triton_from_torch, load_hf_config, resolve_model
@@ -35,6 +38,16 @@ from .step_buffers import StepBuffers
 from .structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
+
+
+def _check_runner_args(config: ModelConfig, block_size: int) -> None:
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if config.tensor_parallel_size != tp_world_size():
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} but torch.distributed has "
+            f"{tp_world_size()} rank(s): initialise the process group first"
+        )
 
 
 class ModelRunner:
@@ -54,13 +67,7 @@ class ModelRunner:
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
         """``weights``: HF-named tensors to load instead of the model folder's (see ``build_model``)."""
-        if block_size < 1:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        if config.tensor_parallel_size != tp_world_size():
-            raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size} but torch.distributed has "
-                f"{tp_world_size()} rank(s): initialise the process group first"
-            )
+        _check_runner_args(config, block_size)
         self.config = config
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -100,6 +107,7 @@ class ModelRunner:
         if config.draft_model is not None:
             self.draft = DraftModel(config, self.model_folder, vocab, block_size, max_num_seqs, self.max_model_len)
         self.pooler = self._pooler() if config.runner == "pooling" else None  # embeddings instead of samples
+        self.structured.fault = self.faults = FaultPlan.of(self.hf_config)  # a test model's fault (faults.py)
         self.lora: LoRAManager | None = None  # adapter slots and loaded adapters (lora.py)
         if config.enable_lora:
             self.lora = LoRAManager(self.model, self.hf_config, config.max_loras, config.max_lora_rank,
@@ -149,13 +157,17 @@ class ModelRunner:
             self.piecewise = maybe_capture_piecewise_graphs(self, piece_capture)
 
     # ---- one iteration -------------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
-            self.requests.pop(req_id, None)
-            self.block_table.remove(req_id)
-        self.structured.drop(so.finished_req_ids | so.preempted_req_ids)
+    def drop(self, req_ids: set[str]) -> None:
+        """Forget these requests (finished or preempted; ids not held are no error)."""
+        for req_id in req_ids:
+            if self.requests.pop(req_id, None) is not None:
+                self.block_table.remove(req_id)
+        self.structured.drop(req_ids)
         if self.draft is not None:
-            self.draft.drop(so.finished_req_ids | so.preempted_req_ids)
+            self.draft.drop(req_ids)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        self.drop(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState.from_new(new)
             self.block_table.add(new.req_id, new.block_ids)
@@ -182,25 +194,42 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         batch = build_batch(states, so.num_scheduled_tokens, self.block_size, self.device, spec, self.block_table,
                             self.step_buffers)
+        if self.faults is not None:
+            self.faults.check_step(batch.input_ids)
         if self.lora is not None:
-            self.lora.prepare_step([s.lora for s in states], batch.metadata.query_lens_cpu)
+            self._prepare_lora(self.lora, states, batch.metadata.query_lens_cpu)
         hidden = self._hidden(batch)
         if self.pooler is not None:
             return self._pool(so, states, hidden, t0)
         logits = self._logits(batch, hidden)
-        out = self._sample(batch, logits) if tp_rank() == 0 else ModelRunnerOutput()
+        out, failure = ModelRunnerOutput(), None
+        if tp_rank() == 0:  # a failure here is kept until the collectives below are through on every rank
+            try:
+                out = self._sample(batch, logits)
+            except Exception as e:
+                failure = e
         if batch.prompt_lp:  # every rank: the LM head is a collective under tensor parallelism
             lps = compute_prompt_logprobs(hidden, batch.prompt_lp, self.model.compute_logits, tp_rank() == 0)
             out.prompt_logprobs = lps
         for state in states:
             state.num_computed_tokens += so.num_scheduled_tokens[state.req_id]
-        self._keep_samples(batch, out, spec)
+        self._keep_samples(batch, out, spec, failure)
         if self.draft is not None:
             self.draft.run(batch)  # its cache in step with the target's
             sampled = [self.requests[r] for r in batch.sampled_req_ids]
             out.draft_token_ids = self.draft.propose(sampled, self.sampler)
         out.forward_time_s = time.perf_counter() - t0
         return out
+
+    @staticmethod
+    def _prepare_lora(lora: LoRAManager, states: list[CachedRequestState], lengths: list[int]) -> None:
+        """The step's adapters in their slots; one that cannot be loaded fails the requests using it alone."""
+        try:
+            lora.prepare_step([s.lora for s in states], lengths)
+        except LoRAAdapterError as e:
+            lid = getattr(e, "lora_int_id", None)
+            culprits = [s.req_id for s in states if s.lora is not None and s.lora.lora_int_id == lid]
+            raise StepFailedError(f"LoRA adapter: {e}", culprits, client_error=True) from e
 
     def _pool(self, so: SchedulerOutput, states: list[CachedRequestState], hidden: torch.Tensor,
               t0: float) -> ModelRunnerOutput:
@@ -276,14 +305,18 @@ class ModelRunner:
         out.logprobs = lps
         return out
 
-    def _keep_samples(self, batch: PreparedBatch, out: ModelRunnerOutput, spec: dict[str, list[int]]) -> None:
+    def _keep_samples(self, batch: PreparedBatch, out: ModelRunnerOutput, spec: dict[str, list[int]],
+                      failure: Exception | None = None) -> None:
         """Append each sequence's one sampled token to the worker's own copy: the scheduler never sends a
         sample back (with async scheduling it schedules the next token before it knows it). Not for n > 1
         fork points and beam search, whose tokens the scheduler decides. Every rank appends rank 0's.
         A request with drafts keeps its accepted drafts + one token and rolls back the rest: computed up
         to its last token, block table cut to the blocks its tokens need (as spec_decode.rollback)."""
         sampled = broadcast_token_ids(out.sampled_token_ids if tp_rank() == 0 else None,  # no pickle
-                                      len(batch.sampled_req_ids), len(batch.sample_rows), self.device)
+                                      len(batch.sampled_req_ids), len(batch.sample_rows), self.device,
+                                      failed=failure is not None)
+        if failure is not None:  # rank 0's sampling failed: every rank fails the step (told by the broadcast)
+            raise failure
         bs = self.block_size
         for req_id, tokens in zip(batch.sampled_req_ids, sampled, strict=True):
             state = self.requests[req_id]

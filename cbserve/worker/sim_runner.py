@@ -109,9 +109,13 @@ class SimRunner:
         self.num_blocks = num_blocks
 
     # ---- one iteration -------------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
+    def drop(self, req_ids: set[str]) -> None:
+        """Forget these requests (ids not held are no error)."""
+        for req_id in req_ids:
             self.requests.pop(req_id, None)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        self.drop(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = _SimRequest(
                 len(new.token_ids), new.num_prompt_tokens, new.num_computed_tokens, new.num_samples,

@@ -31,11 +31,12 @@ on (``StructuredSpec.grammar_key``), so one spec with and without a reasoning ga
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,10 +44,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from cbserve.scheduler.errors import StepFailedError
 from cbserve.scheduler.sampling_params import StructuredSpec
 
 if TYPE_CHECKING:
     from .cpu.kernels import CpuKernels
+    from .faults import FaultPlan
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +186,7 @@ class StructuredOutputs:
         self.stop_token_ids = tuple(stop_token_ids)
         self._compilers: GrammarCompilerCache | None = None
         self.matchers: dict[str, _Matcher] = {}
+        self.fault: FaultPlan | None = None  # a test model's injected fault (faults.py)
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made on first use
         # threads filling the bitmask: the fill runs between forward passes, so the worker's cores are free
         self.fill_threads = max(1, torch.get_num_threads())
@@ -242,15 +246,20 @@ class StructuredOutputs:
         for j, (seq_id, owner, row) in enumerate(rows):
             if row.params.structured is None:
                 continue
-            m = self._current(seq_id, owner, row)
-            seen.append((j, m))
-            behind = len(row.token_ids) - row.num_prompt_tokens - m.seen
-            if behind == 1 and m.answer_from is not None and not m.done:
-                one.append((seq_id, m, row.token_ids[-1]))
-            else:
-                self._catch_up(seq_id, m, row)
+            with _blame(seq_id):  # a matcher that raises fails its sequence alone (worker/step_guard.py)
+                if self.fault is not None:
+                    self.fault.check_sequence(row.token_ids)
+                m = self._current(seq_id, owner, row)
+                seen.append((j, m))
+                behind = len(row.token_ids) - row.num_prompt_tokens - m.seen
+                if behind == 1 and m.answer_from is not None and not m.done:
+                    one.append((seq_id, m, row.token_ids[-1]))
+                else:
+                    self._catch_up(seq_id, m, row)
         if one:
-            oks = self._batcher().batch_accept_token([m.matcher for _, m, _ in one], [t for _, _, t in one])
+            batcher = self._batcher()
+            oks = _each_blamed([s for s, _, _ in one], lambda idx: batcher.batch_accept_token(
+                [one[i][1].matcher for i in idx], [one[i][2] for i in idx]))
             for (seq_id, m, token), ok in zip(one, oks, strict=True):
                 self._accepted(seq_id, m, token, ok)
         return [(j, m) for j, m in seen if m.constraining]
@@ -279,7 +288,9 @@ class StructuredOutputs:
                 fill.append((j, m))
             else:
                 copies.append((j, k))
-        self._batcher().batch_fill_next_token_bitmask([m.matcher for _, m in fill], mask, [j for j, _ in fill])
+        batcher = self._batcher()
+        _each_blamed([rows[j][0] for j, _ in fill], lambda idx: batcher.batch_fill_next_token_bitmask(
+            [fill[i][1].matcher for i in idx], mask, [fill[i][0] for i in idx]))
         bits = words.view(np.uint32)
         for j, m in fill:
             if m.undecided:  # the first token may also open the reasoning
@@ -288,6 +299,32 @@ class StructuredOutputs:
         for j, k in copies:
             mask[j] = mask[k]
         return mask
+
+
+@contextlib.contextmanager
+def _blame(seq_id: str) -> Iterator[None]:
+    """What raises inside fails sequence ``seq_id`` alone (``StepFailedError`` naming it)."""
+    try:
+        yield
+    except StepFailedError:
+        raise
+    except Exception as e:
+        raise StepFailedError(f"structured output of {seq_id}: {type(e).__name__}: {e}", [seq_id]) from e
+
+
+def _each_blamed(seq_ids: list[str], call: Callable[[list[int]], Any]) -> Any:
+    """``call(indices)`` over all of ``seq_ids`` at once (xgrammar's batched calls); when it raises, each one alone
+    tells which sequences to blame (their state is dropped with the failed step anyway)."""
+    try:
+        return call(list(range(len(seq_ids))))
+    except Exception as e:
+        bad = []
+        for i, seq_id in enumerate(seq_ids):
+            try:
+                call([i])
+            except Exception:
+                bad.append(seq_id)
+        raise StepFailedError(f"structured output of {bad or seq_ids}: {type(e).__name__}: {e}", bad) from e
 
 
 def apply_bitmask(
