@@ -1,17 +1,22 @@
-"""What an ingress replica and an engine replica say to each other on their channel (output_channel.py), as typed
-messages: every frame after the token is one of these, pickled (transport.py).
+"""The typed messages of cbserve's own sockets, every frame after the token one of these, pickled (transport.py):
+what an ingress replica and an engine replica say to each other on their channel (output_channel.py,
+channel_reader.py), and a worker rank's reply to a step (step_channel.py).
 
 Ingress -> engine: ``OpenChannel`` first (which channel this connection is), then any number of ``AddRequest``,
 ``AbortRequest`` and ``FinishSequence``. Engine -> ingress: ``OutputFrame``s, each carrying, per request, its
 items since the previous frame in order: ``Admitted`` (the answer to its AddRequest) or an ``EngineFailure`` (the
-refusal, or why it stopped abnormally), then its ``RequestOutput``s; and the engine's prefix-cache events.
+refusal, or why it stopped abnormally), then its ``RequestOutput``s; the engine's prefix-cache events; and its
+``EngineState`` when it changed (the first frame of a channel always has it): the ingress learns whether the
+replica serves from its channel, not by asking.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cbserve.scheduler.errors import StepFailedError
 from cbserve.scheduler.kv_events import KVCacheEvents
+from cbserve.scheduler.outputs import ModelRunnerOutput
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 
 
@@ -76,9 +81,34 @@ Batch = dict[str, Items]  # req_id -> its items since the previous frame, in ord
 
 
 @dataclass(frozen=True)
+class EngineState:
+    """The engine replica's state: "starting", "ready", "restarting" (its workers are rebuilt after a loss),
+    "failed" (its configuration or model cannot serve: ``error`` says why) or "stopped"; ``generation`` counts
+    its worker groups."""
+
+    state: str
+    generation: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class OutputFrame:
-    """One engine -> ingress message: the outputs, and the prefix-cache changes since the last frame (None:
-    none)."""
+    """One engine -> ingress message: the outputs, the prefix-cache changes since the last frame (None: none) and
+    the replica's state when it changed (None: unchanged)."""
 
     batch: Batch
     cache_events: KVCacheEvents | None = None
+    state: EngineState | None = None
+
+
+# ---- engine -> worker rank -> engine (the step channel, cluster/step_channel.py, or a compiled graph) ---------
+@dataclass(frozen=True)
+class StepReply:
+    """A worker rank's answer to one ``SchedulerOutput`` (the step itself is that dataclass, scheduler/outputs.py):
+    rank 0's ``ModelRunnerOutput`` (None on the other ranks), or the ``StepFailedError`` of a step that raised on a
+    live worker (worker/step_guard.py: the engine fails its culprits alone), or ``error``: the worker's end of the
+    hop itself failed (a bug; the replica rebuilds its workers)."""
+
+    output: ModelRunnerOutput | None = None
+    failure: StepFailedError | None = None
+    error: str | None = None

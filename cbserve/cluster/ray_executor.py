@@ -1,45 +1,54 @@
 """RayExecutor: the scheduler's Executor over one replica's WorkerActors (one per tensor-parallel rank).
 
-Every rank gets each SchedulerOutput; rank 0's ModelRunnerOutput is used. The per-iteration hop goes through
-a Ray compiled graph (``ray.dag``: pre-allocated shared-memory channels, no task submission per call) when
-``use_compiled_graph`` (CUDA by default), else through one socket per rank (cluster/step_channel.py: no Ray
-task per step, no busy wait; a compiled graph that fails to build falls back to it). ``dispatch overhead`` =
+Every rank gets each SchedulerOutput and answers a ``StepReply`` (engine_messages.py); rank 0's output is used.
+The hop is one of two step transports behind one interface (``StepTransport``): a Ray compiled graph
+(compiled_graph.py) when ``use_compiled_graph`` (CUDA by default), else one socket per rank (step_channel.py: no
+Ray task per step, no busy wait; a compiled graph that fails to build falls back to it). ``dispatch overhead`` =
 wall time of one execute minus the worker-reported forward time: what the hop costs per iteration.
 
-Two kinds of failure, kept apart. A step that raised on a live worker comes back as its ``StepFailedError``
-(a reply like any other): the engine fails the requests to blame and goes on (scheduler/fault_isolation.py).
-A rank that is gone (its process or node) breaks the group: the pending step and every later one fail with
-``WorkerGroupError`` and the replica rebuilds. A gone rank is noticed once, by one signal per hop: the step
-channel's socket (end of file at once when the process dies; TCP keepalive within ``transport.KEEPALIVE_S``
-when its node vanishes), or, with a compiled graph, Ray's actor death (a pending ``lifetime`` call per rank).
+Two kinds of failure, kept apart. A step that raised on a live worker comes back as its ``StepFailedError`` (a
+reply like any other): the engine fails the requests to blame and goes on (scheduler/fault_isolation.py). A rank
+that is gone (its process or node) breaks the group: the pending step and every later one fail with
+``WorkerGroupError`` and the replica rebuilds. A gone rank is noticed once, by its transport's one signal: the
+socket (end of file at once when the process dies; TCP keepalive within ``transport.KEEPALIVE_S`` when its node
+vanishes), or, with a compiled graph, Ray's actor death.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cbserve.cluster.step_channel import StepClient, dumps
+from cbserve.cluster.compiled_graph import GraphSteps
+from cbserve.cluster.engine_messages import StepReply
+from cbserve.cluster.step_channel import SocketSteps
 from cbserve.cluster.worker_actor import WorkerActor
 from cbserve.config import CBServeConfig
-from cbserve.scheduler.errors import StepFailedError
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerGroupError(RuntimeError):
-    """A worker actor died or the workers' channel broke: the replica must be rebuilt."""
+    """A worker rank is gone or the hop to it broke: the replica must be rebuilt."""
+
+
+class StepTransport(Protocol):
+    """How a replica's steps reach its ranks: ``run`` sends one to every rank and returns their replies, in rank
+    order; the transport tells its executor once when a rank is gone (the ``on_lost`` it was built with)."""
+
+    async def run(self, so: SchedulerOutput) -> list[StepReply]: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -63,16 +72,14 @@ class DispatchStats:
 
 
 class RayExecutor:
-    """Built with ``await RayExecutor.create(config, replica)`` (loads the model on every rank)."""
+    """Built with ``await RayExecutor.create(config, replica, pg_name)`` (loads the model on every rank)."""
 
     def __init__(self, workers: list[Any], pg: Any, num_blocks: int) -> None:
         self.workers = workers
         self.pg = pg
         self.num_blocks = num_blocks
         self.stats = DispatchStats()
-        self._cgraph: Any = None
-        self._channels: list[StepClient] = []
-        self._watchers: list[asyncio.Future[None]] = []  # compiled graph: one lifetime call per rank
+        self.transport: StepTransport | None = None
         self._lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()  # why the group broke
         self._closing = False
         self.on_rank_lost: Callable[[], None] | None = None  # called once when a rank is gone (the engine loop)
@@ -86,27 +93,8 @@ class RayExecutor:
     @classmethod
     async def create(cls, config: CBServeConfig, replica: str, pg_name: str) -> RayExecutor:
         """``pg_name`` is unique per replica: a group left behind by a crashed predecessor is removed."""
-        tp = config.tensor_parallel_size
-        gpu = config.resolved_device == "cuda"
-        bundle: dict[str, float] = {"CPU": config.worker_num_cpus}
-        if gpu:
-            bundle["GPU"] = 1.0
-        _remove_stale_placement_group(pg_name)
-        pg = placement_group(
-            [dict(bundle) for _ in range(tp)], strategy="STRICT_PACK" if tp > 1 else "PACK", name=pg_name
-        )
+        workers, pg = await _start_workers(config, replica, pg_name)
         try:
-            await pg.ready()
-            workers = [
-                WorkerActor.options(
-                    num_cpus=config.worker_num_cpus,
-                    num_gpus=1 if gpu else 0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=rank
-                    ),
-                ).remote(config.model_dump(), rank, replica)
-                for rank in range(tp)
-            ]
             addr, port = await workers[0].node_ip_and_free_port.remote()
             await asyncio.gather(*[w.init_distributed.remote(addr, port) for w in workers])
             blocks = await asyncio.gather(*[w.load_model.remote() for w in workers])
@@ -121,72 +109,39 @@ class RayExecutor:
         executor.stats.pids = [p["pid"] for p in pings]
         executor.stats.cpu = [p["cpu"] for p in pings]
         if config.compiled_graph:
-            executor.compile()
-        if executor._cgraph is None:
+            executor.transport = GraphSteps.build(workers, executor._mark_lost)
+            executor.stats.compiled_graph = executor.transport is not None
+        if executor.transport is None:
             try:
-                await executor.open_channels()
+                executor.transport = await SocketSteps.connect(workers, executor._mark_lost)
             except BaseException:
                 executor.shutdown()
                 raise
-        else:
-            executor.watch_ranks()
         return executor
 
-    async def open_channels(self) -> None:
-        """Connect to every rank's step channel (cluster/step_channel.py): the one hop of every step, and the one
-        signal that a rank is gone (its socket closes)."""
-        addresses = await asyncio.gather(*[w.open_step_channel.remote() for w in self.workers])
-        self._channels = [
-            await StepClient.connect(a, lambda why, rank=rank: self._mark_lost(f"worker rank {rank}: {why}"))
-            for rank, a in enumerate(addresses)
-        ]
-
-    def watch_ranks(self) -> None:
-        """With a compiled graph (no socket of ours): one pending ``lifetime`` call per rank, which fails when Ray
-        knows the rank is gone (its process or node)."""
-        self._watchers = [asyncio.ensure_future(self._when_gone(rank, w.lifetime.remote()))
-                          for rank, w in enumerate(self.workers)]
-
-    async def _when_gone(self, rank: int, lifetime: Any) -> None:
-        with contextlib.suppress(Exception):  # the rank died (or was killed at shutdown)
-            await lifetime
-        self._mark_lost(f"worker rank {rank} is gone")
-
     def _mark_lost(self, why: str) -> None:
-        """A rank is gone (noticed once): the pending step fails, the engine loop is told (it rebuilds now, even
-        when idle)."""
+        """A rank is gone (noticed once, by the transport): the pending step fails, the engine loop is told (it
+        rebuilds now, even when idle)."""
         if self._closing or self._lost.done():
             return
         logger.error("engine worker group failed: %s", why)
         self._lost.set_result(why)
-        for channel in self._channels:
-            channel.close()
+        if self.transport is not None:
+            self.transport.close()
         if self.on_rank_lost is not None:
             self.on_rank_lost()
-
-    def compile(self) -> None:
-        """Build the compiled graph (scheduler -> all ranks); the step channel is used if it fails."""
-        try:
-            from ray.dag import InputNode, MultiOutputNode
-
-            with InputNode() as inp:
-                dag = MultiOutputNode([w.execute_model.bind(inp) for w in self.workers])
-            self._cgraph = dag.experimental_compile(enable_asyncio=True)
-            self.stats.compiled_graph = True
-        except Exception:
-            logger.exception("Ray compiled graph unavailable; using the step channel")
-            self._cgraph = None
 
     # ---- Executor protocol ----------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """Send one step from the engine's event loop (the SchedulerActor's; the workers are driven from
-        nowhere else); its output's future. The ranks are watched while it runs: a lost rank fails it with
-        ``WorkerGroupError``, and cancelling the future cancels the step."""
+        nowhere else); its output's future: a ``StepFailedError`` when the step raised on a live worker, a
+        ``WorkerGroupError`` when a rank is gone. Cancelling the future drops the step's reply."""
         return _as_concurrent(asyncio.ensure_future(self._run_step(scheduler_output)))
 
     async def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.transport is not None
         start = time.perf_counter()
-        step = asyncio.ensure_future(self._execute(scheduler_output))
+        step = asyncio.ensure_future(self.transport.run(scheduler_output))
         try:
             done, _ = await asyncio.wait({step, self._lost}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -196,20 +151,16 @@ class RayExecutor:
             _detach(step)
             raise WorkerGroupError(f"engine worker group failed: {self._lost.result()}")
         try:
-            outputs = step.result()
-        except Exception as e:  # the hop itself failed (a rank gone, or a step the guard did not catch)
+            replies = step.result()
+        except Exception as e:  # the hop itself failed (a rank gone)
             raise WorkerGroupError(f"engine worker group failed: {type(e).__name__}: {e}") from e
-        failures = [o for o in outputs if isinstance(o, StepFailedError)]
+        errors = [r.error for r in replies if r.error is not None]
+        if errors:
+            raise WorkerGroupError(f"engine worker group failed: {errors[0]}")
+        failures = [r.failure for r in replies if r.failure is not None]
         if failures:  # a step that raised on a live worker: the engine fails its culprits alone
             raise next((f for f in failures if not f.skipped), failures[0])
-        return self._finish(outputs[0], start)
-
-    async def _execute(self, scheduler_output: SchedulerOutput) -> list[ModelRunnerOutput | StepFailedError | None]:
-        if self._cgraph is not None:
-            futures = await self._cgraph.execute_async(scheduler_output)
-            return [await f for f in futures]
-        data = dumps(scheduler_output)
-        return list(await asyncio.gather(*[c.call(data) for c in self._channels]))
+        return self._finish(replies[0].output, start)
 
     def _finish(self, out: ModelRunnerOutput | None, start: float) -> ModelRunnerOutput:
         """The hop's cost: wall time minus the worker's forward, from the later of the call and the end of
@@ -223,23 +174,38 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         self._closing = True
-        for watcher in self._watchers:
-            watcher.cancel()
-        for channel in self._channels:
-            channel.close()
-        self._channels = []
-        if self._cgraph is not None:
-            try:
-                self._cgraph.teardown()
-            except Exception:
-                logger.debug("compiled graph teardown failed", exc_info=True)
-            self._cgraph = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+
+async def _start_workers(config: CBServeConfig, replica: str, pg_name: str) -> tuple[list[Any], Any]:
+    """One WorkerActor per rank in a placement group of their own (a stale group of the name is removed first)."""
+    tp = config.tensor_parallel_size
+    gpu = config.resolved_device == "cuda"
+    bundle: dict[str, float] = {"CPU": config.worker_num_cpus, **({"GPU": 1.0} if gpu else {})}
+    _remove_stale_placement_group(pg_name)
+    pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK" if tp > 1 else "PACK",
+                         name=pg_name)  # fmt: skip
+    try:
+        await pg.ready()
+    except BaseException:
+        remove_placement_group(pg)
+        raise
+    workers = [
+        WorkerActor.options(num_cpus=config.worker_num_cpus, num_gpus=1 if gpu else 0,
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                placement_group=pg, placement_group_bundle_index=rank),
+                            ).remote(config.model_dump(), rank, replica)
+        for rank in range(tp)
+    ]  # fmt: skip
+    return workers, pg
 
 
 def _as_concurrent(task: asyncio.Future[ModelRunnerOutput]) -> Future[ModelRunnerOutput]:

@@ -2,7 +2,7 @@
 
 The ranks of a replica join one torch.distributed group (gloo on CPU, nccl on CUDA); rank 0 picks the
 rendezvous address on a free port. Every rank receives every SchedulerOutput; only rank 0 returns its
-ModelRunnerOutput (the others return None, keeping the hop small).
+ModelRunnerOutput in its ``StepReply`` (the others reply empty, keeping the hop small).
 
 Everything that runs the model (loading, the KV cache, every step, whichever way it arrives: the step channel
 of cluster/step_channel.py or a compiled graph) runs on one thread of its own, the model thread. OpenMP keeps
@@ -24,11 +24,13 @@ from typing import Any, TypeVar
 
 import ray
 
+from cbserve.cluster.engine_messages import StepReply
 from cbserve.cluster.metrics import WorkerMetrics
-from cbserve.cluster.step_channel import StepAddress, StepServer
+from cbserve.cluster.step_channel import StepServer
+from cbserve.cluster.transport import StepAddress
 from cbserve.config import CBServeConfig
 from cbserve.scheduler.errors import StepFailedError
-from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from cbserve.scheduler.outputs import SchedulerOutput
 from cbserve.worker.step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
@@ -113,25 +115,25 @@ class WorkerActor:
         self._on_model_thread(self.runner.init_kv_cache, num_blocks)
 
     # ---- the per-iteration call -----------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | StepFailedError | None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepReply:
         """One step (a compiled graph's call; the step channel runs ``_execute`` on the model thread itself)."""
         return self._on_model_thread(self._execute, scheduler_output)
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | StepFailedError | None:
-        """One step; a step that raised comes back as its ``StepFailedError`` (a value: both hops carry it as a
-        reply, and the engine fails the requests to blame alone)."""
+    def _execute(self, scheduler_output: SchedulerOutput) -> StepReply:
+        """One step's reply: rank 0's output (None on the other ranks), or the ``StepFailedError`` of a step that
+        raised (both hops carry it like any reply; the engine fails the requests to blame alone)."""
         start = time.perf_counter()
         try:
-            out = self.guard(scheduler_output)
+            out = self.guard(scheduler_output)  # type: ignore[misc]
         except StepFailedError as e:
-            return e
+            return StepReply(failure=e)
         elapsed = time.perf_counter() - start
         lora = getattr(self.runner, "lora", None)  # adapter loads and evictions (enable_lora)
         self.metrics.observe_forward(elapsed, *((lora.num_loads, lora.num_evictions) if lora is not None else ()))
         if self.rank != 0:
-            return None
+            return StepReply()
         out.forward_time_s = out.forward_time_s or elapsed
-        return out
+        return StepReply(out)
 
     def open_step_channel(self) -> StepAddress:
         """Serve the steps over a socket (cluster/step_channel.py) from the model thread: the scheduler's
@@ -144,8 +146,8 @@ class WorkerActor:
 
     @ray.method(concurrency_group="lifetime")
     def lifetime(self) -> None:
-        """Never returns: its reference fails the moment Ray knows this actor is gone. The step channel's
-        socket alone can outlive a lost node by a moment (its processes exit a little after its raylet)."""
+        """Never returns: its reference fails the moment Ray knows this actor is gone (a compiled graph's liveness
+        signal, compiled_graph.py; the step channel's is its socket)."""
         threading.Event().wait()
 
     # ---- introspection (tests, health) --------------------------------------------------------

@@ -22,7 +22,6 @@ from typing import Any
 
 from cbserve.scheduler.errors import RequestRejectedError
 from cbserve.scheduler.limits import check_pooling_prompt
-from cbserve.scheduler.request import EngineRequest
 from cbserve.scheduler.sampling_params import SamplingParams
 from cbserve.worker.pooling_config import PoolingConfig
 
@@ -84,13 +83,15 @@ def encode_vector(vector: list[float], encoding_format: str) -> list[float] | st
 
 
 class Embedder:
-    """``/v1/embeddings``: ``validator`` is the serving's ``RequestValidator``, ``engine`` its engine."""
+    """``/v1/embeddings``: ``validator`` is the serving's ``RequestValidator``, ``engine`` its engine, ``processor``
+    its output processor (every request in flight is in its ``requests``)."""
 
-    def __init__(self, validator: Any, engine: Any, pooling: PoolingConfig | None) -> None:
+    def __init__(self, validator: Any, engine: Any, pooling: PoolingConfig | None, processor: Any) -> None:
         self.validator = validator
         self.served = validator.served
         self.engine = engine
         self.pooling = pooling or PoolingConfig()
+        self.processor = processor
 
     async def __call__(self, req: EmbeddingRequest, request_id: str | None = None) -> EmbeddingResponse:
         v = self.validator
@@ -156,10 +157,16 @@ class Embedder:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _embed_one(self, req_id: str, prompt: list[int], priority: int) -> list[float]:
-        outputs = self.engine.generate(EngineRequest(req_id, prompt, pooling_params(), priority=priority))
+        self.processor.add_request(req_id, prompt, pooling_params(), priority=priority)
+        try:
+            outputs = await self.engine.add(self.processor.requests[req_id])
+        except BaseException:
+            self.processor.pop(req_id)
+            raise
         try:
             async for batch in outputs:
                 for out in batch:
+                    self.processor.process(out)
                     if out.finished and out.embedding is not None:
                         return out.embedding
                     if out.finished:
@@ -167,4 +174,5 @@ class Embedder:
                                        "internal_error")
             raise APIError(500, f"request {req_id}: the engine's stream ended without an embedding", "internal_error")
         finally:
-            await outputs.aclose()
+            await outputs.aclose()  # type: ignore[attr-defined]
+            self.processor.pop(req_id)

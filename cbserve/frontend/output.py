@@ -10,6 +10,7 @@ the per-choice delta a stream sends; the assembled ``CompletionOutput``s make th
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -76,14 +77,21 @@ class RequestState:
     """One engine request (one prompt, ``n`` sequences) as the front end sees it."""
 
     def __init__(
-        self, processor: OutputProcessor, result: GenerateOutput, params: SamplingParams, choice_offset: int
+        self, processor: OutputProcessor, result: GenerateOutput, params: SamplingParams, choice_offset: int,
+        request: EngineRequest,
     ) -> None:
         self.result = result
         self.params = params
         self.choice_offset = choice_offset
+        self.request = request  # what the engine gets
         self._processor = processor
         self.seqs = [processor.new_seq(i, result.prompt_token_ids, params) for i in range(params.n)]
         result.outputs = [s.out for s in self.seqs]
+        # Served (cluster/engine_client.py): the items its engine replica sends back, that replica, and what the
+        # request costs there (its tokens, for the router's load; its prefill still queued there).
+        self.queue: asyncio.Queue[Any] | None = None
+        self.replica: int | None = None
+        self.cost = self.prefill = 0
 
     @property
     def req_id(self) -> str:
@@ -148,8 +156,10 @@ class OutputProcessor:
     """
 
     def __init__(
-        self, tokenizer: Any, eos_token_ids: Iterable[int], finish_sequence: Callable[[str, int], None]
+        self, tokenizer: Any, eos_token_ids: Iterable[int], finish_sequence: Callable[[str, int], None],
+        requests: dict[str, RequestState] | None = None,
     ) -> None:
+        """``requests``: the registry to keep the requests in (served: the one the engine client reads too)."""
         self.tokenizer = tokenizer
         self.finish_sequence = finish_sequence
         ids = list(dict.fromkeys(eos_token_ids))
@@ -158,7 +168,7 @@ class OutputProcessor:
             ids = [tok_eos] + [t for t in ids if t != tok_eos]
         self.eos_token_id: int | None = ids[0] if ids else None
         self.extra_eos_token_ids = tuple(ids[1:])
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState] = {} if requests is None else requests
 
     def add_request(
         self,
@@ -173,12 +183,10 @@ class OutputProcessor:
     ) -> EngineRequest:
         """Track a new request and return what to send to the engine (``lora``: the adapter it runs with)."""
         ids = list(prompt_token_ids)
-        result = GenerateOutput(req_id, prompt, ids)
-        self.requests[req_id] = RequestState(self, result, params, choice_offset)
-        return EngineRequest(
-            req_id, ids, self.engine_params(params), eos_token_id=self.eos_token_id, priority=priority,
-            cache_salt=cache_salt, lora=lora,
-        )
+        request = EngineRequest(req_id, ids, self.engine_params(params), eos_token_id=self.eos_token_id,
+                                priority=priority, cache_salt=cache_salt, lora=lora)  # fmt: skip
+        self.requests[req_id] = RequestState(self, GenerateOutput(req_id, prompt, ids), params, choice_offset, request)
+        return request
 
     def engine_params(self, params: SamplingParams) -> SamplingParams:
         """Models with several EOS ids: the others stop a sequence too (unless ``ignore_eos``)."""

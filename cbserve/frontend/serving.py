@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 from pydantic import BaseModel
 
 from cbserve.scheduler.lora import LoRARequest
-from cbserve.scheduler.request import EngineRequest, RequestOutput
+from cbserve.scheduler.request import RequestOutput
 from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
 
 from .embeddings import Embedder, runner_error
@@ -46,8 +46,9 @@ Answer = BaseModel | AsyncIterator[str]  # a whole response, or the SSE lines of
 
 
 class Engine(Protocol):
-    def generate(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
-        """Yields ``[]`` once the request is admitted (or raises APIError), then batches of outputs."""
+    async def add(self, state: RequestState) -> AsyncIterator[list[RequestOutput]]:
+        """Send the request (``state.request``; the state is in the output processor's ``requests``) and return once
+        the engine admitted it (APIError otherwise); then its outputs in batches. Closing them early aborts it."""
         ...
 
     def finish(self, req_id: str, index: int) -> None:
@@ -60,19 +61,20 @@ class OpenAIServing:
 
     def __init__(
         self, served: ServedModel, tokenizer: Any, engine: Engine, eos_token_ids: Sequence[int],
-        loras: LoRARegistry | None = None,
+        loras: LoRARegistry | None = None, requests: dict[str, RequestState] | None = None,
     ) -> None:
+        """``requests``: the registry of requests in flight (served: the engine client's too)."""
         self.served = served
         self.tokenizer = tokenizer
         self.engine = engine
         self.loras = loras if loras is not None else LoRARegistry(served.name)
         self.validator = RequestValidator(served, tokenizer, self.loras)
-        self.processor = OutputProcessor(tokenizer, eos_token_ids, engine.finish)
+        self.processor = OutputProcessor(tokenizer, eos_token_ids, engine.finish, requests)
         self.grammars = GrammarValidator(tokenizer, served.vocab_size, eos_token_ids)
         template = getattr(tokenizer, "chat_template", None)
         self.tool_parser = resolve_tool_parser(served.tool_call_parser, template)
         self.reasoning_parser = resolve_reasoning_parser(served.reasoning_parser, template)
-        self.embedder = Embedder(self.validator, engine, served.pooling)
+        self.embedder = Embedder(self.validator, engine, served.pooling, self.processor)
 
     # ---- endpoints ----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request_id: str | None = None) -> Answer:
@@ -236,13 +238,12 @@ class OpenAIServing:
         here, before any response is committed)."""
         if req_id in self.processor.requests:
             raise APIError(400, f"request id {req_id!r} is already in use", param="request_id")
-        request = self.processor.add_request(
+        self.processor.add_request(
             req_id, prompt, sp, choice_offset=choice_offset, priority=priority, cache_salt=cache_salt, lora=lora
         )
         state = self.processor.requests[req_id]
-        outputs = self.engine.generate(request)
         try:
-            await outputs.__anext__()  # admission: raises APIError (400 / 429 / 503)
+            outputs = await self.engine.add(state)  # admission: raises APIError (400 / 429 / 503)
         except BaseException:
             self.processor.pop(req_id)
             raise

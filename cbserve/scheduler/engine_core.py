@@ -1,26 +1,25 @@
-"""EngineCore: ``step() = schedule -> executor.execute_model -> update_from_output``, and the pipelined loop
-over it, ``step_with_batch_queue``.
+"""EngineCore: ``step() = schedule -> executor.execute_model -> update_from_output``, and the one pipelined loop
+over it: ``step_async`` (a host on an event loop: the SchedulerActor) and ``step_with_batch_queue`` (a blocking
+host: the offline ``LLM``) are the same turn.
 
-The engine core owns every request's state and is the single source of truth for token ids. It is
-single-threaded; the offline ``LLM`` and the cluster's SchedulerActor drive it with the same loop. With async
-scheduling (``SchedulerConfig.async_scheduling``) up to two steps are in flight: the next one is scheduled and
-sent while the previous one runs at the workers, whose in-order execution fills in the tokens it needs
-(``outputs.py``); otherwise one. The executor returns a future per step (``Executor.execute_model``); a host
-on an event loop awaits the oldest one (``oldest_step``) and then applies it (``complete_oldest_step``), a
-blocking host calls ``step_with_batch_queue``. Times: request timestamps use
-the injected ``clock``; ``EngineRequest.arrival_time`` (``time.monotonic`` seconds) is honoured only
-when the clock is ``time.monotonic``, otherwise arrival is stamped with the clock at ``add_request``.
+The engine core owns every request's state (``groups``; a request knows the client it came from, and each of its
+outputs says so) and is the single source of truth for token ids. It is single-threaded. With async scheduling
+(``SchedulerConfig.async_scheduling``) up to two steps are in flight: the next one is scheduled and sent while the
+previous one runs at the workers, whose in-order execution fills in the tokens it needs (``outputs.py``);
+otherwise one. The executor returns a future per step (``Executor.execute_model``). A step that raised on a live
+worker fails its culprits alone (fault_isolation.py). Times: request timestamps use the injected ``clock``
+(``EngineRequest.arrival_time``, ``time.monotonic`` seconds, is honoured only when the clock is
+``time.monotonic``; otherwise arrival is stamped at ``add_request``); step timing the injected ``timer``.
 
 An empty SchedulerOutput (nothing scheduled) need not be executed: ``step()`` skips the executor, and
 finished/preempted ids wait for the next non-empty output.
 
-Step timing is the engine's own, so that ``step()`` and an async driver (``schedule()``, await the
-executor, ``update_from_output()``) report the same stats: ``schedule_time_s`` is the time spent in
-``schedule()`` plus ``update_from_output()``, ``execute_time_s`` the time from the end of ``schedule()``
-to the start of ``update_from_output()`` (the executor hop, whatever it is; 0 for an empty output) and
-``forward_time_s`` the worker's own. With async scheduling (two steps in flight) the execute time starts at
-the later of the step's schedule() and the previous update, so overlapped steps are not counted twice.
-``totals`` holds the engine's cumulative counters.
+Step timing is the engine's own, so that every host reports the same stats: ``schedule_time_s`` is the time spent
+in ``schedule()`` plus ``update_from_output()``, ``execute_time_s`` the time from the end of ``schedule()`` to the
+start of ``update_from_output()`` (the executor hop, whatever it is; 0 for an empty output) and
+``forward_time_s`` the worker's own. With async scheduling (two steps in flight) the execute time starts at the
+later of the step's schedule() and the previous update, so overlapped steps are not counted twice. ``totals``
+holds the engine's cumulative counters.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import gc
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -43,7 +42,7 @@ from .request import EngineRequest, RequestFailure, RequestOutput, RequestStatus
 from .scheduler import Scheduler, StepState
 from .sequence import SequenceGroup
 from .sequence_updater import SequenceUpdater
-from .stats import EngineTotals, IterationStats, LoRAStats, SchedulerStats, SpecDecodeStats
+from .stats import EngineTotals, IterationStats, SchedulerStats, SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +51,10 @@ logger = logging.getLogger(__name__)
 MAX_FAILED_STEPS_IN_A_ROW = 8
 _REASON_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
                   "abort": RequestStatus.FINISHED_ABORTED, "error": RequestStatus.FINISHED_ERROR}  # fmt: skip
+
+
+async def _no_wait(_: object) -> None:
+    return None
 
 
 def tune_gc_for_serving(young_threshold: int = 50_000) -> None:
@@ -90,6 +93,7 @@ class EngineCore:
         config: EngineConfig,
         executor: Executor,
         clock: Callable[[], float] = time.monotonic,
+        timer: Callable[[], float] = time.perf_counter,
         totals: EngineTotals | None = None,
         kv_events: bool = False,
     ) -> None:
@@ -97,7 +101,7 @@ class EngineCore:
         StepResult carries the prefix-cache blocks stored and evicted (kv_events.py), for a cache-aware router."""
         self.config = config
         self.executor = executor
-        self.clock = clock
+        self.clock, self.timer = clock, timer  # request timestamps; step timing
         self.scheduler = Scheduler(config, clock)
         if kv_events:
             self.scheduler.kv.record_events()
@@ -107,9 +111,9 @@ class EngineCore:
         self._pending_outputs: list[RequestOutput] = []
         self._pending_iter = IterationStats()
         # One entry per schedule() not yet updated, oldest first (two with async scheduling): its StepState,
-        # seconds spent in schedule() and perf_counter() when schedule() returned.
+        # seconds spent in schedule() and the timer when schedule() returned.
         self._in_flight: deque[tuple[StepState, float, float]] = deque()
-        self._updated_at = 0.0  # perf_counter() when the last update_from_output() returned
+        self._updated_at = 0.0  # the timer when the last update_from_output() returned
         self.totals = totals if totals is not None else EngineTotals()
         # Steps sent to the executor and not yet applied, oldest first, with their output's future.
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
@@ -168,7 +172,7 @@ class EngineCore:
 
     # ---- one iteration ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        t0 = time.perf_counter()
+        t0 = self.timer()
         so, st = self.scheduler.schedule()
         if so.scheduled_new_reqs:
             now = self.clock()
@@ -178,13 +182,13 @@ class EngineCore:
                 if times.first_scheduled is None:
                     times.first_scheduled = now
                     times.num_cached_tokens = new.num_computed_tokens
-        t1 = time.perf_counter()
+        t1 = self.timer()
         self._in_flight.append((st, t1 - t0, t1))
         return so
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> StepResult:
         """Apply the output of the oldest scheduled step not yet updated (``so``)."""
-        t0 = time.perf_counter()
+        t0 = self.timer()
         st, schedule_time, scheduled_at = self._in_flight.popleft() if self._in_flight else (None, 0.0, None)
         # from the later of its schedule() and the previous update (overlapped steps queue at the worker)
         execute_time = 0.0 if so.is_empty or scheduled_at is None else t0 - max(scheduled_at, self._updated_at)
@@ -226,13 +230,13 @@ class EngineCore:
                 append(seq, sampled[0], logprobs[0] if logprobs else None, now, outputs, it)
             else:
                 process(seq, sampled, logprobs, now, outputs, it)
-        self._count(st, spec_stats)
+        self.totals.count_step(st, spec_stats)
         stats = self._stats(st)
         stats.spec_decode = spec_stats
-        stats.schedule_time_s = schedule_time + time.perf_counter() - t0
+        stats.schedule_time_s = schedule_time + self.timer() - t0
         stats.execute_time_s = execute_time
         stats.forward_time_s = out.forward_time_s
-        self._updated_at = time.perf_counter()
+        self._updated_at = self.timer()
         return StepResult(outputs, stats, it, self.scheduler.kv.take_events())
 
     def step(self) -> StepResult:
@@ -252,10 +256,6 @@ class EngineCore:
             self.batch_queue.append((so, future))
             if so.is_empty:
                 return
-
-    def oldest_step(self) -> tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None:
-        """The oldest step in flight and its output's future; None when none is."""
-        return self.batch_queue[0] if self.batch_queue else None
 
     def complete_oldest_step(self) -> StepResult:
         """Apply the oldest step in flight; blocks until its output is back. A ``StepFailedError`` fails the
@@ -318,11 +318,27 @@ class EngineCore:
         for out in self._pending_outputs[start:]:
             out.error = failure
 
-    def step_with_batch_queue(self) -> StepResult | None:
-        """One turn of the loop: send what can be sent, then wait for the oldest step and apply it. None when
-        there was nothing to run."""
+    async def step_async(self, wait: Callable[[Future[ModelRunnerOutput] | None], Awaitable[object]]
+                         ) -> StepResult | None:
+        """One turn of the loop, for a host on an event loop (the SchedulerActor): send what can be sent, then
+        ``await wait(future)`` for the oldest step's output (requests come in meanwhile; ``wait(None)``: the oldest
+        step runs nothing, a batching window is open) and apply it. None when there was nothing to run."""
         self.submit_steps()
-        return self.complete_oldest_step() if self.batch_queue else None
+        if not self.batch_queue:
+            return None
+        so, future = self.batch_queue[0]
+        await wait(None if so.is_empty else future)
+        return self.complete_oldest_step()
+
+    def step_with_batch_queue(self) -> StepResult | None:
+        """``step_async`` for a blocking host (the offline ``LLM``): the same turn, which never suspends here (the
+        oldest step's future is waited for in ``complete_oldest_step``)."""
+        turn = self.step_async(_no_wait)
+        try:
+            turn.send(None)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        raise RuntimeError("step_async suspended with a blocking host")
 
     def cancel_steps(self) -> None:
         """Forget the steps in flight (their worker group is gone): their futures are cancelled."""
@@ -335,40 +351,8 @@ class EngineCore:
         """Requests unfinished or steps in flight: the loop has something to do."""
         return self.has_unfinished_requests() or bool(self.batch_queue)
 
-    def _count(self, st: StepState | None, spec: SpecDecodeStats | None = None) -> None:
-        totals = self.totals
-        totals.num_steps += 1
-        if spec is not None:
-            totals.spec_num_drafts += spec.num_drafts
-            totals.spec_num_draft_tokens += spec.num_draft_tokens
-            totals.spec_num_accepted_tokens += spec.num_accepted_tokens
-        if st is not None:
-            totals.prefix_cache_queries += st.prefix_cache_queries
-            totals.prefix_cache_hits += st.prefix_cache_hits
-            totals.num_preemptions += len(st.preempted)
-
     def _stats(self, st: StepState | None) -> SchedulerStats:
-        sched = self.scheduler
-        kv = sched.kv
-        stats = SchedulerStats(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_preempted_waiting=sched.num_preempted_waiting,
-            kv_cache_usage=kv.usage,
-            num_kv_blocks=kv.num_blocks,
-            num_free_kv_blocks=kv.num_free_blocks,
-            step_counter=self.totals.num_steps,
-        )
-        if self.config.scheduler.max_loras:
-            stats.lora = LoRAStats.of(sched.running, sched.waiting.ordered(), self.config.scheduler.max_loras)
-        if st is not None:
-            stats.prefix_cache_queries = st.prefix_cache_queries
-            stats.prefix_cache_hits = st.prefix_cache_hits
-            stats.num_prefill_tokens = st.num_prefill_tokens
-            stats.num_decode_tokens = st.num_decode_tokens
-            stats.num_preemptions = len(st.preempted)
-            stats.batch_size = len(st.scheduled)
-        return stats
+        return SchedulerStats.of(self.scheduler, st, self.config.scheduler.max_loras, self.totals.num_steps)
 
     # ---- introspection ----------------------------------------------------------------------------
     def current_stats(self) -> SchedulerStats:

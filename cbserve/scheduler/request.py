@@ -48,6 +48,7 @@ class EngineRequest:
     priority: int = 0  # lower runs first under the "priority" ordering
     cache_salt: str | None = None
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    client: int = 0  # which of the host's clients sent it (an engine replica: the ingress channel); its outputs say
 
 
 @dataclass(frozen=True)
@@ -84,3 +85,4 @@ class RequestOutput:
     embedding: list[float] | None = None
     # Finish reason "error": what failed (the request alone: see fault_isolation.py).
     error: RequestFailure | None = None
+    client: int = 0  # the request's ``EngineRequest.client``: where the host sends this output

@@ -102,6 +102,7 @@ class SequenceGroup:
     ) -> None:
         sp = request.sampling_params
         self.req_id = request.req_id
+        self.client = request.client  # who sent it: its outputs go back there (the host's channel index)
         self.params = sp
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.stop = StopRule.for_request(sp, self.num_prompt_tokens, max_tokens, max_model_len, request.eos_token_id)

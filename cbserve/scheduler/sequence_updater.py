@@ -114,6 +114,7 @@ class SequenceUpdater:
                     seq.cumulative_logprob if logprob is not None else None,
                     None,
                     take_prompt_logprobs(group),
+                    client=group.client,
                 )
             )
         if status is not None:
@@ -136,7 +137,7 @@ class SequenceUpdater:
             it.num_embedding_requests += 1
             outputs.append(
                 RequestOutput(group.req_id, seq.index, [], None, True, "stop", group.num_prompt_tokens,
-                              times.num_cached_tokens, embedding=vector)
+                              times.num_cached_tokens, embedding=vector, client=group.client)
             )
             self.finish_sequence(seq, RequestStatus.FINISHED_STOPPED, now, outputs, it)
 
@@ -186,6 +187,7 @@ class SequenceUpdater:
                     num_prompt_tokens=group.num_prompt_tokens,
                     num_cached_tokens=group.times.num_cached_tokens,
                     cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                    client=group.client,
                 )
             )
         self.finish_sequence(seq, status, now, outputs, it)
@@ -248,6 +250,7 @@ class SequenceUpdater:
                     finish_reason=reason,
                     num_prompt_tokens=group.num_prompt_tokens,
                     num_cached_tokens=times.num_cached_tokens,
+                    client=group.client,
                 )
             )
 
@@ -286,6 +289,7 @@ def final_outputs(group: SequenceGroup) -> list[RequestOutput]:
                 cumulative_logprob=None if hyp is None else hyp.cumulative_logprob,
                 final_token_ids=list(tokens),
                 prompt_logprobs=group.prompt_logprobs,
+                client=group.client,
             )
         )
     return outs

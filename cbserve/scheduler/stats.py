@@ -133,6 +133,22 @@ class SchedulerStats:
     spec_decode: SpecDecodeStats | None = None  # None: no drafts this step
     lora: LoRAStats | None = None  # None: LoRA is off
 
+    @classmethod
+    def of(cls, sched: Any, st: Any, max_loras: int, step_counter: int) -> SchedulerStats:
+        """The scheduler's state now (``sched``: scheduler.py's Scheduler) and what its step ``st`` (a StepState;
+        None: no step) scheduled."""
+        kv = sched.kv
+        stats = cls(num_running=len(sched.running), num_waiting=len(sched.waiting),
+                    num_preempted_waiting=sched.num_preempted_waiting, kv_cache_usage=kv.usage,
+                    num_kv_blocks=kv.num_blocks, num_free_kv_blocks=kv.num_free_blocks, step_counter=step_counter)
+        if max_loras:
+            stats.lora = LoRAStats.of(sched.running, sched.waiting.ordered(), max_loras)
+        if st is not None:
+            stats.prefix_cache_queries, stats.prefix_cache_hits = st.prefix_cache_queries, st.prefix_cache_hits
+            stats.num_prefill_tokens, stats.num_decode_tokens = st.num_prefill_tokens, st.num_decode_tokens
+            stats.num_preemptions, stats.batch_size = len(st.preempted), len(st.scheduled)
+        return stats
+
 
 @dataclass
 class EngineTotals:
@@ -151,6 +167,18 @@ class EngineTotals:
     spec_num_drafts: int = 0  # speculative decoding: sequence-steps that had drafts
     spec_num_draft_tokens: int = 0  # draft tokens proposed
     spec_num_accepted_tokens: int = 0  # of which accepted
+
+    def count_step(self, st: Any, spec: SpecDecodeStats | None = None) -> None:
+        """One more step (``st``: its StepState, None for none; ``spec``: its drafts)."""
+        self.num_steps += 1
+        if spec is not None:
+            self.spec_num_drafts += spec.num_drafts
+            self.spec_num_draft_tokens += spec.num_draft_tokens
+            self.spec_num_accepted_tokens += spec.num_accepted_tokens
+        if st is not None:
+            self.prefix_cache_queries += st.prefix_cache_queries
+            self.prefix_cache_hits += st.prefix_cache_hits
+            self.num_preemptions += len(st.preempted)
 
     @property
     def spec_acceptance_rate(self) -> float | None:

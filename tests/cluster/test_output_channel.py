@@ -1,8 +1,9 @@
-"""The multiplexed output channel (cluster/output_channel.py) without Ray, over its real socket: the engine end
-batches items per request between messages, sends them to the reader holding the token and sees it go; the
-ingress end hands each request its items in order, ignores requests nobody waits for, and fails every waiting
-request when the connection breaks (the engine actor died). The engine's prefix-cache events ride on the same
-frames: a snapshot first, then the changes, each frame's before its outputs; a broken channel resets them."""
+"""The channel between an ingress and an engine replica without Ray, over its real socket: the engine end
+(cluster/output_channel.py) batches items per request between frames, numbers its channels (each request's outputs
+go back on the channel it came on), sends the replica's state and a prefix-cache snapshot first and the changes
+after, refuses a peer without the token and sees its reader go; the ingress end (cluster/channel_reader.py) hands
+every frame to its sink in order, writes only while connected, and tells the sink at once when the connection
+breaks, then connects again."""
 
 from __future__ import annotations
 
@@ -11,37 +12,18 @@ from typing import Any
 
 from channel_fakes import FakeChannelServer
 
-from cbserve.cluster.engine_messages import EngineFailure, OpenChannel, OutputFrame
-from cbserve.cluster.output_channel import ChannelBuffer, ChannelReader, ChannelServer
+from cbserve.cluster.channel_reader import ChannelReader
+from cbserve.cluster.engine_messages import AbortRequest, EngineState, OpenChannel, OutputFrame
+from cbserve.cluster.output_channel import ChannelBuffer, ChannelServer
 from cbserve.cluster.transport import TOKEN_BYTES, encode
 from cbserve.scheduler.kv_events import KVCacheEvents
 from cbserve.scheduler.request import RequestOutput
 
+READY = EngineState("ready", 1)
+
 
 def _out(req_id: str, token: int) -> RequestOutput:
     return RequestOutput(req_id, 0, [token], None)
-
-
-def test_the_buffer_batches_per_request_until_taken() -> None:
-    async def run() -> tuple[Any, Any, bool]:
-        buf = ChannelBuffer()
-        buf.put("a", _out("a", 1))
-        buf.put("b", _out("b", 2))
-        buf.put("a", _out("a", 3))
-        first = await buf.take()
-        waiter = asyncio.ensure_future(buf.take())
-        await asyncio.sleep(0.01)
-        pending = not waiter.done()  # nothing new: take waits
-        buf.put("b", _out("b", 4))
-        return first, await waiter, pending
-
-    first, second, pending = asyncio.run(run())
-    assert first == OutputFrame({"a": [_out("a", 1), _out("a", 3)], "b": [_out("b", 2)]}, None)  # no cache events
-    assert second == OutputFrame({"b": [_out("b", 4)]}, None) and pending
-
-
-def _ignore(channel_id: str, message: Any) -> None:
-    pass
 
 
 class _Remote:
@@ -56,123 +38,125 @@ class _Engine:
         self.output_address = _Remote(server.address if isinstance(server, FakeChannelServer) else server.start)
 
 
-def test_the_reader_routes_items_and_fails_the_waiting_when_the_stream_breaks() -> None:
-    async def batches(channel_id: str, inbox: Any) -> Any:
-        yield {"a": [_out("a", 1)], "gone": [_out("gone", 9)]}
-        yield {"a": [_out("a", 2)]}  # then the connection closes: the engine actor died
+class _Sink:
+    def __init__(self) -> None:
+        self.frames: list[OutputFrame] = []
+        self.breaks: list[str] = []
+        self.event = asyncio.Event()
 
-    server = FakeChannelServer(batches)
+    def frame(self, replica: int, frame: OutputFrame) -> None:
+        self.frames.append(frame)
+        self.event.set()
 
-    async def run() -> tuple[list[Any], list[Any], str, str]:
-        reader = ChannelReader(_Engine(server), "ingress-1")
-        qa, qb = reader.register("a"), reader.register("b")
-        first_id = reader.open()
-        got_a = [await qa.get(), await qa.get(), await qa.get()]
-        got_b = [await qb.get()]
-        second_id = reader.open()  # the broken channel is replaced by a fresh one
-        reader.close()
-        return got_a, got_b, first_id, second_id
+    def broken(self, replica: int, why: str) -> None:
+        self.breaks.append(why)
+        self.event.set()
 
-    got_a, got_b, first_id, second_id = asyncio.run(run())
-    assert got_a[:2] == [[_out("a", 1)], [_out("a", 2)]]
-    for items in (got_a[2], got_b[0]):
-        assert len(items) == 1 and isinstance(items[0], EngineFailure) and items[0].kind == "unavailable"
-    assert first_id.startswith("ingress-1:") and second_id != first_id
-    assert server.opened[0] == first_id
+    async def until(self, cond: Any) -> None:
+        for _ in range(500):
+            if cond():
+                return
+            self.event.clear()
+            await asyncio.wait([asyncio.ensure_future(self.event.wait())], timeout=0.02)
+        raise TimeoutError("the sink never saw it")
 
 
-def test_the_engine_end_sends_each_take_as_one_message_and_sees_its_reader_go() -> None:
-    closed: list[str] = []
+def test_the_buffer_batches_per_request_until_taken() -> None:
+    async def run() -> tuple[Any, Any, bool]:
+        buf = ChannelBuffer()
+        buf.put("a", _out("a", 1))
+        buf.put("b", _out("b", 2))
+        buf.put("a", _out("a", 3))
+        buf.put_state(READY)
+        first = await buf.take()
+        waiter = asyncio.ensure_future(buf.take())
+        await asyncio.sleep(0.01)
+        pending = not waiter.done()  # nothing new: take waits
+        buf.put("b", _out("b", 4))
+        return first, await waiter, pending
 
-    async def run() -> tuple[list[Any], list[Any], str]:
-        server = ChannelServer(_ignore, closed.append)
-        reader = ChannelReader(_Engine(server), "ingress-1")
-        qa, qb = reader.register("a"), reader.register("b")
-        channel_id = reader.open()
-        server.buffer(channel_id).put("a", _out("a", 1))  # before the reader connected: kept for it
-        got_a = [await qa.get()]
-        server.buffer(channel_id).put("b", _out("b", 2))
-        server.buffer(channel_id).put("a", _out("a", 3))
-        got_b = [await qb.get()]
-        got_a.append(await qa.get())
-        reader.close()  # the ingress goes away: the engine aborts its requests
+    first, second, pending = asyncio.run(run())
+    assert first == OutputFrame({"a": [_out("a", 1), _out("a", 3)], "b": [_out("b", 2)]}, None, READY)
+    assert second == OutputFrame({"b": [_out("b", 4)]}) and pending  # no cache events, the state unchanged
+
+
+def test_frames_reach_the_sink_in_order_with_the_state_and_cache_first() -> None:
+    messages: list[tuple[int, Any]] = []
+    closed: list[int] = []
+
+    async def run() -> tuple[_Sink, bool, bool]:
+        server = ChannelServer(lambda client, msg: messages.append((client, msg)), closed.append,
+                               lambda: (READY, [1, 2]))  # fmt: skip
+        sink = _Sink()
+        reader = ChannelReader(_Engine(server), 0, "ingress-1", sink)
+        before = reader.send(AbortRequest("early"))  # not connected yet: nothing written
+        reader.start()
+        await sink.until(lambda: sink.frames)
+        client = next(iter(server.buffers))
+        sent = reader.send(AbortRequest("a"))
+        server.put_cache_events(KVCacheEvents(stored=[3]))
+        server.put_cache_events(KVCacheEvents(removed=[1]))  # both in the next frame, netted
+        server.put(client, "a", _out("a", 1))
+        server.put(client + 7, "a", _out("a", 9))  # a channel that is not there: dropped
+        await sink.until(lambda: len(sink.frames) >= 2 and messages)
+        reader.close()  # the ingress goes away: the engine sees its channel end
         for _ in range(500):
             if closed:
                 break
             await asyncio.sleep(0.01)
         server.close()
-        return got_a, got_b, channel_id
+        return sink, before, sent
 
-    got_a, got_b, channel_id = asyncio.run(run())
-    assert got_a == [[_out("a", 1)], [_out("a", 3)]] and got_b == [[_out("b", 2)]]
-    assert closed == [channel_id]
+    sink, before, sent = asyncio.run(run())
+    first, second = sink.frames[:2]
+    assert first == OutputFrame({}, KVCacheEvents(stored=[1, 2], reset=True), READY)  # the snapshot, first
+    assert second == OutputFrame({"a": [_out("a", 1)]}, KVCacheEvents(stored=[3], removed=[1]))
+    assert not before and sent and messages == [(1, AbortRequest("a"))] and closed == [1] and not sink.breaks
 
 
 def test_the_engine_end_refuses_a_peer_without_the_token() -> None:
-    closed: list[str] = []
+    closed: list[int] = []
 
-    async def run() -> tuple[bytes, list[Any]]:
-        server = ChannelServer(_ignore, closed.append)
+    async def run() -> tuple[bytes, _Sink]:
+        server = ChannelServer(lambda *_: None, closed.append, lambda: (READY, None))
         address = await server.start()
-        server.buffer("secret-channel").put("a", _out("a", 1))
         r, w = await asyncio.open_connection(address.host, address.port)
         w.write(b"x" * TOKEN_BYTES + encode(OpenChannel("secret-channel")))
         leaked = await asyncio.wait_for(r.read(), 10)  # closed without a byte of anyone's outputs
         w.close()
-        reader = ChannelReader(_Engine(server), "ingress-1")
-        queue = reader.register("a")
-        got = []
-        channel_id = reader.open()
-        server.buffer(channel_id).put("a", _out("a", 2))
-        got.append(await queue.get())
+        sink = _Sink()
+        reader = ChannelReader(_Engine(server), 0, "ingress-1", sink)
+        reader.start()
+        await sink.until(lambda: sink.frames)
         reader.close()
-        server.close()
-        return leaked, got
-
-    leaked, got = asyncio.run(run())
-    assert leaked == b"" and got == [[_out("a", 2)]]
-    assert "secret-channel" not in closed  # the refused peer never opened a channel
-
-
-def test_prefix_cache_events_ride_on_the_frames() -> None:
-    got: list[Any] = []
-
-    async def run() -> None:
-        server = ChannelServer(_ignore, lambda _: None, lambda: [1, 2])
-        reader = ChannelReader(_Engine(server), "ingress-1", lambda ev: got.append(("events", ev)))
-        queue = reader.register("a")
-        channel_id = reader.open()
-        server.buffer(channel_id)  # its requests' outputs are waited for: the buffer exists before it connects
         for _ in range(500):
-            if got:
+            if closed:
                 break
             await asyncio.sleep(0.01)
-        server.put_cache_events(KVCacheEvents(stored=[3]))
-        server.put_cache_events(KVCacheEvents(removed=[1]))  # both in the next frame, netted
-        server.buffer(channel_id).put("a", _out("a", 1))
-        got.append(("outputs", await queue.get()))
-        reader.close()
         server.close()
+        return leaked, sink
 
-    asyncio.run(run())
-    assert got[0] == ("events", KVCacheEvents(stored=[1, 2], reset=True))  # the snapshot, first
-    assert got[1] == ("events", KVCacheEvents(stored=[3], removed=[1]))  # then the changes, before the outputs
-    assert got[2] == ("outputs", [_out("a", 1)])
+    leaked, sink = asyncio.run(run())
+    assert leaked == b"" and sink.frames[0].state == READY
+    assert closed == [1]  # the refused peer never got a channel: the reader's is the first
 
 
-def test_a_broken_channel_resets_the_replicas_cache_picture() -> None:
-    async def batches(channel_id: str, inbox: Any) -> Any:
-        yield OutputFrame({}, KVCacheEvents(stored=[5]))  # then the connection closes: the engine actor died
+def test_a_broken_channel_is_told_at_once_and_connected_again() -> None:
+    async def frames(channel_id: str, inbox: Any) -> Any:
+        yield OutputFrame({"a": [_out("a", 1)]}, KVCacheEvents(stored=[5]), READY)  # then it closes: the actor died
 
-    server = FakeChannelServer(batches)
-    got: list[KVCacheEvents] = []
+    server = FakeChannelServer(frames)
 
-    async def run() -> None:
-        reader = ChannelReader(_Engine(server), "ingress-1", got.append)
-        queue = reader.register("a")
-        reader.open()
-        await queue.get()  # the failure every waiting request gets
+    async def run() -> tuple[_Sink, list[str]]:
+        sink = _Sink()
+        reader = ChannelReader(_Engine(server), 0, "ingress-1", sink)
+        reader.start()
+        await sink.until(lambda: len(sink.breaks) >= 2)  # broken, connected again, broken again
         reader.close()
+        await server.close()
+        return sink, server.opened
 
-    asyncio.run(run())
-    assert got == [KVCacheEvents(stored=[5]), KVCacheEvents(reset=True)]
+    sink, opened = asyncio.run(run())
+    assert sink.frames[0] == OutputFrame({"a": [_out("a", 1)]}, KVCacheEvents(stored=[5]), READY)
+    assert "closed the channel" in sink.breaks[0]
+    assert len(opened) >= 2 and opened[0] != opened[1] and all(c.startswith("ingress-1:") for c in opened)

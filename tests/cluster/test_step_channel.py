@@ -1,6 +1,7 @@
 """The scheduler -> worker socket hop (cluster/step_channel.py), both ends in this process: replies in order
-with two steps in flight, a worker exception as that step's error, the token guarding the worker's unpickling,
-and a closed worker failing the pending steps."""
+with two steps in flight, an exception in the worker's end of the hop as that step's ``StepReply.error`` (the
+channel goes on), the token guarding the worker's unpickling, and a closed worker failing the pending steps and
+telling its executor once."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from typing import Any
 
 import pytest
 
-from cbserve.cluster.step_channel import StepAddress, StepClient, StepError, StepServer, dumps
+from cbserve.cluster.engine_messages import StepReply
+from cbserve.cluster.step_channel import StepClient, StepServer
+from cbserve.cluster.transport import StepAddress, dumps
 
 
-def _double(step: Any) -> Any:
+def _double(step: Any) -> StepReply:
     if step == "boom":
         raise ValueError("bad step")
-    return [2 * x for x in step]
+    return StepReply([2 * x for x in step])  # type: ignore[arg-type]  # any picklable output, for the hop
 
 
 def _start(server: StepServer) -> StepAddress:
@@ -28,7 +31,7 @@ def _start(server: StepServer) -> StepAddress:
 def test_replies_come_back_in_order_with_steps_in_flight() -> None:
     threads: list[str] = []
 
-    def handler(step: Any) -> Any:
+    def handler(step: Any) -> StepReply:
         threads.append(threading.current_thread().name)
         return _double(step)
 
@@ -44,31 +47,29 @@ def test_replies_come_back_in_order_with_steps_in_flight() -> None:
         client.close()
         return replies
 
-    assert asyncio.run(run()) == [[2 * i, 2 * i + 2] for i in range(20)]
+    assert [r.output for r in asyncio.run(run())] == [[2 * i, 2 * i + 2] for i in range(20)]
     assert set(threads) == {"model-thread"}  # every step ran on the thread serving the channel
     thread.join(10)
     assert not thread.is_alive()  # serve() returned when the scheduler closed the channel
 
 
-def test_a_failing_step_is_that_steps_error_and_the_channel_goes_on() -> None:
+def test_a_failing_hop_is_that_steps_error_and_the_channel_goes_on() -> None:
     address = _start(StepServer(_double, "127.0.0.1"))
 
-    async def run() -> tuple[Exception, Any]:
+    async def run() -> tuple[StepReply, StepReply]:
         client = await StepClient.connect(address)
         bad, good = client.call(dumps("boom")), client.call(dumps([5]))
-        with pytest.raises(StepError, match="ValueError: bad step") as e:
-            await bad
-        result = await good
+        replies = await bad, await good
         client.close()
-        return e.value, result
+        return replies
 
-    _, result = asyncio.run(run())
-    assert result == [10]
+    bad, good = asyncio.run(run())
+    assert bad == StepReply(error="ValueError: bad step") and good.output == [10]
 
 
 def test_a_peer_without_the_token_is_closed_unread() -> None:
     calls: list[Any] = []
-    address = _start(StepServer(lambda s: calls.append(s) or "ran", "127.0.0.1"))
+    address = _start(StepServer(lambda s: calls.append(s) or StepReply("ran"), "127.0.0.1"))  # type: ignore
     with socket.create_connection((address.host, address.port)) as intruder:
         intruder.sendall(b"x" * 32 + dumps("step"))
         intruder.settimeout(10)
@@ -85,15 +86,16 @@ def test_a_peer_without_the_token_is_closed_unread() -> None:
         client.close()
         return reply
 
-    assert asyncio.run(run()) == "ran" and calls == ["step"]
+    assert asyncio.run(run()).output == "ran" and calls == ["step"]
 
 
-def test_a_worker_gone_fails_the_pending_steps() -> None:
+def test_a_worker_gone_fails_the_pending_steps_and_is_told_once() -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     address = StepAddress("127.0.0.1", listener.getsockname()[1], b"t" * 32)
+    lost: list[str] = []
 
     async def run() -> None:
-        client = await StepClient.connect(address)
+        client = await StepClient.connect(address, lost.append)
         conn, _ = await asyncio.to_thread(listener.accept)
         pending = client.call(dumps("step"))
         conn.close()  # the worker process died mid-step
@@ -105,6 +107,7 @@ def test_a_worker_gone_fails_the_pending_steps() -> None:
 
     asyncio.run(run())
     listener.close()
+    assert len(lost) == 1 and "closed" in lost[0]
 
 
 def _ipv6_loopback() -> bool:
@@ -125,4 +128,4 @@ def test_a_worker_on_an_ipv6_address() -> None:
         client.close()
         return reply
 
-    assert asyncio.run(run()) == [42]
+    assert asyncio.run(run()).output == [42]

@@ -44,8 +44,10 @@ def out(req_id: str, text: str, index: int = 0, finished: bool = False, reason: 
 
 
 class ScriptedEngine:
-    """``generate`` yields [] (admitted) then one batch per scripted step for that request: ``script(req)``
-    returns the batches. ``finished`` records (req_id, index) of every stop-string finish."""
+    """``add`` admits the request (``requests`` records it), then its outputs are one batch per scripted step:
+    ``script(req)`` returns the batches (or raises: the admission is refused). ``finished`` records (req_id, index)
+    of every stop-string finish; ``closed`` the requests whose output stream was closed (the server's engine aborts
+    an unfinished one then)."""
 
     def __init__(self, script: Any) -> None:
         self.script = script
@@ -53,15 +55,37 @@ class ScriptedEngine:
         self.finished: list[tuple[str, int]] = []
         self.closed: list[str] = []
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[list[RequestOutput]]:
-        self.requests.append(request)
+    async def add(self, state: Any) -> AsyncIterator[list[RequestOutput]]:
+        self.requests.append(state.request)
         try:
-            yield []
-            for batch in self.script(request):
-                await asyncio.sleep(0)  # outputs arrive from elsewhere: other tasks run in between
-                yield batch
-        finally:
-            self.closed.append(request.req_id)
+            return _Outputs(self, state.request)
+        except BaseException:  # a script that raises: the admission is refused, no stream to close
+            self.requests.pop()
+            raise
 
     def finish(self, req_id: str, index: int) -> None:
         self.finished.append((req_id, index))
+
+
+class _Outputs:
+    """A request's scripted batches, as an async iterator whose ``aclose`` is recorded even when never started."""
+
+    def __init__(self, engine: ScriptedEngine, request: EngineRequest) -> None:
+        self.engine, self.req_id = engine, request.req_id
+        self._batches = iter(engine.script(request))
+        self._closed = False
+
+    def __aiter__(self) -> _Outputs:
+        return self
+
+    async def __anext__(self) -> list[RequestOutput]:
+        await asyncio.sleep(0)  # outputs arrive from elsewhere: other tasks run in between
+        try:
+            return next(self._batches)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.engine.closed.append(self.req_id)

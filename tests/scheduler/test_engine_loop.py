@@ -58,7 +58,7 @@ def test_the_loop_keeps_its_depth_and_gives_the_tokens_of_single_steps(async_sch
         assert len(sent) == len(ex.pending) and len(engine.batch_queue) <= depth  # sent, none applied yet
         if engine.has_unfinished_requests() and not engine.batch_queue[-1][0].is_empty:
             assert len(engine.batch_queue) == depth
-        so, future = engine.oldest_step()
+        so, future = engine.batch_queue[0]
         if not so.is_empty:
             assert not future.done()
             ex.finish_oldest()
@@ -78,9 +78,9 @@ def test_a_failed_step_raises_and_the_steps_in_flight_are_cancelled() -> None:
     ex.finish_oldest(RuntimeError("rank 0 died"))
     with pytest.raises(RuntimeError, match="rank 0 died"):
         engine.complete_oldest_step()
-    (_, second) = engine.oldest_step()
+    (_, second) = engine.batch_queue[0]
     engine.cancel_steps()
-    assert second.cancelled() and engine.oldest_step() is None
+    assert second.cancelled() and not engine.batch_queue
 
 
 def test_step_with_batch_queue_blocks_on_a_done_future_only() -> None:
@@ -94,3 +94,36 @@ def test_step_with_batch_queue_blocks_on_a_done_future_only() -> None:
         results.append(result)
     assert sum(len(o.new_token_ids) for r in results for o in r.outputs) == 4
     assert engine.step_with_batch_queue() is None
+
+
+def test_step_async_is_the_same_turn_on_an_event_loop() -> None:
+    """The SchedulerActor's host: ``step_async`` awaits the oldest step's future while other tasks run (here: the
+    worker finishing the step later), then applies it: the tokens of single steps."""
+    import asyncio
+
+    engine, ex = _deferred(async_scheduling=True)
+    reference, _ = make_engine()
+    for e in (engine, reference):
+        for i in range(3):
+            e.add_request(req(f"r{i}", 5 + 3 * i, max_tokens=6))
+    waited: list[bool] = []
+
+    async def wait(future: Future[ModelRunnerOutput] | None) -> None:
+        waited.append(future is not None and not future.done())
+        await asyncio.sleep(0)
+        while future is not None and not future.done():
+            ex.finish_oldest()  # the worker answers while the loop waits
+
+    async def drive() -> Collected:
+        got = Collected()
+        while engine.has_work():
+            result = await engine.step_async(wait)
+            if result is not None:
+                collect(result, got)
+        return got
+
+    got = asyncio.run(drive())
+    want = Collected()
+    while reference.has_unfinished_requests():
+        collect(reference.step(), want)
+    assert got.tokens == want.tokens and any(waited)
