@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -123,7 +124,8 @@ class AttentionBackend(ABC):
             f"(metadata.prepared = {cls.__name__}.make_builder(layout).build(metadata))"
         )
 
-    @abstractmethod
+    plan_type: type = PreparedAttention  # the type of the plans its builder makes
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -133,8 +135,17 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Write k/v into the cache at ``metadata.slot_mapping``, then attend with the step's plan,
-        ``metadata.prepared`` (RuntimeError without one of this backend's); returns
+        ``metadata.prepared`` (RuntimeError without one of this backend's ``plan_type``); returns
         [num_tokens, num_heads, head_dim]."""
+        p = metadata.prepared
+        if not isinstance(p, self.plan_type):
+            raise self.missing_plan(metadata, self.plan_type)
+        return self.attend(q, k, v, kv_cache, metadata, p)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata,
+               p: Any) -> torch.Tensor:
+        """``forward`` with the step's plan checked: this backend's own work."""
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:

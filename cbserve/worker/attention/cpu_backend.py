@@ -114,6 +114,7 @@ class CpuMetadataBuilder(TorchMetadataBuilder):
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
+    plan_type = CpuPrepared
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None,
@@ -127,18 +128,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def make_builder(cls, layout: AttentionLayout) -> AttentionMetadataBuilder:
         return CpuMetadataBuilder(layout)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCache,
-        metadata: AttentionMetadata,
+    def attend(  # type: ignore[override]
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata,
+        p: CpuPrepared,
     ) -> torch.Tensor:
-        md = metadata
-        p = md.prepared
-        if not isinstance(p, CpuPrepared):
-            raise self.missing_plan(md, CpuPrepared)
         if not kernel_takes(q.dtype, q.device) or kv_cache[0].dtype != torch.float32:
             if p.fallback is None:
                 raise RuntimeError(
@@ -146,7 +139,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                     "the step's plan was built for a float32 CPU layout: build it with the builder of the model's "
                     "own AttentionLayout"
                 )
-            return self.attend(q, k, v, kv_cache, md, p.fallback)
+            return super().attend(q, k, v, kv_cache, md, p.fallback)
         write_kv_cache(k, v, kv_cache, md.slot_mapping)
         rows = q if q.stride(1) == q.shape[2] and q.stride(2) == 1 else q.contiguous()
         out = torch.empty_like(rows)

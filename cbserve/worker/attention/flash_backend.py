@@ -129,6 +129,7 @@ class FlashMetadataBuilder(AttentionMetadataBuilder):
 
 class FlashAttentionBackend(AttentionBackend):
     name = "flash"
+    plan_type = FlashPrepared
     supports_cuda_graphs = True
 
     @classmethod
@@ -145,14 +146,10 @@ class FlashAttentionBackend(AttentionBackend):
             kw["softcap"] = self.softcap
         return kw
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-        metadata: AttentionMetadata,
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata,
+        p: FlashPrepared,
     ) -> torch.Tensor:
-        md = metadata
-        p = md.prepared
-        if not isinstance(p, FlashPrepared):
-            raise self.missing_plan(md, FlashPrepared)
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"flash-attn needs float16/bfloat16 activations, got {q.dtype}")
         _write_kv(k, v, kv_cache, md.slot_mapping)

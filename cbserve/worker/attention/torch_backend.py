@@ -180,23 +180,11 @@ class TorchMetadataBuilder(AttentionMetadataBuilder):
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    plan_type = TorchPrepared
 
     @classmethod
     def make_builder(cls, layout: AttentionLayout) -> AttentionMetadataBuilder:
         return TorchMetadataBuilder(layout)
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCache,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        p = metadata.prepared
-        if not isinstance(p, TorchPrepared):
-            raise self.missing_plan(metadata, TorchPrepared)
-        return self.attend(q, k, v, kv_cache, metadata, p)
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata,

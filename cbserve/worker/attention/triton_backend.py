@@ -73,24 +73,17 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    plan_type = TritonPrepared
     supports_cuda_graphs = True  # decode launches are shape-stable given a fixed split count
 
     @classmethod
     def make_builder(cls, layout: AttentionLayout) -> AttentionMetadataBuilder:
         return TritonMetadataBuilder(layout)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: KVCache,
-        metadata: AttentionMetadata,
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata,
+        p: TritonPrepared,
     ) -> torch.Tensor:
-        md = metadata
-        p = md.prepared
-        if not isinstance(p, TritonPrepared):
-            raise self.missing_plan(md, TritonPrepared)
         k_cache, v_cache = kv_cache
         q = _last_dim_contiguous(q)
         triton_kernels.write_kv_cache(
