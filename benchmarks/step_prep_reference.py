@@ -1,56 +1,23 @@
 """The step builder as it was before the persistent block table (main at 782f002, `worker/input_batch.py`):
 a Python loop per token and the padded block table rebuilt from lists every step. Kept as the "before" of
-bench_step_prep.py and as the reference tests/worker/test_step_prep.py compares the new builder with."""
+bench_step_prep.py and as the reference tests/worker/test_step_prep.py compares the new builder with (the sample
+rows are collected by the builder's own ``SampleRows``: that part did not change)."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 
 from cbserve.worker.attention.backend import AttentionMetadata
-from cbserve.worker.input_batch import CachedRequestState, PreparedBatch, PromptLogprobRows, prompt_logprob_rows
-from cbserve.worker.sampler import SamplingRow
-from cbserve.worker.spec_verify import DraftGroup
-
-
-@dataclass
-class _Samples:
-    """The rows to sample, collected while a batch is flattened."""
-
-    req_ids: list[str] = field(default_factory=list)
-    logits_rows: list[int] = field(default_factory=list)
-    owner: list[int] = field(default_factory=list)
-    rows: list[SamplingRow] = field(default_factory=list)
-    groups: list[DraftGroup] = field(default_factory=list)
-    one_to_one: bool = False  # a logits row per sample row (a batch with drafts)
-
-    def add_drafts(self, s: CachedRequestState, last_row: int, drafts: list[int]) -> None:
-        """A request with drafts: one logits and sample row per draft position plus one (row j's history
-        holds the drafts before it). Only in batches built with ``spec``: their logits rows map 1:1."""
-        owner = len(self.req_ids)
-        self.req_ids.append(s.req_id)
-        self.groups.append(DraftGroup(owner, len(self.rows), list(drafts)))
-        k = len(drafts)
-        for j in range(k + 1):
-            self.logits_rows.append(last_row - k + j)
-            self.owner.append(owner)
-            self.rows.append(SamplingRow(s.sampling_params, s.token_ids + drafts[:j], s.num_prompt_tokens, s.seed))
-
-    def add(self, s: CachedRequestState, row: int) -> None:
-        owner = len(self.req_ids)
-        self.req_ids.append(s.req_id)
-        self.logits_rows.append(row)
-        # n > 1: the row that completes the prompt is sampled num_samples times (sample i with seed + i).
-        k = s.num_samples if len(s.token_ids) == s.num_prompt_tokens else 1
-        for i in range(k):
-            seed = None if s.seed is None else s.seed + i
-            self.owner.append(owner)
-            self.rows.append(SamplingRow(s.sampling_params, s.token_ids, s.num_prompt_tokens, seed))
-            if self.one_to_one and i:
-                self.logits_rows.append(row)
+from cbserve.worker.input_batch import (
+    CachedRequestState,
+    PreparedBatch,
+    PromptLogprobRows,
+    SampleRows,
+    prompt_logprob_rows,
+)
 
 
 def _check_scheduled(s: CachedRequestState, n: int, num_tokens: int, has_drafts: bool, block_size: int) -> None:
@@ -79,7 +46,7 @@ def reference_build_batch(
     slots: list[int] = []
     query_lens: list[int] = []
     seq_lens: list[int] = []
-    samples = _Samples(one_to_one=bool(spec))
+    samples = SampleRows(one_to_one=bool(spec))
     prompt_lp: list[PromptLogprobRows] = []
     num_decodes = 0
     for s in states:

@@ -43,7 +43,7 @@ from .lora import LoRARequest
 from .sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class NewRequestData:
     req_id: str
     token_ids: list[int]  # prompt + any generated tokens (resumed or forked requests)

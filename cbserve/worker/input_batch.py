@@ -8,9 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cbserve.scheduler.lora import LoRARequest
 from cbserve.scheduler.outputs import CachedRequestData, NewRequestData
-from cbserve.scheduler.sampling_params import SamplingParams
 
 from .attention.backend import AttentionMetadata
 from .block_table import BlockTable
@@ -20,32 +18,17 @@ from .step_buffers import StepBuffers
 
 
 @dataclass(slots=True)
-class CachedRequestState:
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
-    num_samples: int = 1
-    seed: int | None = None
+class CachedRequestState(NewRequestData):
+    """The worker's state of one request: what its ``NewRequestData`` said (its own copies of the lists), kept up
+    to date by the steps' ``CachedRequestData`` and the samples the worker keeps."""
+
     pooled: torch.Tensor | None = None  # pooling runner: what the prompt's chunks so far pooled to (pooler.py)
-    lora: LoRARequest | None = None  # the adapter it runs with
     _row: SamplingRow | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_new(cls, d: NewRequestData) -> CachedRequestState:
-        return cls(
-            d.req_id,
-            list(d.token_ids),
-            d.num_prompt_tokens,
-            d.sampling_params,
-            list(d.block_ids),
-            d.num_computed_tokens,
-            d.num_samples,
-            d.seed,
-            lora=d.lora,
-        )
+        return cls(d.req_id, list(d.token_ids), d.num_prompt_tokens, d.sampling_params, list(d.block_ids),
+                   d.num_computed_tokens, d.num_samples, d.seed, d.lora)
 
     def sample_row(self) -> SamplingRow:
         """The row this sequence samples with (its seed unshifted): the same object every step, as it holds
@@ -115,7 +98,7 @@ def _adapter_id(state: CachedRequestState) -> int:
 
 
 @dataclass
-class _Samples:
+class SampleRows:
     """The rows to sample, collected while a batch is flattened."""
 
     req_ids: list[str] = field(default_factory=list)
@@ -159,7 +142,7 @@ class _Plan:
     first positions of the leading run of plain one-token requests, as arrays (``rows`` and ``starts``
     hold the rest)."""
 
-    samples: _Samples
+    samples: SampleRows
     ids: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
@@ -194,7 +177,7 @@ def _plan(states: list[CachedRequestState], num_scheduled: Mapping[str, int], bl
           spec: Mapping[str, list[int]] | None, table: BlockTable) -> _Plan:
     """The per-request pass: only what cannot be done over all tokens at once (see ``build_batch``). The
     leading run of plain one-token requests, the common case, is gathered list by list."""
-    p = _Plan(_Samples(one_to_one=bool(spec)))
+    p = _Plan(SampleRows(one_to_one=bool(spec)))
     rids = [s.req_id for s in states]
     q = list(map(num_scheduled.__getitem__, rids))
     d = len(q) if q.count(1) == len(q) else next(i for i, n in enumerate(q) if n != 1)
