@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from cbserve.scheduler.errors import RequestRejectedError
 from cbserve.scheduler.limits import resolve_max_tokens
@@ -46,20 +46,6 @@ class ServedModel:
     pooling: PoolingConfig | None = None
 
 
-def parse_body(model_cls: type[M], body: bytes) -> M:
-    """A JSON request body as ``model_cls``; malformed JSON or invalid fields are a 400 naming the field."""
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}") from e
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as e:
-        raise invalid_body_error(e.errors()) from e
-
-
 def invalid_body_error(errors: Sequence[Any], strip: tuple[str, ...] = ()) -> APIError:
     """The 400 for a body that failed validation, naming the first bad field (``errors``: pydantic's, or
     FastAPI's, whose locations start with ``strip``)."""
@@ -70,7 +56,7 @@ def invalid_body_error(errors: Sequence[Any], strip: tuple[str, ...] = ()) -> AP
     if kind == "json_invalid":
         detail = (err.get("ctx") or {}).get("error") or err.get("msg")
         return APIError(400, f"malformed JSON body: {detail}")
-    if kind in ("model_attributes_type", "dict_type") or (kind == "missing" and not loc):
+    if kind in ("model_attributes_type", "dict_type") or (kind in ("missing", "model_type") and not loc):
         return APIError(400, "the request body must be a JSON object")
     if not loc:  # the body as a whole (a check across fields)
         return APIError(400, str(err.get("msg", "invalid request body")))

@@ -1,13 +1,18 @@
-"""Stand-ins for the front-end tests: a character tokenizer (one token per character, id = code point) and an
-engine that replays scripted outputs."""
+"""Stand-ins for the front-end tests: a character tokenizer (one token per character, id = code point), an
+engine that replays scripted outputs, and a request body parsed as the server's edge does."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
+
+from cbserve.frontend.validation import invalid_body_error
 from cbserve.scheduler.request import EngineRequest, RequestOutput
+
+M = TypeVar("M", bound=BaseModel)
 
 EOS = 3  # decodes to nothing with skip_special_tokens
 
@@ -89,3 +94,12 @@ class _Outputs:
         if not self._closed:
             self._closed = True
             self.engine.closed.append(self.req_id)
+
+
+def parse_body(model_cls: type[M], body: bytes) -> M:
+    """A JSON request body as ``model_cls``, as the server's FastAPI validates it: malformed JSON or invalid fields
+    are the 400 naming the field (``invalid_body_error``, what the HTTP edge answers)."""
+    try:
+        return model_cls.model_validate_json(body)
+    except ValidationError as e:
+        raise invalid_body_error(e.errors()) from e

@@ -11,7 +11,7 @@ import struct
 from typing import Any
 
 import pytest
-from frontend_fakes import EOS, CharTokenizer, ScriptedEngine
+from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, parse_body
 
 from cbserve.frontend.protocol import (
     APIError,
@@ -21,7 +21,7 @@ from cbserve.frontend.protocol import (
     EmbeddingResponse,
 )
 from cbserve.frontend.serving import OpenAIServing
-from cbserve.frontend.validation import ServedModel, parse_body
+from cbserve.frontend.validation import ServedModel
 from cbserve.scheduler.request import EngineRequest, RequestOutput
 from cbserve.worker.pooling_config import PoolingConfig
 

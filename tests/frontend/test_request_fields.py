@@ -9,13 +9,13 @@ import logging
 from typing import Any
 
 import pytest
-from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, ids, out
+from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, ids, out, parse_body
 
 from cbserve.frontend.field_policy import CHAT_REFUSED, REFUSED
 from cbserve.frontend.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from cbserve.frontend.serving import OpenAIServing
 from cbserve.frontend.tokenizer import IncrementalDetokenizer
-from cbserve.frontend.validation import ServedModel, parse_body
+from cbserve.frontend.validation import ServedModel
 from cbserve.scheduler.request import EngineRequest
 
 SERVED = ServedModel(name="m", max_model_len=64, max_n=4, vocab_size=0x3000)

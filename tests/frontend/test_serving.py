@@ -8,11 +8,11 @@ import json
 from typing import Any
 
 import pytest
-from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, out
+from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, out, parse_body
 
 from cbserve.frontend.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from cbserve.frontend.serving import OpenAIServing
-from cbserve.frontend.validation import ServedModel, parse_body
+from cbserve.frontend.validation import ServedModel
 from cbserve.scheduler.outputs import TokenLogprob
 from cbserve.scheduler.request import EngineRequest
 
