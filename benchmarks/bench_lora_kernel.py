@@ -8,6 +8,7 @@ asserts nothing. ``--dtype bfloat16``: the adapters stored in bfloat16 and multi
 
     python benchmarks/bench_lora_kernel.py                       # SmolLM2's qkv_proj: 576 -> 960, 3 parts of rank 16
     python benchmarks/bench_lora_kernel.py --in 576 --out 1536 --cmax 32 --threads 1
+    python benchmarks/bench_lora_kernel.py --cmax 1536 --layers 4  # rank 512 on a fused q/k/v: 3 x 512 columns
 """
 
 from __future__ import annotations

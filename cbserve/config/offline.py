@@ -23,6 +23,8 @@ SERVED_ONLY: dict[str, str] = {
     "affinity_max_imbalance_tokens": "routing between engine replicas",
     "routing": "routing between engine replicas",
     "lora_modules": "adapters served by name (offline: generate(..., lora_request=LoRARequest(...)))",
+    "allow_runtime_lora_updating": "the HTTP routes that load and unload adapters (offline: any LoRARequest)",
+    "lora_allowed_dirs": "the folders the HTTP load route may read adapters from",
     "host": f"{_HTTP} address",
     "port": f"{_HTTP} port",
     "route_prefix": f"{_HTTP} route",
@@ -36,6 +38,8 @@ SERVED_ONLY: dict[str, str] = {
     "node_tuning": "the served node's CPU priorities",
     "shutdown_timeout": f"{_HTTP} drain time",
     "autoscaling": "Serve's autoscaler",
+    "responses_store_max_entries": "the Responses API is served only",
+    "responses_store_ttl_s": "the Responses API is served only",
 }
 
 

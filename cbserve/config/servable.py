@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from cbserve.config.lora_config import check_lora_modules
+from cbserve.config.lora_config import check_allowed_dirs, check_lora_modules
 from cbserve.config.serve_config import DEFAULT_MODEL_NAME, CBServeConfig, ConfigError, connected_ray
 from cbserve.config.sim_config import is_sim, sim_num_blocks
 from cbserve.worker.config import DTYPE_BYTES
@@ -57,6 +57,7 @@ def check_servable(config: CBServeConfig, info: ModelInfo, device: str | None = 
         config = config.model_copy(update={"max_model_len": model_max})
     try:
         check_lora_modules(config.lora_modules, info, config.max_lora_rank)
+        check_allowed_dirs(config.lora_allowed_dirs)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     num_blocks = config.num_kv_blocks

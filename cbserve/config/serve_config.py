@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cbserve.config.autoscaling import from_serve_deployments, parse_autoscaling
-from cbserve.config.lora_config import check_lora_keys, parse_lora_modules
+from cbserve.config.lora_config import check_lora_keys, parse_allowed_dirs, parse_lora_modules
 from cbserve.config.sim_config import check_sim_keys
 from cbserve.scheduler.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from cbserve.worker.config import (
@@ -98,8 +98,12 @@ class CBServeConfig(BaseModel):
     enable_lora: bool = False
     lora_modules: dict[str, str] | None = None  # name -> PEFT folder, served from the start (needs enable_lora)
     max_loras: int = Field(1, ge=1)  # distinct adapters in one step (the workers' adapter slots)
-    max_lora_rank: int = Field(16, ge=1)  # the largest rank an adapter may have
+    max_lora_rank: int = Field(16, ge=1, le=512)  # the largest rank an adapter may have (vLLM's limit: 512)
     max_cpu_loras: int | None = Field(None, ge=1)  # adapters a worker keeps loaded (unset: max_loras)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter: off unless set (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING);
+    # the adapters they load must lie under one of lora_allowed_dirs
+    allow_runtime_lora_updating: bool = False
+    lora_allowed_dirs: list[str] | None = None
     # Ray placement and execution
     worker_num_cpus: float = Field(1.0, gt=0.0)  # CPUs per worker actor (one bundle per TP rank)
     # torch / C-kernel threads in each worker; unset: on CPU, the node's cores shared by its ranks (Ray would
@@ -137,6 +141,10 @@ class CBServeConfig(BaseModel):
     # on SIGTERM / Ctrl-C and on an ingress replica's shutdown: seconds requests in flight get to finish (new ones
     # get 503 meanwhile) before the rest are aborted
     shutdown_timeout: float = Field(20.0, ge=0.0)
+    # /v1/responses with store: true: responses kept for the whole app (every ingress replica), at most this many
+    # (the least recently used out first), each for at most this long
+    responses_store_max_entries: int = Field(1024, ge=1)
+    responses_store_ttl_s: float = Field(3600.0, gt=0.0)
     # ingress replicas (each with its num_replicas engines) on Serve's autoscaler: "min=1,max=4,target_ongoing=2"
     # or Serve's autoscaling_config; min 0 scales to zero (config/autoscaling.py); unset: one ingress replica
     autoscaling: dict[str, Any] | None = None
@@ -164,6 +172,11 @@ class CBServeConfig(BaseModel):
     def _parse_lora_modules(cls, value: Any) -> dict[str, str] | None:
         return parse_lora_modules(_none_if_null(value))
 
+    @field_validator("lora_allowed_dirs", mode="before")
+    @classmethod
+    def _parse_allowed_dirs(cls, value: Any) -> list[str] | None:
+        return parse_allowed_dirs(_none_if_null(value))
+
     @model_validator(mode="after")
     def _check(self) -> CBServeConfig:
         if self.max_num_batched_tokens < self.block_size:
@@ -174,7 +187,8 @@ class CBServeConfig(BaseModel):
             raise ValueError("runner 'pooling' does not combine with speculative_config (nothing is generated)")
         draft = self.speculative_config is not None and self.speculative_config.get("method") == "draft_model"
         check_lora_keys(self.enable_lora, self.lora_modules, self.max_loras, self.max_cpu_loras, self.model_name,
-                        {"runner 'pooling'": self.runner == "pooling", "a draft model (speculative_config)": draft})
+                        {"runner 'pooling'": self.runner == "pooling", "a draft model (speculative_config)": draft},
+                        self.allow_runtime_lora_updating, self.lora_allowed_dirs)
         check_sim_keys(self)
         return self
 
@@ -307,6 +321,9 @@ class CBServeConfig(BaseModel):
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,
+            block_size=self.block_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
             **self._draft_fields(),
         )
 

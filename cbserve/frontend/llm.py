@@ -22,10 +22,10 @@ from cbserve.scheduler import EngineCore, tune_gc_for_serving
 from cbserve.scheduler.lora import LoRARequest
 from cbserve.scheduler.request import EngineRequest
 from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker.lora_files import check_adapter, read_adapter
 from cbserve.worker.model_info import ModelInfo
 
 from .embeddings import EmbeddingOutput, EmbeddingRequestOutput, pooling_params
+from .lora_contents import LocalAdapters
 from .model_files import read_model_files
 from .output import CompletionOutput, GenerateOutput, OutputProcessor
 from .tokenizer import apply_chat_template, load_tokenizer
@@ -52,8 +52,7 @@ class LLM:
 
         config = servable_config(offline_config(model, fields))  # the KV budget is checked once it is allocated
         self.model_config = config.worker_model_config()
-        self.executor = LocalExecutor(self.model_config, config.block_size, config.max_num_batched_tokens,
-                                      config.max_num_seqs, config.num_kv_blocks, progress)
+        self.executor = LocalExecutor(self.model_config, config.num_kv_blocks, progress)
         runner = self.executor.runner
         try:
             if runner.max_model_len < config.max_model_len:  # the model's own limit, where its header has none
@@ -68,6 +67,11 @@ class LLM:
         self.max_model_len = config.max_model_len
         self.eos_token_ids = list(read_model_files(runner.model_folder).eos_token_ids)
         self._model_info = ModelInfo.from_hf_config(runner.hf_config.to_dict())
+        # adapters are checked whole once and run from the bytes checked (kept here), whatever their files do later
+        self._adapters = LocalAdapters(self._model_info, config.max_lora_rank, self.model_config.lora_cache_size)
+        manager = getattr(runner, "lora", None)
+        if manager is not None:
+            manager.source = self._adapters
         self.engine_config = config.engine_config(self.executor.num_blocks)
         self.engine = EngineCore(self.engine_config, self.executor)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self._finish_on_stop)
@@ -150,17 +154,19 @@ class LLM:
             raise ValueError(f"LLM.{method} needs runner={runner!r}; this LLM was built with runner={self.runner!r}")
 
     def _loras(self, lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
-        """One adapter (or None) per prompt, each checked against the model (ValueError says why)."""
+        """One adapter (or None) per prompt, each read whole and checked against the model (ValueError says why),
+        as it runs: with the digest of the content checked, which the worker gets from ``self._adapters``."""
         loras = [lora] * n if lora is None or isinstance(lora, LoRARequest) else list(lora)
         if len(loras) != n:
             raise ValueError(f"got {len(loras)} LoRA requests for {n} prompts")
         if any(x is not None for x in loras) and not self.model_config.enable_lora:
             raise ValueError("a lora_request needs an LLM built with enable_lora=True")
-        for x in {x for x in loras if x is not None}:
+        given = [x for x in loras if x is not None]
+        for x in given:
             if not isinstance(x, LoRARequest):
                 raise TypeError(f"lora_request must be a LoRARequest or None, got {type(x).__name__}")
-            check_adapter(read_adapter(x.lora_path), self._model_info, self.model_config.max_lora_rank)
-        return loras
+        checked = self._adapters.check(dict.fromkeys(given))
+        return [None if x is None else checked[x] for x in loras]
 
     def _abort_all(self, req_ids: list[str]) -> None:
         for req_id in req_ids:

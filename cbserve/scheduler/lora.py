@@ -16,12 +16,15 @@ from typing import Any
 @dataclass(frozen=True)
 class LoRARequest:
     """One adapter: ``lora_int_id`` (>= 1) identifies it in the engine and the workers' caches (a new path
-    for a name gets a new id); ``lora_path`` is a PEFT folder (adapter_config.json + adapter_model.safetensors)
-    the workers can read."""
+    for a name gets a new id); ``lora_path`` is a PEFT folder (adapter_config.json + adapter_model.safetensors).
+    ``digest`` names the content the front end checked (``sha256:...`` of both files, worker/lora_files.py): a
+    worker runs exactly that content, which it gets from its adapter source (served: the app's store; offline:
+    the ``LLM``), never a file changed since; None: the worker reads ``lora_path``."""
 
     lora_name: str
     lora_int_id: int
     lora_path: str
+    digest: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
@@ -30,6 +33,8 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_path must be a non-empty path, got {self.lora_path!r}")
+        if self.digest is not None and (not isinstance(self.digest, str) or not self.digest):
+            raise ValueError(f"digest must be None or a non-empty string, got {self.digest!r}")
 
 
 def adapter_keys(lora: LoRARequest | None) -> tuple:

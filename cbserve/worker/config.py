@@ -21,6 +21,7 @@ _BACKENDS, _CPU_OPS, _CPU_ISAS = get_args(AttentionBackendName), get_args(CpuOps
 _RUNNERS, _GRAPH_MODES = get_args(RunnerName), get_args(CudaGraphMode)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+MAX_LORA_RANK = 512  # the largest max_lora_rank (vLLM's); the CPU kernels take its fused 3 x 512 columns
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,10 @@ class ModelConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # the engine's step limits the worker sizes its buffers by: the KV block size, tokens and sequences a step
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -114,12 +119,18 @@ class ModelConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not 0 <= self.rank < self.tensor_parallel_size:
             raise ValueError(f"rank must be in [0, {self.tensor_parallel_size}), got {self.rank}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be at most {MAX_LORA_RANK} (vLLM's limit; the CPU kernels' slots "
+                             f"hold 3 x {MAX_LORA_RANK} columns, a fused q/k/v projection's), got {self.max_lora_rank}")
         cpu = self.max_cpu_loras
         if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < self.max_loras):
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), got {cpu!r}")

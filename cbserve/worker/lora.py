@@ -15,8 +15,13 @@ batched product that adds each token's adapter to a mixed batch (S-LoRA / Punica
 - ``dtype="bfloat16"`` on the C kernels (``CpuOps.bf16_products``: a float32 model whose linear layers multiply
   in bfloat16) keeps the slots in bfloat16 and runs the adapters as bfloat16 products too (``cb_lora_add_bf16``:
   x and x A^T rounded to bfloat16, float32 sums, as PEFT in bfloat16 rounds them).
-- Adapters are read once from their PEFT folder (``lora_files.py`` checks them) and kept, cut to this rank's
-  shard, in a host-side LRU of ``max_cpu_loras``; a busy adapter is never reloaded per request.
+- Adapters are loaded once and kept, cut to this rank's shard, in a host-side LRU of ``max_cpu_loras``; a busy
+  adapter is never reloaded per request. An adapter whose ``LoRARequest`` names its content (``digest``) comes
+  from the manager's ``source`` (the content the front end checked: served, the app's store, which the worker
+  actor's source fetches; offline, the ``LLM``'s), else from its folder; either way it is checked whole again
+  (``lora_files.load_adapter``) and its digest must match: a file changed since it was checked never runs.
+- An adapter that fails to load (``AdapterLoadError``, naming its ``lora_int_id``) leaves every slot as it was,
+  or empty where it was being written, and out of the LRU: the step's other adapters run as if it never came.
 
 Tensor parallelism: a column-parallel layer keeps ``A`` whole and this rank's rows of ``B``; a row-parallel
 layer keeps this rank's columns of ``A`` and all of ``B`` and adds its partial product before the layer's
@@ -39,7 +44,7 @@ from cbserve.scheduler.lora import LoRARequest
 from .cpu.kernels import CpuKernels
 from .cpu.lora_segments import LoRASegments
 from .layers import ColumnParallelLinear, RowParallelLinear
-from .lora_files import AdapterFiles, check_adapter, read_adapter
+from .lora_files import AdapterContent, AdapterFiles, AdapterLoadError, AdapterSource, load_adapter, read_content
 from .model_info import ModelInfo
 from .parallel import tp_rank
 
@@ -98,10 +103,13 @@ class LoRALinear:
         """Slot ``slot``'s B^T [cols, out]."""
         return self.b[slot, :cols] if self.transposed else self.b[slot, :, :cols].t()
 
-    def load(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.used[slot] = 0
+
+    def load(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.clear(slot)
         if weights is not None:
             a, b = weights
             cols = a.shape[0]
@@ -153,11 +161,14 @@ class LoRAManager:
     """The adapter slots of one model shard and the adapters loaded on this rank."""
 
     def __init__(self, model: nn.Module, hf_config: Any, max_loras: int, max_lora_rank: int, cache_size: int,
-                 dtype: torch.dtype, device: torch.device, use_triton: bool | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, use_triton: bool | None = None,
+                 source: AdapterSource | None = None) -> None:
         """``use_triton``: the Triton kernels (None: on CUDA when triton imports); else the model's C kernels
         where it runs on them (float32), else torch. The model's ``ops`` (``CpuOps``) say whether it runs
-        bfloat16 products on the C kernels: the slots are then bfloat16 (``dtype`` is the model's, float32)."""
+        bfloat16 products on the C kernels: the slots are then bfloat16 (``dtype`` is the model's, float32).
+        ``source``: the checked content of an adapter whose request names it (``digest``); None: its folder."""
         self.info = ModelInfo.from_hf_config(hf_config.to_dict())
+        self.source = source
         self.max_lora_rank, self.cache_size = max_lora_rank, cache_size
         ops = getattr(model, "ops", None)
         kernels, bf16_products = getattr(ops, "kernels", None), bool(getattr(ops, "bf16_products", False))
@@ -184,7 +195,8 @@ class LoRAManager:
 
     # ---- one step ------------------------------------------------------------------------------
     def prepare_step(self, loras: Sequence[LoRARequest | None], lengths: Sequence[int]) -> None:
-        """The step's batch holds ``lengths[i]`` tokens of request i, in order, run with ``loras[i]``."""
+        """The step's batch holds ``lengths[i]`` tokens of request i, in order, run with ``loras[i]``.
+        ``AdapterLoadError`` (its ``lora_int_id``) when an adapter cannot be loaded: the slots stay consistent."""
         self.num_steps += 1
         step = self.step
         step.runs = []
@@ -220,12 +232,24 @@ class LoRAManager:
             if not free:
                 raise RuntimeError(f"{len(wanted)} adapters in one step but only {len(self.slots)} slots")
             slot = min(free, key=lambda i: (self.slots[i] is not None, self.slot_used_at[i]))
-            weights = self._weights(lora)
-            for key, (_, slots) in self.linears.items():
-                slots.load(slot, weights.get(key))
+            weights = self._weights(lora)  # AdapterLoadError: nothing changed yet
+            try:
+                for key, (_, slots) in self.linears.items():
+                    slots.load(slot, weights.get(key))
+            except Exception as e:  # half written: the slot is emptied, the adapter leaves the LRU
+                self._clear_slot(slot)
+                self.cache.pop(lid, None)
+                raise AdapterLoadError(lid, f"LoRA adapter {lora.lora_name!r} (id {lid}) does not fit its slot: "
+                                            f"{type(e).__name__}: {e}") from e
             self.slots[slot] = lid
         self.slot_used_at[slot] = self.num_steps
         return slot
+
+    def _clear_slot(self, slot: int) -> None:
+        for _, slots in self.linears.values():
+            slots.clear(slot)
+        self.slots[slot] = None
+        self.slot_used_at[slot] = 0
 
     # ---- loading -------------------------------------------------------------------------------
     def _weights(self, lora: LoRARequest) -> AdapterWeights:
@@ -243,13 +267,33 @@ class LoRAManager:
         return weights
 
     def _load(self, lora: LoRARequest) -> AdapterWeights:
-        from safetensors.torch import load_file
+        """The adapter's weights on this rank; AdapterLoadError says why not (whatever went wrong)."""
+        from safetensors.torch import load as load_tensors
 
-        files = read_adapter(lora.lora_path)
-        check_adapter(files, self.info, self.max_lora_rank)
-        tensors = load_file(str(files.path / "adapter_model.safetensors"))
-        return assemble(files, tensors, {k: layer for k, (layer, _) in self.linears.items()}, self.dtype,
-                        self.device)
+        lid = lora.lora_int_id
+        try:
+            content = self._content(lora)
+            files = load_adapter(content, self.info, self.max_lora_rank)
+            tensors = load_tensors(content.weights)
+            return assemble(files, tensors, {k: layer for k, (layer, _) in self.linears.items()}, self.dtype,
+                            self.device)
+        except AdapterLoadError:
+            raise
+        except Exception as e:
+            logger.warning("LoRA adapter %r (id %d, %s) cannot be loaded: %s: %s", lora.lora_name, lid,
+                           lora.lora_path, type(e).__name__, e)
+            raise AdapterLoadError(lid, f"LoRA adapter {lora.lora_name!r} (id {lid}) cannot be loaded: {e}") from e
+
+    def _content(self, lora: LoRARequest) -> AdapterContent:
+        """The adapter's bytes: by digest from the source, else read from its folder (and then the digest, when
+        the request names one, must still match)."""
+        if lora.digest is None:
+            return read_content(lora.lora_path)
+        content = AdapterContent.of(*self.source(lora)) if self.source is not None else read_content(lora.lora_path)
+        if content.digest != lora.digest:
+            raise AdapterLoadError(lora.lora_int_id, f"LoRA adapter {lora.lora_name!r} (id {lora.lora_int_id}): its "
+                                                     "content is not the one checked when it was loaded")
+        return content
 
 
 def assemble(files: AdapterFiles, tensors: dict[str, torch.Tensor], layers: dict[tuple[int, str], nn.Module],

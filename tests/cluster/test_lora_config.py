@@ -85,6 +85,17 @@ def test_yaml_and_serve_args(tmp_path: Path) -> None:
         ({"enable_lora": True, "lora_modules": "{broken"}, "not valid JSON"),
         ({"enable_lora": True, "lora_modules": {"SmolLM2-135M-Instruct": "/a"}}, "the served model's name"),
         ({"enable_lora": True, "max_lora_rank": 0}, "max_lora_rank"),
+        ({"enable_lora": True, "max_lora_rank": 513}, "max_lora_rank"),
+        ({"allow_runtime_lora_updating": True, "lora_allowed_dirs": ["/a"]},
+         "allow_runtime_lora_updating needs enable_lora"),
+        ({"enable_lora": True, "allow_runtime_lora_updating": True},
+         "allow_runtime_lora_updating needs lora_allowed_dirs"),
+        ({"enable_lora": True, "allow_runtime_lora_updating": True, "lora_allowed_dirs": []},
+         "allow_runtime_lora_updating needs lora_allowed_dirs"),
+        ({"enable_lora": True, "lora_allowed_dirs": ["/a"]}, "lora_allowed_dirs needs allow_runtime_lora_updating"),
+        ({"enable_lora": True, "allow_runtime_lora_updating": True, "lora_allowed_dirs": [""]},
+         "lora_allowed_dirs: expected a list of folders"),
+        ({"enable_lora": True, "allow_runtime_lora_updating": True, "lora_allowed_dirs": "[broken"}, "not valid JSON"),
     ],
 )
 def test_bad_lora_settings_name_the_key(values: dict, words: str) -> None:
@@ -100,10 +111,57 @@ def test_every_adapter_is_checked_at_start_up(tmp_path: Path, capsys: pytest.Cap
     empty = tmp_path / "empty"
     empty.mkdir()
     config = CBServeConfig(model=str(model), enable_lora=True, lora_modules={"sql": str(empty)}, device="cpu")
-    with pytest.raises(ConfigError, match=r"lora_modules: adapter 'sql': .*empty has no adapter_config.json"):
+    with pytest.raises(ConfigError, match=r"lora_modules: adapter 'sql' at .*empty: no adapter_config.json"):
         servable_config(config)
     servable_config(CBServeConfig(model=str(model), enable_lora=True, device="cpu"))  # no adapters: nothing to check
     rc = serve_cli.main(_parse(["--model", str(model), "--device", "cpu", "--enable-lora", "--lora-modules",
                                 f"bad={tmp_path}/none", "--ready-timeout", "1"]))  # fmt: skip
     err = capsys.readouterr().err
-    assert rc == 1 and err.startswith("cbserve: error: lora_modules: adapter 'bad': ") and "is not a folder" in err
+    assert rc == 1 and err.startswith(f"cbserve: error: lora_modules: adapter 'bad' at {tmp_path}/none: not a folder")
+
+
+def test_runtime_loading_keys_in_their_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``allow_runtime_lora_updating`` and ``lora_allowed_dirs`` as flags (paths made absolute where read), YAML
+    lists, Serve args (one string: a JSON list or paths apart by spaces)."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["--enable-lora", "--allow-runtime-lora-updating", "--lora-allowed-dirs", "adapters"]
+    config = config_from_args(_parse(argv))
+    assert config.allow_runtime_lora_updating is True and config.lora_allowed_dirs == [str(tmp_path / "adapters")]
+    on = {"enable_lora": "true", "allow_runtime_lora_updating": "true"}
+    assert CBServeConfig.from_args({**on, "lora_allowed_dirs": "adapters /srv/more"}).lora_allowed_dirs == [
+        str(tmp_path / "adapters"), "/srv/more"]
+    args = CBServeConfig.from_args({**on, "lora_allowed_dirs": '["/a b", "/c"]'})
+    assert args.lora_allowed_dirs == ["/a b", "/c"]
+    assert CBServeConfig.model_validate(args.model_dump()).lora_allowed_dirs == ["/a b", "/c"]  # to the replicas
+    path = tmp_path / "c.yaml"
+    path.write_text("enable_lora: true\nallow_runtime_lora_updating: true\nlora_allowed_dirs: [/x, ~/y]\n")
+    assert CBServeConfig.from_yaml(path).lora_allowed_dirs == ["/x", str(Path.home() / "y")]
+    assert CBServeConfig().allow_runtime_lora_updating is False and CBServeConfig().lora_allowed_dirs is None
+
+
+def test_the_allowed_folders_must_exist_at_start_up(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2))
+    on = {"model": str(model), "enable_lora": True, "allow_runtime_lora_updating": True, "device": "cpu"}
+    servable_config(CBServeConfig(**on, lora_allowed_dirs=[str(tmp_path)]))
+    with pytest.raises(ConfigError, match=f"lora_allowed_dirs: {tmp_path}/nope is not a folder"):
+        servable_config(CBServeConfig(**on, lora_allowed_dirs=[str(tmp_path), str(tmp_path / "nope")]))
+
+
+def test_the_ingress_registry_takes_the_runtime_keys(tmp_path: Path) -> None:
+    """``_lora_registry``: the load and unload routes 404 unless runtime loading is on; on, the allowed folders."""
+    from cbserve.cluster.ingress import _lora_registry
+    from cbserve.frontend.protocol import APIError
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMOLLM2))
+    lora = {"model": str(model), "enable_lora": True, "device": "cpu"}
+    for config in (CBServeConfig(model=str(model), device="cpu"), CBServeConfig(**lora)):
+        with pytest.raises(APIError) as off:
+            _lora_registry(config).check_runtime()
+        assert off.value.status == 404 and "--allow-runtime-lora-updating" in off.value.message
+    on = _lora_registry(CBServeConfig(**lora, allow_runtime_lora_updating=True, lora_allowed_dirs=[str(tmp_path)]))
+    on.check_runtime()
+    assert on.limits is not None and on.limits.allowed_dirs == (str(tmp_path),) and on.limits.max_lora_rank == 16

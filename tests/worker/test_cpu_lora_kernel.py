@@ -1,7 +1,9 @@
 """The C kernels' multi-LoRA product (csrc/lora.c, ``CpuKernels.lora_add_``): one call adds every adapter of a
 mixed batch to one linear layer's output, against a float64 torch reference, on every ISA build this machine
-runs (segments out of order, partly used slots, rows of no segment, strided x and y, odd sizes), the same
-results on any thread count, and the argument checks."""
+runs (segments out of order, partly used slots, rows of no segment, strided x and y, odd sizes), slots of up to
+3 x 512 columns (rank 512 of a fused q/k/v projection: taken 512 columns at a time, each y element still summed in
+column order, so equal bit for bit to adding the chunks one call after another), the same results on any thread
+count, and the argument checks."""
 
 from __future__ import annotations
 
@@ -125,6 +127,44 @@ def outputs_on_1_and_2_threads(kernels: CpuKernels, x: torch.Tensor, y0: torch.T
     return outs
 
 
+# rank 256 and 512 adapters of a fused q/k/v projection (768 and 1536 columns), of gate/up (1024), one at rank 8
+# in a slot of rank 256 (24 of 768 columns), a prefill run of 37 rows (items of 16) and decode rows; out = 37
+# leaves a tail of y's columns past the last vector on every ISA
+WIDE = [(0, 37, 0, 1536), (37, 1, 1, 768), (38, 3, 2, 1024), (41, 2, 3, 24), (43, 4, 0, 1000), (47, 1, 2, 512),
+        (48, 5, 1, 513)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rank_512_fused_slots_equal_their_512_column_chunks_added_in_turn(
+    builds: dict[str, CpuKernels], dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    a, bt = _adapters(4, 1536, 48, 37, [1536, 768, 1024, 24], gen)
+    a, bt = a.to(dtype), bt.to(dtype)
+    x, y0 = torch.randn(53, 48, generator=gen), torch.randn(53, 37, generator=gen)
+    ref = _reference(x, y0, a.float(), bt.float(), WIDE)
+    for level, kernels in builds.items():
+        y = kernels.lora_add_(x, y0.clone(), a, bt, _table(WIDE))
+        chunked = y0.clone()
+        for c0 in range(0, 1536, 512):  # the same sums, one call per 512 columns
+            part = [(s, r, slot, min(max(cols - c0, 0), 512)) for s, r, slot, cols in WIDE]
+            kernels.lora_add_(x, chunked, a[:, c0 : c0 + 512].contiguous(), bt[:, c0 : c0 + 512].contiguous(),
+                              _table(part))
+        assert torch.equal(y, chunked), level
+        if dtype == torch.float32:  # bfloat16 products round x and x A^T: compared with their chunks only
+            torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-3, msg=level)
+        assert not torch.equal(y, y0), level
+
+
+def test_rank_512_fused_slots_do_not_depend_on_the_thread_count(kernels: CpuKernels) -> None:
+    gen = torch.Generator().manual_seed(4)
+    a, bt = _adapters(4, 1536, 96, 75, [1536, 768, 1024, 24], gen)
+    x, y0 = torch.randn(53, 96, generator=gen), torch.randn(53, 75, generator=gen)
+    outs = outputs_on_1_and_2_threads(kernels, x, y0, a, bt, WIDE)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0].double(), _reference(x, y0, a, bt, WIDE), rtol=1e-4, atol=1e-3)
+
+
 def test_no_segments_and_no_rows(kernels: CpuKernels) -> None:
     a, bt = torch.randn(2, 8, 16), torch.randn(2, 8, 8)
     x, y = torch.randn(4, 16), torch.randn(4, 8)
@@ -145,7 +185,7 @@ def _bad_calls() -> list[tuple[str, dict[str, object], str]]:
         ("a width", {"a": torch.randn(3, 4, 15)}, "a must be"),
         ("bt slots", {"bt": torch.randn(2, 4, 12)}, "bt must be"),
         ("bt not contiguous", {"bt": torch.randn(3, 12, 4).transpose(1, 2)}, "bt must be"),
-        ("cmax over 512", {"a": torch.zeros(1, 513, 16), "bt": torch.zeros(1, 513, 12)}, "at most 512"),
+        ("cmax over 1536", {"a": torch.zeros(1, 1537, 16), "bt": torch.zeros(1, 1537, 12)}, "at most 1536"),
         ("segments int64", {"segments": ok.long()}, "int32"),
         ("segments shape", {"segments": torch.zeros(2, 3, dtype=torch.int32)}, "int32"),
         ("negative", {"segments": _table([(0, -1, 0, 4)])}, "negative"),
@@ -179,6 +219,6 @@ def test_the_c_entry_point_checks_what_it_can(kernels: CpuKernels) -> None:
 
     codes = abi.RETURN_CODES
     assert call([(0, 8, 1, 4)]) == codes["CB_OK"]
-    assert call([(0, 8, 1, 4)], ldx=15) == call([(0, 8, 1, 4)], cmax=513) == codes["CB_EINVAL"]
+    assert call([(0, 8, 1, 4)], ldx=15) == call([(0, 8, 1, 4)], cmax=1537) == codes["CB_EINVAL"]
     assert call([(0, 2, 0, 5)]) == call([(0, -2, 0, 4)]) == call([(2, 3, 0, 4), (4, 1, 1, 1)]) == codes["CB_ERANGE"]
     torch.testing.assert_close(y, (x @ a[1].t()) @ bt[1])

@@ -106,6 +106,13 @@ def test_split_input_dim_and_tails(split_k: int) -> None:
     _check_against_reference(*_case(SLOTS, 100, 33, 8, torch.float32, seed=1), split_k=split_k)
 
 
+@pytest.mark.parametrize("cols", [3 * 256, 3 * 512])
+def test_fused_slots_of_rank_256_and_512(cols: int) -> None:
+    """A fused q/k/v slot of rank 256 or 512 (768 or 1536 columns, as ``LoRAManager`` sizes them at
+    ``max_lora_rank`` 256 / 512): many rank tiles in the shrink, a long rank loop in the expand, slot 1 at half."""
+    _check_against_reference(*_case([0, -1, 1, 0], 24, 20, cols, torch.float32, seed=8, num_slots=2))
+
+
 def test_float16_int64_slots_one_adapter() -> None:
     """float16, int64 slots, a single slot in the stack (S=1), odd rank 13."""
     y, x, a, b, ts = _case([0, -1, 0, 0, -1], 48, 40, 13, torch.float16, seed=2, num_slots=1)

@@ -47,6 +47,7 @@ def _vector(t: torch.Tensor, name: str, n: int, dtype: torch.dtype = torch.float
 BLOCK_FORMATS = ("q8_0", "q4_1")
 BLOCK_K = 32
 _LORA_DTYPES = (torch.float32, torch.bfloat16)  # of the LoRA kernel's adapter slots (bfloat16: bf16 products)
+LORA_MAX_COLS = 1536  # columns of a LoRA slot (csrc/lora.c): rank 512 of a fused q/k/v projection, 3 x 512
 
 
 @dataclass(frozen=True)
@@ -276,14 +277,14 @@ class CpuKernels:
         """In place, one linear layer's adapters for a batch grouped by adapter: ``y[r] += (x[r] @ a[slot, :cols].T)
         @ bt[slot, :cols]`` for the rows r of each segment (start, rows, slot, cols); returns ``y``. x [m, in], y [m,
         out] float32, rows contiguous (y not overlapping x); a [slots, cmax, in], bt [slots, cmax, out] (B^T, scaled)
-        contiguous, cmax <= 512, both float32 or both bfloat16 (bfloat16 products, csrc/cb_cpu.h). Segments ([nseg, 4]
+        contiguous, cmax <= 1536, both float32 or both bfloat16 (bfloat16 products, csrc/cb_cpu.h). Segments ([nseg, 4]
         int32, or ``LoRASegments.of`` it once a step): disjoint, in the m rows, slot < slots, cols <= cmax."""
         seg = segments if isinstance(segments, LoRASegments) else LoRASegments.of(segments)
         xs, ys, as_, bs = x.shape, y.shape, a.shape, bt.shape
         # one expression on the common path (called per adapted layer and step); the details only on failure
         if not (x.dtype == y.dtype == torch.float32 and a.dtype == bt.dtype in _LORA_DTYPES and x.is_cpu and y.is_cpu
                 and a.is_cpu and bt.is_cpu and len(xs) == len(ys) == 2 and len(as_) == len(bs) == 3 and xs[0] == ys[0]
-                and as_[2] == xs[1] >= 1 and bs[2] == ys[1] >= 1 and as_[:2] == bs[:2] and 1 <= as_[1] <= 512
+                and as_[2] == xs[1] >= 1 and bs[2] == ys[1] >= 1 and as_[:2] == bs[:2] and 1 <= as_[1] <= LORA_MAX_COLS
                 and (x.stride(1) == 1 or xs[1] == 1) and (y.stride(1) == 1 or ys[1] == 1)
                 and a.is_contiguous() and bt.is_contiguous()):
             _lora_complaint(x, y, a, bt)
@@ -381,7 +382,8 @@ def _lora_complaint(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch
                 or not t.is_contiguous() or t.shape[2] != width or t.shape[:2] != a.shape[:2]:
             raise ValueError(f"{name} must be a contiguous float32 or bfloat16 CPU [slots, cmax, {width}] tensor (a "
                              f"and bt alike), got {t.dtype} {tuple(t.shape)} (a is {a.dtype} {tuple(a.shape)})")
-    raise ValueError(f"a and bt have {a.shape[1]} columns a slot: at least 1 and at most 512")
+    raise ValueError(f"a and bt have {a.shape[1]} columns a slot: at least 1 and at most {LORA_MAX_COLS} (rank 512 "
+                     "of a fused q/k/v projection)")
 
 
 def _check_heads(t: torch.Tensor, name: str) -> None:

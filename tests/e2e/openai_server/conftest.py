@@ -4,8 +4,9 @@ before other e2e modules start their own clusters). Two apps:
 - ``main`` at ``/``: the bundled SmolLM2-135M, 2 engine replicas of tensor-parallel size 1, an API key;
 - ``tp2`` at ``/tp2``: SmolLM2 cut to 4 layers / 6 heads / 2 KV heads (so it splits over 2 ranks), one
   replica of tensor-parallel size 2, one running sequence and a waiting queue of one (for the 429 test);
-- ``lora`` at ``/lora``: a tiny random Llama with LoRA on (``enable_lora``, two random PEFT adapters in
-  ``lora_modules``, ``max_loras`` 2; ``lora_lib.py``), one replica (test_lora.py).
+- ``lora`` at ``/lora``: a tiny random Llama with LoRA on (``enable_lora``, two random rank-8 PEFT adapters in
+  ``lora_modules``, ``max_loras`` 2, ``max_lora_rank`` 256; ``lora_lib.py``) and runtime loading allowed from the
+  folder of its files, one replica (test_lora.py).
 
 The reference greedy outputs come from the in-process offline ``LLM`` with the same engine settings.
 """
@@ -46,7 +47,7 @@ TP2_ARGS = dict(
 )
 LORA_MODEL = "tiny-llama"
 LORA_ARGS = dict(COMMON, served_model_name=LORA_MODEL, max_num_seqs=8, kv_cache_memory_bytes=8 * 1024**2,
-                 enable_lora=True, max_loras=2, max_lora_rank=8)  # fmt: skip
+                 enable_lora=True, max_loras=2, max_lora_rank=256, allow_runtime_lora_updating=True)  # fmt: skip
 READY_TIMEOUT_S = 420
 
 
@@ -96,7 +97,7 @@ class Server:
     tp2_model_path: Path
     expected: dict[str, str]  # reference greedy texts, keyed like the tests ask for them
     lora: App
-    lora_paths: dict[str, Path]  # the tiny Llama ("model") and its adapters, by name
+    lora_paths: dict[str, Path]  # the tiny Llama ("model"), its adapters by name, their folder ("root")
 
 
 def _reference(tp2_model: Path) -> dict[str, str]:
@@ -124,14 +125,15 @@ def _reference(tp2_model: Path) -> dict[str, str]:
 
 
 def _lora_files(folder: Path) -> dict[str, Path]:
-    """The tiny Llama and three random adapters of it: alpha and beta served from the start, gamma loaded by
-    the test."""
+    """The tiny Llama and four random adapters of it: alpha and beta served from the start, gamma and delta (of
+    rank 256) loaded by the tests."""
     import torch
 
     torch.set_num_threads(1)
     model = make_tiny_llama(folder / LORA_MODEL)
     adapters = {name: make_adapter(model, folder / name, seed) for seed, name in enumerate(("alpha", "beta", "gamma"))}
-    return {"model": model, **adapters}
+    adapters["delta"] = make_adapter(model, folder / "delta", 3, rank=256)
+    return {"root": folder, "model": model, **adapters}
 
 
 @pytest.fixture(scope="package")
@@ -143,7 +145,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     tp2_model = derive_tp2_model(tmp_path_factory.mktemp("model") / TP2_MODEL)
     lora_paths = _lora_files(tmp_path_factory.mktemp("lora"))
-    lora_args = dict(LORA_ARGS, model=str(lora_paths["model"]),
+    lora_args = dict(LORA_ARGS, model=str(lora_paths["model"]), lora_allowed_dirs=[str(lora_paths["root"])],
                      lora_modules=[f"{name}={lora_paths[name]}" for name in ("alpha", "beta")])  # the flags' form
     port = free_port()
     ray.init(

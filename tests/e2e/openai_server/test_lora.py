@@ -1,15 +1,20 @@
 """Multi-LoRA serving through the HTTP server and the official client (the ``lora`` app: a tiny random Llama
-with two random PEFT adapters from ``lora_modules``): a request's ``model`` names an adapter, the greedy
-answers of the base and of every adapter, sent at once (one mixed batch), equal the offline ``LLM``'s with
-the same ``LoRARequest`` (itself checked against HF + PEFT in tests/worker), and the adapters change the
-answers; ``/v1/models`` lists them under the base; an unknown model is a 404; adapters are loaded and
-unloaded while requests run (a request in flight finishes with its adapter; later ones get a 404)."""
+with two random rank-8 PEFT adapters from ``lora_modules``, slots of ``max_lora_rank`` 256): a request's ``model``
+names an adapter, the greedy answers of the base and of every adapter, sent at once (one mixed batch), equal the
+offline ``LLM``'s with the same ``LoRARequest`` (itself checked against HF + PEFT in tests/worker), and the
+adapters change the answers; ``/v1/models`` lists them under the base; an unknown model is a 404; adapters are
+loaded and unloaded while requests run (a request in flight finishes with its adapter; later ones get a 404); a
+rank-256 adapter loaded at run time serves from the bytes checked when it was loaded, its folder changed or
+deleted since; a path outside ``lora_allowed_dirs``, missing, or not an adapter gets one 400 that names no path;
+an app without runtime loading answers the routes 404, behind its API key."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,7 +45,7 @@ def expected(server: Server) -> dict[tuple[str, str], str]:
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     out: dict[tuple[str, str], str] = {}
     try:
-        for i, name in enumerate((None, "alpha", "beta", "gamma")):
+        for i, name in enumerate((None, "alpha", "beta", "gamma", "delta")):
             lora = None if name is None else LoRARequest(name, i, str(paths[name]))
             for prompt, result in zip(PROMPTS, llm.generate(PROMPTS, greedy, lora_request=lora, use_tqdm=False),
                                       strict=True):  # fmt: skip
@@ -85,8 +90,10 @@ def test_models_lists_the_adapters_and_an_unknown_model_is_a_404(server: Server)
     with pytest.raises(openai.NotFoundError) as info:
         _complete(client, "gamma", "Hi")  # not loaded (yet)
     assert "gamma" in info.value.message
-    status, body = server.main.http("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/x"})
-    assert status == 400 and "LoRA is not enabled" in body["error"]["message"]  # the main app has no LoRA
+    load = {"lora_name": "x", "lora_path": "/x"}
+    status, body = server.main.http("POST", "/v1/load_lora_adapter", load)  # the main app: no LoRA, runtime off
+    assert status == 404 and "--allow-runtime-lora-updating" in body["error"]["message"]
+    assert server.main.http("POST", "/v1/load_lora_adapter", load, key=None)[0] == 401  # its API key first
 
 
 def _post(app: App, path: str, body: dict[str, str]) -> tuple[int, str]:
@@ -148,7 +155,6 @@ def test_load_and_unload_while_requests_run(
     ("path", "body", "status", "words"),
     [
         ("/v1/load_lora_adapter", {"lora_name": "alpha", "lora_path": "{model}"}, 400, "already been loaded"),
-        ("/v1/load_lora_adapter", {"lora_name": "new", "lora_path": "{model}"}, 400, "has no adapter_config.json"),
         ("/v1/load_lora_adapter", {"lora_name": "new"}, 400, "lora_path"),
         ("/v1/unload_lora_adapter", {"lora_name": "nope"}, 404, "'nope' cannot be found"),
     ],
@@ -157,4 +163,35 @@ def test_load_and_unload_errors(server: Server, path: str, body: dict[str, str],
     model = str(server.lora_paths["model"])
     got, answer = server.lora.http("POST", path, {k: v.format(model=model) for k, v in body.items()})
     assert got == status and words in answer["error"]["message"], answer
+
+
+def test_outside_missing_and_not_an_adapter_get_one_400_naming_no_path(server: Server, tmp_path: Path) -> None:
+    outside = shutil.copytree(server.lora_paths["gamma"], tmp_path / "gamma")  # a real adapter, not allowed
+    root = server.lora_paths["root"]
+    answers = [server.lora.http("POST", "/v1/load_lora_adapter", {"lora_name": "new", "lora_path": str(path)})
+               for path in (outside, root / "missing", server.lora_paths["model"])]  # fmt: skip
+    assert [status for status, _ in answers] == [400] * 3
+    messages = {body["error"]["message"] for _, body in answers}
+    assert len(messages) == 1 and str(root) not in next(iter(messages)) and str(tmp_path) not in next(iter(messages))
+
+
+def test_a_loaded_adapter_serves_the_bytes_checked_whatever_its_folder_does_after(
+    server: Server, expected: dict[tuple[str, str], str], tmp_path: Path
+) -> None:
+    """Two copies of the rank-256 delta loaded under two names: one's weights replaced by gamma's, the other
+    deleted, both before any request ran with them: their answers are delta's."""
+    app, client, root = server.lora, server.lora.client(), server.lora_paths["root"]
+    copies = {name: shutil.copytree(server.lora_paths["delta"], root / f"{name}-{tmp_path.name}")
+              for name in ("changed", "deleted")}  # fmt: skip
+    for name, folder in copies.items():
+        assert _post(app, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})[0] == 200
+    shutil.copy(server.lora_paths["gamma"] / "adapter_model.safetensors", copies["changed"])
+    shutil.rmtree(copies["deleted"])
+    try:
+        for name in copies:
+            assert _complete(client, name, PROMPTS[0]).choices[0].text == expected[("delta", PROMPTS[0])], name
+        assert expected[("delta", PROMPTS[0])] != expected[("gamma", PROMPTS[0])]
+    finally:
+        for name in copies:
+            _post(app, "/v1/unload_lora_adapter", {"lora_name": name})
 

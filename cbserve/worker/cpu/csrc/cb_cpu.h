@@ -146,9 +146,10 @@ CB_API int cb_argmax_f32(const float *x, int64_t ld, int rows, int n, int64_t *o
  * number of rows, slot, columns used), rows r in [start, start + rows): y[r] += (x[r] @ a[slot][:cols]^T) @
  * bt[slot][:cols]. x: [m, in] rows ldx floats apart; y: [m, out] rows ldy apart (added into, not overlapping
  * x); a: [slots, cmax, in] contiguous; bt: [slots, cmax, out] contiguous (B transposed, the scaling folded in).
- * Rows of no segment are untouched; a segment with 0 rows or 0 columns does nothing. cmax <= 512. CB_ERANGE
- * for a negative start, rows, slot or cols, cols > cmax, or segments with rows that overlap (the caller
- * checks start + rows <= m and slot < slots). */
+ * Rows of no segment are untouched; a segment with 0 rows or 0 columns does nothing. cmax <= 1536 (rank 512
+ * of a fused q/k/v projection: 3 x 512). Each y element gets its old value, then the columns in order.
+ * CB_ERANGE for a negative start, rows, slot or cols, cols > cmax, or segments with rows that overlap (the
+ * caller checks start + rows <= m and slot < slots). */
 CB_API int cb_lora_add_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int in, int out, const float *a,
                            const float *bt, int cmax, const int32_t *seg, int nseg);
 /* As cb_lora_add_f32 with bfloat16 products: a and bt hold bfloat16 values (their 16 bits, half the memory);

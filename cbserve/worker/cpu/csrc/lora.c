@@ -9,6 +9,11 @@
  * (cb_simd.h). Each y element is summed by one thread in a fixed order (its old value, then the adapter's
  * columns in order), so results do not depend on the thread count.
  *
+ * A slot holds up to CB_LORA_MAX_COLS columns (rank 512 of a fused q/k/v projection: 3 x 512). An item takes
+ * them CB_LORA_CHUNK at a time (shrink the chunk's columns, add their expand into y, next chunk: rows_in_chunks),
+ * so its scratch t is CB_LORA_RB x CB_LORA_CHUNK floats (32 KB on an OpenMP thread's stack, whatever the rank)
+ * and each y element still gets its old value, then the columns in order.
+ *
  * Two element types for the adapters, one body. cb_lora_add_f32: float32 A and Bt, float32 products.
  * cb_lora_add_bf16: the bfloat16 products of dtype="bfloat16" on these kernels (as the base layers'
  * CB_FMT_BF16_DOT): A and Bt stored as bfloat16 (half the memory) and widened as they are loaded (a 16-bit
@@ -24,9 +29,10 @@
 #include <immintrin.h>
 #endif
 
-#define CB_LORA_MAX_COLS 512 /* the most columns (rank x fused parts) a slot may hold: t's scratch per item */
-#define CB_LORA_RB 16        /* rows per work item (fewer when the batch is small, see rows_per_item) */
-#define CB_LORA_MR 4         /* rows per register tile */
+#define CB_LORA_MAX_COLS 1536 /* the most columns (rank x fused parts) a slot may hold: 3 x rank 512 */
+#define CB_LORA_CHUNK 512     /* columns an item shrinks and expands at a time: t's scratch per item */
+#define CB_LORA_RB 16         /* rows per work item (fewer when the batch is small, see rows_per_item) */
+#define CB_LORA_MR 4          /* rows per register tile */
 /* Register tiles: the shrink keeps MR x NC accumulators (one per (row, A row)), the expand MR x NV vectors
  * of y. AVX-512 (32 zmm): 4 x 4 and 4 x 6 (96 columns of y). AVX2 and the portable path (16 registers):
  * 4 x 2 and 4 x 3, leaving registers for the loads and the broadcast. */
@@ -180,11 +186,11 @@ CB_INLINE void expand_all(const float *t, int nr, int cols, const void *bt, int 
         }
 }
 
-/* One work item: rows of one segment, t = x A^T then y += t Bt. The shrink walks rows in tiles with A's rows
- * inner (a tile of x stays in L1 while A streams by). */
+/* One work item of at most CB_LORA_CHUNK columns: rows of one segment, t = x A^T then y += t Bt. The shrink walks
+ * rows in tiles with A's rows inner (a tile of x stays in L1 while A streams by). */
 CB_INLINE void lora_rows(const float *x, int64_t ldx, float *y, int64_t ldy, int nr, int in, int out, const void *a,
                          const void *bt, int cols, const int bf16) {
-    float t[CB_LORA_RB * CB_LORA_MAX_COLS] __attribute__((aligned(64)));
+    float t[CB_LORA_RB * CB_LORA_CHUNK] __attribute__((aligned(64)));
     for (int i = 0; i < nr; i += CB_LORA_MR) {
         const int mr = nr - i < CB_LORA_MR ? nr - i : CB_LORA_MR;
         for (int c = 0; c < cols; c += CB_LORA_NC)
@@ -204,6 +210,17 @@ static void lora_rows_f32(const float *x, int64_t ldx, float *y, int64_t ldy, in
 static void lora_rows_bf16(const float *x, int64_t ldx, float *y, int64_t ldy, int nr, int in, int out,
                            const void *a, const void *bt, int cols) {
     lora_rows(x, ldx, y, ldy, nr, in, out, a, bt, cols, 1);
+}
+
+/* A work item of more columns than CB_LORA_CHUNK (a fused projection's adapter of rank over 170): its columns a
+ * chunk at a time, each chunk an item of its own (shrunk, then its expand added into y), so each y element still
+ * gets its old value, then the columns in order. Items of one chunk call `rows` straight: their code is the same
+ * as before slots took more than one chunk. */
+static void rows_in_chunks(const rows_fn rows, const float *x, int64_t ldx, float *y, int64_t ldy, int nr, int in,
+                           int out, const void *a, const void *bt, int cols, const int bf16) {
+    for (int c0 = 0; c0 < cols; c0 += CB_LORA_CHUNK)
+        rows(x, ldx, y, ldy, nr, in, out, w_at(a, (int64_t)c0 * in, bf16), w_at(bt, (int64_t)c0 * out, bf16),
+             cols - c0 < CB_LORA_CHUNK ? cols - c0 : CB_LORA_CHUNK);
 }
 
 typedef struct {
@@ -283,8 +300,12 @@ static int lora_add(const float *x, int64_t ldx, float *y, int64_t ldy, int in, 
             while (item >= first[s + 1]) ++s;
             const int32_t *g = seg + 4 * s;
             const int done = (item - first[s]) * rb, r0 = g[0] + done, nr = g[1] - done < rb ? g[1] - done : rb;
-            rows(x + (int64_t)r0 * ldx, ldx, y + (int64_t)r0 * ldy, ldy, nr, in, out,
-                 w_at(a, (int64_t)g[2] * cmax * in, bf16), w_at(bt, (int64_t)g[2] * cmax * out, bf16), g[3]);
+            const void *as = w_at(a, (int64_t)g[2] * cmax * in, bf16), *bs = w_at(bt, (int64_t)g[2] * cmax * out, bf16);
+            if (g[3] <= CB_LORA_CHUNK)
+                rows(x + (int64_t)r0 * ldx, ldx, y + (int64_t)r0 * ldy, ldy, nr, in, out, as, bs, g[3]);
+            else
+                rows_in_chunks(rows, x + (int64_t)r0 * ldx, ldx, y + (int64_t)r0 * ldy, ldy, nr, in, out, as, bs, g[3],
+                               bf16);
         }
     }
     free(first);
