@@ -164,10 +164,10 @@ def engine_tokens(folder: Path, fam: Family, device: str, dtype: str, eager: boo
     from cbserve.worker.executor import LocalExecutor
 
     cfg = ModelConfig(model=str(folder), dtype=dtype, device=device, enforce_eager=eager,  # type: ignore[arg-type]
-                      max_model_len=fam.max_model_len, cudagraph_mode=graph_mode)  # type: ignore[arg-type]
-    executor = LocalExecutor(cfg, block_size=ENGINE["block_size"], num_blocks=ENGINE["num_blocks"],
-                             max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
-                             max_num_seqs=ENGINE["max_num_seqs"], progress=False)
+                      max_model_len=fam.max_model_len, cudagraph_mode=graph_mode,  # type: ignore[arg-type]
+                      block_size=ENGINE["block_size"], max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
+                      max_num_seqs=ENGINE["max_num_seqs"])
+    executor = LocalExecutor(cfg, num_blocks=ENGINE["num_blocks"], progress=False)
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
         reqs = [(f"r{i}", p, greedy) for i, p in enumerate(prompts)]

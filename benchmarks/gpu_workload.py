@@ -73,10 +73,9 @@ def build_cbserve(args: argparse.Namespace, folder: Path, cfg: Any, device: torc
                      device=device.type, max_model_len=args.prompt_len + args.max_out,
                      gpu_memory_utilization=args.gpu_memory_utilization,
                      kv_cache_memory_bytes=1 << 28, attention_backend=args.attention_backend,
-                     enforce_eager=args.enforce_eager)
-    return LocalExecutor(mc, block_size=16, max_num_batched_tokens=args.max_num_batched_tokens,
-                         max_num_seqs=args.max_num_seqs, progress=False,
-                         weights=random_weights(cfg, device, dtype, args.seed))
+                     enforce_eager=args.enforce_eager, block_size=16,
+                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    return LocalExecutor(mc, progress=False, weights=random_weights(cfg, device, dtype, args.seed))
 
 
 def run_cbserve_e2e(args: argparse.Namespace, executor: Any, prompts: list[list[int]], outs: list[int]

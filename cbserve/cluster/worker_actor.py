@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import ray
 
 from cbserve.cluster.engine_messages import StepReply
+from cbserve.cluster.lora_store import StoreAdapterSource
 from cbserve.cluster.metrics import WorkerMetrics
 from cbserve.cluster.step_channel import StepServer
 from cbserve.cluster.transport import StepAddress
@@ -98,14 +99,8 @@ class WorkerActor:
     def _load_model(self) -> int:
         from cbserve.worker.executor import build_runner
 
-        model_config = self.config.worker_model_config(rank=self.rank)
-        self.runner = build_runner(
-            model_config,
-            block_size=self.config.block_size,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_num_seqs=self.config.max_num_seqs,
-            progress=False,
-        )
+        source = StoreAdapterSource(self.config.app_name) if self.config.enable_lora else None  # the kept bytes
+        self.runner = build_runner(self.config.worker_model_config(rank=self.rank), progress=False, lora_source=source)
         self.guard = StepGuard(self.runner)  # a step that raises fails its requests alone (worker/step_guard.py)
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks

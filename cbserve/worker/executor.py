@@ -11,6 +11,7 @@ import torch
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 from .config import ModelConfig
+from .lora_files import AdapterSource
 from .model_runner import ModelRunner
 from .sim_cost import SIM_MODEL
 from .sim_runner import SimRunner
@@ -21,15 +22,17 @@ logger = logging.getLogger(__name__)
 
 def build_runner(
     model_config: ModelConfig,
-    block_size: int = 16,
-    max_num_batched_tokens: int = 2048,
-    max_num_seqs: int = 128,
     progress: bool = True,
     weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    lora_source: AdapterSource | None = None,
 ) -> ModelRunner | SimRunner:
-    """The worker's runner: ``ModelRunner``, or ``SimRunner`` for ``model: sim`` (the simulated engine)."""
+    """The worker's runner: ``ModelRunner``, or ``SimRunner`` for ``model: sim`` (the simulated engine).
+    ``lora_source``: where its LoRA manager gets the adapters' checked bytes, by digest (worker/lora.py)."""
     cls = SimRunner if model_config.model == SIM_MODEL else ModelRunner
-    return cls(model_config, block_size, max_num_batched_tokens, max_num_seqs, progress, weights)
+    runner = cls(model_config, progress, weights)
+    if lora_source is not None and getattr(runner, "lora", None) is not None:
+        runner.lora.source = lora_source  # type: ignore[union-attr]
+    return runner
 
 
 class LocalExecutor:
@@ -43,23 +46,20 @@ class LocalExecutor:
     def __init__(
         self,
         model_config: ModelConfig,
-        block_size: int = 16,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 128,
         num_blocks: int | None = None,
         progress: bool = True,
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
         if model_config.tensor_parallel_size != 1:
             raise ValueError("LocalExecutor runs one rank; use the Ray executor for tensor_parallel_size > 1")
-        self.runner = build_runner(model_config, block_size, max_num_batched_tokens, max_num_seqs, progress, weights)
+        self.runner = build_runner(model_config, progress, weights)
         self.guard = StepGuard(self.runner)  # a step that raises: StepFailedError (step_guard.py)
         self.num_blocks = num_blocks if num_blocks is not None else self.runner.determine_num_blocks()
         self.runner.init_kv_cache(self.num_blocks)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.num_blocks,
-            block_size,
+            model_config.block_size,
             self.num_blocks * self.runner.block_bytes() / 2**20,
         )
 

@@ -40,9 +40,7 @@ from .structured import StructuredOutputs
 logger = logging.getLogger(__name__)
 
 
-def _check_runner_args(config: ModelConfig, block_size: int) -> None:
-    if block_size < 1:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+def _check_runner_args(config: ModelConfig) -> None:
     if config.tensor_parallel_size != tp_world_size():
         raise ValueError(
             f"tensor_parallel_size={config.tensor_parallel_size} but torch.distributed has "
@@ -53,25 +51,22 @@ def _check_runner_args(config: ModelConfig, block_size: int) -> None:
 class ModelRunner:
     """Holds the model shard, the paged KV cache and per-request state of one (tensor-parallel) rank.
 
-    Usage: ``runner = ModelRunner(cfg, block_size)``; ``runner.init_kv_cache(runner.determine_num_blocks())``;
+    Usage: ``runner = ModelRunner(cfg)``; ``runner.init_kv_cache(runner.determine_num_blocks())``;
     then ``runner.execute_model(scheduler_output)`` every iteration.
     """
 
     def __init__(
         self,
         config: ModelConfig,
-        block_size: int = 16,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 128,
         progress: bool = True,
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
     ) -> None:
         """``weights``: HF-named tensors to load instead of the model folder's (see ``build_model``)."""
-        _check_runner_args(config, block_size)
+        _check_runner_args(config)
         self.config = config
-        self.block_size = block_size
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
+        block_size, max_num_seqs = config.block_size, config.max_num_seqs
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         if self.device.type == "cpu":

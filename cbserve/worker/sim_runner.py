@@ -64,9 +64,6 @@ class SimRunner:
     def __init__(
         self,
         config: ModelConfig,
-        block_size: int = 16,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 128,
         progress: bool = True,
         weights: Iterable[Any] | None = None,
         *,
@@ -79,7 +76,7 @@ class SimRunner:
         if config.tensor_parallel_size != 1:
             raise ValueError("the simulated model runs on one (simulated) GPU: tensor_parallel_size must be 1")
         self.config = config
-        self.block_size = block_size
+        self.block_size = config.block_size
         self.cost = cost or SimCostModel()
         self.sleep, self.clock = sleep, clock
         model_max = self.cost.max_position_embeddings

@@ -6,6 +6,7 @@ the decode split count from the layout's kv heads unless a CUDA-graph runner fix
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +187,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("backend", ["torch", pytest.param("auto", marks=needs_kernels)])
 def test_the_runner_builds_the_plan_once_a_step(folder: Path, backend: str) -> None:
     cfg = ModelConfig(model=str(folder), attention_backend=backend, device="cpu")
-    ex = LocalExecutor(cfg, 4, num_blocks=64, progress=False)
+    ex = LocalExecutor(dataclasses.replace(cfg, block_size=4), num_blocks=64, progress=False)
     runner = ex.runner
     model = runner.model
     assert not hasattr(model, "prepare_attention")
@@ -209,7 +210,7 @@ def test_the_draft_model_builds_its_own_plan_for_each_of_its_passes(folder: Path
 
     draft = _tiny_draft(tmp_path / "draft")
     cfg = ModelConfig(model=str(folder), draft_model=str(draft), num_speculative_tokens=2, device="cpu")
-    ex = LocalExecutor(cfg, 4, num_blocks=64, progress=False)
+    ex = LocalExecutor(dataclasses.replace(cfg, block_size=4), num_blocks=64, progress=False)
     runner = ex.runner
     assert runner.draft.model.attention_layout.num_heads == 2 and runner.draft.model.attention_layout.head_dim == 16
     target, target_forwards = _instrument(runner)

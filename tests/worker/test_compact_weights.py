@@ -5,6 +5,7 @@ and test_model_equivalence.py (variant llama_bf16_values)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -153,9 +154,9 @@ def test_extraction_keeps_only_blocks_that_reproduce_the_checkpoint() -> None:
 
 def test_runner_packs_a_bf16_valued_model_as_bf16(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path, "llama_bf16_values")
-    compact = ModelRunner(ModelConfig(model=str(folder), device="cpu"), 4, progress=False).model
+    compact = ModelRunner(ModelConfig(model=str(folder), device="cpu", block_size=4), progress=False).model
     dense_cfg = ModelConfig(model=str(folder), cpu_compact_weights=False, device="cpu")
-    dense = ModelRunner(dense_cfg, 4, progress=False).model
+    dense = ModelRunner(dataclasses.replace(dense_cfg, block_size=4), progress=False).model
     assert compact.model.layers[1].mlp.gate_up_proj.packed.panels.fmt == "bf16"
     assert compact.lm_head.packed.panels.fmt == "bf16"
     assert dense.model.layers[1].mlp.gate_up_proj.packed.panels.fmt == "f32"

@@ -81,8 +81,10 @@ def test_packing_releases_the_dense_weight_and_keeps_the_result() -> None:
 @needs_onednn
 @pytest.mark.parametrize("cpu_ops", ["onednn", pytest.param("native", marks=needs_cc)])
 def test_runner_packs_linears_but_keeps_the_tied_embedding(tied_folder: Path, cpu_ops: str) -> None:
-    packed = ModelRunner(ModelConfig(model=str(tied_folder), cpu_ops=cpu_ops, device="cpu"), 4, progress=False)
-    plain = ModelRunner(ModelConfig(model=str(tied_folder), cpu_ops="torch", device="cpu"), 4, progress=False)
+    packed = ModelRunner(ModelConfig(model=str(tied_folder), cpu_ops=cpu_ops, device="cpu", block_size=4),
+                         progress=False)
+    plain = ModelRunner(ModelConfig(model=str(tied_folder), cpu_ops="torch", device="cpu", block_size=4),
+                        progress=False)
     assert (packed.cpu_ops, plain.cpu_ops) == (cpu_ops, "torch")
     m = packed.model
     assert m.tie_word_embeddings

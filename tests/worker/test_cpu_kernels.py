@@ -144,7 +144,8 @@ def qwen2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_native_model_matches_the_torch_model(qwen2_folder: Path) -> None:
     """Same logits from the C kernels and from plain torch (q/k/v biases, GQA, decodes and prefills)."""
-    runners = {ops: ModelRunner(ModelConfig(model=str(qwen2_folder), cpu_ops=ops, device="cpu"), 4, progress=False)
+    runners = {ops: ModelRunner(ModelConfig(model=str(qwen2_folder), cpu_ops=ops, device="cpu", block_size=4),
+                                progress=False)
                for ops in ("native", "torch")}
     native = runners["native"].model
     assert native.model.layers[0].self_attn.qkv_proj.packed is not None

@@ -6,6 +6,7 @@ test_gguf_smollm2.py (the driver is on by default on CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -50,7 +51,7 @@ def runner(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         folder = make_family_model(folder, request.param)
     else:
         folder = make_tiny_model(folder, request.param)
-    r = ModelRunner(ModelConfig(model=str(folder), device="cpu"), BS, progress=False)
+    r = ModelRunner(ModelConfig(model=str(folder), device="cpu", block_size=BS), progress=False)
     r.init_kv_cache(64)
     return r
 
@@ -135,10 +136,11 @@ def test_driver_follows_a_reallocated_kv_cache_without_holding_the_old_one(runne
 
 def test_driver_is_used_only_where_it_applies(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path, "llama_gqa")
-    assert ModelRunner(ModelConfig(model=str(folder), device="cpu"), BS, progress=False).model.native_layers is not None
+    assert ModelRunner(ModelConfig(model=str(folder), device="cpu", block_size=BS),
+                       progress=False).model.native_layers is not None
     for kw in ({"cpu_ops": "torch"}, {"cpu_ops": "onednn"}, {"attention_backend": "torch"}):
         cfg = ModelConfig(model=str(folder), device="cpu", **kw)
-        assert ModelRunner(cfg, BS, progress=False).model.native_layers is None, kw
+        assert ModelRunner(dataclasses.replace(cfg, block_size=BS), progress=False).model.native_layers is None, kw
 
 
 def test_layers_the_driver_lacks_run_module_by_module_with_one_log_line(
@@ -151,7 +153,7 @@ def test_layers_the_driver_lacks_run_module_by_module_with_one_log_line(
     monkeypatch.setattr(CausalLM, "driver_blocker", lambda self: "a block the driver lacks")
     folder = make_tiny_model(tmp_path, "llama_gqa")
     with caplog.at_level(logging.INFO, logger="cbserve.worker.cpu.layers"):
-        runner = ModelRunner(ModelConfig(model=str(folder), device="cpu"), BS, progress=False)
+        runner = ModelRunner(ModelConfig(model=str(folder), device="cpu", block_size=BS), progress=False)
     assert runner.model.native_layers is None
     lines = [r.getMessage() for r in caplog.records if "module by module" in r.getMessage()]
     assert lines == ["decoder layers run module by module (no C layer driver: llama layers have a block the driver "

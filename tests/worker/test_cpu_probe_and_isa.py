@@ -5,6 +5,7 @@ CPU runs gives HF transformers' greedy tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -130,7 +131,7 @@ def test_every_isa_build_generates_hf_greedy_tokens(tiny_hd64: tuple, isa: str) 
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     reqs = [(f"r{i}", p, greedy) for i, p in enumerate(prompts(4))]
     cfg = ModelConfig(model=str(folder), cpu_ops="native", cpu_isa=isa, device="cpu")
-    executor = LocalExecutor(cfg, block_size=4, num_blocks=64, progress=False)
+    executor = LocalExecutor(dataclasses.replace(cfg, block_size=4), num_blocks=64, progress=False)
     runner = executor.runner
     assert runner.cpu_report["cpu_isa"] == isa and runner.model.native_layers is not None
     attn = runner.model.model.layers[0].self_attn.attn

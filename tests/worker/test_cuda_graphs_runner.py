@@ -11,6 +11,7 @@ same scheduler outputs and must sample the same tokens, with the same logprobs a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,7 +90,8 @@ def graph_safe_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _runner(folder: Path, enforce_eager: bool, log: list[int]) -> ModelRunner:
     cfg = ModelConfig(model=str(folder), cpu_ops="torch", enforce_eager=enforce_eager, device="cpu")
-    r = ModelRunner(cfg, BLOCK, max_num_batched_tokens=256, max_num_seqs=MAX_SEQS, progress=False)
+    r = ModelRunner(dataclasses.replace(cfg, block_size=BLOCK, max_num_batched_tokens=256, max_num_seqs=MAX_SEQS),
+                    progress=False)
     r.init_kv_cache(64, capture=stand_in_capture(log))
     return r
 

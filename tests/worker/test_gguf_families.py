@@ -118,7 +118,7 @@ def test_gguf_family_matches_hf(gguf_model: tuple[str, Path, Any], path: str,
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
     reqs = [(f"r{i}", p, greedy) for i, p in enumerate(prompts(5))]
     with caplog.at_level(logging.INFO, logger="cbserve.worker.cpu.layers"):
-        executor = LocalExecutor(ModelConfig(model=str(gguf), **PATHS[path]), block_size=4, num_blocks=36,
+        executor = LocalExecutor(ModelConfig(model=str(gguf), **PATHS[path], block_size=4), num_blocks=36,
                                  progress=False)
     model = executor.runner.model
     if path == "native" and case != "qwen3moe":  # the one-call C layer driver runs the dense families

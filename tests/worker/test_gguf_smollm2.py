@@ -68,7 +68,7 @@ def test_smollm2_greedy_matches_hf(folder: Path) -> None:
     texts = [base + " settled", base + " decided to build", "Hello", "List three colors:"]
     prompts = [tok(t)["input_ids"] for t in texts]
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
-    ex = LocalExecutor(ModelConfig(device="cpu"), block_size=16, num_blocks=6, progress=False)
+    ex = LocalExecutor(ModelConfig(device="cpu", block_size=16), num_blocks=6, progress=False)
     model = ex.runner.model
     if ex.runner.cpu_ops == "native":  # the kernels read the GGUF blocks, not float32 copies
         assert model.model.layers[0].mlp.down_proj.packed.panels.fmt == "q4_1"

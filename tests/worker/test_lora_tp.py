@@ -5,6 +5,7 @@ adapted apart, into fused layers) and Phi-3 (adapters on its checkpoint-fused qk
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def _worker(rank: int, folder: str, port: int, loras: list[LoRARequest | None], 
     try:
         cfg = ModelConfig(model=folder, tensor_parallel_size=2, rank=rank, enable_lora=True, max_loras=2,
                           max_lora_rank=8, max_model_len=128, device="cpu")
-        runner = ModelRunner(cfg, BLOCK, progress=False)
+        runner = ModelRunner(dataclasses.replace(cfg, block_size=BLOCK), progress=False)
         runner.init_kv_cache(NUM_BLOCKS)
         if rank == 0:
             torch.save(_rank0(runner, loras), result_file)

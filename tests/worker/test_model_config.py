@@ -26,7 +26,8 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _unseeded_samples(folder: Path, seed: int) -> dict[str, list[int]]:
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)  # no per-request seed
     requests = [(f"r{i}", [3 + i, 4, 5, 6], params) for i in range(4)]
-    ex = LocalExecutor(ModelConfig(model=str(folder), seed=seed, device="cpu"), BLOCK, num_blocks=64, progress=False)
+    ex = LocalExecutor(ModelConfig(model=str(folder), seed=seed, device="cpu", block_size=BLOCK), num_blocks=64,
+                       progress=False)
     run = run_engine(ex, requests, block_size=BLOCK, num_blocks=64)
     return {rid: run.tokens[rid][0] for rid, _, _ in requests}
 

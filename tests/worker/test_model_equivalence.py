@@ -38,7 +38,7 @@ def test_greedy_matches_hf_with_chunking_prefix_cache_preemption_and_joins(tiny:
     prompts = _prompts(0)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
     reqs = [(f"r{i}", p, greedy) for i, p in enumerate(prompts)]
-    executor = LocalExecutor(ModelConfig(model=str(folder), device="cpu"), block_size=4, num_blocks=40, progress=False)
+    executor = LocalExecutor(ModelConfig(model=str(folder), device="cpu", block_size=4), num_blocks=40, progress=False)
     run = run_engine(executor, reqs, block_size=4, num_blocks=40, max_num_batched_tokens=16, max_num_seqs=4,
                      join_at_step={"r2": 5, "r5": 9, "r6": 12})
     assert run.num_preemptions > 0 and run.prefix_hits > 0

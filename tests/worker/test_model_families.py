@@ -6,6 +6,7 @@ reference path."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def test_family_matches_hf(tiny: tuple, path: str, caplog: pytest.LogCaptureFixt
     reqs = [(f"r{i}", p, greedy) for i, p in enumerate(batch)]
     cfg = ModelConfig(model=str(folder), max_model_len=MAX_MODEL_LEN.get(family), **PATHS[path])
     with caplog.at_level(logging.INFO, logger="cbserve.worker.cpu.layers"):
-        executor = LocalExecutor(cfg, block_size=4, num_blocks=36, progress=False)
+        executor = LocalExecutor(dataclasses.replace(cfg, block_size=4), num_blocks=36, progress=False)
     runner = executor.runner
     if path == "native":  # the one-call C layer driver runs every family's layers
         assert runner.model.native_layers is not None

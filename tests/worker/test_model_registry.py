@@ -64,4 +64,4 @@ def test_an_unsupported_architecture_fails_at_load(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     expected = r"model_type 'gpt2' .* not supported; supported model types: .*llama"
     with pytest.raises(NotImplementedError, match=expected):
-        ModelRunner(ModelConfig(model=str(tmp_path), device="cpu"), 4, progress=False)
+        ModelRunner(ModelConfig(model=str(tmp_path), device="cpu", block_size=4), progress=False)

@@ -30,7 +30,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def runner(folder: Path) -> ModelRunner:
-    r = ModelRunner(ModelConfig(model=str(folder), device="cpu"), BLOCK, progress=False)
+    r = ModelRunner(ModelConfig(model=str(folder), device="cpu", block_size=BLOCK), progress=False)
     r.init_kv_cache(64)
     return r
 
@@ -86,11 +86,13 @@ def test_partial_prefill_is_not_sampled(runner: ModelRunner) -> None:
 def test_seeded_outputs_do_not_depend_on_batch_companions(folder: Path) -> None:
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=42, max_tokens=12, ignore_eos=True)
     target = ("t", [7, 8, 9, 10, 11, 12], seeded)
-    alone_ex = LocalExecutor(ModelConfig(model=str(folder), device="cpu"), BLOCK, num_blocks=64, progress=False)
+    alone_ex = LocalExecutor(ModelConfig(model=str(folder), device="cpu", block_size=BLOCK), num_blocks=64,
+                             progress=False)
     alone = run_engine(alone_ex, [target], block_size=BLOCK, num_blocks=64)
     others = [(f"o{i}", [20 + i] * (3 + 5 * i), SamplingParams(temperature=0.8, max_tokens=8 + i, ignore_eos=True))
               for i in range(4)]
-    crowd_ex = LocalExecutor(ModelConfig(model=str(folder), device="cpu"), BLOCK, num_blocks=24, progress=False)
+    crowd_ex = LocalExecutor(ModelConfig(model=str(folder), device="cpu", block_size=BLOCK), num_blocks=24,
+                             progress=False)
     crowd = run_engine(crowd_ex, [*others[:2], target, *others[2:]], block_size=BLOCK, num_blocks=24,
                        max_num_batched_tokens=8, join_at_step={"o3": 4})
     assert crowd.tokens["t"][0] == alone.tokens["t"][0]
@@ -98,7 +100,7 @@ def test_seeded_outputs_do_not_depend_on_batch_companions(folder: Path) -> None:
 
 def test_n_greater_than_one_through_the_engine(folder: Path) -> None:
     sp = SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=6, ignore_eos=True)
-    ex = LocalExecutor(ModelConfig(model=str(folder), device="cpu"), BLOCK, num_blocks=64, progress=False)
+    ex = LocalExecutor(ModelConfig(model=str(folder), device="cpu", block_size=BLOCK), num_blocks=64, progress=False)
     run = run_engine(ex, [("r", [1, 2, 3, 4, 5, 6], sp)], block_size=BLOCK, num_blocks=64)
     assert sorted(run.tokens["r"]) == [0, 1, 2]
     assert all(len(t) == 6 for t in run.tokens["r"].values())
@@ -126,8 +128,10 @@ def test_model_config_validation(bad: dict) -> None:
 
 
 def test_kv_cache_sized_from_budget(folder: Path) -> None:
-    r = ModelRunner(ModelConfig(model=str(folder), kv_cache_memory_bytes=1 << 20, device="cpu"), BLOCK, progress=False)
+    r = ModelRunner(ModelConfig(model=str(folder), kv_cache_memory_bytes=1 << 20, device="cpu", block_size=BLOCK),
+                    progress=False)
     assert r.determine_num_blocks() == (1 << 20) // r.block_bytes()
-    r2 = ModelRunner(ModelConfig(model=str(folder), kv_cache_memory_bytes=10, device="cpu"), BLOCK, progress=False)
+    r2 = ModelRunner(ModelConfig(model=str(folder), kv_cache_memory_bytes=10, device="cpu", block_size=BLOCK),
+                     progress=False)
     with pytest.raises(ValueError):
         r2.determine_num_blocks()

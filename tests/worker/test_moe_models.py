@@ -40,7 +40,7 @@ def test_greedy_and_logprobs_match_hf(tiny: tuple, cpu_ops: str, caplog: pytest.
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
     reqs = [(f"r{i}", p, greedy) for i, p in enumerate(prompts)]
     with caplog.at_level(logging.INFO, logger="cbserve.worker.cpu.layers"):
-        executor = LocalExecutor(ModelConfig(model=str(folder), device="cpu", cpu_ops=cpu_ops), block_size=4,
+        executor = LocalExecutor(ModelConfig(model=str(folder), device="cpu", cpu_ops=cpu_ops, block_size=4),
                                  num_blocks=40, progress=False)
     model = executor.runner.model
     assert any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers)
@@ -65,12 +65,12 @@ def test_greedy_and_logprobs_match_hf(tiny: tuple, cpu_ops: str, caplog: pytest.
 
 def test_sparse_and_dense_layers_follow_the_config(tmp_path: Path) -> None:
     folder = make_tiny_moe(tmp_path / "m", "qwen3_moe_sparse_step")  # decoder_sparse_step=2 over 4 layers
-    runner = ModelRunner(ModelConfig(model=str(folder), device="cpu", cpu_ops="torch"), 4, progress=False)
+    runner = ModelRunner(ModelConfig(model=str(folder), device="cpu", cpu_ops="torch", block_size=4), progress=False)
     kinds = [isinstance(layer.mlp, SparseMoeBlock) for layer in runner.model.model.layers]
     assert kinds == [False, True, False, True]
     assert [runner.model.spec.window(i) for i in range(4)] == [12] * 4  # use_sliding_window: every layer
     folder = make_tiny_moe(tmp_path / "q", "qwen3_moe")  # mlp_only_layers=[1]
-    runner = ModelRunner(ModelConfig(model=str(folder), device="cpu", cpu_ops="torch"), 4, progress=False)
+    runner = ModelRunner(ModelConfig(model=str(folder), device="cpu", cpu_ops="torch", block_size=4), progress=False)
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in runner.model.model.layers] == [True, False, True]
     assert runner.model.model.layers[0].mlp.moe.renormalize is False  # norm_topk_prob=false
     assert runner.model.spec.window(0) is None  # use_sliding_window false: sliding_window is ignored
@@ -94,7 +94,7 @@ def test_stacked_expert_checkpoint_loads_like_per_expert(tmp_path: Path, variant
         if not f.name.startswith("model"):
             shutil.copy(f, stacked / f.name)
     save_file({k: v.contiguous() for k, v in state.items()}, str(stacked / "model.safetensors"))
-    a, b = (ModelRunner(ModelConfig(model=str(f), device="cpu", cpu_ops="torch"), 4, progress=False).model
+    a, b = (ModelRunner(ModelConfig(model=str(f), device="cpu", cpu_ops="torch", block_size=4), progress=False).model
             for f in (folder, stacked))
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     assert pa.keys() == pb.keys()
@@ -109,7 +109,7 @@ def test_no_cuda_graphs_for_moe_one_log_line(tmp_path: Path, monkeypatch: pytest
 
     monkeypatch.setattr(model_build_module, "get_attention_backend", lambda *a, **k: GraphSafeTorchBackend)
     folder = make_tiny_moe(tmp_path / "m", "qwen3_moe")
-    runner = ModelRunner(ModelConfig(model=str(folder), device="cpu", cpu_ops="torch"), 4, max_num_seqs=4,
+    runner = ModelRunner(ModelConfig(model=str(folder), device="cpu", cpu_ops="torch", block_size=4, max_num_seqs=4),
                          progress=False)
     log: list[int] = []
     with caplog.at_level(logging.INFO, logger="cbserve.worker.cuda_graphs"):
@@ -144,7 +144,8 @@ def test_llm_with_the_saved_tokenizer(tmp_path: Path) -> None:
 @pytest.mark.parametrize("variant", ["mixtral", "qwen3_moe"])
 def test_tp2_matches_tp1(tmp_path: Path, variant: str) -> None:
     folder = make_tiny_moe(tmp_path / "model", variant)
-    executor = LocalExecutor(ModelConfig(model=str(folder), device="cpu"), BLOCK, num_blocks=NUM_BLOCKS, progress=False)
+    executor = LocalExecutor(ModelConfig(model=str(folder), device="cpu", block_size=BLOCK), num_blocks=NUM_BLOCKS,
+                             progress=False)
     tp1 = run_engine(executor, _requests(), block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
                      max_num_seqs=4)
     mp.spawn(_worker, args=(str(folder), free_port(), str(tmp_path / "tp2.pt")), nprocs=2, join=True)

@@ -203,8 +203,8 @@ def test_tiny_moe_model_on_cuda_matches_cpu(tmp_path: Path, variant: str) -> Non
     reqs = [(f"r{i}", [3 + (7 * i + j) % 300 for j in range(5 + 6 * i)], greedy) for i in range(4)]
     runs = {}
     for device in ("cpu", "cuda"):
-        executor = LocalExecutor(ModelConfig(model=str(folder), device=device, dtype="float32", cpu_ops="torch"),
-                                 block_size=4, num_blocks=64, progress=False)
+        executor = LocalExecutor(ModelConfig(model=str(folder), device=device, dtype="float32", cpu_ops="torch",
+                                             block_size=4), num_blocks=64, progress=False)
         if device == "cuda":
             assert executor.runner.graphs is not None  # the MoE guard is lifted on CUDA
         runs[device] = run_engine(executor, reqs, block_size=4, num_blocks=64, max_num_batched_tokens=16,

@@ -12,6 +12,7 @@ rope, Qwen 3's per-head q/k norms, Phi-3's fused projections) are cut and replay
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,8 @@ def _runner(folder: Path, log: list[int], *, eager: bool = False, mode: str = "f
             decode_log: list[int] | None = None) -> ModelRunner:
     cfg = ModelConfig(model=str(folder), cpu_ops="torch", enforce_eager=eager, device="cpu",
                       cudagraph_mode=mode)  # type: ignore[arg-type]
-    r = ModelRunner(cfg, BLOCK, max_num_batched_tokens=MAX_TOKENS, max_num_seqs=8, progress=False)
+    r = ModelRunner(dataclasses.replace(cfg, block_size=BLOCK, max_num_batched_tokens=MAX_TOKENS, max_num_seqs=8),
+                    progress=False)
     r.init_kv_cache(64, capture=stand_in_capture(decode_log if decode_log is not None else []),
                     piece_capture=stand_in_pieces(log))
     return r
@@ -181,7 +183,8 @@ def test_cuda_piecewise_graphs_equal_eager(folder: Path) -> None:
     def runner(eager: bool) -> ModelRunner:
         cfg = ModelConfig(model=str(folder), device="cuda", dtype="float32", enforce_eager=eager,
                           cudagraph_mode="full_and_piecewise")
-        r = ModelRunner(cfg, BLOCK, max_num_batched_tokens=MAX_TOKENS, max_num_seqs=8, progress=False)
+        r = ModelRunner(dataclasses.replace(cfg, block_size=BLOCK, max_num_batched_tokens=MAX_TOKENS,
+                                            max_num_seqs=8), progress=False)
         r.init_kv_cache(64)
         return r
 

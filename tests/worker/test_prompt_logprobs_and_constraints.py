@@ -4,6 +4,7 @@ and preemption; logit_bias, allowed_token_ids and bad words steer the real model
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -42,7 +43,7 @@ def test_prompt_logprobs_match_hf_with_chunks_cache_and_preemption(tiny: tuple) 
     reqs.append(("n2", prompts[1], SamplingParams(temperature=0.8, n=2, seed=1, max_tokens=4, prompt_logprobs=0)))
     reqs.append(("warm2", shared + [6], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)))
     cfg = ModelConfig(model=str(folder), device="cpu")
-    executor = LocalExecutor(cfg, block_size=BLOCK, num_blocks=20, progress=False)
+    executor = LocalExecutor(dataclasses.replace(cfg, block_size=BLOCK), num_blocks=20, progress=False)
     joins = {"p0": 3, "p1": 3, "p2": 4, "warm2": 3}
     run = run_engine(executor, reqs, block_size=BLOCK, num_blocks=20, max_num_batched_tokens=16, max_num_seqs=4,
                      join_at_step=joins)
@@ -80,7 +81,7 @@ def test_logit_bias_allowed_tokens_and_bad_words_steer_sampling(tiny: tuple) -> 
                                bad_words_token_ids=[[free[0], free[1]]]),
     }
     cfg = ModelConfig(model=str(folder), device="cpu")
-    executor = LocalExecutor(cfg, block_size=BLOCK, num_blocks=32, progress=False)
+    executor = LocalExecutor(dataclasses.replace(cfg, block_size=BLOCK), num_blocks=32, progress=False)
     run = run_engine(executor, [(k, prompt, sp) for k, sp in cases.items()], block_size=BLOCK, num_blocks=32)
     assert run.tokens["force"][0] == [42] * 8
     assert not set(run.tokens["ban"][0]) & set(free)

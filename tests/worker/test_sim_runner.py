@@ -30,7 +30,7 @@ class FakeTime:
 
 
 def _runner(fake: FakeTime, **kw: object) -> SimRunner:
-    return SimRunner(ModelConfig(model=SIM_MODEL, device="cpu", **kw), block_size=16, sleep=fake.sleep,
+    return SimRunner(ModelConfig(model=SIM_MODEL, device="cpu", **kw, block_size=16), sleep=fake.sleep,
                      clock=fake.clock)
 
 

@@ -52,8 +52,8 @@ def _worker(rank: int, folder: str, port: int, result_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        runner = ModelRunner(ModelConfig(model=folder, tensor_parallel_size=2, rank=rank, device="cpu"), BLOCK,
-                             progress=False)  # fmt: skip
+        runner = ModelRunner(ModelConfig(model=folder, tensor_parallel_size=2, rank=rank, device="cpu",
+                                         block_size=BLOCK), progress=False)  # fmt: skip
         runner.init_kv_cache(NUM_BLOCKS)
         if rank == 0:
             executor = _GuardedBroadcastExecutor(runner)

@@ -4,6 +4,7 @@ EngineCore under a regex / choice grammar, with n > 1, seeds and preemption by r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -65,7 +66,8 @@ def test_sampler_applies_the_bitmask_to_constrained_rows_only(kernels: object, w
     kinds = ((0.0, None), (0.0, None), (1.0, 5))
     rows = [SamplingRow(SamplingParams(temperature=t), [1, 2], 2, seed=s) for t, s in kinds]
     for _ in range(20):
-        tokens, _ = Sampler([2], kernels if with_kernels else None)(logits.clone(), rows, mask)  # type: ignore[arg-type]
+        tokens, _ = Sampler([2], kernels if with_kernels else None)(logits.clone(), rows,
+                                                                    mask)  # type: ignore[arg-type]
         assert tokens[0] == (3 if logits[0, 3] > logits[0, 7] else 7) and tokens[1] == 50 and tokens[2] in (64, 99)
     logits_before = logits.clone()
     Sampler([2])(logits, rows, mask)
@@ -134,7 +136,8 @@ def test_grammars_are_cached_and_matchers_follow_the_tokens(structured: Structur
 
 def _run(folder: Path, num_blocks: int, requests: list, async_scheduling: bool = False) -> object:
     cfg = ModelConfig(model=str(folder), max_model_len=256, device="cpu")
-    ex = LocalExecutor(cfg, BLOCK, 64, 8, num_blocks, progress=False)
+    ex = LocalExecutor(dataclasses.replace(cfg, block_size=BLOCK, max_num_batched_tokens=64, max_num_seqs=8),
+                       num_blocks=num_blocks, progress=False)
     try:
         return run_engine(ex, requests, block_size=BLOCK, num_blocks=num_blocks, max_num_batched_tokens=64,
                           async_scheduling=async_scheduling)  # fmt: skip

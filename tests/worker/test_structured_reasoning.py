@@ -7,6 +7,7 @@ scheduling."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import replace
 
@@ -103,7 +104,8 @@ def test_a_batch_masks_only_the_answering_rows(think: ThinkModel) -> None:
 
 def _run(folder: object, num_blocks: int, requests: list, async_scheduling: bool = False) -> object:
     cfg = ModelConfig(model=str(folder), max_model_len=256, device="cpu")
-    ex = LocalExecutor(cfg, 4, 64, 8, num_blocks, progress=False)
+    ex = LocalExecutor(dataclasses.replace(cfg, block_size=4, max_num_batched_tokens=64, max_num_seqs=8),
+                       num_blocks=num_blocks, progress=False)
     try:
         return run_engine(ex, requests, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=64,
                           async_scheduling=async_scheduling)  # fmt: skip

@@ -3,6 +3,7 @@ the vocabulary-gathering LM head over the prompt rows) as TP=1 on the tiny model
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def _worker(rank: int, folder: str, port: int, result_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         cfg = ModelConfig(model=folder, tensor_parallel_size=2, rank=rank, device="cpu")
-        runner = ModelRunner(cfg, BLOCK, progress=False)
+        runner = ModelRunner(dataclasses.replace(cfg, block_size=BLOCK), progress=False)
         runner.init_kv_cache(NUM_BLOCKS)
         if rank == 0:
             executor = _BroadcastExecutor(runner)
@@ -74,7 +75,8 @@ def _worker(rank: int, folder: str, port: int, result_file: str) -> None:
 @pytest.mark.timeout(180)
 def test_tp2_matches_tp1(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path / "model", "llama_gqa")
-    executor = LocalExecutor(ModelConfig(model=str(folder), device="cpu"), BLOCK, num_blocks=NUM_BLOCKS, progress=False)
+    executor = LocalExecutor(ModelConfig(model=str(folder), device="cpu", block_size=BLOCK), num_blocks=NUM_BLOCKS,
+                             progress=False)
     tp1 = run_engine(executor, _requests(), block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
                      max_num_seqs=4)
     result_file = str(tmp_path / "tp2.pt")
@@ -89,4 +91,5 @@ def test_tp2_matches_tp1(tmp_path: Path) -> None:
 def test_tp_size_must_match_the_process_group(tmp_path: Path) -> None:
     folder = make_tiny_model(tmp_path / "model", "llama_gqa")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        ModelRunner(ModelConfig(model=str(folder), tensor_parallel_size=2, device="cpu"), BLOCK, progress=False)
+        ModelRunner(ModelConfig(model=str(folder), tensor_parallel_size=2, device="cpu", block_size=BLOCK),
+                    progress=False)

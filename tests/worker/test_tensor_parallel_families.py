@@ -22,7 +22,8 @@ from cbserve.worker.executor import LocalExecutor
 @pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "phi3_short"])
 def test_tp2_matches_tp1(tmp_path: Path, family: str) -> None:
     folder = make_family_model(tmp_path / "model", family)
-    executor = LocalExecutor(ModelConfig(model=str(folder), device="cpu"), BLOCK, num_blocks=NUM_BLOCKS, progress=False)
+    executor = LocalExecutor(ModelConfig(model=str(folder), device="cpu", block_size=BLOCK), num_blocks=NUM_BLOCKS,
+                             progress=False)
     tp1 = run_engine(executor, _requests(), block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_batched_tokens=16,
                      max_num_seqs=4)
     result_file = str(tmp_path / "tp2.pt")
