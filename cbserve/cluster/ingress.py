@@ -28,6 +28,8 @@ from cbserve.cluster.http_edge import ClosingStreamingResponse, HttpEdge, instal
 from cbserve.cluster.lora_store import SharedLoRAs
 from cbserve.cluster.metrics import IngressMetrics
 from cbserve.cluster.node_tuning import node_tuning
+from cbserve.cluster.path_trace import PathTrace
+from cbserve.cluster.response_store_actor import SharedResponses
 from cbserve.config import CBServeConfig
 from cbserve.frontend.lora_registry import (
     AdapterLimits,
@@ -37,6 +39,7 @@ from cbserve.frontend.lora_registry import (
     UnloadLoRAAdapterRequest,
 )
 from cbserve.frontend.model_files import model_folder, read_model_files
+from cbserve.frontend.output import RequestState
 from cbserve.frontend.protocol import (
     APIError,
     ChatCompletionChunk,
@@ -125,10 +128,12 @@ install_error_handlers(api)
 
 
 def _lora_registry(config: CBServeConfig) -> LoRARegistry:
-    """This replica's adapters (the app's shared store fills it when LoRA is on: ``SharedLoRAs.start``)."""
+    """This replica's adapters (the app's shared store fills it when LoRA is on: ``SharedLoRAs.start``); the load
+    and unload routes only with ``allow_runtime_lora_updating``, for folders under ``lora_allowed_dirs``."""
     if not config.enable_lora:
         return LoRARegistry(config.model_name)
-    return LoRARegistry(config.model_name, AdapterLimits(read_model_info(config.model), config.max_lora_rank))
+    dirs = tuple(config.lora_allowed_dirs or ()) if config.allow_runtime_lora_updating else None
+    return LoRARegistry(config.model_name, AdapterLimits(read_model_info(config.model), config.max_lora_rank, dirs))
 
 
 @serve.deployment(name="OpenAIIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
@@ -164,7 +169,10 @@ class OpenAIIngress:
             app_name, owner = ctx.app_name, ctx.replica_id.unique_id
         except Exception:  # outside Serve (unit tests)
             app_name, owner = self.config.app_name, uuid.uuid4().hex[:8]
-        self.client = EngineClient(self.config, app_name, owner)
+        # the engines' workers fetch the app's LoRA adapters from its store, named after the Serve app
+        self.config = self.config.model_copy(update={"app_name": app_name})
+        requests: dict[str, RequestState] = {}  # the requests in flight: the front end's and the engine client's
+        self.client = EngineClient(self.config, app_name, owner, requests)
         self.app_name = app_name
         self._ingress_handle: Any = None  # this deployment's handle, for broadcasts to every replica
         cfg = self.config
@@ -174,14 +182,18 @@ class OpenAIIngress:
             cfg.model_name, cfg.max_model_len, cfg.max_n, vocab, cfg.ordering == "priority", cfg.tool_call_parser,
             cfg.reasoning_parser, cfg.disable_any_whitespace, runner=cfg.runner, pooling=pooling,
         )
-        self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids, _lora_registry(cfg))
+        self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids, _lora_registry(cfg),
+                                     requests)
         # with LoRA on, the adapters are the app's, kept by its store (lora_store.py)
         self.shared_loras = SharedLoRAs(self.serving.loras, app_name, self._broadcast_loras) if cfg.enable_lora \
             else None
-        self.responses = ResponsesAPI(self.serving)  # its store of responses is this replica's
+        # the app's store of responses, one for every replica (response_store_actor.py)
+        self.responses = ResponsesAPI(self.serving, SharedResponses(app_name, cfg.responses_store_max_entries,
+                                                                    cfg.responses_store_ttl_s))
         self.metrics = IngressMetrics(cfg.model_name)
         self.draining = False  # set by drain(): new requests are refused
         self.http_in_flight = 0  # requests the HTTP edge is answering
+        self.path = PathTrace()
         api.state.ingress = self  # for the HTTP edge (auth, metrics) and the app's lifespan (shutdown)
 
     def _tick(self) -> None:
@@ -197,19 +209,28 @@ class OpenAIIngress:
         await self._ingress_handle.broadcast("sync_loras", adapters).results_async(timeout_s=30.0,
                                                                                     return_exceptions=True)
 
+    async def path_trace(self, command: str) -> dict[str, list[str]]:
+        """Record the files this replica's request loop runs ("start"), or stop and return them ("stop"): the request
+        path's check (cluster/path_trace.py)."""
+        return self.path.command(command)
+
     async def sync_loras(self, adapters: AdapterSet | None = None) -> list[str]:
         """Serve ``adapters`` (a load or unload through another replica) when newer; the adapters served here."""
         if adapters is not None:
             self.serving.loras.apply(adapters)
         return [lora.lora_name for lora in self.serving.loras.adapters()]
 
-    async def drain(self) -> dict[str, int]:
+    async def drain(self, dry_run: bool = False) -> dict[str, int]:
         """Graceful shutdown (``cbserve serve`` calls it on SIGTERM / Ctrl-C): stop admitting (new requests get
         503 with Retry-After, /health turns 503 so balancers stop sending), let the requests in flight finish
-        for up to ``shutdown_timeout`` seconds, then end the rest with an error (aborted in their engines)."""
+        for up to ``shutdown_timeout`` seconds, then end the rest with an error (aborted in their engines).
+        ``dry_run``: nothing changes (``cbserve serve`` builds its handle's path to every replica with it while the
+        app is idle, so the drain starts as the signal arrives)."""
+        if dry_run:
+            return {"in_flight": self.http_in_flight, "aborted": 0}
         self.draining = True
         at_start = self.http_in_flight
-        logger.info("draining: %d requests in flight, up to %gs", at_start, self.config.shutdown_timeout)
+        logger.warning("draining: %d requests in flight, up to %gs", at_start, self.config.shutdown_timeout)
         deadline = time.monotonic() + self.config.shutdown_timeout
         while self.http_in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -233,11 +254,11 @@ class OpenAIIngress:
 
     @api.get("/v1/responses/{response_id}", response_model=ResponseObject)
     async def get_response(self, response_id: str) -> Response:
-        return _response(self.responses.retrieve(response_id))
+        return _response(await self.responses.retrieve(response_id))
 
     @api.delete("/v1/responses/{response_id}", response_model=ResponseDeleted)
     async def delete_response(self, response_id: str) -> Response:
-        return _response(self.responses.delete(response_id))
+        return _response(await self.responses.delete(response_id))
 
     @api.post("/v1/embeddings", response_model=EmbeddingResponse)
     async def embeddings(self, body: EmbeddingRequest, request: Request) -> Response:
@@ -254,13 +275,13 @@ class OpenAIIngress:
     @api.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
         if self.shared_loras is None:
-            return PlainTextResponse(self.serving.loras.load(body))  # a 400: LoRA is off
+            return PlainTextResponse(self.serving.loras.load(body))  # a 404: LoRA is off
         return PlainTextResponse(await self.shared_loras.load(body))
 
     @api.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
         if self.shared_loras is None:
-            return PlainTextResponse(self.serving.loras.unload(body))  # a 400: LoRA is off
+            return PlainTextResponse(self.serving.loras.unload(body))  # a 404: LoRA is off
         return PlainTextResponse(await self.shared_loras.unload(body))
 
     # ---- operations ---------------------------------------------------------------------------
@@ -268,8 +289,7 @@ class OpenAIIngress:
     async def health(self) -> Response:
         if self.draining:
             raise APIError(503, "the server is shutting down", "service_unavailable")
-        await self.client.refresh_health()
-        if not self.client.ready:
+        if not self.client.ready:  # the replicas' states come on their channels
             states = ", ".join(f"{h.get('replica')}: {h.get('state')}" for h in self.client.health)
             raise APIError(503, f"engine replicas not ready ({states})", "service_unavailable")
         return _response({"status": "ok", "replicas": self.client.health})

@@ -42,6 +42,7 @@ from cbserve.cluster.engine_messages import (
 )
 from cbserve.cluster.metrics import EngineMetrics
 from cbserve.cluster.output_channel import ChannelServer
+from cbserve.cluster.path_trace import PathTrace
 from cbserve.cluster.ray_executor import RayExecutor, WorkerGroupError
 from cbserve.cluster.transport import StepAddress
 from cbserve.config import CBServeConfig, check_kv_capacity
@@ -84,6 +85,7 @@ class SchedulerActor:
         self.metrics = EngineMetrics(self.config.model_name, replica)
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self.path = PathTrace()
 
     def _ensure_started(self) -> None:
         if self._task is None:
@@ -291,6 +293,11 @@ class SchedulerActor:
         self._set_state("stopped")
         self._teardown()
         self.outputs.close()
+
+    async def path_trace(self, command: str) -> dict[str, list[str]]:
+        """Record the files this actor's event loop runs ("start"), or stop and return them ("stop"): the request
+        path's check (path_trace.py)."""
+        return self.path.command(command)
 
     async def worker_handles(self) -> list[Any]:
         return list(self.executor.workers) if self.executor is not None else []

@@ -4,7 +4,12 @@ them from YAML first (flags override it). Defaults, the port included, come from
 
 A configuration that could never serve (bad values, or values the model disagrees with: see
 ``config.servable_config``) ends the command with one ``cbserve: error: ...`` line and exit status 1,
-before Serve starts; so does an engine replica that fails to build (its error is printed)."""
+before Serve starts; so does an engine replica that fails to build (its error is printed).
+
+SIGINT (Ctrl-C) and SIGTERM stop it at any stage, with exit status 0 (a stop that was asked for): during start-up
+(Ray starting, the engines loading the model) what was started is shut down (the app, Serve, Ray) and the stage
+printed; once the app is ready the ingress replicas drain first (``drain``: the handle it takes, warmed while the
+app is idle, so the refusals start as the signal arrives), then Serve and Ray shut down."""
 
 from __future__ import annotations
 
@@ -12,7 +17,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import time
 import urllib.error
@@ -23,6 +27,7 @@ import pydantic
 
 from cbserve.cluster.metrics_discovery import write_for_local_ray
 from cbserve.cluster.node_tuning import NodeTuning, environment_for_ray, node_tuning
+from cbserve.cluster.serve_stop import STOP, Started, StopRequested, app_handle, drain, warm
 from cbserve.config import CBServeConfig, known_device, servable_config
 from cbserve.config.autoscaling import starts_at_zero
 
@@ -33,6 +38,9 @@ _FLAG_FORMS: dict[str, dict[str, Any]] = {
     "lora_modules": {"nargs": "+", "metavar": "NAME=PATH",
                      "help": 'adapters served from the start: name=path or {"name": ..., "path": ...} '
                              "(needs --enable-lora)"},
+    "lora_allowed_dirs": {"nargs": "+", "metavar": "DIR",
+                          "help": "folders /v1/load_lora_adapter may read adapters from (needs "
+                                  "--allow-runtime-lora-updating)"},
 }
 
 
@@ -119,7 +127,12 @@ def start_ray(args: argparse.Namespace, port: int, tuning: NodeTuning, autoscale
     wanted = args.direct_ingress != "false" and not autoscaled
     env = {**tuning.ray_env, **(direct_ingress_env(port) if wanted else {})}
     with environment_for_ray(env):
-        started = init_ray("local" if args.direct_ingress == "true" else args.ray_address, args.ray_dashboard)
+        try:
+            started = init_ray("local" if args.direct_ingress == "true" else args.ray_address, args.ray_dashboard)
+        except SystemExit as e:  # Ray's own SIGTERM handler, in place while ray.init runs: a stop all the same
+            raise StopRequested("SIGTERM") from e
+        finally:
+            STOP.reinstall()  # ray.init put its own SIGTERM handler in place of this command's
     direct = wanted and started
     if not started and args.ray_dashboard:
         logger.warning("--ray-dashboard: joined a running Ray cluster, which keeps its own dashboard setting")
@@ -184,6 +197,21 @@ def _failed_replicas(base: str, api_key: str | None) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
+    STOP.install()  # from the start: a stop while Ray starts or the engines load shuts down what was started
+    started = Started()
+    try:
+        return _serve(args, started)
+    except StopRequested as e:  # before the app was ready: nothing served yet, nothing to drain
+        print(f"cbserve: shutting down ({e} during start-up, {started.stage})", flush=True)
+        started.shut_down()
+        print("cbserve: stopped", flush=True)
+        return 0
+    finally:
+        started.shut_down()
+        STOP.restore()
+
+
+def _serve(args: argparse.Namespace, started: Started) -> int:
     try:
         config = checked_config(args)
     except ValueError as e:  # ConfigError, pydantic.ValidationError
@@ -196,39 +224,42 @@ def main(args: argparse.Namespace) -> int:
 
     from cbserve.cluster.app import build_app_from_config
 
+    started.ray, started.serve, started.config = ray, serve, config
+    started.enter("while Ray starts")
     tuning = node_tuning(config.node_tuning)
     logger.info("node tuning: %s", tuning.name)
-    started, direct = start_ray(args, config.port, tuning, config.autoscaling is not None)
-    if started and not args.ray_dashboard:  # what Ray's dashboard would have written
+    ray_started, direct = start_ray(args, config.port, tuning, config.autoscaling is not None)
+    if ray_started and not args.ray_dashboard:  # what Ray's dashboard would have written
         try:
             logger.info("Prometheus service discovery file: %s", write_for_local_ray())
         except OSError as e:  # serving goes on; Prometheus then needs the metrics port configured by hand
             logger.warning("could not write Prometheus's service-discovery file: %s", e)
     try:
         if config.device == "auto":  # the cluster decided the device: the KV budget can be checked now
-            config = servable_config(config, config.resolved_device)
+            started.config = config = servable_config(config, config.resolved_device)
     except ValueError as e:
-        ray.shutdown()
         return _fail(error_message(e))
+    started.enter("while Serve starts")
     # with direct ingress Serve still starts its proxy: it gets a port of its own, out of the path
     serve.start(http_options={"host": config.host, "port": 0 if direct else config.port})
-    serve.run(
+    print("cbserve: deploying the app; its engine replicas load the model", flush=True)
+    started.enter("while the engine replicas load the model")
+    started.deployed = True
+    serve.run(  # returns once the ingress replicas are running: their engines loaded the model (or failed)
         build_app_from_config(config), name=config.app_name, route_prefix=config.route_prefix, blocking=False
     )
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     base = f"http://{host}:{config.port}{config.route_prefix.rstrip('/')}"
     print(f"cbserve: serving {config.model_name!r} at {base}/v1 (OpenAI API); health at {base}/health", flush=True)
-    ready, failure = await_ready(args, config, base, tuning if started else None)
+    started.enter("while waiting for /health")
+    ready, failure = await_ready(args, config, base, tuning if ray_started else None)
     if failure is not None:
-        _shutdown(serve, ray, config)
         return _fail(failure)
-    try:
-        handle = _app_handle(serve, config) if ready else None  # at hand before the signal: the drain starts at once
-        print(f"cbserve: shutting down ({wait_for_stop()})", flush=True)
-        if handle is not None:
-            drain(handle, config)
-    finally:
-        _shutdown(serve, ray, config)
+    started.enter("serving")
+    stop, handle = _serve_until_stopped(serve, config, ready)
+    print(f"cbserve: shutting down ({stop})", flush=True)
+    if handle is not None:
+        drain(handle, config)
     return 0
 
 
@@ -271,52 +302,28 @@ def await_ready(
     return ready, None
 
 
-def _app_handle(serve: Any, config: CBServeConfig) -> Any:
+def _serve_until_stopped(serve: Any, config: CBServeConfig, ready: bool) -> tuple[str, Any]:
+    """Serve until SIGINT or SIGTERM: the signal's name, and the app's handle for the drain (None: no drain). The
+    handle is warmed first (``serve_stop.warm``): the drain then starts as the signal arrives."""
+    handle = None
     try:
-        return serve.get_app_handle(config.app_name)
-    except Exception as e:  # serving goes on; a stop then shuts down without draining
-        logger.warning("no handle on the app (%s: %s): a stop will not drain", type(e).__name__, e)
-        return None
-
-
-def drain(handle: Any, config: CBServeConfig) -> None:
-    """The ingress's graceful drain (``OpenAIIngress.drain``) on every ingress replica at once (autoscaling runs
-    several): requests in flight finish for up to ``shutdown_timeout`` seconds, new ones are refused meanwhile,
-    the rest are aborted with an error."""
-    print(f"cbserve: draining (up to {config.shutdown_timeout:g}s for the requests in flight)", flush=True)
-    try:
-        done = handle.broadcast("drain").results(timeout_s=config.shutdown_timeout + 30.0)
-    except Exception as e:  # the app is going down either way: say so and shut down
-        print(f"cbserve: drain failed ({type(e).__name__}: {e})", flush=True)
-        return
-    in_flight, aborted = sum(d["in_flight"] for d in done), sum(d["aborted"] for d in done)
-    print(f"cbserve: drained: {in_flight - aborted} of {in_flight} requests in flight finished, {aborted} aborted "
-          f"(on {len(done)} ingress replica{'' if len(done) == 1 else 's'})", flush=True)
+        handle = app_handle(serve, config) if ready else None
+        if handle is not None:
+            warm(handle, config)
+        return wait_for_stop(), handle
+    except StopRequested as e:  # while the handle was taken or warmed: the drain builds what it needs
+        return str(e), handle if handle is not None or not ready else app_handle(serve, config)
 
 
 def wait_for_stop() -> str:
-    """Block until SIGINT (Ctrl-C) or SIGTERM arrives; the signal's name. Both are caught here whatever this
-    process inherited: a shell without job control starts its background commands with SIGINT ignored, and
-    the server must still stop (Serve, then Ray, shut down) on ``kill -INT``, as on a service manager's SIGTERM."""
-
-    def stop(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, stop)
+    """Block until SIGINT (Ctrl-C) or SIGTERM arrives (``STOP``, installed here unless it is already); the signal's
+    name."""
+    if STOP.received is not None:  # its interruption got lost
+        return STOP.received
+    if not STOP.installed:
+        STOP.install()
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt as e:
         return str(e) or "SIGINT"
-
-
-def _shutdown(serve: Any, ray: Any, config: CBServeConfig) -> None:
-    from cbserve.cluster.lora_store import remove_store  # imports Ray
-
-    try:
-        serve.delete(config.app_name)
-        if config.enable_lora:
-            remove_store(config.app_name)  # the adapters loaded while serving go with the app
-    finally:
-        ray.shutdown()

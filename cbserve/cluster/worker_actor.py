@@ -27,6 +27,7 @@ import ray
 from cbserve.cluster.engine_messages import StepReply
 from cbserve.cluster.lora_store import StoreAdapterSource
 from cbserve.cluster.metrics import WorkerMetrics
+from cbserve.cluster.path_trace import PathTrace
 from cbserve.cluster.step_channel import StepServer
 from cbserve.cluster.transport import StepAddress
 from cbserve.config import CBServeConfig
@@ -52,6 +53,7 @@ class WorkerActor:
             os.environ["OMP_NUM_THREADS"] = str(self.threads)
         self.model_thread = ThreadPoolExecutor(1, "cbserve-model", initializer=self._thread_init)
         self.metrics = WorkerMetrics(self.config.model_name, replica, rank)
+        self.path = PathTrace()
 
     def _thread_init(self) -> None:
         if self.threads is not None:
@@ -117,6 +119,7 @@ class WorkerActor:
     def _execute(self, scheduler_output: SchedulerOutput) -> StepReply:
         """One step's reply: rank 0's output (None on the other ranks), or the ``StepFailedError`` of a step that
         raised (both hops carry it like any reply; the engine fails the requests to blame alone)."""
+        self.path.sync()  # a compiled graph's step (the step channel's server syncs before reading it)
         start = time.perf_counter()
         try:
             out = self.guard(scheduler_output)  # type: ignore[misc]
@@ -135,9 +138,14 @@ class WorkerActor:
         per-step hop when it does not use a compiled graph. The model thread serves it until it closes."""
         if self.step_server is not None:
             raise RuntimeError("the step channel is already open")
-        self.step_server = StepServer(self._execute, ray.util.get_node_ip_address())
+        self.step_server = StepServer(self._execute, ray.util.get_node_ip_address(), self.path.sync)
         self.model_thread.submit(self.step_server.serve)
         return self.step_server.address
+
+    def path_trace(self, command: str) -> dict[str, list[str]]:
+        """Record the files the model thread runs from its next step on ("start"), or stop and return them ("stop"):
+        path_trace.py."""
+        return self.path.command_later(command)
 
     @ray.method(concurrency_group="lifetime")
     def lifetime(self) -> None:

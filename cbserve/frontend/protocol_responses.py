@@ -165,7 +165,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     stream: bool = False
-    store: bool = False  # stateless unless asked: kept in the ingress replica's bounded store
+    store: bool = False  # stateless unless asked: kept in the app's bounded store
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None  # echoed in the response
     user: str | None = None

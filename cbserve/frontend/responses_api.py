@@ -4,14 +4,16 @@ tools and ``tool_choice``, ``text.format`` as ``response_format``, ``max_output_
 ``OpenAIServing.chat`` serves with everything chat has (template, tool parsing, structured output, reasoning
 parser); its answer becomes a response object or the Responses' event stream (``responses_output.py``).
 
-Stateless by default: only a request with ``store: true`` is kept (``response_store.py``, bounded, per ingress
-replica) for ``GET`` / ``DELETE /v1/responses/{id}`` and ``previous_response_id``, which puts the stored
-response's whole conversation (its input items and its output) before the new input. A field this does not
-implement is refused with a 400 naming it, as chat's ``field_policy.py`` does.
+Stateless by default: only a request with ``store: true`` is kept (``response_store.py``: served, the app's store,
+one for every ingress replica; bounded and with an expiry) for ``GET`` / ``DELETE /v1/responses/{id}`` and
+``previous_response_id``, which puts the stored response's whole conversation (its input items and its output)
+before the new input. A streamed response is stored before its ``response.completed`` event goes out. A field
+this does not implement is refused with a 400 naming it, as chat's ``field_policy.py`` does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -34,7 +36,7 @@ from .protocol_responses import (
     TextConfig,
     new_item_id,
 )
-from .response_store import ResponseStore, StoredResponse
+from .response_store import InMemoryResponses, StoredResponse, StoredResponses
 from .responses_output import ResponseContext, ResponsesStream, output_items, response_object
 from .serving import OpenAIServing
 from .validation import invalid_body_error
@@ -78,18 +80,19 @@ _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completi
 
 
 class ResponsesAPI:
-    """``/v1/responses`` over ``serving`` (its ``chat``), with its own store of responses."""
+    """``/v1/responses`` over ``serving`` (its ``chat``), keeping responses in ``store`` (the ingress gives the app's
+    store; by default one in this process)."""
 
-    def __init__(self, serving: OpenAIServing, store: ResponseStore | None = None) -> None:
+    def __init__(self, serving: OpenAIServing, store: StoredResponses | None = None) -> None:
         self.serving = serving
-        self.store = store if store is not None else ResponseStore()
+        self.store: StoredResponses = store if store is not None else InMemoryResponses()
         self._logged: set[str] = set()
 
     async def create(self, req: ResponsesRequest, request_id: str | None = None) -> ResponseObject | AsyncIterator[str]:
         """A response, or its SSE events when ``stream``. ``request_id``: the client's id (body ``request_id`` or
         the X-Request-Id header): the response id is ``resp_<id>``."""
         self._check_fields(req)
-        history = self._history(req.previous_response_id)
+        history = await self._history(req.previous_response_id)
         items = (*history, *req.input)
         chat = chat_request(req, items, len(history))
         request_id = request_id or req.request_id
@@ -100,23 +103,34 @@ class ResponsesAPI:
         except APIError as e:
             raise _renamed(e) from None
         if not isinstance(answer, ChatCompletionResponse):
-            return ResponsesStream(ctx, lambda r: self._keep(ctx, r)).events(answer)  # type: ignore[arg-type]
+            return self._stream(ctx, answer)  # type: ignore[arg-type]
         choice = answer.choices[0]
         output = output_items(choice.message, choice.finish_reason == "length")
         response = response_object(ctx, output, answer.usage, choice.finish_reason)
-        self._keep(ctx, response)
+        await self._keep(ctx, response)
         return response
 
-    def retrieve(self, response_id: str) -> ResponseObject:
-        entry = self.store.get(response_id)
+    async def retrieve(self, response_id: str) -> ResponseObject:
+        entry = await self.store.get(response_id)
         if entry is None:
             raise _not_found(response_id, "response_id")
         return entry.response
 
-    def delete(self, response_id: str) -> ResponseDeleted:
-        if not self.store.delete(response_id):
+    async def delete(self, response_id: str) -> ResponseDeleted:
+        if not await self.store.delete(response_id):
             raise _not_found(response_id, "response_id")
         return ResponseDeleted(id=response_id)
+
+    async def _stream(self, ctx: ResponseContext, lines: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The Responses' events of a streamed chat answer; the final response is stored (when asked) before its
+        ``response.completed`` event goes out, so a client that reads it next finds it."""
+        final: list[ResponseObject] = []
+        events = ResponsesStream(ctx, final.append).events(lines)
+        async with contextlib.aclosing(events):  # type: ignore[type-var]
+            async for event in events:
+                if final:
+                    await self._keep(ctx, final.pop())
+                yield event
 
     def _check_fields(self, req: ResponsesRequest) -> None:
         """APIError 400 for the first refused field the request sets; unknown extra fields logged once."""
@@ -129,18 +143,18 @@ class ResponsesAPI:
                 self._logged.add(name)
                 logger.warning("ignoring unknown request field %r (ResponsesRequest); logged once", name)
 
-    def _history(self, previous_response_id: str | None) -> tuple[InputItem, ...]:
+    async def _history(self, previous_response_id: str | None) -> tuple[InputItem, ...]:
         if previous_response_id is None:
             return ()
-        entry = self.store.get(previous_response_id)
+        entry = await self.store.get(previous_response_id)
         if entry is None:
             raise _not_found(previous_response_id, "previous_response_id")
         return entry.items
 
-    def _keep(self, ctx: ResponseContext, response: ResponseObject) -> None:
+    async def _keep(self, ctx: ResponseContext, response: ResponseObject) -> None:
         if ctx.request.store:
             output = _ITEMS.validate_python([item.model_dump() for item in response.output])
-            self.store.put(StoredResponse(response, (*ctx.items, *output)))
+            await self.store.put(StoredResponse(response, (*ctx.items, *output)))
 
 
 def _not_found(response_id: str, param: str) -> APIError:

@@ -129,6 +129,9 @@ def test_a_stream_cancelled_while_it_sends_closes_the_body() -> None:
     ("/v1/completions", b"", 401),
     ("/v1/completions", b"Bearer wrong", 401),
     ("/v1/completions", b"Bearer sekret", 200),
+    ("/v1/load_lora_adapter", b"", 401),  # the adapter routes too, as every route
+    ("/v1/unload_lora_adapter", b"Bearer wrong", 401),
+    ("/v1/load_lora_adapter", b"Bearer sekret", 200),
     ("/health", b"", 200),  # open: load balancers ask it
 ])  # fmt: skip
 def test_the_edge_checks_the_api_key_before_the_route(path: str, header: bytes, status: int) -> None:

@@ -35,6 +35,12 @@ def test_the_flags_take_vllms_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert config.enable_lora is True and config.lora_modules == {"sql": str(tmp_path / "adapters/sql"),
                                                                   "chat": "/a/chat"}  # fmt: skip
     assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (4, 64, 8)
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    runtime = config_from_args(_parse(["--enable-lora", "--allow-runtime-lora-updating", "--lora-allowed-dirs",
+                                       *map(str, dirs)]))  # fmt: skip
+    assert runtime.allow_runtime_lora_updating is True and runtime.lora_allowed_dirs == [str(d) for d in dirs]
     assert config_from_args(_parse(["--enable-lora", "false"])).enable_lora is False  # a value still works
     assert config_from_args(_parse(["--enforce-eager"])).enforce_eager is True  # every boolean flag alike
     piecewise = config_from_args(_parse(["--cudagraph-mode", "full_and_piecewise"]))

@@ -199,7 +199,8 @@ def test_lora_loads_and_unloads_reach_every_ingress_replica_and_a_restarted_one(
     url, model = local_serve
     alpha, beta = make_adapter(model, tmp_path / "alpha", seed=1), make_adapter(model, tmp_path / "beta", seed=2)
     app = build_app(dict(ARGS, model=str(model), autoscaling="min=2,max=2", enable_lora=True, max_loras=2,
-                         max_lora_rank=8, lora_modules={"alpha": str(alpha)}))  # fmt: skip
+                         max_lora_rank=8, lora_modules={"alpha": str(alpha)}, allow_runtime_lora_updating=True,
+                         lora_allowed_dirs=[str(tmp_path)]))  # fmt: skip
     serve.run(app, name="loras", route_prefix="/loras")
     base = f"{url}/loras"
     assert _replica_adapters("loras") == [["alpha"], ["alpha"]]

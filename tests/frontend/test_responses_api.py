@@ -19,7 +19,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from cbserve.frontend.protocol import APIError, ChatCompletionRequest
 from cbserve.frontend.protocol_responses import ResponseObject, ResponsesRequest
-from cbserve.frontend.response_store import ResponseStore, StoredResponse
+from cbserve.frontend.response_store import InMemoryResponses, StoredResponses
 from cbserve.frontend.responses_api import ResponsesAPI, chat_request
 from cbserve.frontend.serving import OpenAIServing
 from cbserve.frontend.validation import ServedModel, invalid_body_error
@@ -46,7 +46,7 @@ class ToolThinkTokenizer(CharTokenizer):
         return super().apply_chat_template(msgs, tokenize, add_generation_prompt, **kw)
 
 
-def _api(*answers: list[str], reason: str = "stop", store: ResponseStore | None = None) -> tuple[ResponsesAPI, Any]:
+def _api(*answers: list[str], reason: str = "stop", store: StoredResponses | None = None) -> tuple[ResponsesAPI, Any]:
     """The k-th request the engine gets generates ``answers[k]``'s pieces, then finishes with ``reason``."""
 
     def script(req: EngineRequest) -> list[list[Any]]:
@@ -63,9 +63,9 @@ def _api(*answers: list[str], reason: str = "stop", store: ResponseStore | None 
 async def _answer(api: ResponsesAPI, request: httpx.Request) -> Any:
     last = request.url.path.rsplit("/", 1)[-1]
     if request.method == "GET":
-        return api.retrieve(last)
+        return await api.retrieve(last)
     if request.method == "DELETE":
-        return api.delete(last)
+        return await api.delete(last)
     try:
         body = ResponsesRequest.model_validate_json(request.content)
     except ValidationError as e:
@@ -260,16 +260,17 @@ def test_streamed_response_is_stored_when_asked() -> None:
     assert _prompt(engine, 1) == "<user>hello<assistant>Hi!<user>again</><assistant>"
 
 
-def test_store_is_bounded_least_recently_used_first() -> None:
-    store = ResponseStore(max_entries=2)
-    entries = [StoredResponse(ResponseObject(id=f"resp_{i}", model="m"), ()) for i in range(3)]
-    store.put(entries[0])
-    store.put(entries[1])
-    assert store.get("resp_0") is entries[0]  # now the most recently used
-    store.put(entries[2])
-    assert len(store) == 2 and store.get("resp_1") is None and store.get("resp_0") is entries[0]
-    with pytest.raises(ValueError):
-        ResponseStore(0)
+def test_a_streamed_response_is_stored_before_its_completed_event() -> None:
+    """A client that reads ``response.completed`` and then GETs the response (or chains on it) finds it."""
+    store = InMemoryResponses()
+    api, _ = _api(["Hi", "!"], store=store)
+
+    async def kept_at_each_event() -> list[tuple[str, int]]:
+        lines = await api.create(ResponsesRequest(stream=True, input="hello", store=True))
+        return [(line.split("\n")[0].removeprefix("event: "), len(store)) async for line in lines]  # type: ignore[union-attr]
+
+    seen = asyncio.run(kept_at_each_event())
+    assert seen[-1] == ("response.completed", 1) and {n for _, n in seen[:-1]} == {0}
 
 
 # ---- translation and refusals -----------------------------------------------------------------------------

@@ -21,7 +21,7 @@ def _routed(server: Server) -> dict[str, int]:
 
 def _all_blocks_free(server: Server) -> bool:
     return all(
-        r["num_unfinished_requests"] == 0 and r["num_free_kv_blocks"] == r["num_kv_blocks"]
+        r["num_in_flight"] == 0 and r["num_free_kv_blocks"] == r["num_kv_blocks"]
         for r in server.main.stats().values()
     )
 
