@@ -264,7 +264,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
-    from cbserve.worker.model_loader import resolve_model
+    from cbserve.worker.loading.model_loader import resolve_model
 
     folder = resolve_model(None).folder
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -24,8 +24,8 @@ from cpu_info import describe  # noqa: E402
 
 from cbserve import LLM, LoRARequest, SamplingParams  # noqa: E402
 from cbserve.worker.cpu import native  # noqa: E402
-from cbserve.worker.lora_files import SPLIT_PROJECTIONS, projection_shapes  # noqa: E402
-from cbserve.worker.model_info import read_model_info  # noqa: E402
+from cbserve.worker.loading.model_info import read_model_info  # noqa: E402
+from cbserve.worker.lora.files import SPLIT_PROJECTIONS, projection_shapes  # noqa: E402
 
 
 def write_adapter(folder: Path, model: str | None, rank: int, seed: int) -> Path:

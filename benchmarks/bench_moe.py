@@ -132,7 +132,7 @@ def run_cbserve(folder: Path, prompts: list[list[int]], max_new: int, cpu_ops: s
 
 def main() -> int:
     args = parse_args()
-    from cbserve.worker.model_loader import hide_triton_from_torch
+    from cbserve.worker.loading.model_loader import hide_triton_from_torch
 
     hide_triton_from_torch()  # no Triton on a CPU run (and none of its exit-time noise)
     if args.threads:

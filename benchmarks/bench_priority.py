@@ -3,7 +3,7 @@
 One server (its own local Ray instance), warmed up; then for each round and each layout, every thread of its
 processes is reniced to that layout and one burst runs (`cbserve bench`: 64 random prompts of 64-192 tokens,
 outputs of 64-192, greedy, ignore_eos; a new seed per burst, so no burst reuses another's prefixes).
-Layouts (cluster/cpu_priority.py):
+Layouts (cluster/ops/cpu_priority.py):
   ray      Ray's defaults: actor processes at niceness 15, Ray's own daemons (GCS, dashboard, agents...) at 0;
   nice     the engine (scheduler actor, model workers) and the raylet at 0, the HTTP edge (ingress replica,
            Serve's proxy) at 10, everything else at 19, all under SCHED_OTHER (cbserve before SCHED_BATCH);
@@ -36,7 +36,7 @@ from typing import Any
 import psutil
 
 from cbserve.bench.deploy import local_deployment_process
-from cbserve.cluster.cpu_priority import BACKGROUND, EDGE, ENGINE, Priority, set_priority
+from cbserve.cluster.ops.cpu_priority import BACKGROUND, EDGE, ENGINE, Priority, set_priority
 
 LAYOUTS = ("ray", "nice", "cbserve", "batchsched")
 
@@ -73,7 +73,7 @@ def _stats(base_url: str) -> dict[str, Any]:
 
 
 def burst(base_url: str, seed: int, out: Path, lengths: tuple[str, str]) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "cbserve.cluster.cli", "bench", "--base-url", base_url + "/v1", "--dataset",
+    cmd = [sys.executable, "-m", "cbserve.cluster.cli.main", "bench", "--base-url", base_url + "/v1", "--dataset",
            "random", "--num-prompts", "64", "--input-len", lengths[0], "--output-len", lengths[1], "--temperature",
            "0", "--seed", str(seed), "--disable-tqdm", "--result-file", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)

@@ -218,7 +218,7 @@ def run_vllm(workloads: list[Workload], state: dict[str, Any], args: argparse.Na
 
 
 def run_llama(workloads: list[Workload], state: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    from cbserve.worker.model_info import default_model_path
+    from cbserve.worker.loading.model_info import default_model_path
 
     exe = Path(args.llama_server)
     if not exe.exists():

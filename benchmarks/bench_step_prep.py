@@ -35,17 +35,17 @@ from cpu_info import describe  # noqa: E402
 from step_prep_reference import reference_build_batch  # noqa: E402
 
 from cbserve.scheduler.outputs import CachedRequestData  # noqa: E402
-from cbserve.scheduler.sampling_params import SamplingParams  # noqa: E402
-from cbserve.worker.block_table import BlockTable  # noqa: E402
+from cbserve.scheduler.requests.sampling_params import SamplingParams  # noqa: E402
 from cbserve.worker.cpu.malloc import tune_malloc_for_cpu_inference  # noqa: E402
 from cbserve.worker.cpu.native import resolve_isa  # noqa: E402
-from cbserve.worker.input_batch import (  # noqa: E402
+from cbserve.worker.runner.block_table import BlockTable  # noqa: E402
+from cbserve.worker.runner.input_batch import (  # noqa: E402
     CachedRequestState,
     PreparedBatch,
     build_batch,
     order_decode_first,
 )
-from cbserve.worker.step_buffers import StepBuffers  # noqa: E402
+from cbserve.worker.runner.step_buffers import StepBuffers  # noqa: E402
 
 CPU = torch.device("cpu")
 GOAL_MS = 1.0

@@ -45,8 +45,8 @@ def parse_args() -> argparse.Namespace:
 def compile_times(llm: Any) -> dict[str, float]:
     """Seconds to build the grammar compiler (tokenizer vocabulary, once per process), to compile the schema
     the first time (cold) and again (cached), and a second, different schema cold."""
-    from cbserve.scheduler.sampling_params import StructuredSpec
-    from cbserve.worker.structured import GrammarCompilerCache, load_grammar_tokenizer
+    from cbserve.scheduler.requests.sampling_params import StructuredSpec
+    from cbserve.worker.sampling.structured import GrammarCompilerCache, load_grammar_tokenizer
 
     runner = llm.executor.runner
     t0 = time.perf_counter()
@@ -69,7 +69,7 @@ class GrammarTimer:
     share of the burst's time that shared-machine noise inflates about as much as the rest."""
 
     def __init__(self, llm: Any) -> None:
-        import cbserve.worker.sampler as sampler_mod
+        import cbserve.worker.sampling.sampler as sampler_mod
 
         self.seconds = 0.0
         structured = llm.executor.runner.structured

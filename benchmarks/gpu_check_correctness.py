@@ -159,9 +159,9 @@ def engine_tokens(folder: Path, fam: Family, device: str, dtype: str, eager: boo
     """Greedy tokens of cbserve's engine (chunked prefill, preemption, prefix hits, requests joining late)."""
     from worker_testlib import run_engine
 
-    from cbserve.scheduler.sampling_params import SamplingParams
+    from cbserve.scheduler.requests.sampling_params import SamplingParams
     from cbserve.worker.config import ModelConfig
-    from cbserve.worker.executor import LocalExecutor
+    from cbserve.worker.runner.executor import LocalExecutor
 
     cfg = ModelConfig(model=str(folder), dtype=dtype, device=device, enforce_eager=eager,  # type: ignore[arg-type]
                       max_model_len=fam.max_model_len, cudagraph_mode=graph_mode,  # type: ignore[arg-type]

@@ -95,7 +95,7 @@ def _eager_pieces(forward: Any, pool: Any) -> tuple[_EagerPiece, None]:
 def capture_piecewise(runner: Any) -> Any:
     """Piecewise CUDA graphs (``cudagraph_mode: full_and_piecewise``) captured on the runner built with the
     decode graphs only: steps with prefill chunks measured both ways on one model."""
-    from cbserve.worker.piecewise_graphs import MAX_PIECEWISE_TOKENS, PiecewiseCUDAGraphs
+    from cbserve.worker.cuda.piecewise_graphs import MAX_PIECEWISE_TOKENS, PiecewiseCUDAGraphs
 
     kw = {} if runner.device.type == "cuda" else {"capture": _eager_pieces}  # a dry run: no CUDA graphs
     pieces = PiecewiseCUDAGraphs(runner.model, runner.kv_caches, device=runner.device,
@@ -153,8 +153,8 @@ def cbserve_burst(args: argparse.Namespace, executor: Any, prompts: list[list[in
     run_cbserve_e2e, stopped at ``deadline`` (perf_counter seconds): then the throughput so far."""
     from cbserve.scheduler.config import CacheConfig, EngineConfig, SchedulerConfig
     from cbserve.scheduler.engine_core import EngineCore
-    from cbserve.scheduler.request import EngineRequest
-    from cbserve.scheduler.sampling_params import SamplingParams
+    from cbserve.scheduler.requests.request import EngineRequest
+    from cbserve.scheduler.requests.sampling_params import SamplingParams
 
     sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                             max_model_len=args.prompt_len + args.max_out)

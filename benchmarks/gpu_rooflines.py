@@ -47,8 +47,8 @@ def matmul_flops(device: torch.device, n: int = 8192) -> float:
 
 def _batch(runner: Any, n: int, ctx: int, new_tokens: int, first_block: int = 0) -> Any:
     """``n`` requests with ``ctx`` tokens of context each, ``new_tokens`` of them computed this step."""
-    from cbserve.scheduler.sampling_params import SamplingParams
-    from cbserve.worker.input_batch import CachedRequestState, build_batch
+    from cbserve.scheduler.requests.sampling_params import SamplingParams
+    from cbserve.worker.runner.input_batch import CachedRequestState, build_batch
 
     bs = runner.block_size
     per = -(-ctx // bs)
@@ -63,8 +63,8 @@ def _batch(runner: Any, n: int, ctx: int, new_tokens: int, first_block: int = 0)
 def _mixed_batch(runner: Any, decodes: int, ctx: int, chunk: int) -> Any:
     """``decodes`` requests decoding at ``ctx`` tokens of context, then one prompt's ``chunk``-token prefill chunk
     (its first): the step the scheduler builds when a request arrives while others decode."""
-    from cbserve.scheduler.sampling_params import SamplingParams
-    from cbserve.worker.input_batch import CachedRequestState, build_batch
+    from cbserve.scheduler.requests.sampling_params import SamplingParams
+    from cbserve.worker.runner.input_batch import CachedRequestState, build_batch
 
     bs = runner.block_size
     per, chunk_blocks = -(-ctx // bs), -(-chunk // bs)

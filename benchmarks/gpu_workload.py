@@ -66,7 +66,7 @@ def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]]
 
 def build_cbserve(args: argparse.Namespace, folder: Path, cfg: Any, device: torch.device) -> Any:
     from cbserve.worker.config import ModelConfig
-    from cbserve.worker.executor import LocalExecutor
+    from cbserve.worker.runner.executor import LocalExecutor
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     mc = ModelConfig(model=str(folder), dtype="bfloat16" if device.type == "cuda" else "float32",
@@ -82,8 +82,8 @@ def run_cbserve_e2e(args: argparse.Namespace, executor: Any, prompts: list[list[
                     ) -> dict[str, float]:
     from cbserve.scheduler.config import CacheConfig, EngineConfig, SchedulerConfig
     from cbserve.scheduler.engine_core import EngineCore
-    from cbserve.scheduler.request import EngineRequest
-    from cbserve.scheduler.sampling_params import SamplingParams
+    from cbserve.scheduler.requests.request import EngineRequest
+    from cbserve.scheduler.requests.sampling_params import SamplingParams
 
     sched = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                             max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.max_out)

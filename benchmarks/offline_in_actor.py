@@ -1,6 +1,6 @@
 """Does the Ray actor around the model cost the engine anything? The serving benchmark's burst through
 ``cbserve.LLM`` in a plain process, then inside a Ray actor with the model on a thread of its own (as
-``cluster/worker_actor.py`` runs it), alternated, each in a fresh child process. No server, no client: what
+``cluster/engine/worker_actor.py`` runs it), alternated, each in a fresh child process. No server, no client: what
 a served burst loses beyond these numbers is the other processes' CPU, not the worker's surroundings.
 
     .venv/bin/python benchmarks/offline_in_actor.py --rounds 2

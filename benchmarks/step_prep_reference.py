@@ -1,4 +1,4 @@
-"""The step builder as it was before the persistent block table (main at 782f002, `worker/input_batch.py`):
+"""The step builder as it was before the persistent block table (main at 782f002, `worker/runner/input_batch.py`):
 a Python loop per token and the padded block table rebuilt from lists every step. Kept as the "before" of
 bench_step_prep.py and as the reference tests/worker/test_step_prep.py compares the new builder with (the sample
 rows are collected by the builder's own ``SampleRows``: that part did not change)."""
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 
 from cbserve.worker.attention.backend import AttentionMetadata
-from cbserve.worker.input_batch import (
+from cbserve.worker.runner.input_batch import (
     CachedRequestState,
     PreparedBatch,
     PromptLogprobRows,

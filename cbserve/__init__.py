@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cbserve.scheduler.lora import LoRARequest
-from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
+from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.scheduler.requests.sampling_params import SamplingParams, StructuredSpec
 
 if TYPE_CHECKING:
     from cbserve.frontend.llm import LLM

@@ -3,7 +3,7 @@ next to this script. Edit the panels here, never the JSON by hand (tests/cluster
 that the committed JSON is what this script writes).
 
 Metric names are the exported ones: Ray's exporter prefixes custom metrics with ``ray_`` (see
-cluster/metrics.py), so cbserve's series are ``ray_cbserve_*`` and Ray Serve's are ``ray_serve_*``.
+cluster/ops/metrics.py), so cbserve's series are ``ray_cbserve_*`` and Ray Serve's are ``ray_serve_*``.
 """
 
 from __future__ import annotations

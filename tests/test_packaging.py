@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cbserve.cluster import cli
+from cbserve.cluster.cli import main as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(600)

@@ -1,7 +1,8 @@
 """The house rules that keep cbserve readable, checked on the source tree itself: file and function sizes, no
-import cycles between modules, and the import directions of design.md (scheduler: stdlib only; worker: never
+import cycles between modules, the import directions of design.md (scheduler: stdlib only; worker: never
 ray or the front end; front end: never ray or cluster; config, the one user configuration both read: never ray,
-cluster or front end; bench: never ray)."""
+cluster or front end; bench: never ray), and inside each sub-package its folders in layers, no import running back
+up, no folder of more than MAX_FOLDER_MODULES modules side by side."""
 
 from __future__ import annotations
 
@@ -145,3 +146,50 @@ def test_import_directions(folder: str) -> None:
         for path in sorted((PACKAGE / folder).rglob("*.py"))
     }
     assert {k: v for k, v in bad.items() if v} == {}
+
+
+# Inside each sub-package, its parts in layers, lowest first: a folder ("name/") or root modules ("name"). A module
+# imports its own layer and those before it, never one after (no import runs back up; __init__ files re-export).
+LAYERS: dict[str, list[set[str]]] = {
+    "scheduler": [{"config", "errors", "stats"}, {"requests/"}, {"kv/"},
+                  {"outputs", "waiting_queue", "policies", "integrity", "fault_isolation", "spec_decode", "beam_search",
+                   "scheduler", "sequence_updater", "engine_core"}],
+    "worker": [{"config", "parallel", "faults", "shapes", "sim_cost"}, {"cpu/"}, {"attention/"}, {"cuda/"},
+               {"layers/"}, {"models/"}, {"loading/"}, {"sampling/"}, {"lora/"}, {"runner/"}],
+    "frontend": [{"model_files", "tokenizer", "protocol", "protocol_tools", "field_policy", "validation",
+                  "lora_registry", "lora_contents", "output"}, {"tools/"},
+                 {"formatters", "serving", "embeddings", "llm"}, {"responses/"}],
+    "cluster": [{"channel/"}, {"ops/"}, {"stores/"}, {"engine/"}, {"ingress/"}, {"app"}, {"cli/"}],
+}
+MAX_FOLDER_MODULES = 13
+
+
+def _layer_of(package: str, module: str) -> int:
+    """The layer of ``cbserve.<package>.<rest>``'s part."""
+    rest = module.split(".")[2:]
+    part = f"{rest[0]}/" if (PACKAGE / package / rest[0]).is_dir() else rest[0]
+    for i, layer in enumerate(LAYERS[package]):
+        if part in layer:
+            return i
+    raise AssertionError(f"{module}: its part {part!r} is in no layer of {package} (tests/test_structure.py)")
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_no_import_runs_back_up(package: str) -> None:
+    graph = _graph()
+    back_up = []
+    for src, targets in graph.items():
+        if not src.startswith(f"cbserve.{package}.") or src.endswith("__init__") or \
+                (PACKAGE / package / f"{src.split('.')[-1]}" / "__init__.py").exists() and src.count(".") == 2:
+            continue
+        for dst in targets:
+            if dst.startswith(f"cbserve.{package}.") and dst.count(".") >= 2 and \
+                    _layer_of(package, dst) > _layer_of(package, src):
+                back_up.append(f"{src} -> {dst}")
+    assert back_up == []
+
+
+def test_no_folder_holds_more_than_a_dozen_modules() -> None:
+    crowded = {str(d.relative_to(ROOT)): n for d in [PACKAGE, *PACKAGE.rglob("*/")] if d.name != "__pycache__"
+               and (n := len([f for f in d.glob("*.py") if f.name != "__init__.py"])) > MAX_FOLDER_MODULES}
+    assert crowded == {}

@@ -18,7 +18,7 @@ def make_tiny_llama(dst: Path, extra_config: dict[str, Any] | None = None) -> Pa
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cbserve.worker.model_loader import resolve_model
+    from cbserve.worker.loading.model_loader import resolve_model
 
     src = resolve_model(None).folder
     ref = json.loads((src / "config.json").read_text())

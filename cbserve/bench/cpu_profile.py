@@ -37,7 +37,7 @@ def process_label(cmdline: list[str], name: str) -> str:
         return "ray::" + m.group(1)
     joined = " ".join(cmdline)
     for key in ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "runtime_env",
-                "cbserve.cluster.cli", "vllm", "llama-server", "EngineCore"):
+                "cbserve.cluster.cli.main", "vllm", "llama-server", "EngineCore"):
         if key in joined:
             return key
     return Path(first).name or name

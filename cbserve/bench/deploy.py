@@ -117,7 +117,7 @@ def serve_command(config_file: str | os.PathLike[str], port: int, ready_timeout_
                   ray_address: str = "local") -> list[str]:
     """The child's command line: ``cbserve serve`` on a new local Ray instance (or joining ``ray_address``)."""
     return [
-        sys.executable, "-m", "cbserve.cluster.cli", "serve", "--ray-address", ray_address,
+        sys.executable, "-m", "cbserve.cluster.cli.main", "serve", "--ray-address", ray_address,
         "--config", str(config_file), "--host", HOST, "--port", str(port),
         "--ready-timeout", str(ready_timeout_s),
     ]  # fmt: skip

@@ -24,7 +24,7 @@ def build_app(args: dict[str, Any] | CBServeConfig | None = None) -> Application
 
 def build_app_from_config(config: CBServeConfig) -> Application:
     """The app of an already checked configuration (``servable_config``)."""
-    from cbserve.cluster.ingress import OpenAIIngress
+    from cbserve.cluster.ingress.deployment import OpenAIIngress
 
     # Serve's own drain of a replica it stops (rollouts, scale-down) gives requests in flight as long; with
     # ``autoscaling`` Serve's autoscaler sets the number of ingress replicas (config/autoscaling.py)

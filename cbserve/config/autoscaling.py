@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-INGRESS_DEPLOYMENT = "OpenAIIngress"  # the one Serve deployment of the app (cluster/ingress.py)
+INGRESS_DEPLOYMENT = "OpenAIIngress"  # the one Serve deployment of the app (cluster/ingress/deployment.py)
 
 # the flag's short names, as the issue and vLLM-style flags spell them
 ALIASES = {"min": "min_replicas", "max": "max_replicas", "initial": "initial_replicas",

@@ -1,6 +1,6 @@
 """The LoRA keys of CBServeConfig (vLLM's names): ``lora_modules`` and ``lora_allowed_dirs`` read from every form
 users write them in, the checks between the LoRA keys, and the start-up check of every adapter against the model
-(read whole without torch: ``worker/lora_files.py``) and of the allowed folders. ``serve_config.py`` declares the
+(read whole without torch: ``worker/lora/files.py``) and of the allowed folders. ``serve_config.py`` declares the
 keys; this module holds their rules."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from cbserve.worker.lora_files import LoRAAdapterError, load_adapter
-from cbserve.worker.model_info import ModelInfo
+from cbserve.worker.loading.model_info import ModelInfo
+from cbserve.worker.lora.files import LoRAAdapterError, load_adapter
 
 _FORMS = 'name=path, {"name": ..., "path": ...}, or a mapping of names to paths'
 

@@ -11,8 +11,8 @@ from cbserve.config.lora_config import check_allowed_dirs, check_lora_modules
 from cbserve.config.serve_config import DEFAULT_MODEL_NAME, CBServeConfig, ConfigError, connected_ray
 from cbserve.config.sim_config import is_sim, sim_num_blocks
 from cbserve.worker.config import DTYPE_BYTES
-from cbserve.worker.model_info import SUPPORTED_MODEL_TYPES, ModelInfo, locate_model, read_model_info
-from cbserve.worker.pooling_config import read_pooling_config
+from cbserve.worker.loading.model_info import SUPPORTED_MODEL_TYPES, ModelInfo, locate_model, read_model_info
+from cbserve.worker.loading.pooling_config import read_pooling_config
 
 
 def known_device(config: CBServeConfig) -> str | None:

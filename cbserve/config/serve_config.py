@@ -34,7 +34,7 @@ from cbserve.worker.config import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# how requests are spread over the engine replicas (cluster/router.py)
+# how requests are spread over the engine replicas (cluster/ingress/router.py)
 RoutingMode = Literal["cache_aware", "affinity", "round_robin"]
 ROUTING_MODES: tuple[str, ...] = get_args(RoutingMode)
 
@@ -71,7 +71,7 @@ class CBServeConfig(BaseModel):
     num_replicas: int = Field(1, ge=1)  # data-parallel engine replicas
     seed: int = 0
     # "pooling": the model embeds (/v1/embeddings) instead of generating; pooling from its sentence-transformers
-    # files (worker/pooling_config.py); no prefix caching (a hit would skip tokens the pooling needs)
+    # files (worker/loading/pooling_config.py); no prefix caching (a hit would skip tokens the pooling needs)
     runner: Literal["generate", "pooling"] = "generate"
     # engine
     block_size: int = Field(16, ge=1)
@@ -110,7 +110,7 @@ class CBServeConfig(BaseModel):
     # otherwise give an actor with num_cpus=1 one thread); on CUDA, torch's default
     worker_torch_threads: int | None = Field(None, ge=1)
     # the scheduler -> workers hop: a Ray compiled graph (~0.2 ms, but its reader busy-polls a core while a
-    # step runs) or one socket per rank (cluster/step_channel.py, ~0.3 ms of CPU a step); "auto": the
+    # step runs) or one socket per rank (cluster/channel/steps.py, ~0.3 ms of CPU a step); "auto": the
     # compiled graph on CUDA only, where no core is taken from the model's compute
     use_compiled_graph: bool | Literal["auto"] = "auto"
     max_restarts: int = Field(3, ge=-1)  # Ray restarts of a scheduler actor
@@ -119,7 +119,7 @@ class CBServeConfig(BaseModel):
     affinity_max_imbalance_tokens: int = Field(4096, ge=0)  # stay on the preferred replica unless this
     # many more outstanding tokens than the least loaded one
     # cache_aware: the replica whose prefix cache holds the longest prefix (the engines report their cached blocks);
-    # affinity: prefix affinity and load only; round_robin: in turn (cluster/router.py)
+    # affinity: prefix affinity and load only; round_robin: in turn (cluster/ingress/router.py)
     routing: RoutingMode = "cache_aware"
     # HTTP
     host: str = "0.0.0.0"
@@ -130,7 +130,7 @@ class CBServeConfig(BaseModel):
     max_n: int = Field(16, ge=1)  # largest n (or best_of) a request may ask for
     # tool_choice "auto": the model's tool-call format ("auto": from its chat template; "none": refused)
     tool_call_parser: Literal["auto", "none", "hermes", "llama3_json"] = "auto"
-    # reasoning models: chat answers' <think> text goes to reasoning_content (frontend/reasoning.py);
+    # reasoning models: chat answers' <think> text goes to reasoning_content (frontend/tools/reasoning.py);
     # "auto": from the chat template when it is unambiguous; "none" (or null): off
     reasoning_parser: Literal["none", "auto", "qwen3", "deepseek_r1"] | None = "none"
     # structured JSON in one fixed layout ({"a": 1, "b": [2, 3]}); false: any whitespace between its tokens

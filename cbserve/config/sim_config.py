@@ -1,4 +1,4 @@
-"""The keys of a configuration with ``model: sim`` (the simulated engine, ``worker/sim_runner.py``): the ones
+"""The keys of a configuration with ``model: sim`` (the simulated engine, ``worker/runner/sim_runner.py``): the ones
 that make no sense without weights are refused, naming the key, instead of being silently ignored."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and the outputs of the offline ``LLM.embed``.
 
 Each input is one engine request: its prompt is computed (in chunks when it is long, batched with the others
-by the one scheduler), pooled by the worker (``worker/pooler.py``) and finished with its vector
+by the one scheduler), pooled by the worker (``worker/runner/pooler.py``) and finished with its vector
 (``RequestOutput.embedding``). The edge checks the inputs (text, texts, token ids or lists of them; longer than
 ``max_model_len`` is a 400 unless ``truncate_prompt_tokens`` cuts them), cuts Matryoshka models' vectors to
 ``dimensions`` (then renormalizes them when the model normalizes) and writes them as floats or base64
@@ -20,12 +20,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbserve.frontend.protocol import (
+    APIError,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    new_id,
+)
 from cbserve.scheduler.errors import RequestRejectedError
-from cbserve.scheduler.limits import check_pooling_prompt
-from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker.pooling_config import PoolingConfig
-
-from .protocol import APIError, EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, new_id
+from cbserve.scheduler.requests.limits import check_pooling_prompt
+from cbserve.scheduler.requests.sampling_params import SamplingParams
+from cbserve.worker.loading.pooling_config import PoolingConfig
 
 
 def pooling_params() -> SamplingParams:

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .protocol import APIError, ChatCompletionRequest
+from cbserve.frontend.protocol import APIError, ChatCompletionRequest
 
 logger = logging.getLogger(__name__)
 

@@ -18,17 +18,16 @@ from tqdm.auto import tqdm
 
 from cbserve.config import CBServeConfig, check_kv_capacity, servable_config
 from cbserve.config.offline import offline_config
+from cbserve.frontend.embeddings import EmbeddingOutput, EmbeddingRequestOutput, pooling_params
+from cbserve.frontend.lora_contents import LocalAdapters
+from cbserve.frontend.model_files import read_model_files
+from cbserve.frontend.output import CompletionOutput, GenerateOutput, OutputProcessor
+from cbserve.frontend.tokenizer import apply_chat_template, load_tokenizer
 from cbserve.scheduler import EngineCore, tune_gc_for_serving
-from cbserve.scheduler.lora import LoRARequest
-from cbserve.scheduler.request import EngineRequest
-from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker.model_info import ModelInfo
-
-from .embeddings import EmbeddingOutput, EmbeddingRequestOutput, pooling_params
-from .lora_contents import LocalAdapters
-from .model_files import read_model_files
-from .output import CompletionOutput, GenerateOutput, OutputProcessor
-from .tokenizer import apply_chat_template, load_tokenizer
+from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.scheduler.requests.request import EngineRequest
+from cbserve.scheduler.requests.sampling_params import SamplingParams
+from cbserve.worker.loading.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ class LLM:
     validated configuration is ``llm.config``."""
 
     def __init__(self, model: str | None = None, *, progress: bool = True, **fields: Any) -> None:
-        from cbserve.worker.executor import LocalExecutor
+        from cbserve.worker.runner.executor import LocalExecutor
 
         config = servable_config(offline_config(model, fields))  # the KV budget is checked once it is allocated
         self.model_config = config.worker_model_config()

@@ -1,11 +1,11 @@
 """The checked bytes of LoRA adapters, kept so that the workers run exactly what was checked (an adapter's files
-may change or go once it is loaded; ``worker/lora_files.py`` reads and checks them, ``LoRARequest.digest`` names
+may change or go once it is loaded; ``worker/lora/files.py`` reads and checks them, ``LoRARequest.digest`` names
 them).
 
 - ``AdapterContents``: contents by digest, those of the adapters served (one copy for every name that serves
   the same bytes) and, once unloaded, the last ``keep_unloaded`` of them: a request admitted before its adapter
   was unloaded may still need its worker to load it. Bounded: the adapters served plus that many. The app's
-  store keeps one for all its engines (``cluster/lora_store.py``), the registry of a replica without Ray too.
+  store keeps one for all its engines (``cluster/stores/lora_store.py``), the registry of a replica without Ray too.
 - ``LocalAdapters``: the offline ``LLM``'s adapters, each ``LoRARequest`` it is given checked once and kept
   with its bytes in its process; called with a request, it is the worker's source (``LoRAManager.source``).
 """
@@ -16,9 +16,9 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from cbserve.scheduler.lora import LoRARequest
-from cbserve.worker.lora_files import AdapterContent, LoRAAdapterError, load_adapter
-from cbserve.worker.model_info import ModelInfo
+from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.worker.loading.model_info import ModelInfo
+from cbserve.worker.lora.files import AdapterContent, LoRAAdapterError, load_adapter
 
 KEEP_UNLOADED = 16  # unloaded adapters whose bytes are kept for the requests still running with them
 

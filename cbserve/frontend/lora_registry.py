@@ -3,12 +3,12 @@ with its ``LoRARequest``; ``/v1/models`` lists the adapters; ``POST /v1/load_lor
 ``/v1/unload_lora_adapter`` change the set while serving.
 
 Loading here is checking and naming: the adapter is read whole and checked against the model without torch
-(``worker/lora_files.py``: a 400 with the reason), its bytes are kept (``lora_contents.py``) and the name gets a
+(``worker/lora/files.py``: a 400 with the reason), its bytes are kept (``lora_contents.py``) and the name gets a
 ``LoRARequest`` with a fresh id (a new id for every load, so a name loaded again from another path is never
 mistaken for the old one) and the digest of those bytes; the workers load exactly them by that id when its first
 request arrives, whatever happened to the files since. Unloading only stops new requests: those in flight keep
 their ``LoRARequest`` and finish. Served, the adapters' names, ids and bytes are kept once for all ingress
-replicas (``cluster/lora_store.py``), each of which mirrors the names and ids here as an ``AdapterSet``.
+replicas (``cluster/stores/lora_store.py``), each of which mirrors the names and ids here as an ``AdapterSet``.
 
 The routes (``load``, ``unload``) are a client's: off unless the server allows runtime loading (404, as vLLM's
 routes that are off), and then only for folders under ``lora_allowed_dirs`` (symlinks resolved). A client learns
@@ -26,8 +26,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from cbserve.scheduler.lora import LoRARequest
-from cbserve.worker.lora_files import (
+from cbserve.frontend.lora_contents import KEEP_UNLOADED, AdapterContents
+from cbserve.frontend.protocol import APIError
+from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.worker.loading.model_info import ModelInfo
+from cbserve.worker.lora.files import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     AdapterContent,
@@ -35,10 +38,6 @@ from cbserve.worker.lora_files import (
     LoRAAdapterError,
     load_adapter,
 )
-from cbserve.worker.model_info import ModelInfo
-
-from .lora_contents import KEEP_UNLOADED, AdapterContents
-from .protocol import APIError
 
 logger = logging.getLogger(__name__)
 

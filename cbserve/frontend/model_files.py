@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cbserve.worker.model_info import converted_folder, locate_model, read_eos_token_ids
+from cbserve.worker.loading.model_info import converted_folder, locate_model, read_eos_token_ids
 
 _CONVERT = (
     "import sys\n"
-    "from cbserve.worker.model_loader import resolve_model\n"
+    "from cbserve.worker.loading.model_loader import resolve_model\n"
     "print(resolve_model(sys.argv[1]).folder)\n"
 )
 

@@ -16,12 +16,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbserve.scheduler.lora import LoRARequest
+from cbserve.frontend.tokenizer import IncrementalDetokenizer
 from cbserve.scheduler.outputs import TokenLogprob
-from cbserve.scheduler.request import EngineRequest, RequestOutput
-from cbserve.scheduler.sampling_params import SamplingParams
-
-from .tokenizer import IncrementalDetokenizer
+from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.scheduler.requests.request import EngineRequest, RequestOutput
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 
 
 @dataclass
@@ -87,7 +86,7 @@ class RequestState:
         self._processor = processor
         self.seqs = [processor.new_seq(i, result.prompt_token_ids, params) for i in range(params.n)]
         result.outputs = [s.out for s in self.seqs]
-        # Served (cluster/engine_client.py): the items its engine replica sends back, that replica, and what the
+        # Served (cluster/ingress/engine_client.py): the items its engine replica sends back, that replica, and what the
         # request costs there (its tokens, for the router's load; its prefill still queued there).
         self.queue: asyncio.Queue[Any] | None = None
         self.replica: int | None = None

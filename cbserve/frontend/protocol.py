@@ -12,7 +12,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from .protocol_tools import DeltaToolCall, ResponseFormat, StructuredOutputsParams, Tool, ToolCall, ToolChoice
+from cbserve.frontend.protocol_tools import (
+    DeltaToolCall,
+    ResponseFormat,
+    StructuredOutputsParams,
+    Tool,
+    ToolCall,
+    ToolChoice,
+)
 
 
 class APIError(Exception):
@@ -106,7 +113,7 @@ class SamplingFields(BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
-    # structured output (frontend/structured.py)
+    # structured output (frontend/tools/structured.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's older guided decoding fields: declared, refused (field_policy.py) in favour of structured_outputs
@@ -171,7 +178,7 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    # tool calling (frontend/tool_calls.py)
+    # tool calling (frontend/tools/calls.py)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -13,14 +13,11 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel
 
-from cbserve.scheduler.lora import LoRARequest
-from cbserve.scheduler.request import RequestOutput
-from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
-
-from .embeddings import Embedder, runner_error
-from .lora_registry import LoRARegistry
-from .output import OutputProcessor, RequestState, SeqDelta
-from .protocol import (
+from cbserve.frontend.embeddings import Embedder, runner_error
+from cbserve.frontend.formatters import ChatFormatter, CompletionFormatter, Formatter
+from cbserve.frontend.lora_registry import LoRARegistry
+from cbserve.frontend.output import OutputProcessor, RequestState, SeqDelta
+from cbserve.frontend.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,10 +33,18 @@ from .protocol import (
     UsageInfo,
     new_id,
 )
-from .reasoning import ReasoningMode, gated_spec, request_mode, resolve_reasoning_parser
-from .responses import ChatFormatter, CompletionFormatter, Formatter
-from .structured import GrammarValidator, any_whitespace, request_spec, resolve_tool_parser, tool_setup
-from .validation import RequestValidator, ServedModel
+from cbserve.frontend.tools.reasoning import ReasoningMode, gated_spec, request_mode, resolve_reasoning_parser
+from cbserve.frontend.tools.structured import (
+    GrammarValidator,
+    any_whitespace,
+    request_spec,
+    resolve_tool_parser,
+    tool_setup,
+)
+from cbserve.frontend.validation import RequestValidator, ServedModel
+from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.scheduler.requests.request import RequestOutput
+from cbserve.scheduler.requests.sampling_params import SamplingParams, StructuredSpec
 
 T = TypeVar("T")
 Answer = BaseModel | AsyncIterator[str]  # a whole response, or the SSE lines of a stream

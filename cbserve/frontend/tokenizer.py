@@ -20,7 +20,7 @@ _PLAIN_FAST_CLASSES = frozenset({None, "PreTrainedTokenizerFast", "TokenizersBac
 def load_tokenizer(model: str | Path | None = None) -> Any:
     """The tokenizer (with its chat template) of ``model``: a folder (Path), or what ``model_folder`` takes
     (None = bundled default, an HF folder or a GGUF file, whose tokenizer comes from its converted folder)."""
-    from .model_files import model_folder
+    from cbserve.frontend.model_files import model_folder
 
     folder = model if isinstance(model, Path) else model_folder(model)
     if (folder / "tokenizer.json").exists() and _tokenizer_class(folder) in _PLAIN_FAST_CLASSES:

@@ -12,16 +12,15 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from cbserve.frontend.field_policy import FieldPolicy
+from cbserve.frontend.lora_registry import LoRARegistry
+from cbserve.frontend.protocol import APIError, ChatCompletionRequest, ChatMessage, SamplingFields
+from cbserve.frontend.tokenizer import apply_chat_template
 from cbserve.scheduler.errors import RequestRejectedError
-from cbserve.scheduler.limits import resolve_max_tokens
-from cbserve.scheduler.lora import LoRARequest
-from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
-from cbserve.worker.pooling_config import PoolingConfig
-
-from .field_policy import FieldPolicy
-from .lora_registry import LoRARegistry
-from .protocol import APIError, ChatCompletionRequest, ChatMessage, SamplingFields
-from .tokenizer import apply_chat_template
+from cbserve.scheduler.requests.limits import resolve_max_tokens
+from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.scheduler.requests.sampling_params import SamplingParams, StructuredSpec
+from cbserve.worker.loading.pooling_config import PoolingConfig
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -1,13 +1,11 @@
 """Engine core: requests, paged KV block management, the iteration-level scheduler. Standard library only."""
 
-from .block_pool import BlockPool, KVBlock
-from .config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from .engine_core import EngineCore, StepResult, tune_gc_for_serving
-from .errors import DuplicateRequestError, EngineError, QueueFullError, RequestRejectedError
-from .kv_cache_manager import KVCacheManager
-from .limits import resolve_max_tokens
-from .lora import LoRARequest
-from .outputs import (
+from cbserve.scheduler.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from cbserve.scheduler.engine_core import EngineCore, StepResult, tune_gc_for_serving
+from cbserve.scheduler.errors import DuplicateRequestError, EngineError, QueueFullError, RequestRejectedError
+from cbserve.scheduler.kv.block_pool import BlockPool, KVBlock
+from cbserve.scheduler.kv.kv_cache_manager import KVCacheManager
+from cbserve.scheduler.outputs import (
     CachedRequestData,
     Executor,
     ModelRunnerOutput,
@@ -15,11 +13,14 @@ from .outputs import (
     SchedulerOutput,
     TokenLogprob,
 )
-from .request import EngineRequest, RequestOutput, RequestStatus
-from .sampling_params import SamplingParams, StructuredSpec
-from .scheduler import Scheduler
-from .spec_decode import NgramProposer
-from .stats import (
+from cbserve.scheduler.requests.limits import resolve_max_tokens
+from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.scheduler.requests.request import EngineRequest, RequestOutput, RequestStatus
+from cbserve.scheduler.requests.sampling_params import SamplingParams, StructuredSpec
+from cbserve.scheduler.requests.stop import StopRule
+from cbserve.scheduler.scheduler import Scheduler
+from cbserve.scheduler.spec_decode import NgramProposer
+from cbserve.scheduler.stats import (
     EngineTotals,
     FinishedRequestStats,
     IterationStats,
@@ -27,7 +28,6 @@ from .stats import (
     SchedulerStats,
     SpecDecodeStats,
 )
-from .stop import StopRule
 
 __all__ = [
     "BlockPool",

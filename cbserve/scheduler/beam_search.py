@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .outputs import TokenLogprob
-from .request import RequestStatus
-from .sequence import Sequence, SequenceGroup
-from .stop import STOPPED
+from cbserve.scheduler.outputs import TokenLogprob
+from cbserve.scheduler.requests.request import RequestStatus
+from cbserve.scheduler.requests.sequence import Sequence, SequenceGroup
+from cbserve.scheduler.requests.stop import STOPPED
 
 
 @dataclass

@@ -59,7 +59,7 @@ class SpeculativeConfig:
     sequence's tokens, of a..b tokens, found earlier in its prompt + output proposes the k tokens that
     followed it (spec_decode.py). ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}``:
     a smaller model sharing the target's vocabulary proposes k tokens autoregressively on the worker
-    (worker/draft_model.py); the worker returns them with its output and the scheduler schedules them."""
+    (worker/runner/draft_model.py); the worker returns them with its output and the scheduler schedules them."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3

@@ -32,17 +32,17 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from .admission import id_in_use, validate_request
-from .config import EngineConfig
-from .errors import DuplicateRequestError, QueueFullError, RequestRejectedError, StepFailedError
-from .fault_isolation import FaultIsolation, step_requests
-from .kv_events import KVCacheEvents
-from .outputs import Executor, ModelRunnerOutput, SchedulerOutput, TokenLogprob, done_future
-from .request import EngineRequest, RequestFailure, RequestOutput, RequestStatus
-from .scheduler import Scheduler, StepState
-from .sequence import SequenceGroup
-from .sequence_updater import SequenceUpdater
-from .stats import EngineTotals, IterationStats, SchedulerStats, SpecDecodeStats
+from cbserve.scheduler.config import EngineConfig
+from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError, StepFailedError
+from cbserve.scheduler.fault_isolation import FaultIsolation, step_requests
+from cbserve.scheduler.kv.kv_events import KVCacheEvents
+from cbserve.scheduler.outputs import Executor, ModelRunnerOutput, SchedulerOutput, TokenLogprob, done_future
+from cbserve.scheduler.requests.admission import id_in_use, validate_request
+from cbserve.scheduler.requests.request import EngineRequest, RequestFailure, RequestOutput, RequestStatus
+from cbserve.scheduler.requests.sequence import SequenceGroup
+from cbserve.scheduler.scheduler import Scheduler, StepState
+from cbserve.scheduler.sequence_updater import SequenceUpdater
+from cbserve.scheduler.stats import EngineTotals, IterationStats, SchedulerStats, SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ import logging
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
-from .outputs import SchedulerOutput
-from .request import RequestOutput
+from cbserve.scheduler.outputs import SchedulerOutput
+from cbserve.scheduler.requests.request import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .request import RequestStatus
+from cbserve.scheduler.requests.request import RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)

@@ -39,8 +39,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .lora import LoRARequest
-from .sampling_params import SamplingParams
+from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from .config import SchedulerConfig
-from .sequence import Sequence
-from .waiting_queue import WaitingQueue
+from cbserve.scheduler.config import SchedulerConfig
+from cbserve.scheduler.requests.sequence import Sequence
+from cbserve.scheduler.waiting_queue import WaitingQueue
 
 
 class SchedulingPolicy(Protocol):

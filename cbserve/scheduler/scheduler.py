@@ -20,17 +20,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .config import EngineConfig
-from .fault_isolation import not_held
-from .integrity import check_scheduler
-from .kv_cache_manager import NO_HITS, KVCacheManager
-from .lora import lora_admission
-from .outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from .policies import make_policy
-from .request import RequestStatus
-from .sequence import Sequence
-from .spec_decode import drafts_for, make_proposer
-from .waiting_queue import make_waiting_queue
+from cbserve.scheduler.config import EngineConfig
+from cbserve.scheduler.fault_isolation import not_held
+from cbserve.scheduler.integrity import check_scheduler
+from cbserve.scheduler.kv.kv_cache_manager import NO_HITS, KVCacheManager
+from cbserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from cbserve.scheduler.policies import make_policy
+from cbserve.scheduler.requests.lora import lora_admission
+from cbserve.scheduler.requests.request import RequestStatus
+from cbserve.scheduler.requests.sequence import Sequence
+from cbserve.scheduler.spec_decode import drafts_for, make_proposer
+from cbserve.scheduler.waiting_queue import make_waiting_queue
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)

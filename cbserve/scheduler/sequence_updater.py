@@ -7,13 +7,13 @@ its decisions out. Stop strings are the front end's business: it calls ``EngineC
 
 from __future__ import annotations
 
-from .beam_search import BeamStep, exhausted_beams, hypotheses, offer_beam, ready_beam_step
-from .outputs import TokenLogprob
-from .request import RequestOutput, RequestStatus
-from .scheduler import Scheduler
-from .sequence import Sequence, SequenceGroup
-from .spec_decode import rollback
-from .stats import FinishedRequestStats, IterationStats, SpecDecodeStats
+from cbserve.scheduler.beam_search import BeamStep, exhausted_beams, hypotheses, offer_beam, ready_beam_step
+from cbserve.scheduler.outputs import TokenLogprob
+from cbserve.scheduler.requests.request import RequestOutput, RequestStatus
+from cbserve.scheduler.requests.sequence import Sequence, SequenceGroup
+from cbserve.scheduler.scheduler import Scheduler
+from cbserve.scheduler.spec_decode import rollback
+from cbserve.scheduler.stats import FinishedRequestStats, IterationStats, SpecDecodeStats
 
 
 class SequenceUpdater:

@@ -2,10 +2,10 @@
 
 The scheduler decides: it owns every sequence's token ids and must know how many draft tokens a sequence
 gets before it reserves their KV slots and budget. N-gram drafts are looked up here, at no extra hop. A
-draft model runs on the worker (worker/draft_model.py): after sampling it proposes each sequence's next
+draft model runs on the worker (worker/runner/draft_model.py): after sampling it proposes each sequence's next
 drafts and returns them with the step's output (``ModelRunnerOutput.draft_token_ids`` ->
 ``Sequence.drafts``); ``WorkerProposer`` hands them out the next step, cut to the room left. The worker
-verifies the drafts in the step's one forward pass (worker/spec_verify.py) and returns the accepted tokens
+verifies the drafts in the step's one forward pass (worker/sampling/spec_verify.py) and returns the accepted tokens
 plus one; the engine rolls the rest back (``rollback``).
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from .config import SpeculativeConfig
-from .kv_cache_manager import KVCacheManager
-from .sequence import Sequence
+from cbserve.scheduler.config import SpeculativeConfig
+from cbserve.scheduler.kv.kv_cache_manager import KVCacheManager
+from cbserve.scheduler.requests.sequence import Sequence
 
 
 class NgramProposer:

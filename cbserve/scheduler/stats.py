@@ -1,5 +1,5 @@
 """Stats dataclasses filled by the engine core every iteration. Nothing here knows about Prometheus:
-cluster/metrics.py alone turns these into series."""
+cluster/ops/metrics.py alone turns these into series."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
-from .sequence import Sequence
+from cbserve.scheduler.requests.sequence import Sequence
 
 
 class WaitingQueue(Protocol):

@@ -8,7 +8,7 @@ at one of these points:
   (scheduler/fault_isolation.py). With ``T`` in the prompt the step that prefills it raises; a request that makes
   the model generate ``T`` (``logit_bias``) raises at its next decode step, mid-stream.
 - ``"mask"``: the structured-output matcher of a constrained sequence holding ``T`` raises, as a broken grammar or
-  logits processor would (worker/structured.py names the sequence).
+  logits processor would (worker/sampling/structured.py names the sequence).
 - ``"exit"``: the worker process exits at once, as one killed by the OS would (the replica is lost and rebuilt;
   the ingress retries what it may elsewhere and fails a request present at two replica losses).
 

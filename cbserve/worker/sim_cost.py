@@ -1,5 +1,5 @@
 """The simulated engine's cost model (``model: sim``): how long one step of an H100 serving Llama-3-8B in
-bfloat16 takes, from the step's shape alone. Standard library only; ``worker/sim_runner.py`` sleeps for it.
+bfloat16 takes, from the step's shape alone. Standard library only; ``worker/runner/sim_runner.py`` sleeps for it.
 
 A step is a roofline: the weights are read once per step whatever its size (decode-bound while few tokens are
 scheduled), the GEMMs cost 2 FLOPs per parameter per token (compute-bound from a few hundred tokens on), and

@@ -1,5 +1,5 @@
-"""A stand-in for a SchedulerActor's channel server (cluster/output_channel.py) speaking the real wire format
-(cluster/transport.py, engine_messages.py): the reader's token and ``OpenChannel``, then the reader's messages
+"""A stand-in for a SchedulerActor's channel server (cluster/channel/server.py) speaking the real wire format
+(cluster/channel/transport.py, engine_messages.py): the reader's token and ``OpenChannel``, then the reader's messages
 into an inbox, and one pickled ``OutputFrame`` per batch the other way (a batch dict is sent without prefix-cache
 events; an ``OutputFrame`` as it is). For tests of the ingress end (ChannelReader, EngineClient) without Ray;
 the real ChannelServer is tested against the real reader in test_output_channel.py."""
@@ -11,8 +11,8 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from cbserve.cluster.engine_messages import OpenChannel, OutputFrame
-from cbserve.cluster.transport import TOKEN_BYTES, StepAddress, encode, read_message
+from cbserve.cluster.channel.messages import OpenChannel, OutputFrame
+from cbserve.cluster.channel.transport import TOKEN_BYTES, StepAddress, encode, read_message
 
 Inbox = asyncio.Queue[Any]
 

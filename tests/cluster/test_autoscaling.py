@@ -12,10 +12,10 @@ import pydantic
 import pytest
 import yaml
 
-from cbserve.cluster import serve_cli
 from cbserve.cluster.app import build_app_from_config
-from cbserve.cluster.node_tuning import node_tuning
-from cbserve.cluster.serve_cli import add_arguments, config_from_args
+from cbserve.cluster.cli import serve as serve_cli
+from cbserve.cluster.cli.serve import add_arguments, config_from_args
+from cbserve.cluster.ops.node_tuning import node_tuning
 from cbserve.config import CBServeConfig
 from cbserve.config.autoscaling import SERVE_KEYS, ServeAutoscaling, parse_autoscaling, starts_at_zero
 

@@ -185,7 +185,7 @@ def test_plot_writes_png(tmp_path, kind: str) -> None:
 
 def test_plot_cli(tmp_path, capsys) -> None:
     pytest.importorskip("matplotlib")
-    from cbserve.cluster.cli import main
+    from cbserve.cluster.cli.main import main
 
     p = tmp_path / "a.json"
     p.write_text(json.dumps(_run_doc("a", 2.0, 1.0)))
@@ -233,11 +233,11 @@ def test_local_deployment_runs_cbserve_serve(tmp_path) -> None:
     import argparse
 
     from cbserve.bench.deploy import serve_command
-    from cbserve.cluster import serve_cli
+    from cbserve.cluster.cli import serve as serve_cli
     from cbserve.config import CBServeConfig
 
     cmd = serve_command(tmp_path / "c.yaml", 4321, 90.0)
-    assert cmd[1:5] == ["-m", "cbserve.cluster.cli", "serve", "--ray-address"]
+    assert cmd[1:5] == ["-m", "cbserve.cluster.cli.main", "serve", "--ray-address"]
     parser = argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
     args = parser.parse_args(cmd[4:])

@@ -149,7 +149,7 @@ def test_failures_are_reported_not_raised(server: FakeServer) -> None:
 
 
 def test_cli_writes_result_file(server: FakeServer, tmp_path) -> None:
-    from cbserve.cluster.cli import main
+    from cbserve.cluster.cli.main import main
 
     out = tmp_path / "res.json"
     argv = ["bench", "--base-url", f"http://127.0.0.1:{server.port}/v1", "--num-prompts", "4",

@@ -23,8 +23,8 @@ def test_process_label_uses_ray_titles_and_executables() -> None:
         "ray::ServeReplica:cbserve:OpenAIIngress"
     assert process_label(["/venv/lib/ray/core/src/ray/raylet/raylet", "--x"], "raylet") == "raylet"
     assert process_label(["/venv/ray/core/src/ray/gcs/gcs_server", "--y"], "gcs_server") == "gcs_server"
-    assert process_label(["/usr/bin/python", "-m", "cbserve.cluster.cli", "serve"], "python") == \
-        "cbserve.cluster.cli"
+    assert process_label(["/usr/bin/python", "-m", "cbserve.cluster.cli.main", "serve"], "python") == \
+        "cbserve.cluster.cli.main"
     assert process_label([], "sleep") == "sleep"
 
 

@@ -16,11 +16,11 @@ import pydantic
 import pytest
 import torch
 
-from cbserve.cluster import serve_cli
-from cbserve.cluster.serve_cli import add_arguments, config_from_args
+from cbserve.cluster.cli import serve as serve_cli
+from cbserve.cluster.cli.serve import add_arguments, config_from_args
 from cbserve.config import CBServeConfig, ConfigError, check_kv_capacity, servable_config
 from cbserve.scheduler.config import SpeculativeConfig
-from cbserve.worker.model_info import default_model_path
+from cbserve.worker.loading.model_info import default_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cbserve.config import CBServeConfig, ConfigError, servable_config
-from cbserve.worker.model_info import read_model_info
+from cbserve.worker.loading.model_info import read_model_info
 
 
 def test_the_gguf_header_gives_the_models_numbers_without_torch() -> None:
@@ -18,7 +18,7 @@ def test_the_gguf_header_gives_the_models_numbers_without_torch() -> None:
     assert (info.model_type, info.num_attention_heads, info.num_key_value_heads) == ("llama", 9, 3)
     assert (info.head_dim, info.num_hidden_layers, info.max_position_embeddings) == (64, 30, 8192)
     assert info.intermediate_size == 1536
-    code = "import sys; from cbserve.config import *; from cbserve.cluster.serve_cli import *; "
+    code = "import sys; from cbserve.config import *; from cbserve.cluster.cli.serve import *; "
     code += "servable_config(CBServeConfig()); assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

@@ -1,4 +1,4 @@
-"""cluster/cpu_priority.py on real processes: every thread of a process reniced and put under SCHED_BATCH, and
+"""cluster/ops/cpu_priority.py on real processes: every thread of a process reniced and put under SCHED_BATCH, and
 the sweep over a process tree (grandchildren included): the engines' processes, the raylet, Ray's idle pooled
 workers and a process that chose its own niceness left as they are, Serve's proxy at the edge's priority, the
 rest behind. The served deployment's priorities are checked end to end in tests/e2e/test_serve_cli.py."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cbserve.cluster.cpu_priority import (
+from cbserve.cluster.ops.cpu_priority import (
     BACKGROUND,
     EDGE,
     ENGINE,
@@ -26,7 +26,7 @@ from cbserve.cluster.cpu_priority import (
     background_ray_processes,
     set_priority,
 )
-from cbserve.cluster.node_tuning import PROFILES, environment_for_ray, node_tuning
+from cbserve.cluster.ops.node_tuning import PROFILES, environment_for_ray, node_tuning
 
 BASE = os.getpriority(os.PRIO_PROCESS, 0)  # what children of this test start at
 pytestmark = [
@@ -173,7 +173,7 @@ def test_the_node_tuning_profile_reaches_only_the_ray_instance_being_started(
     joined cluster keeps its own settings)."""
     import argparse
 
-    from cbserve.cluster import serve_cli
+    from cbserve.cluster.cli import serve as serve_cli
 
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in ENGINE_FIRST.ray_env})
     at_start: dict[str, str | None] = {}

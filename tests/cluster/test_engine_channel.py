@@ -1,5 +1,5 @@
-"""The two-way engine channel without Ray: typed messages (cluster/engine_messages.py) round trip through the
-framing (cluster/transport.py); the real ChannelServer and ChannelReader with the SchedulerActor's own message
+"""The two-way engine channel without Ray: typed messages (cluster/channel/messages.py) round trip through the
+framing (cluster/channel/transport.py); the real ChannelServer and ChannelReader with the SchedulerActor's own message
 handling over a fake EngineCore: an AddRequest is answered on the channel (``Admitted`` before any output, or
 the request's EngineFailure), each output goes back on the channel its request came on, aborts and stop-string
 finishes reach the engine, a reader that goes away has its requests aborted (not another channel's), the
@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from cbserve.cluster.channel_reader import ChannelReader
-from cbserve.cluster.engine_messages import (
+from cbserve.cluster.channel.messages import (
     ADMITTED,
     AbortRequest,
     AddRequest,
@@ -26,14 +25,15 @@ from cbserve.cluster.engine_messages import (
     OpenChannel,
     OutputFrame,
 )
-from cbserve.cluster.output_channel import ChannelServer
-from cbserve.cluster.scheduler_actor import SchedulerActor
-from cbserve.cluster.transport import encode, read_message
+from cbserve.cluster.channel.reader import ChannelReader
+from cbserve.cluster.channel.server import ChannelServer
+from cbserve.cluster.channel.transport import encode, read_message
+from cbserve.cluster.engine.scheduler_actor import SchedulerActor
 from cbserve.config import CBServeConfig
 from cbserve.scheduler.errors import QueueFullError
-from cbserve.scheduler.kv_events import KVCacheEvents
-from cbserve.scheduler.request import EngineRequest, RequestOutput
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.kv.kv_events import KVCacheEvents
+from cbserve.scheduler.requests.request import EngineRequest, RequestOutput
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 
 
 def _request(req_id: str) -> EngineRequest:

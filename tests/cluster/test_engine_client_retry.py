@@ -1,4 +1,4 @@
-"""EngineClient.add across replicas (cluster/failover.py): a replica that refuses a request before admitting it
+"""EngineClient.add across replicas (cluster/ingress/failover.py): a replica that refuses a request before admitting it
 (queue full, gone), or is lost before the request's first output, is skipped for the next ready one; failures
 after outputs were streamed and bad requests are not retried; a request on two replicas as they were lost is
 failed as a suspect; a request past request_timeout_s is aborted in its engine and ends with HTTP 504.
@@ -17,10 +17,8 @@ from typing import Any
 import pytest
 from channel_fakes import FakeChannelServer, Inbox
 
-import cbserve.cluster.failover as failover
-from cbserve.cluster.channel_reader import ChannelReader
-from cbserve.cluster.engine_client import EngineClient
-from cbserve.cluster.engine_messages import (
+import cbserve.cluster.ingress.failover as failover
+from cbserve.cluster.channel.messages import (
     ADMITTED,
     AbortRequest,
     AddRequest,
@@ -29,11 +27,13 @@ from cbserve.cluster.engine_messages import (
     FinishSequence,
     OutputFrame,
 )
-from cbserve.cluster.router import Router
+from cbserve.cluster.channel.reader import ChannelReader
+from cbserve.cluster.ingress.engine_client import EngineClient
+from cbserve.cluster.ingress.router import Router
 from cbserve.config import CBServeConfig
 from cbserve.frontend.protocol import APIError
-from cbserve.scheduler.request import EngineRequest, RequestOutput
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.request import EngineRequest, RequestOutput
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 
 
 class _Remote:
@@ -333,7 +333,7 @@ def test_router_exclude() -> None:
 
 def test_the_engines_and_the_router_are_built_from_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """num_replicas, max_restarts and the routing fields reach the SchedulerActors and the Router."""
-    from cbserve.cluster import engine_client
+    from cbserve.cluster.ingress import engine_client
 
     created: list[tuple[dict[str, Any], tuple[Any, ...]]] = []
 

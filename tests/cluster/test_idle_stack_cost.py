@@ -25,7 +25,7 @@ STACK = {
     f"/x/python -u {RAY}/autoscaler/_private/monitor.py --logs-dir=/tmp/ray/s/logs": "monitors",
     f"{RAY}/core/src/ray/gcs/gcs_server --log_dir=/tmp/ray/s/logs": None,
     f"{RAY}/core/src/ray/raylet/raylet --raylet_socket_name=/tmp/ray/s/sockets/raylet": None,
-    "/x/python -m cbserve.cluster.cli serve --dtype bfloat16": None,
+    "/x/python -m cbserve.cluster.cli.main serve --dtype bfloat16": None,
 }
 
 

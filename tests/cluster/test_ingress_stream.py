@@ -1,4 +1,4 @@
-"""A streamed answer cut short at the HTTP edge (cluster/http_edge.py) closes the generators behind it at
+"""A streamed answer cut short at the HTTP edge (cluster/ingress/http_edge.py) closes the generators behind it at
 once, so the request is aborted in the engine now, not when the garbage collector gets to it; the edge counts
 the request in flight until then, and checks the API key first."""
 
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from starlette.requests import ClientDisconnect
 
-from cbserve.cluster.http_edge import ClosingStreamingResponse, HttpEdge
-from cbserve.cluster.ingress import _response
+from cbserve.cluster.ingress.deployment import _response
+from cbserve.cluster.ingress.http_edge import ClosingStreamingResponse, HttpEdge
 
 
 class _Body:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from cbserve.cluster import serve_cli
-from cbserve.cluster.serve_cli import add_arguments, config_from_args
+from cbserve.cluster.cli import serve as serve_cli
+from cbserve.cluster.cli.serve import add_arguments, config_from_args
 from cbserve.config import CBServeConfig, ConfigError, servable_config
 from cbserve.config.lora_config import parse_lora_modules
 
@@ -142,7 +142,8 @@ def test_runtime_loading_keys_in_their_forms(tmp_path: Path, monkeypatch: pytest
     path = tmp_path / "c.yaml"
     path.write_text("enable_lora: true\nallow_runtime_lora_updating: true\nlora_allowed_dirs: [/x, ~/y]\n")
     assert CBServeConfig.from_yaml(path).lora_allowed_dirs == ["/x", str(Path.home() / "y")]
-    assert CBServeConfig().allow_runtime_lora_updating is False and CBServeConfig().lora_allowed_dirs is None
+    default = CBServeConfig(device="cpu")
+    assert default.allow_runtime_lora_updating is False and default.lora_allowed_dirs is None
 
 
 def test_the_allowed_folders_must_exist_at_start_up(tmp_path: Path) -> None:
@@ -157,7 +158,7 @@ def test_the_allowed_folders_must_exist_at_start_up(tmp_path: Path) -> None:
 
 def test_the_ingress_registry_takes_the_runtime_keys(tmp_path: Path) -> None:
     """``_lora_registry``: the load and unload routes 404 unless runtime loading is on; on, the allowed folders."""
-    from cbserve.cluster.ingress import _lora_registry
+    from cbserve.cluster.ingress.deployment import _lora_registry
     from cbserve.frontend.protocol import APIError
 
     model = tmp_path / "model"

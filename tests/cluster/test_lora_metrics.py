@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import test_metrics
 
-from cbserve.cluster import metrics as cm
+from cbserve.cluster.ops import metrics as cm
 from cbserve.scheduler import LoRARequest
 from cbserve.scheduler.stats import IterationStats, LoRAStats, SchedulerStats
 

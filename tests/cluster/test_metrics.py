@@ -1,4 +1,4 @@
-"""cluster/metrics.py and dashboards/ agree (fast: no Ray cluster, no Prometheus).
+"""cluster/ops/metrics.py and dashboards/ agree (fast: no Ray cluster, no Prometheus).
 
 - every series a dashboard queries is one the code exports (ray_cbserve_*) or one Ray Serve exports
   (ray_serve_*), and every cbserve metric is charted on some panel;
@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from cbserve.cluster import metrics as cm
-from cbserve.cluster.router import RoutingStats
+from cbserve.cluster.ingress.router import RoutingStats
+from cbserve.cluster.ops import metrics as cm
 from cbserve.scheduler.stats import (
     FinishedRequestStats,
     IterationStats,
@@ -207,7 +207,7 @@ def test_every_queried_series_is_exported() -> None:
         assert names, f"{dash} / {title}: no metric in {expr!r}"
         for n in names:
             if n.startswith("ray_cbserve_"):
-                assert n in exported, f"{dash} / {title}: {n} is not exported by cluster/metrics.py"
+                assert n in exported, f"{dash} / {title}: {n} is not exported by cluster/ops/metrics.py"
             else:
                 assert n in serve, f"{dash} / {title}: {n} is neither a cbserve nor a Ray Serve metric"
 

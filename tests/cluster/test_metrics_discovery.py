@@ -1,12 +1,12 @@
 """The Prometheus service-discovery file `cbserve serve` writes for a Ray instance it starts without Ray's
-dashboard (cluster/metrics_discovery.py): Ray's format and paths, so deploy/prometheus.yml finds it."""
+dashboard (cluster/ops/metrics_discovery.py): Ray's format and paths, so deploy/prometheus.yml finds it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from cbserve.cluster.metrics_discovery import SD_FILE, metrics_targets, write_discovery_file
+from cbserve.cluster.ops.metrics_discovery import SD_FILE, metrics_targets, write_discovery_file
 
 
 def test_targets_are_the_alive_nodes_metrics_ports() -> None:

@@ -1,7 +1,7 @@
 """The channel between an ingress and an engine replica without Ray, over its real socket: the engine end
-(cluster/output_channel.py) batches items per request between frames, numbers its channels (each request's outputs
+(cluster/channel/server.py) batches items per request between frames, numbers its channels (each request's outputs
 go back on the channel it came on), sends the replica's state and a prefix-cache snapshot first and the changes
-after, refuses a peer without the token and sees its reader go; the ingress end (cluster/channel_reader.py) hands
+after, refuses a peer without the token and sees its reader go; the ingress end (cluster/channel/reader.py) hands
 every frame to its sink in order, writes only while connected, and tells the sink at once when the connection
 breaks, then connects again."""
 
@@ -12,12 +12,12 @@ from typing import Any
 
 from channel_fakes import FakeChannelServer
 
-from cbserve.cluster.channel_reader import ChannelReader
-from cbserve.cluster.engine_messages import AbortRequest, EngineState, OpenChannel, OutputFrame
-from cbserve.cluster.output_channel import ChannelBuffer, ChannelServer
-from cbserve.cluster.transport import TOKEN_BYTES, encode
-from cbserve.scheduler.kv_events import KVCacheEvents
-from cbserve.scheduler.request import RequestOutput
+from cbserve.cluster.channel.messages import AbortRequest, EngineState, OpenChannel, OutputFrame
+from cbserve.cluster.channel.reader import ChannelReader
+from cbserve.cluster.channel.server import ChannelBuffer, ChannelServer
+from cbserve.cluster.channel.transport import TOKEN_BYTES, encode
+from cbserve.scheduler.kv.kv_events import KVCacheEvents
+from cbserve.scheduler.requests.request import RequestOutput
 
 READY = EngineState("ready", 1)
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from cbserve.cluster.router import NoHealthyReplicaError, Route, Router, RoutingStats
+from cbserve.cluster.ingress.router import NoHealthyReplicaError, Route, Router, RoutingStats
 from cbserve.scheduler import CacheConfig, KVCacheManager
-from cbserve.scheduler.kv_events import KVCacheEvents, cache_extra_keys, prompt_block_hashes
-from cbserve.scheduler.lora import LoRARequest
+from cbserve.scheduler.kv.kv_events import KVCacheEvents, prompt_block_hashes
+from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.scheduler.requests.request import cache_extra_keys
 
 
 def _router(n: int = 3, imbalance: int = 100) -> Router:

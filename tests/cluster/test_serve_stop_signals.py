@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from cbserve.cluster import serve_cli
+from cbserve.cluster.cli import serve as serve_cli
 
 CHILD = """
 import signal, sys
-from cbserve.cluster.serve_cli import wait_for_stop
+from cbserve.cluster.cli.serve import wait_for_stop
 print("ignored" if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else "default", flush=True)
 print("stopped by", wait_for_stop(), flush=True)
 """
@@ -31,7 +31,7 @@ FAKED_MAIN = """
 import argparse, sys, time
 import ray
 from ray import serve
-from cbserve.cluster import serve_cli
+from cbserve.cluster.cli import serve as serve_cli
 
 def say(*what):
     print(*what, flush=True)

@@ -1,4 +1,4 @@
-"""How `cbserve serve` starts Ray (cluster/serve_cli.py): ``--ray-dashboard`` only where this command starts Ray
+"""How `cbserve serve` starts Ray (cluster/cli/serve.py): ``--ray-dashboard`` only where this command starts Ray
 (a joined cluster keeps its own setting, and the flag says so instead of doing nothing), and direct ingress
 where it starts Ray, with what Serve reads in the environment only while Ray starts."""
 
@@ -9,9 +9,9 @@ import os
 
 import pytest
 
-from cbserve.cluster import serve_cli
-from cbserve.cluster.node_tuning import node_tuning
-from cbserve.cluster.serve_cli import add_arguments
+from cbserve.cluster.cli import serve as serve_cli
+from cbserve.cluster.cli.serve import add_arguments
+from cbserve.cluster.ops.node_tuning import node_tuning
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

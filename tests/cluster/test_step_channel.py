@@ -1,4 +1,4 @@
-"""The scheduler -> worker socket hop (cluster/step_channel.py), both ends in this process: replies in order
+"""The scheduler -> worker socket hop (cluster/channel/steps.py), both ends in this process: replies in order
 with two steps in flight, an exception in the worker's end of the hop as that step's ``StepReply.error`` (the
 channel goes on), the token guarding the worker's unpickling, and a closed worker failing the pending steps and
 telling its executor once."""
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from cbserve.cluster.engine_messages import StepReply
-from cbserve.cluster.step_channel import StepClient, StepServer
-from cbserve.cluster.transport import StepAddress, dumps
+from cbserve.cluster.channel.messages import StepReply
+from cbserve.cluster.channel.steps import StepClient, StepServer
+from cbserve.cluster.channel.transport import StepAddress, dumps
 
 
 def _double(step: Any) -> StepReply:

@@ -90,7 +90,7 @@ def derive_tp2_model(dst: Path, num_layers: int = 4, num_kv_heads: int = 2) -> P
     import torch
     from safetensors.torch import load_file, save_file
 
-    from cbserve.worker.model_loader import resolve_model
+    from cbserve.worker.loading.model_loader import resolve_model
 
     src = resolve_model(None).folder
     cfg = json.loads((src / "config.json").read_text())

@@ -48,7 +48,7 @@ def _check_run(doc: dict, num: int, out_lens: list[int]) -> None:
 
 def test_cli_completions_burst(base_url: str, tmp_path: Path) -> None:
     from cbserve.bench.datasets import sample_random
-    from cbserve.cluster.cli import main
+    from cbserve.cluster.cli.main import main
 
     out = tmp_path / "run.json"
     argv = ["bench", "--base-url", base_url + "/v1", "--num-prompts", "4", "--input-len", "8:24",

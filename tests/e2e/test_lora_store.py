@@ -1,4 +1,5 @@
-"""The app's LoRA store on a real local Ray (``cluster/lora_store.py``): it keeps the bytes each adapter was checked
+"""The app's LoRA store on a real local Ray (``cluster/stores/lora_store.py``): it keeps the bytes each adapter was
+checked
 with, by digest, and a worker's ``StoreAdapterSource`` fetches them (from its app's store, or, named by their
 digest, from another app's); an unloaded adapter's bytes stay for the requests still running with it, up to the
 bound; bytes no store keeps are a ``LoRAAdapterError``. The store's namespace is the engines'."""
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cbserve.scheduler.lora import LoRARequest
-from cbserve.worker.lora_files import AdapterContent, LoRAAdapterError
+from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.worker.lora.files import AdapterContent, LoRAAdapterError
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -31,12 +32,11 @@ def _content(i: int) -> AdapterContent:
 
 
 def test_workers_fetch_the_checked_bytes_by_digest(local_ray: None, tmp_path: Path) -> None:
-    from cbserve.cluster import engine_client, lora_store
-    from cbserve.cluster.lora_store import LoRAStore, StoreAdapterSource, remove_store, store_name
+    from cbserve.cluster.ops.names import NAMESPACE
+    from cbserve.cluster.stores.lora_store import LoRAStore, StoreAdapterSource, remove_store, store_name
     from cbserve.frontend.lora_registry import CheckedAdapter
 
-    assert lora_store.NAMESPACE == engine_client.NAMESPACE
-    store = LoRAStore.options(name=store_name("app"), namespace=lora_store.NAMESPACE).remote()
+    store = LoRAStore.options(name=store_name("app"), namespace=NAMESPACE).remote()
     one, two = _content(1), _content(2)
     seeded = ray.get(store.seed.remote("base", "model", {"one": CheckedAdapter(str(tmp_path / "one"), one)}))
     answer = ray.get(store.register.remote("two", str(tmp_path / "two"), False, two))

@@ -150,7 +150,7 @@ class Deployment:
         """replica -> {rank: node id} of the live WorkerActors (from the engines' own worker handles)."""
         from ray.util.state import list_actors
 
-        from cbserve.cluster.engine_client import NAMESPACE, engine_actor_names
+        from cbserve.cluster.ops.names import NAMESPACE, engine_actor_names
 
         filters = [("class_name", "=", "WorkerActor"), ("state", "=", "ALIVE")]
         node_of_pid = {a.pid: a.node_id for a in list_actors(address=self.dashboard_url, filters=filters)}

@@ -1,4 +1,4 @@
-"""The Responses API's store is the app's, not an ingress replica's (cluster/response_store_actor.py): on a real
+"""The Responses API's store is the app's, not an ingress replica's (cluster/stores/response_store.py): on a real
 local Ray with two ingress replicas (``autoscaling: min=2,max=2``) of the simulated engine (``model: sim``) behind
 Serve's proxy, responses stored through the proxy are read back through it, none answered 404; each replica reads
 each of them (a Serve broadcast asks both: those the other stored included); once both replicas that stored them
@@ -49,8 +49,8 @@ def _read_on_every_replica(response_id: str) -> list[Any]:
 def test_a_response_stored_through_one_ingress_replica_is_read_through_any_other() -> None:
     from ray import serve
 
-    from cbserve.cluster.engine_client import NAMESPACE
-    from cbserve.cluster.response_store_actor import remove_response_store, store_name
+    from cbserve.cluster.ops.names import NAMESPACE
+    from cbserve.cluster.stores.response_store import remove_response_store, store_name
 
     with local_serve_app(ARGS, APP) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)

@@ -7,7 +7,7 @@ own, named apart from the first's); a trickle afterwards lets it go back to one 
 its engines go with it); idle, it goes back to zero. Every stream of every phase ends complete and alike. A drain
 as `cbserve serve` sends it on SIGTERM (a Serve broadcast) reaches the replicas there are.
 
-LoRA adapters with two ingress replicas: one set for both (cluster/lora_store.py). A load or unload through the
+LoRA adapters with two ingress replicas: one set for both (cluster/stores/lora_store.py). A load or unload through the
 proxy (which answers from either) reaches both at once; a replica restarted later serves the same set.
 """
 
@@ -78,7 +78,7 @@ def _running(name: str) -> int:
 
 def _owners(name: str) -> set[str]:
     """The ingress replicas that own live engine actors of app ``name`` (engine_actor_name's middle part)."""
-    from cbserve.cluster.engine_client import engine_actor_names
+    from cbserve.cluster.ops.names import engine_actor_names
 
     return {n.rsplit(":", 2)[1] for n in engine_actor_names(name)}
 

@@ -242,7 +242,7 @@ def _timed_out_stream(srv: Serve, body: dict[str, Any]) -> list[str]:
 def test_cbserve_serve_exits_with_the_engines_error_when_the_model_cannot_load(tmp_path: Path) -> None:
     """config.json and tokenizer, no weights: the start-up checks pass, the workers fail to load. The
     replica is not rebuilt in a loop: `cbserve serve` prints its error and exits non-zero."""
-    from cbserve.worker.model_loader import resolve_model
+    from cbserve.worker.loading.model_loader import resolve_model
 
     src, folder = resolve_model(None).folder, tmp_path / "no-weights"
     folder.mkdir()
@@ -297,7 +297,7 @@ def _check_priority(srv: Serve, engine_pids: list[int], ingress: str) -> None:
     """The engine (scheduler actor, model worker) first on the CPU, the HTTP edge (the ingress replica, Serve's
     proxy) at niceness 10 under SCHED_BATCH, the rest of the Ray instance cbserve started (its GCS...) at 19
     under SCHED_BATCH, the raylet left as it was; Serve's controller started with the 0.5 s control loop and
-    the ingress replica with its code on its own event loop (cluster/cpu_priority.py)."""
+    the ingress replica with its code on its own event loop (cluster/ops/cpu_priority.py)."""
     import psutil
 
     base = os.getpriority(os.PRIO_PROCESS, 0)

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from cbserve.frontend.validation import invalid_body_error
-from cbserve.scheduler.request import EngineRequest, RequestOutput
+from cbserve.scheduler.requests.request import EngineRequest, RequestOutput
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -22,8 +22,8 @@ from cbserve.frontend.protocol import (
 )
 from cbserve.frontend.serving import OpenAIServing
 from cbserve.frontend.validation import ServedModel
-from cbserve.scheduler.request import EngineRequest, RequestOutput
-from cbserve.worker.pooling_config import PoolingConfig
+from cbserve.scheduler.requests.request import EngineRequest, RequestOutput
+from cbserve.worker.loading.pooling_config import PoolingConfig
 
 SERVED = ServedModel(name="m", max_model_len=8, max_n=4, vocab_size=0x3000, runner="pooling",
                      pooling=PoolingConfig("mean", True, True, None))

@@ -26,7 +26,7 @@ from cbserve.frontend.lora_registry import (
     UnloadLoRAAdapterRequest,
 )
 from cbserve.frontend.protocol import APIError
-from cbserve.worker.lora_files import AdapterContent, read_content
+from cbserve.worker.lora.files import AdapterContent, read_content
 
 
 def _registry(*allowed: Path, keep_unloaded: int = 16) -> LoRARegistry:

@@ -24,14 +24,14 @@ from cbserve.frontend.lora_registry import (
     UnloadLoRAAdapterRequest,
 )
 from cbserve.frontend.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from cbserve.frontend.protocol_responses import ResponsesRequest
-from cbserve.frontend.responses_api import ResponsesAPI
+from cbserve.frontend.responses.api import ResponsesAPI
+from cbserve.frontend.responses.protocol import ResponsesRequest
 from cbserve.frontend.serving import OpenAIServing
 from cbserve.frontend.validation import ServedModel
-from cbserve.scheduler.lora import LoRARequest
-from cbserve.scheduler.request import EngineRequest
-from cbserve.worker.lora_files import read_content
-from cbserve.worker.model_info import ModelInfo
+from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.scheduler.requests.request import EngineRequest
+from cbserve.worker.loading.model_info import ModelInfo
+from cbserve.worker.lora.files import read_content
 
 SERVED = ServedModel(name="base", max_model_len=64, max_n=4, vocab_size=0x3000)
 INFO = ModelInfo.from_hf_config({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
@@ -230,7 +230,7 @@ def test_a_request_in_flight_keeps_its_adapter_when_it_is_unloaded(tmp_path: Pat
 
 
 def test_a_replica_mirrors_the_shared_sets_in_version_order(tmp_path: Path) -> None:
-    """Served, one store keeps the app's adapters (cluster/lora_store.py: a LoRARegistry's bookkeeping) and every
+    """Served, one store keeps the app's adapters (cluster/stores/lora_store.py: a LoRARegistry's bookkeeping) and every
     ingress replica mirrors its ``AdapterSet``s: a newer set replaces what it serves, an older one is ignored;
     checking an adapter changes nothing; refusals and sets survive pickling (they cross Ray calls)."""
     store, replica = LoRARegistry("base"), _registry(tmp_path)

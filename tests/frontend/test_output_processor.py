@@ -7,7 +7,7 @@ from frontend_fakes import EOS, CharTokenizer, ids, out
 
 from cbserve.frontend.output import OutputProcessor
 from cbserve.scheduler.outputs import TokenLogprob
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 
 
 def _processor(eos: tuple[int, ...] = (EOS,)) -> tuple[OutputProcessor, list[tuple[str, int]]]:

@@ -1,4 +1,4 @@
-"""Reasoning parsers (``frontend/reasoning.py``): the split into reasoning and answer, whole and streamed in
+"""Reasoning parsers (``frontend/tools/reasoning.py``): the split into reasoning and answer, whole and streamed in
 pieces cut anywhere (inside the tags too), chosen per request from the prompt and ``chat_template_kwargs``;
 the chat flow's answers and SSE chunks with reasoning and tool calls from the answer only; forced tool calls
 cut short by ``max_tokens``; JSON with or without any whitespace (``disable_any_whitespace``). Over the
@@ -14,7 +14,9 @@ import pytest
 from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, out
 
 from cbserve.frontend.protocol import APIError, ChatCompletionRequest
-from cbserve.frontend.reasoning import (
+from cbserve.frontend.serving import OpenAIServing
+from cbserve.frontend.tools.calls import final_message
+from cbserve.frontend.tools.reasoning import (
     ReasoningMode,
     ReasoningStream,
     parser_for_template,
@@ -22,11 +24,9 @@ from cbserve.frontend.reasoning import (
     resolve_reasoning_parser,
     split_reasoning,
 )
-from cbserve.frontend.serving import OpenAIServing
-from cbserve.frontend.structured import ToolMode
-from cbserve.frontend.tool_calls import final_message
+from cbserve.frontend.tools.structured import ToolMode
 from cbserve.frontend.validation import ServedModel
-from cbserve.scheduler.request import EngineRequest
+from cbserve.scheduler.requests.request import EngineRequest
 
 QWEN3, R1 = ReasoningMode(inside=False), ReasoningMode(inside=True)
 CALL = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'

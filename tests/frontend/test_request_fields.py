@@ -16,7 +16,7 @@ from cbserve.frontend.protocol import APIError, ChatCompletionRequest, Completio
 from cbserve.frontend.serving import OpenAIServing
 from cbserve.frontend.tokenizer import IncrementalDetokenizer
 from cbserve.frontend.validation import ServedModel
-from cbserve.scheduler.request import EngineRequest
+from cbserve.scheduler.requests.request import EngineRequest
 
 SERVED = ServedModel(name="m", max_model_len=64, max_n=4, vocab_size=0x3000)
 CHAT = [{"role": "user", "content": "hi"}]

@@ -1,4 +1,4 @@
-"""The Responses API's store (``frontend/response_store.py``): bounded by count with the least recently used out
+"""The Responses API's store (``frontend/responses/store.py``): bounded by count with the least recently used out
 first, entries gone once older than the expiry (an injected clock), new bounds applied at once; and the
 in-process ``StoredResponses`` that ``ResponsesAPI`` uses without Ray. The app-wide store (a Ray actor around the
 same ``ResponseStore``) is checked end to end in tests/e2e/test_response_store_shared.py."""
@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from cbserve.frontend.protocol_responses import ResponseObject
-from cbserve.frontend.response_store import InMemoryResponses, ResponseStore, StoredResponse
+from cbserve.frontend.responses.protocol import ResponseObject
+from cbserve.frontend.responses.store import InMemoryResponses, ResponseStore, StoredResponse
 
 
 class Clock:

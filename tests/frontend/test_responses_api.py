@@ -18,12 +18,12 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from cbserve.frontend.protocol import APIError, ChatCompletionRequest
-from cbserve.frontend.protocol_responses import ResponseObject, ResponsesRequest
-from cbserve.frontend.response_store import InMemoryResponses, StoredResponses
-from cbserve.frontend.responses_api import ResponsesAPI, chat_request
+from cbserve.frontend.responses.api import ResponsesAPI, chat_request
+from cbserve.frontend.responses.protocol import ResponseObject, ResponsesRequest
+from cbserve.frontend.responses.store import InMemoryResponses, StoredResponses
 from cbserve.frontend.serving import OpenAIServing
 from cbserve.frontend.validation import ServedModel, invalid_body_error
-from cbserve.scheduler.request import EngineRequest
+from cbserve.scheduler.requests.request import EngineRequest
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather of a city",
@@ -366,7 +366,7 @@ def test_closing_the_stream_before_the_first_token_releases_the_engine_request()
 
 def test_openapi_documents_the_responses_routes() -> None:
     pytest.importorskip("ray")
-    from cbserve.cluster.ingress import api
+    from cbserve.cluster.ingress.deployment import api
 
     doc = api.openapi()
     post, one = doc["paths"]["/v1/responses"]["post"], doc["paths"]["/v1/responses/{response_id}"]

@@ -13,11 +13,11 @@ from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, out
 
 from cbserve.frontend.protocol import APIError, ChatCompletionRequest
 from cbserve.frontend.serving import OpenAIServing
-from cbserve.frontend.structured import ToolMode, required_calls_schema, resolve_tool_parser, tool_setup
-from cbserve.frontend.tool_calls import ToolCallStream, final_message
-from cbserve.frontend.tool_parsers import parse_tool_calls, parser_for_template
+from cbserve.frontend.tools.calls import ToolCallStream, final_message
+from cbserve.frontend.tools.parsers import parse_tool_calls, parser_for_template
+from cbserve.frontend.tools.structured import ToolMode, required_calls_schema, resolve_tool_parser, tool_setup
 from cbserve.frontend.validation import ServedModel, template_message
-from cbserve.scheduler.request import EngineRequest
+from cbserve.scheduler.requests.request import EngineRequest
 
 HERMES = (
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": {"c": true}}}\n'
@@ -202,7 +202,7 @@ def test_chat_with_forced_tool_choice_sends_a_grammar() -> None:
 
 
 def test_response_format_and_structured_outputs_become_one_spec() -> None:
-    from cbserve.frontend.structured import request_spec
+    from cbserve.frontend.tools.structured import request_spec
 
     def spec_of(**kw: Any) -> Any:
         return request_spec(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **kw))
@@ -224,6 +224,6 @@ def test_response_format_and_structured_outputs_become_one_spec() -> None:
         with pytest.raises(APIError, match=match):
             spec_of(**bad)
     with pytest.raises(ValueError, match="ignore_eos"):  # the grammar ends the output with EOS
-        from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
+        from cbserve.scheduler.requests.sampling_params import SamplingParams, StructuredSpec
 
         SamplingParams(structured=StructuredSpec("regex", "a"), ignore_eos=True)

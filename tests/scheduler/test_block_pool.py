@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from cbserve.scheduler.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from cbserve.scheduler.kv.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 
 def ids(blocks: list[KVBlock]) -> list[int]:

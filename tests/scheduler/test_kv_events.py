@@ -1,4 +1,4 @@
-"""Prefix-cache events (scheduler/kv_events.py): the engine reports every block registered in and evicted from its
+"""Prefix-cache events (scheduler/kv/kv_events.py): the engine reports every block registered in and evicted from its
 prefix cache by a stable hash, and a mirror fed only by those events always equals what the cache holds; the hash
 a router computes from a prompt's token ids is the one the engine reports for the same tokens and extra keys."""
 
@@ -14,14 +14,14 @@ from sched_fakes import Overlapped, make_engine, req, run
 
 from cbserve.scheduler import CacheConfig, KVCacheManager, QueueFullError, RequestRejectedError, SpeculativeConfig
 from cbserve.scheduler.engine_core import EngineCore
-from cbserve.scheduler.kv_events import (
+from cbserve.scheduler.kv.kv_events import (
     KVCacheEvents,
     KVEventRecorder,
     block_event_hash,
-    cache_extra_keys,
     prompt_block_hashes,
 )
-from cbserve.scheduler.lora import LoRARequest
+from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.scheduler.requests.request import cache_extra_keys
 
 
 def _manager(num_blocks: int = 8, block_size: int = 4) -> KVCacheManager:
@@ -116,7 +116,7 @@ def test_recorder_nets_events_and_apply_mirrors_them() -> None:
 
 
 def test_the_hash_is_the_same_in_another_process() -> None:
-    code = ("from cbserve.scheduler.kv_events import block_event_hash as h; "
+    code = ("from cbserve.scheduler.kv.kv_events import block_event_hash as h; "
             "print(h(h(None, [1, 2, 3], ('s', ('lora', 2))), [4, 5, 6]))")  # fmt: skip
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                            env={"PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}  # fmt: skip

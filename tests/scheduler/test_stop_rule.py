@@ -1,4 +1,4 @@
-"""The one stop rule (scheduler/stop.py): unit checks of StopRule.check, then the engine paths that use
+"""The one stop rule (scheduler/requests/stop.py): unit checks of StopRule.check, then the engine paths that use
 it (plain sampling, n > 1 forks, beam search) all agree with it."""
 
 from __future__ import annotations
@@ -108,13 +108,13 @@ def test_beam_search_ends_beams_by_the_same_rule(min_tokens: int, want_stop: boo
 
 
 def _imports(module: str) -> set[str]:
-    tree = ast.parse((SCHEDULER_DIR / f"{module}.py").read_text())
+    """The scheduler modules (by their file's name) that ``module`` imports."""
+    (path,) = SCHEDULER_DIR.rglob(f"{module}.py")
     found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            found.add(node.module or "")
-            if not node.module:
-                found.update(a.name for a in node.names)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cbserve.scheduler"):
+            found.add(node.module.rsplit(".", 1)[-1])  # type: ignore[union-attr]
+            found.update(a.name for a in node.names)
     return found
 
 
@@ -128,7 +128,7 @@ def test_dependencies_are_one_way() -> None:
 
 def test_the_stop_rule_lives_in_one_module() -> None:
     """Only stop.py compares tokens with EOS / stop ids or lengths with max_len."""
-    for path in SCHEDULER_DIR.glob("*.py"):
+    for path in SCHEDULER_DIR.rglob("*.py"):
         if path.name in ("stop.py", "sampling_params.py"):
             continue
         text = path.read_text()

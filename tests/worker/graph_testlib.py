@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from cbserve.scheduler.outputs import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 
 BLOCK = 4
 BLOCKS_PER_REQ = 6

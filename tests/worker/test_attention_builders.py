@@ -14,15 +14,15 @@ import pytest
 import torch
 from worker_testlib import build_plan, fused_qkv, make_tiny_model, paged_metadata, run_engine
 
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.attention import AttentionLayout, AttentionMetadata, CpuAttentionBackend, TorchAttentionBackend
 from cbserve.worker.attention.backend import AttentionBackend, AttentionMetadataBuilder, PreparedAttention
 from cbserve.worker.attention.cpu_backend import CpuMetadataBuilder, CpuPrepared
 from cbserve.worker.attention.torch_backend import TorchPrepared
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
-from cbserve.worker.executor import LocalExecutor
-from cbserve.worker.profiling import dummy_batch
+from cbserve.worker.runner.executor import LocalExecutor
+from cbserve.worker.runner.profiling import dummy_batch
 
 needs_kernels = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 HQ, HKV, D, BS = 4, 2, 64, 16

@@ -17,12 +17,12 @@ import torch
 from worker_testlib import run_engine
 
 from cbserve.frontend.tokenizer import load_tokenizer
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.kernels import CpuKernels
-from cbserve.worker.executor import LocalExecutor
-from cbserve.worker.model_loader import resolve_model
+from cbserve.worker.loading.model_loader import resolve_model
+from cbserve.worker.runner.executor import LocalExecutor
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 

@@ -25,9 +25,9 @@ from cbserve.worker.cpu.gguf_blocks import (
 )
 from cbserve.worker.cpu.kernels import CpuKernels, is_bfloat16_exact
 from cbserve.worker.cpu.linear import NativeWeight, make_packed_weight
-from cbserve.worker.model_info import default_model_path
-from cbserve.worker.model_loader import resolve_model
-from cbserve.worker.model_runner import ModelRunner
+from cbserve.worker.loading.model_info import default_model_path
+from cbserve.worker.loading.model_loader import resolve_model
+from cbserve.worker.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 

@@ -61,7 +61,7 @@ def test_long_prefill_contexts_go_to_sdpa_and_decodes_stay_on_the_kernel() -> No
     decodes of the same step by the kernel; such a step has no per-token rows, so the model's one-call
     layer driver leaves it to the modules."""
     from cbserve.worker.attention.cpu_backend import ROWS_MAX_PREFILL_CONTEXT
-    from cbserve.worker.cpu.layers import NativeLayers
+    from cbserve.worker.models.native_layers import NativeLayers
 
     ctx_q = [(40, 1), (300, 1), (ROWS_MAX_PREFILL_CONTEXT - 60, 100), (0, 12)]
     md = paged_metadata(ctx_q, 16, 80, torch.Generator().manual_seed(0))
@@ -77,7 +77,7 @@ def test_short_queries_at_long_contexts_stay_kernel_rows() -> None:
     """A speculative verification (1 + 4 tokens) past ROWS_MAX_PREFILL_CONTEXT is still rows: the step keeps
     the one-call layer driver (the torch/module path cost 2x there); a long chunk there still goes to torch."""
     from cbserve.worker.attention.cpu_backend import ROWS_MAX_PREFILL_CONTEXT, ROWS_MAX_SHORT_QUERY
-    from cbserve.worker.cpu.layers import NativeLayers
+    from cbserve.worker.models.native_layers import NativeLayers
 
     ctx_q = [(40, 1), (ROWS_MAX_PREFILL_CONTEXT + 200, 5), (ROWS_MAX_PREFILL_CONTEXT, ROWS_MAX_SHORT_QUERY)]
     md = paged_metadata(ctx_q, 16, 140, torch.Generator().manual_seed(0))

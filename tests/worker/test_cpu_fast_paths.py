@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from worker_testlib import make_tiny_model
 
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.attention.torch_backend import _GatherBuffer
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.linear import onednn_bf16_supported, pack_weight, packed_linear, packing_supported
 from cbserve.worker.cpu.malloc import tune_malloc_for_cpu_inference
-from cbserve.worker.input_batch import CachedRequestState, build_batch
-from cbserve.worker.layers import ColumnParallelLinear, RowParallelLinear
-from cbserve.worker.model_runner import ModelRunner
+from cbserve.worker.layers.basic import ColumnParallelLinear, RowParallelLinear
+from cbserve.worker.runner.input_batch import CachedRequestState, build_batch
+from cbserve.worker.runner.model_runner import ModelRunner
 
 needs_onednn = pytest.mark.skipif(
     not packing_supported(torch.empty(2, 2)), reason="torch was built without oneDNN"

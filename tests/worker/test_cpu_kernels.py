@@ -11,15 +11,15 @@ import torch
 import torch.nn.functional as F
 from worker_testlib import make_tiny_model
 
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu import ops as cpu_ops
 from cbserve.worker.cpu.kernels import CpuKernels, Panels
 from cbserve.worker.cpu.native import KernelLoad
-from cbserve.worker.input_batch import CachedRequestState, build_batch
-from cbserve.worker.model_runner import ModelRunner
-from cbserve.worker.rotary import apply_rotary
+from cbserve.worker.layers.rotary import apply_rotary
+from cbserve.worker.runner.input_batch import CachedRequestState, build_batch
+from cbserve.worker.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 

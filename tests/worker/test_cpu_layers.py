@@ -1,4 +1,5 @@
-"""The one-call C layer driver (worker/cpu/layers.py, cpu/csrc/layers.c) against the per-module path it replaces:
+"""The one-call C layer driver (worker/models/native_layers.py, cpu/csrc/layers.c) against the per-module path it
+replaces:
 the same hidden states and the same KV cache, bit for bit, on prefill, mixed and decode steps, with q/k/v,
 o_proj and MLP biases, sliding windows, per-head q/k norms (Qwen3, Gemma 3) and Gemma's layer. Greedy equality
 with HF on the driver is covered by test_model_equivalence.py, test_model_families.py and
@@ -14,12 +15,12 @@ import torch
 from family_testlib import make_family_model
 from worker_testlib import make_tiny_model
 
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
-from cbserve.worker.cpu.layers import NativeLayers
-from cbserve.worker.input_batch import CachedRequestState, build_batch
-from cbserve.worker.model_runner import ModelRunner
+from cbserve.worker.models.native_layers import NativeLayers
+from cbserve.worker.runner.input_batch import CachedRequestState, build_batch
+from cbserve.worker.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 BS = 4
@@ -152,7 +153,7 @@ def test_layers_the_driver_lacks_run_module_by_module_with_one_log_line(
 
     monkeypatch.setattr(CausalLM, "driver_blocker", lambda self: "a block the driver lacks")
     folder = make_tiny_model(tmp_path, "llama_gqa")
-    with caplog.at_level(logging.INFO, logger="cbserve.worker.cpu.layers"):
+    with caplog.at_level(logging.INFO, logger="cbserve.worker.models.native_layers"):
         runner = ModelRunner(ModelConfig(model=str(folder), device="cpu", block_size=BS), progress=False)
     assert runner.model.native_layers is None
     lines = [r.getMessage() for r in caplog.records if "module by module" in r.getMessage()]

@@ -29,7 +29,7 @@ from cbserve.worker.cpu import abi
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.kernels import CpuKernels
 from cbserve.worker.cpu.lora_segments import LoRASegments
-from cbserve.worker.lora import _product
+from cbserve.worker.lora.manager import _product
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only beha
 
 _SCRIPT = """
 import sys
-from cbserve.cluster.cli import main
+from cbserve.cluster.cli.main import main
 rc = main(["--log-level", "WARNING", "generate", "--prompt", "Hello", "--max-tokens", "3", "--device", "cpu"])
 print("TRITON_LOADED", sorted(m for m in sys.modules if m == "triton" or m.startswith("triton.")))
 sys.exit(rc)

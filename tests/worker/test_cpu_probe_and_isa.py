@@ -15,14 +15,14 @@ import torch
 from family_testlib import load_hf, make_family_model, prompts
 from worker_testlib import hf_greedy, run_engine
 
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu import ops as cpu_ops
 from cbserve.worker.cpu import probe as cpu_probe
 from cbserve.worker.cpu.kernels import CpuKernels
 from cbserve.worker.cpu.probe import ProbeResult, probe_cached, probe_linear, verdict_path
-from cbserve.worker.executor import LocalExecutor
+from cbserve.worker.runner.executor import LocalExecutor
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 CPU = torch.device("cpu")

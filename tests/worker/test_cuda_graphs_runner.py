@@ -21,11 +21,11 @@ import torch
 from graph_testlib import BLOCK, BLOCKS_PER_REQ, Driver, same_output
 from worker_testlib import make_tiny_model
 
-from cbserve.worker import model_build as model_build_module
 from cbserve.worker.attention import AttentionLayout, AttentionMetadata, KVCache, TorchAttentionBackend
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.cuda_graphs import PAD_SLOT, CaptureFn, maybe_capture_decode_graphs
-from cbserve.worker.model_runner import ModelRunner
+from cbserve.worker.cuda.graphs import PAD_SLOT, CaptureFn, maybe_capture_decode_graphs
+from cbserve.worker.loading import model_build as model_build_module
+from cbserve.worker.runner.model_runner import ModelRunner
 
 MAX_SEQS = 8  # buckets 1, 2, 4, 8
 

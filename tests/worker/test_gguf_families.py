@@ -19,12 +19,12 @@ from gguf_writer import write_gguf
 from test_model_families import PATHS, _check_logprobs
 from worker_testlib import hf_greedy, run_engine
 
-from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker import model_info, model_loader
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
-from cbserve.worker.executor import LocalExecutor
-from cbserve.worker.gguf_arch import GGUF_MODEL_TYPES
+from cbserve.worker.loading import model_info, model_loader
+from cbserve.worker.loading.gguf_arch import GGUF_MODEL_TYPES
+from cbserve.worker.runner.executor import LocalExecutor
 
 MAX_NEW = 12
 _DENSE = dict(num_hidden_layers=2, tie_word_embeddings=False)
@@ -117,7 +117,7 @@ def test_gguf_family_matches_hf(gguf_model: tuple[str, Path, Any], path: str,
     case, gguf, hf = gguf_model
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
     reqs = [(f"r{i}", p, greedy) for i, p in enumerate(prompts(5))]
-    with caplog.at_level(logging.INFO, logger="cbserve.worker.cpu.layers"):
+    with caplog.at_level(logging.INFO, logger="cbserve.worker.models.native_layers"):
         executor = LocalExecutor(ModelConfig(model=str(gguf), **PATHS[path], block_size=4), num_blocks=36,
                                  progress=False)
     model = executor.runner.model

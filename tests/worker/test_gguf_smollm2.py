@@ -11,12 +11,12 @@ import torch
 from worker_testlib import hf_greedy, run_engine
 
 from cbserve.frontend.tokenizer import load_tokenizer
-from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker import model_info, model_loader
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
-from cbserve.worker.executor import LocalExecutor
-from cbserve.worker.model_info import default_model_path
+from cbserve.worker.loading import model_info, model_loader
+from cbserve.worker.loading.model_info import default_model_path
+from cbserve.worker.runner.executor import LocalExecutor
 
 MAX_NEW = 12
 

@@ -16,8 +16,8 @@ from lora_testlib import ALL_SPLIT, make_adapter, peft_greedy, peft_logprobs, pe
 from worker_testlib import make_tiny_model
 
 from cbserve import LLM, LoRARequest, SamplingParams
-from cbserve.worker.lora import LoRAManager
-from cbserve.worker.lora_files import LoRAAdapterError
+from cbserve.worker.lora.files import LoRAAdapterError
+from cbserve.worker.lora.manager import LoRAManager
 
 MAX_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -105,7 +105,7 @@ def test_one_adapter_slot_chunked_prefill_preemption_and_prefix_cache(llama_case
     llm = LLM(str(base), enable_lora=True, max_loras=1, max_cpu_loras=3, max_lora_rank=12, progress=False,
               max_num_batched_tokens=16, num_kv_blocks=12, block_size=4, max_model_len=48,
               device="cpu")  # 12 blocks: one request
-    with caplog.at_level(logging.INFO, logger="cbserve.worker.lora"):
+    with caplog.at_level(logging.INFO, logger="cbserve.worker.lora.manager"):
         outs = llm.generate(PROMPTS, GREEDY, lora_request=loras, use_tqdm=False)
         again = llm.generate(PROMPTS[:2], GREEDY, lora_request=loras[:2], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref

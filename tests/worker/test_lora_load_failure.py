@@ -1,4 +1,5 @@
-"""An adapter that fails on the worker fails alone (``LoRAManager``, worker/lora.py): its content cannot be fetched
+"""An adapter that fails on the worker fails alone (``LoRAManager``, worker/lora/manager.py): its content cannot be
+fetched
 from the source, is not the content checked (its digest), or does not fit its slot halfway through being written;
 each raises ``AdapterLoadError`` naming its ``lora_int_id``, leaves every slot consistent (a half-written slot
 emptied and free) and the LRU without it. After such failures the manager serves the other adapters exactly as a
@@ -19,8 +20,8 @@ from test_lora import PATHS, PROMPTS, _base
 
 from cbserve import LLM, LoRARequest, SamplingParams
 from cbserve.frontend.lora_contents import LocalAdapters
-from cbserve.worker.lora import LoRAManager
-from cbserve.worker.lora_files import AdapterLoadError, LoRAAdapterError
+from cbserve.worker.lora.files import AdapterLoadError, LoRAAdapterError
+from cbserve.worker.lora.manager import LoRAManager
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

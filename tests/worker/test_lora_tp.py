@@ -19,9 +19,9 @@ from test_tensor_parallel import BLOCK, NUM_BLOCKS, PROMPTS, _BroadcastExecutor
 from worker_testlib import free_port, make_tiny_model
 
 from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, LoRARequest, SchedulerConfig
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.model_runner import ModelRunner
+from cbserve.worker.runner.model_runner import ModelRunner
 
 MAX_NEW = 8
 TARGETS = {"llama": ALL_SPLIT, "phi3_short": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]}

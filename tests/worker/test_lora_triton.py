@@ -1,4 +1,4 @@
-"""The Triton multi-LoRA kernels (``cbserve/worker/lora_triton.py``) against a float64 torch reference.
+"""The Triton multi-LoRA kernels (``cbserve/worker/lora/triton.py``) against a float64 torch reference.
 
 Mixed batches: base rows (slot -1) interleaved with several adapters, out of order. Without a CUDA GPU the
 kernels run on CPU tensors under ``TRITON_INTERPRET=1`` at small, odd sizes (the interpreter is slow); on a GPU
@@ -25,7 +25,7 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit decorators running
 pytest.importorskip("triton")
 
-from cbserve.worker.lora_triton import (  # noqa: E402
+from cbserve.worker.lora.triton import (  # noqa: E402
     LoraTiles,
     add_lora_reference,
     add_lora_triton,
@@ -43,7 +43,7 @@ SLOTS = [2, -1, 0, 2, 1, -1, 0]  # T = 7: base rows among three adapters, no two
 def jit_module() -> ModuleType:
     """The kernels module, interpreted without CUDA (re-imported if triton was imported before the
     interpreter was switched on; skipped if triton itself was)."""
-    from cbserve.worker import lora_triton_jit
+    from cbserve.worker.lora import triton_jit as lora_triton_jit
 
     if CUDA:
         return lora_triton_jit
@@ -197,8 +197,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from cbserve.worker import lora_triton_jit as jit
-from cbserve.worker.lora_triton import cuda_tiles
+from cbserve.worker.lora import triton_jit as jit
+from cbserve.worker.lora.triton import cuda_tiles
 for dtype, rank in json.loads(sys.argv[1]):
     t = cuda_tiles(rank)
     p = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[dtype]

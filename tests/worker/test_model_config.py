@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from worker_testlib import make_tiny_model, run_engine
 
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.executor import LocalExecutor
+from cbserve.worker.runner.executor import LocalExecutor
 
 BLOCK = 4
 

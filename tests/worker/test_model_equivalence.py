@@ -10,9 +10,9 @@ import pytest
 import torch
 from worker_testlib import VARIANTS, hf_greedy, make_tiny_model, run_engine
 
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.executor import LocalExecutor
+from cbserve.worker.runner.executor import LocalExecutor
 
 MAX_NEW = 20
 

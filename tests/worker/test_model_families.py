@@ -15,9 +15,9 @@ import torch
 from family_testlib import FAMILIES, MAX_MODEL_LEN, load_hf, make_family_model, prompts
 from worker_testlib import hf_greedy, run_engine
 
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.executor import LocalExecutor
+from cbserve.worker.runner.executor import LocalExecutor
 
 MAX_NEW = 16
 PATHS = {"native": dict(cpu_ops="native", attention_backend="cpu", device="cpu"),
@@ -49,7 +49,7 @@ def test_family_matches_hf(tiny: tuple, path: str, caplog: pytest.LogCaptureFixt
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
     reqs = [(f"r{i}", p, greedy) for i, p in enumerate(batch)]
     cfg = ModelConfig(model=str(folder), max_model_len=MAX_MODEL_LEN.get(family), **PATHS[path])
-    with caplog.at_level(logging.INFO, logger="cbserve.worker.cpu.layers"):
+    with caplog.at_level(logging.INFO, logger="cbserve.worker.models.native_layers"):
         executor = LocalExecutor(dataclasses.replace(cfg, block_size=4), num_blocks=36, progress=False)
     runner = executor.runner
     if path == "native":  # the one-call C layer driver runs every family's layers

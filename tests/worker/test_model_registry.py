@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.model_info import SUPPORTED_MODEL_TYPES
+from cbserve.worker.loading.model_info import SUPPORTED_MODEL_TYPES
 from cbserve.worker.models import registry
 
 
@@ -29,7 +29,7 @@ def test_supported_types_come_from_the_family_modules() -> None:
 
 def test_the_supported_types_are_read_without_torch() -> None:
     code = ("import sys; sys.modules['torch'] = None\n"
-            "from cbserve.worker import model_info\nprint(','.join(model_info.SUPPORTED_MODEL_TYPES))")
+            "from cbserve.worker.loading import model_info\nprint(','.join(model_info.SUPPORTED_MODEL_TYPES))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip().split(",") == list(SUPPORTED_MODEL_TYPES)
 
@@ -57,7 +57,7 @@ def test_a_new_family_file_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_an_unsupported_architecture_fails_at_load(tmp_path: Path) -> None:
-    from cbserve.worker.model_runner import ModelRunner
+    from cbserve.worker.runner.model_runner import ModelRunner
 
     cfg = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_head": 2, "n_embd": 8,
            "vocab_size": 16}

@@ -10,15 +10,15 @@ import torch
 from worker_testlib import make_tiny_model, run_engine
 
 from cbserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.attention import get_attention_backend
 from cbserve.worker.attention.cpu_backend import CpuAttentionBackend
 from cbserve.worker.attention.torch_backend import TorchAttentionBackend
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu.native import load_cpu_kernels
-from cbserve.worker.executor import LocalExecutor
-from cbserve.worker.kv_cache import copy_blocks
-from cbserve.worker.model_runner import ModelRunner
+from cbserve.worker.runner.executor import LocalExecutor
+from cbserve.worker.runner.kv_cache import copy_blocks
+from cbserve.worker.runner.model_runner import ModelRunner
 
 BLOCK = 4
 

@@ -13,7 +13,7 @@ from worker_testlib import free_port
 
 from cbserve.worker.cpu.linear import NativeWeight, pack_linear_weights
 from cbserve.worker.cpu.native import load_cpu_kernels
-from cbserve.worker.moe import MoEConfig, SparseMoeBlock, fused_experts, map_expert_name
+from cbserve.worker.layers.moe import MoEConfig, SparseMoeBlock, fused_experts, map_expert_name
 
 HIDDEN, INTER, EXPERTS, TOP_K = 48, 40, 8, 3
 

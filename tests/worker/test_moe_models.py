@@ -16,11 +16,11 @@ from test_model_equivalence import _prompts  # mixed lengths around a shared pre
 from test_tensor_parallel import BLOCK, NUM_BLOCKS, _requests, _worker  # the TP=2 rank loop, shared
 from worker_testlib import free_port, hf_greedy, run_engine
 
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.executor import LocalExecutor
-from cbserve.worker.model_runner import ModelRunner
-from cbserve.worker.moe import SparseMoeBlock
+from cbserve.worker.layers.moe import SparseMoeBlock
+from cbserve.worker.runner.executor import LocalExecutor
+from cbserve.worker.runner.model_runner import ModelRunner
 
 MAX_NEW = 16
 
@@ -39,7 +39,7 @@ def test_greedy_and_logprobs_match_hf(tiny: tuple, cpu_ops: str, caplog: pytest.
     prompts = _prompts(1)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
     reqs = [(f"r{i}", p, greedy) for i, p in enumerate(prompts)]
-    with caplog.at_level(logging.INFO, logger="cbserve.worker.cpu.layers"):
+    with caplog.at_level(logging.INFO, logger="cbserve.worker.models.native_layers"):
         executor = LocalExecutor(ModelConfig(model=str(folder), device="cpu", cpu_ops=cpu_ops, block_size=4),
                                  num_blocks=40, progress=False)
     model = executor.runner.model
@@ -105,14 +105,14 @@ def test_no_cuda_graphs_for_moe_one_log_line(tmp_path: Path, monkeypatch: pytest
                                              caplog: pytest.LogCaptureFixture) -> None:
     from test_cuda_graphs_runner import GraphSafeTorchBackend, stand_in_capture
 
-    from cbserve.worker import model_build as model_build_module
+    from cbserve.worker.loading import model_build as model_build_module
 
     monkeypatch.setattr(model_build_module, "get_attention_backend", lambda *a, **k: GraphSafeTorchBackend)
     folder = make_tiny_moe(tmp_path / "m", "qwen3_moe")
     runner = ModelRunner(ModelConfig(model=str(folder), device="cpu", cpu_ops="torch", block_size=4, max_num_seqs=4),
                          progress=False)
     log: list[int] = []
-    with caplog.at_level(logging.INFO, logger="cbserve.worker.cuda_graphs"):
+    with caplog.at_level(logging.INFO, logger="cbserve.worker.cuda.graphs"):
         runner.init_kv_cache(32, capture=stand_in_capture(log))
     assert runner.graphs is None and log == []  # on CPU; on CUDA the Triton experts are captured (test_moe_triton)
     assert [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()] == [

@@ -1,4 +1,5 @@
-"""The CUDA mixture-of-experts path (``cbserve/worker/moe_triton.py``) against ``moe.fused_experts``: the device-side
+"""The CUDA mixture-of-experts path (``cbserve/worker/cuda/moe_triton.py``) against ``moe.fused_experts``: the
+device-side
 alignment against a plain Python reference, the grouped GEMMs (float32 within float32 rounding, bfloat16/float16
 within the rounding of a different float32 accumulation order) for 1, 3, 17 and 64 tokens, 4 and 8 experts, top-1
 and top-2, hidden 64 and 96, including experts no token chose; ``SparseMoeBlock`` on that path (forced on) with the
@@ -19,8 +20,8 @@ torch = pytest.importorskip("torch")
 CUDA = torch.cuda.is_available()  # without it, conftest.py has set TRITON_INTERPRET=1
 triton = pytest.importorskip("triton")
 
-from cbserve.worker import moe  # noqa: E402
-from cbserve.worker.moe import HOST_ROUTING, MoEConfig, MoEExpert, SparseMoeBlock, fused_experts  # noqa: E402
+from cbserve.worker.layers import moe  # noqa: E402
+from cbserve.worker.layers.moe import HOST_ROUTING, MoEConfig, MoEExpert, SparseMoeBlock, fused_experts  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -31,7 +32,7 @@ INTER = 128
 def mt() -> ModuleType:
     """moe_triton, interpreted without CUDA (it and triton_fused, whose kernels it calls, re-imported if they were
     imported before the interpreter was switched on; skipped if triton itself was)."""
-    from cbserve.worker import moe_triton, triton_fused
+    from cbserve.worker.cuda import moe_triton, triton_fused
 
     if not CUDA:
         interpreted_triton(triton_fused, moe_triton, probe="_moe_gemm_kernel")
@@ -162,7 +163,7 @@ def test_cuda_graphs_decision() -> None:
 
 
 _SCRIPT = r"""
-from cbserve.worker import moe_triton as mt
+from cbserve.worker.cuda import moe_triton as mt
 fn = mt._moe_gemm_kernel
 for dtype, pairs, row_div in json.loads(sys.argv[1]):
     p = {"bfloat16": "*bf16", "float16": "*fp16"}[dtype]
@@ -194,9 +195,9 @@ def test_tiny_moe_model_on_cuda_matches_cpu(tmp_path: Path, variant: str) -> Non
     from moe_testlib import make_tiny_moe
     from worker_testlib import run_engine
 
-    from cbserve.scheduler.sampling_params import SamplingParams
+    from cbserve.scheduler.requests.sampling_params import SamplingParams
     from cbserve.worker.config import ModelConfig
-    from cbserve.worker.executor import LocalExecutor
+    from cbserve.worker.runner.executor import LocalExecutor
 
     folder = make_tiny_moe(tmp_path / "m", variant)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)

@@ -25,10 +25,10 @@ from moe_testlib import make_tiny_moe
 from test_cuda_graphs_runner import GraphSafeTorchBackend, stand_in_capture
 from worker_testlib import make_tiny_model
 
-from cbserve.worker import model_build as model_build_module
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.model_runner import ModelRunner
-from cbserve.worker.piecewise_graphs import PieceCaptureFn, maybe_capture_piecewise_graphs, piecewise_sizes
+from cbserve.worker.cuda.piecewise_graphs import PieceCaptureFn, maybe_capture_piecewise_graphs, piecewise_sizes
+from cbserve.worker.loading import model_build as model_build_module
+from cbserve.worker.runner.model_runner import ModelRunner
 
 BLOCK = 4
 MAX_TOKENS = 16  # buckets 1, 2, 4, 8, 16

@@ -15,7 +15,7 @@ import torch
 from family_testlib import COMMON, VOCAB
 
 from cbserve import LLM
-from cbserve.worker.pooling_config import PoolingConfig, read_pooling_config
+from cbserve.worker.loading.pooling_config import PoolingConfig, read_pooling_config
 
 pytestmark = pytest.mark.timeout(600)
 st = pytest.importorskip("sentence_transformers")

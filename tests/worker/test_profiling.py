@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.piecewise_graphs import MAX_PIECEWISE_TOKENS
-from cbserve.worker.profiling import WORST_CASE_PARAMS, graph_pool_tokens, profile_sampler
-from cbserve.worker.sampler import Sampler, unpack_samples
+from cbserve.worker.cuda.piecewise_graphs import MAX_PIECEWISE_TOKENS
+from cbserve.worker.runner.profiling import WORST_CASE_PARAMS, graph_pool_tokens, profile_sampler
+from cbserve.worker.sampling.sampler import Sampler, unpack_samples
 
 
 def test_the_worst_case_sampling_step_runs_every_transform() -> None:

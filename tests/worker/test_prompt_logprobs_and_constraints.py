@@ -11,10 +11,10 @@ import pytest
 import torch
 from worker_testlib import hf_greedy, make_tiny_model, run_engine
 
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.executor import LocalExecutor
-from cbserve.worker.token_constraints import banned_by_bad_words
+from cbserve.worker.runner.executor import LocalExecutor
+from cbserve.worker.sampling.token_constraints import banned_by_bad_words
 
 BLOCK = 4
 

@@ -11,7 +11,7 @@ import torch
 import transformers
 from family_testlib import COMMON, FAMILIES
 
-from cbserve.worker.rotary import RotaryEmbedding
+from cbserve.worker.layers.rotary import RotaryEmbedding
 
 HEAD_DIM = 16
 MAX_POSITIONS = 256

@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 import torch
 
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.cpu.native import load_cpu_kernels
-from cbserve.worker.sampler import Sampler, SamplingRow, _top_p, draw
+from cbserve.worker.sampling.sampler import Sampler, SamplingRow, _top_p, draw
 
 EOS = 2
 
@@ -95,7 +95,7 @@ def test_top_p_nucleus_equals_a_full_sort_whatever_its_size(backend: str, monkey
     # the C kernel's quickselect on the same rows; the accelerators' sort of every row (forced on the CPU)
     kernels = None
     if backend == "sort":
-        from cbserve.worker import sampler
+        from cbserve.worker.sampling import sampler
 
         monkeypatch.setattr(sampler, "_top_p_threshold_by_topk", sampler._top_p_threshold_by_sort)
     if backend == "c_kernel":
@@ -239,7 +239,7 @@ def test_invalid_params_are_rejected(bad: dict) -> None:
 
 
 def test_greedy_tokens_equal_argmax_with_ties_and_infinities() -> None:
-    from cbserve.worker.sampler import greedy_tokens
+    from cbserve.worker.sampling.sampler import greedy_tokens
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randint(-3, 4, (64, 1000), generator=gen).float()  # many ties in every row
@@ -255,7 +255,7 @@ def test_c_argmax_is_torchs_max_indices_at_every_isa_level(isa: str) -> None:
     """The C kernels' greedy choice (what the sampler uses on CPU) against torch's on rows with ties in every
     row, infinities, a row of -inf, NaNs, a length that is no multiple of any vector width, and strided rows."""
     from cbserve.worker.cpu.native import supported_levels
-    from cbserve.worker.sampler import greedy_tokens
+    from cbserve.worker.sampling.sampler import greedy_tokens
 
     if isa not in supported_levels():
         pytest.skip(f"this CPU does not run {isa}")

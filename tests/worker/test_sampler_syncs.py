@@ -15,11 +15,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from worker_testlib import free_port
 
-from cbserve.scheduler.sampling_params import SamplingParams as SP
-from cbserve.worker import sampler as sampler_mod
+from cbserve.scheduler.requests.sampling_params import SamplingParams as SP
 from cbserve.worker.cpu.native import load_cpu_kernels
 from cbserve.worker.parallel import broadcast_token_ids
-from cbserve.worker.sampler import Sampler, SamplingRow, row_generator, row_uniforms
+from cbserve.worker.sampling import sampler as sampler_mod
+from cbserve.worker.sampling.sampler import Sampler, SamplingRow, row_generator, row_uniforms
 
 EOS = 2
 # Every way a tensor's values reach Python: what costs a device-to-host copy (and a wait) on an accelerator.

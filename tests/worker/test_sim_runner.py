@@ -7,11 +7,11 @@ import json
 import pytest
 
 from cbserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.model_info import converted_folder, locate_model, read_model_info
+from cbserve.worker.loading.model_info import converted_folder, locate_model, read_model_info
+from cbserve.worker.runner.sim_runner import SIM_FIRST_PLAIN_TOKEN, SIM_VOCAB_SIZE, SimRunner, sim_token
 from cbserve.worker.sim_cost import SIM_MODEL, SimCostModel
-from cbserve.worker.sim_runner import SIM_FIRST_PLAIN_TOKEN, SIM_VOCAB_SIZE, SimRunner, sim_token
 
 COST = SimCostModel()
 

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (worker/draft_model.py) through the offline ``LLM``, on a tiny random
+"""Speculative decoding with a draft model (worker/runner/draft_model.py) through the offline ``LLM``, on a tiny random
 Llama target: greedy outputs equal token for token those without speculation, with the target itself as
 the draft (every draft accepted) and with a tinier random draft of the same vocabulary (almost every draft
 rejected), across chunked prefill, prefix-cache hits and preemption by recompute (small blocks, a small

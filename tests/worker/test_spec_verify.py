@@ -1,4 +1,4 @@
-"""Verification of speculative drafts (worker/spec_verify.py): greedy acceptance, rejection sampling that
+"""Verification of speculative drafts (worker/sampling/spec_verify.py): greedy acceptance, rejection sampling that
 keeps the target distribution (chi-square on a tiny vocabulary), seeded reproducibility, and rows processed
 like the sampler's (penalties over each row's own history)."""
 
@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker.sampler import Sampler, SamplingRow
-from cbserve.worker.spec_verify import DraftGroup, accept_greedy, accept_random, verify_drafts
+from cbserve.scheduler.requests.sampling_params import SamplingParams
+from cbserve.worker.sampling.sampler import Sampler, SamplingRow
+from cbserve.worker.sampling.spec_verify import DraftGroup, accept_greedy, accept_random, verify_drafts
 
 # chi-square critical values at p = 0.001 by degrees of freedom
 CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52}

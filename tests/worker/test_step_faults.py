@@ -13,7 +13,7 @@ import pytest
 from tiny_llama import TRIGGER, make_fault_model
 
 from cbserve import LLM, SamplingParams
-from cbserve.scheduler.sampling_params import StructuredSpec
+from cbserve.scheduler.requests.sampling_params import StructuredSpec
 
 PROMPTS = [[1, 300 + 7 * i, 412, 5000 + 13 * i, 77, 901 + i][: 3 + i % 4] for i in range(7)]
 GREEDY = dict(temperature=0.0, max_tokens=10, ignore_eos=True)

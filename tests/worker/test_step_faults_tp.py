@@ -17,10 +17,10 @@ from worker_testlib import free_port, run_engine
 
 from cbserve.scheduler.errors import StepFailedError
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
+from cbserve.scheduler.requests.sampling_params import SamplingParams, StructuredSpec
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.model_runner import ModelRunner
-from cbserve.worker.step_guard import StepGuard
+from cbserve.worker.runner.model_runner import ModelRunner
+from cbserve.worker.runner.step_guard import StepGuard
 
 BLOCK, NUM_BLOCKS = 4, 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""The step builder on the persistent block table (worker/block_table.py, worker/step_buffers.py,
+"""The step builder on the persistent block table (worker/runner/block_table.py, worker/runner/step_buffers.py,
 input_batch.build_batch) equals the old per-token builder (benchmarks/step_prep_reference.py) field by field,
 on random mixes of decodes, prefill chunks, drafts, prompt logprobs, n > 1 fork points, requests coming and
 going and rollbacks; the table keeps zero padding as it grows and shrinks; the host buffers are reused only
@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from cbserve.scheduler.outputs import CachedRequestData, NewRequestData
-from cbserve.scheduler.sampling_params import SamplingParams
-from cbserve.worker import input_batch
-from cbserve.worker.block_table import BlockTable
-from cbserve.worker.input_batch import CachedRequestState, PreparedBatch, build_batch, order_decode_first
-from cbserve.worker.step_buffers import StepBuffers
+from cbserve.scheduler.requests.sampling_params import SamplingParams
+from cbserve.worker.runner import input_batch
+from cbserve.worker.runner.block_table import BlockTable
+from cbserve.worker.runner.input_batch import CachedRequestState, PreparedBatch, build_batch, order_decode_first
+from cbserve.worker.runner.step_buffers import StepBuffers
 
 BS = 4
 CPU = torch.device("cpu")

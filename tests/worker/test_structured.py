@@ -14,11 +14,11 @@ import pytest
 import torch
 from worker_testlib import run_engine
 
-from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
+from cbserve.scheduler.requests.sampling_params import SamplingParams, StructuredSpec
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.executor import LocalExecutor
-from cbserve.worker.sampler import Sampler, SamplingRow
-from cbserve.worker.structured import GrammarError, StructuredOutputs
+from cbserve.worker.runner.executor import LocalExecutor
+from cbserve.worker.sampling.sampler import Sampler, SamplingRow
+from cbserve.worker.sampling.structured import GrammarError, StructuredOutputs
 
 xgr = pytest.importorskip("xgrammar")
 BLOCK = 4
@@ -79,7 +79,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama over SmolLM2's real tokenizer (xgrammar needs a real vocabulary)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cbserve.worker.model_loader import resolve_model
+    from cbserve.worker.loading.model_loader import resolve_model
 
     folder = tmp_path_factory.mktemp("structured") / "tiny"
     src = resolve_model(None).folder
@@ -115,7 +115,7 @@ def test_grammars_are_cached_and_matchers_follow_the_tokens(structured: Structur
     spec = StructuredSpec("choice", json.dumps(CHOICES))
     assert structured.compilers.get(spec) is structured.compilers.get(StructuredSpec("choice", json.dumps(CHOICES)))
     tok = structured.compilers.compiler  # noqa: F841 - built
-    from cbserve.worker.structured import load_grammar_tokenizer
+    from cbserve.worker.sampling.structured import load_grammar_tokenizer
 
     tokenizer = load_grammar_tokenizer(structured.model_folder)
     prompt = [1, 5]
@@ -146,7 +146,7 @@ def _run(folder: Path, num_blocks: int, requests: list, async_scheduling: bool =
 
 
 def test_generation_follows_the_grammar_with_n_seeds_and_preemption(tiny_model: Path) -> None:
-    from cbserve.worker.structured import load_grammar_tokenizer
+    from cbserve.worker.sampling.structured import load_grammar_tokenizer
 
     tok = load_grammar_tokenizer(tiny_model)
     regex = SamplingParams(temperature=1.0, n=2, seed=7, max_tokens=24, structured=StructuredSpec("regex", REGEX))
@@ -173,7 +173,7 @@ def test_structured_output_under_async_scheduling(tiny_model: Path) -> None:
     """Async scheduling (as the served engine runs): step N+1 is scheduled and run before the scheduler has
     step N's token, so each matcher must advance from the worker's own samples. Greedy and seeded outputs
     equal the synchronous run's, with and without preemption, and every output ends at its grammar's end."""
-    from cbserve.worker.structured import load_grammar_tokenizer
+    from cbserve.worker.sampling.structured import load_grammar_tokenizer
 
     tok = load_grammar_tokenizer(tiny_model)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},

@@ -16,11 +16,11 @@ import torch
 from think_model import EOS, ThinkModel, make_think_model
 from worker_testlib import run_engine
 
-from cbserve.scheduler.sampling_params import SamplingParams, StructuredSpec
+from cbserve.scheduler.requests.sampling_params import SamplingParams, StructuredSpec
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.executor import LocalExecutor
-from cbserve.worker.sampler import SamplingRow
-from cbserve.worker.structured import StructuredOutputs, load_grammar_tokenizer
+from cbserve.worker.runner.executor import LocalExecutor
+from cbserve.worker.sampling.sampler import SamplingRow
+from cbserve.worker.sampling.structured import StructuredOutputs, load_grammar_tokenizer
 
 pytest.importorskip("xgrammar")
 VOCAB = 49160

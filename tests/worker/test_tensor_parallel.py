@@ -14,10 +14,10 @@ import torch.multiprocessing as mp
 from worker_testlib import free_port, make_tiny_model, run_engine
 
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, done_future
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.executor import LocalExecutor
-from cbserve.worker.model_runner import ModelRunner
+from cbserve.worker.runner.executor import LocalExecutor
+from cbserve.worker.runner.model_runner import ModelRunner
 
 BLOCK, NUM_BLOCKS = 4, 64
 PROMPTS = [[5, 17, 33, 2, 90, 41, 7], [11, 12, 13], list(range(40, 75))]

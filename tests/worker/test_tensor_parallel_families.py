@@ -15,7 +15,7 @@ from test_tensor_parallel import BLOCK, NUM_BLOCKS, _requests, _worker
 from worker_testlib import free_port, run_engine
 
 from cbserve.worker.config import ModelConfig
-from cbserve.worker.executor import LocalExecutor
+from cbserve.worker.runner.executor import LocalExecutor
 
 
 @pytest.mark.timeout(300)

@@ -18,7 +18,7 @@ if not CUDA:
 pytest.importorskip("triton")
 
 from cbserve.worker.attention import AttentionLayout, AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from cbserve.worker.cuda_graphs import DecodeCUDAGraphs, capture_sizes, graphs_supported  # noqa: E402
+from cbserve.worker.cuda.graphs import DecodeCUDAGraphs, capture_sizes, graphs_supported  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 pytestmark = pytest.mark.cuda  # the GPU suite (`pytest -m cuda`): compiled on CUDA, interpreted on CPU

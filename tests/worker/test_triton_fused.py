@@ -1,4 +1,4 @@
-"""The fused Triton kernels of the CUDA decoder layer (``cbserve/worker/triton_fused.py``) against the torch paths
+"""The fused Triton kernels of the CUDA decoder layer (``cbserve/worker/cuda/triton_fused.py``) against the torch paths
 they replace: ``RMSNorm`` (residual add + norm, plain and Gemma's 1 + w form, and the per-head q/k norm),
 ``apply_rotary`` / ``TorchRope`` (rotate-half, the only convention the models use; no partial rotary: the rope
 tables refuse it) and ``SiluAndMul`` / ``GeluTanhAndMul``.
@@ -24,9 +24,10 @@ torch = pytest.importorskip("torch")
 CUDA = torch.cuda.is_available()  # without it, conftest.py has set TRITON_INTERPRET=1
 triton = pytest.importorskip("triton")
 
-from cbserve.worker import layers, rotary  # noqa: E402
-from cbserve.worker.layers import GeluTanhAndMul, RMSNorm, SiluAndMul, use_triton  # noqa: E402
-from cbserve.worker.rotary import RotaryEmbedding, TorchRope, TritonRope  # noqa: E402
+from cbserve.worker.layers import basic as layers  # noqa: E402
+from cbserve.worker.layers import rotary  # noqa: E402
+from cbserve.worker.layers.basic import GeluTanhAndMul, RMSNorm, SiluAndMul, use_triton  # noqa: E402
+from cbserve.worker.layers.rotary import RotaryEmbedding, TorchRope, TritonRope  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -41,7 +42,7 @@ EPS = 1e-6
 def tf() -> ModuleType:
     """The kernels module, interpreted without CUDA (re-imported if it was imported before the interpreter was
     switched on; skipped if triton itself was)."""
-    from cbserve.worker import triton_fused
+    from cbserve.worker.cuda import triton_fused
 
     if not CUDA:
         interpreted_triton(triton_fused, probe="_rotary_kernel")
@@ -270,7 +271,7 @@ def test_layers_fused_branches(tf: ModuleType, monkeypatch: pytest.MonkeyPatch, 
 
 
 _SCRIPT = r"""
-from cbserve.worker import triton_fused as tf
+from cbserve.worker.cuda import triton_fused as tf
 P = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
 for case in json.loads(sys.argv[1]):
     kind, dtype = case[0], case[1]

@@ -11,7 +11,7 @@ from types import ModuleType
 import torch
 
 from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, SchedulerConfig
-from cbserve.scheduler.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.attention import AttentionBackend, AttentionLayout, AttentionMetadata
 from cbserve.worker.attention.backend import PreparedAttention
 

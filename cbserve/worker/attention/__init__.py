@@ -1,6 +1,6 @@
 """Attention backends behind one interface (torch reference, CPU C kernel, Triton, flash-attn)."""
 
-from .backend import (
+from cbserve.worker.attention.backend import (
     AttentionBackend,
     AttentionLayout,
     AttentionMetadata,
@@ -8,9 +8,9 @@ from .backend import (
     KVCache,
     write_kv_cache,
 )
-from .cpu_backend import CpuAttentionBackend
-from .selector import get_attention_backend
-from .torch_backend import TorchAttentionBackend
+from cbserve.worker.attention.cpu_backend import CpuAttentionBackend
+from cbserve.worker.attention.selector import get_attention_backend
+from cbserve.worker.attention.torch_backend import TorchAttentionBackend
 
 __all__ = [
     "AttentionBackend",

@@ -29,9 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cpu.kernels import CpuKernels
-from ..cpu.native import load_cpu_kernels
-from .backend import (
+from cbserve.worker.attention.backend import (
     AttentionLayout,
     AttentionMetadata,
     AttentionMetadataBuilder,
@@ -39,7 +37,14 @@ from .backend import (
     PreparedAttention,
     write_kv_cache,
 )
-from .torch_backend import TorchAttentionBackend, TorchMetadataBuilder, TorchPrepared, _prefill_chunks
+from cbserve.worker.attention.torch_backend import (
+    TorchAttentionBackend,
+    TorchMetadataBuilder,
+    TorchPrepared,
+    _prefill_chunks,
+)
+from cbserve.worker.cpu.kernels import CpuKernels
+from cbserve.worker.cpu.native import load_cpu_kernels
 
 # Longest prefill context (tokens) attended as kernel rows; longer ones go to torch's SDPA (see above).
 ROWS_MAX_PREFILL_CONTEXT = 768

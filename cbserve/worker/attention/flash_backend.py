@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .backend import (
+from cbserve.worker.attention.backend import (
     AttentionBackend,
     AttentionLayout,
     AttentionMetadata,
@@ -93,7 +93,7 @@ _OPS = load_flash_ops()  # evaluated once at import; the selector treats ImportE
 
 
 def _write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
-    from . import triton_kernels  # triton ships with every CUDA build of torch
+    from cbserve.worker.attention import triton_kernels  # triton ships with every CUDA build of torch
 
     triton_kernels.write_kv_cache(k if k.stride(-1) == 1 else k.contiguous(),
                                   v if v.stride(-1) == 1 else v.contiguous(), kv_cache[0], kv_cache[1],

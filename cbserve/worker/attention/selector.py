@@ -8,10 +8,10 @@ import logging
 
 import torch
 
-from ..cpu.native import load_cpu_kernels
-from .backend import AttentionBackend
-from .cpu_backend import CpuAttentionBackend
-from .torch_backend import TorchAttentionBackend
+from cbserve.worker.attention.backend import AttentionBackend
+from cbserve.worker.attention.cpu_backend import CpuAttentionBackend
+from cbserve.worker.attention.torch_backend import TorchAttentionBackend
+from cbserve.worker.cpu.native import load_cpu_kernels
 
 logger = logging.getLogger(__name__)
 

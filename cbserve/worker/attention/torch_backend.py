@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .backend import (
+from cbserve.worker.attention.backend import (
     AttentionBackend,
     AttentionLayout,
     AttentionMetadata,

@@ -7,7 +7,7 @@ batch needs no re-basing: it gets views of the metadata tensors past the decodes
 
 The split count of the decode kernel is a launch constant, part of the step's plan (``TritonMetadataBuilder``).
 A CUDA-graph runner must fix it for the life of a captured graph: it sets ``metadata.decode_num_splits``
-before the plan is built (see worker/cuda_graphs.py); otherwise it is chosen per iteration from the batch
+before the plan is built (see worker/cuda/graphs.py); otherwise it is chosen per iteration from the batch
 size, the layout's kv heads, the device's SM count and the longest decode context, always one of
 ``triton_kernels.SPLIT_BUCKETS`` (1, 2, 4, 8, 16), so the kernel is compiled for at most five split counts.
 """
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import triton_kernels
-from .backend import (
+from cbserve.worker.attention import triton_kernels
+from cbserve.worker.attention.backend import (
     AttentionBackend,
     AttentionLayout,
     AttentionMetadata,

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 import triton
 
-from . import triton_jit
+from cbserve.worker.attention import triton_jit
 
 _LOG2E = 1.4426950408889634
 

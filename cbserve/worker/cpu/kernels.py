@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from . import abi
-from .abi import PANEL_FORMATS, ModelArgs
-from .lora_segments import LoRASegments
+from cbserve.worker.cpu import abi
+from cbserve.worker.cpu.abi import PANEL_FORMATS, ModelArgs
+from cbserve.worker.cpu.lora_segments import LoRASegments
 
 _ERRORS = {abi.RETURN_CODES["CB_ENOMEM"]: "out of memory for the kernel's scratch buffers",
            abi.RETURN_CODES["CB_EINVAL"]: "invalid shapes",

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gguf_blocks import QuantBlocks
-from .kernels import CpuKernels, Panels, is_bfloat16_exact
+from cbserve.worker.cpu.gguf_blocks import QuantBlocks
+from cbserve.worker.cpu.kernels import CpuKernels, Panels, is_bfloat16_exact
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .kernels import CpuKernels
+from cbserve.worker.cpu.kernels import CpuKernels
 
 logger = logging.getLogger(__name__)
 

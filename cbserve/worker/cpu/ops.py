@@ -26,11 +26,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .gguf_blocks import QuantBlocks
-from .kernels import CpuKernels
-from .linear import pack_linear_weights
-from .native import load_cpu_kernels
-from .probe import ProbeResult, probe_cached
+from cbserve.worker.cpu.gguf_blocks import QuantBlocks
+from cbserve.worker.cpu.kernels import CpuKernels
+from cbserve.worker.cpu.linear import pack_linear_weights
+from cbserve.worker.cpu.native import load_cpu_kernels
+from cbserve.worker.cpu.probe import ProbeResult, probe_cached
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .kernels import CpuKernels
-from .linear import pack_weight, packed_linear, packing_supported
+from cbserve.worker.cpu.kernels import CpuKernels
+from cbserve.worker.cpu.linear import pack_weight, packed_linear, packing_supported
 
 DECODE_ROWS = 1
 PREFILL_ROWS = 128

@@ -12,15 +12,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.backend import AttentionBackend, AttentionLayout, AttentionMetadata, KVCache
-from ..cpu.gguf_blocks import QuantBlocks
-from ..cpu.kernels import CpuKernels
-from ..cpu.layers import NativeLayers
-from ..cpu.ops import TORCH_OPS, CpuOps, pack_weights
-from ..layers import ColumnParallelLinear, ParallelLMHead
-from ..parallel import tp_world_size
-from ..rotary import Rope
-from .decoder import DecoderLayer, DecoderModel, DecoderSpec, GatedMLP
+from cbserve.worker.attention.backend import AttentionBackend, AttentionLayout, AttentionMetadata, KVCache
+from cbserve.worker.cpu.gguf_blocks import QuantBlocks
+from cbserve.worker.cpu.kernels import CpuKernels
+from cbserve.worker.cpu.ops import TORCH_OPS, CpuOps, pack_weights
+from cbserve.worker.layers.basic import ColumnParallelLinear, ParallelLMHead
+from cbserve.worker.layers.rotary import Rope
+from cbserve.worker.models.decoder import DecoderLayer, DecoderModel, DecoderSpec, GatedMLP
+from cbserve.worker.models.native_layers import NativeLayers
+from cbserve.worker.parallel import tp_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Bound by finish_loading (native ops): runs all decoder layers of a step in one C call.
         self.native_layers: NativeLayers | None = None
-        # With LoRA (worker/lora.py): the step's adapters; a step that has some runs the module path.
+        # With LoRA (worker/lora/manager.py): the step's adapters; a step that has some runs the module path.
         self.lora_step: Any = None
 
     # ---- what a family says ------------------------------------------------------------------------

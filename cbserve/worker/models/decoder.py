@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.backend import AttentionBackend, AttentionMetadata, KVCache
-from ..attention.cpu_backend import CpuAttentionBackend
-from ..cpu.kernels import CpuKernels
-from ..layers import (
+from cbserve.worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from cbserve.worker.attention.cpu_backend import CpuAttentionBackend
+from cbserve.worker.cpu.kernels import CpuKernels
+from cbserve.worker.layers.basic import (
     ColumnParallelLinear,
     GeluTanhAndMul,
     QKVParallelLinear,
@@ -24,9 +24,9 @@ from ..layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
-from ..model_info import head_dim_of, num_kv_heads_of
-from ..parallel import divide, tp_world_size
-from ..rotary import Rope, RotaryEmbedding
+from cbserve.worker.layers.rotary import Rope, RotaryEmbedding
+from cbserve.worker.parallel import divide, tp_world_size
+from cbserve.worker.shapes import head_dim_of, num_kv_heads_of
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .causal_lm import CausalLM
-from .decoder import ACTIVATIONS, DecoderSpec
+from cbserve.worker.models.causal_lm import CausalLM
+from cbserve.worker.models.decoder import ACTIVATIONS, DecoderSpec
 
 MODEL_TYPES = ("gemma",)
 ARCHITECTURES = ("GemmaForCausalLM",)

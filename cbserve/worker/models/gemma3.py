@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .causal_lm import CausalLM
-from .decoder import DecoderSpec
-from .gemma2 import gemma_spec
+from cbserve.worker.models.causal_lm import CausalLM
+from cbserve.worker.models.decoder import DecoderSpec
+from cbserve.worker.models.gemma2 import gemma_spec
 
 MODEL_TYPES = ("gemma3_text",)
 ARCHITECTURES = ("Gemma3ForCausalLM",)

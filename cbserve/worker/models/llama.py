@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .causal_lm import CausalLM
-from .decoder import DecoderSpec, activation_of, layer_windows
+from cbserve.worker.models.causal_lm import CausalLM
+from cbserve.worker.models.decoder import DecoderSpec, activation_of, layer_windows
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

@@ -8,11 +8,11 @@ from typing import Any
 
 from torch import nn
 
-from ..cpu.kernels import CpuKernels
-from ..moe import MoEConfig, SparseMoeBlock
-from .causal_lm import CausalLM
-from .decoder import DecoderSpec, layer_windows
-from .moe_lm import MoEWeights
+from cbserve.worker.cpu.kernels import CpuKernels
+from cbserve.worker.layers.moe import MoEConfig, SparseMoeBlock
+from cbserve.worker.models.causal_lm import CausalLM
+from cbserve.worker.models.decoder import DecoderSpec, layer_windows
+from cbserve.worker.models.moe_lm import MoEWeights
 
 MODEL_TYPES = ("mixtral",)
 ARCHITECTURES = ("MixtralForCausalLM",)

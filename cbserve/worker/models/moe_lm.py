@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..moe import SparseMoeBlock, cuda_graphs_blocker, map_expert_name, split_stacked
+from cbserve.worker.layers.moe import SparseMoeBlock, cuda_graphs_blocker, map_expert_name, split_stacked
 
 
 class MoEWeights:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .causal_lm import CausalLM
-from .decoder import DecoderSpec, activation_of, layer_windows
+from cbserve.worker.models.causal_lm import CausalLM
+from cbserve.worker.models.decoder import DecoderSpec, activation_of, layer_windows
 
 MODEL_TYPES = ("phi3",)
 ARCHITECTURES = ("Phi3ForCausalLM",)

@@ -9,10 +9,10 @@ from typing import Any
 
 from torch import nn
 
-from ..cpu.kernels import CpuKernels
-from ..moe import MoEConfig, SparseMoeBlock
-from .moe_lm import MoEWeights
-from .qwen3 import Qwen3ForCausalLM
+from cbserve.worker.cpu.kernels import CpuKernels
+from cbserve.worker.layers.moe import MoEConfig, SparseMoeBlock
+from cbserve.worker.models.moe_lm import MoEWeights
+from cbserve.worker.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_TYPES = ("qwen3_moe",)
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)

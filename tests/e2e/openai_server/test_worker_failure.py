@@ -34,7 +34,7 @@ def _long_request(server: Server, i: int) -> tuple[str, Any]:
 
 
 def test_killed_worker_fails_in_flight_requests_and_replica_recovers(server: Server) -> None:
-    from cbserve.cluster.engine_client import NAMESPACE, engine_actor_names
+    from cbserve.cluster.ops.names import NAMESPACE, engine_actor_names
 
     app = server.main
     names = engine_actor_names("main")
@@ -68,7 +68,7 @@ def test_killed_worker_fails_in_flight_requests_and_replica_recovers(server: Ser
 def test_worker_lost_while_idle_is_noticed_without_a_request(server: Server) -> None:
     """An idle replica whose worker dies rebuilds at once (its rank's lifetime call fails), instead of staying
     "ready" until the next request routed to it fails."""
-    from cbserve.cluster.engine_client import NAMESPACE, engine_actor_names
+    from cbserve.cluster.ops.names import NAMESPACE, engine_actor_names
 
     app = server.main
     wait_for("every replica ready", app.healthy, 240, 1)

@@ -1,0 +1,1 @@
+"""The ``cbserve`` command (``main.py``): ``serve``, ``generate`` (and ``bench``, in cbserve.bench)."""

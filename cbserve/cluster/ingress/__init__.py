@@ -1,0 +1,1 @@
+"""The ingress replica's process: the Serve deployment and its HTTP edge, the engine client, routing and failover."""

@@ -1,0 +1,1 @@
+"""Tool calling, structured output and reasoning at the edge."""

@@ -1,0 +1,1 @@
+"""A request in the engine: its parameters, its sequences, its adapter, the length rule and what admission refuses."""

@@ -1,0 +1,62 @@
+"""What ``EngineCore.add_request`` refuses before a request enters the engine: an id already in use (sequence ids
+share one namespace at the worker) and a request that could never run (``validate_request``: LoRA off, the length
+rule of limits.py, more KV blocks than the whole cache, beam search beside speculative decoding)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from cbserve.scheduler.config import EngineConfig
+from cbserve.scheduler.errors import RequestRejectedError
+from cbserve.scheduler.requests.limits import check_pooling_prompt, resolve_max_tokens
+from cbserve.scheduler.requests.request import EngineRequest
+from cbserve.scheduler.requests.sequence import SequenceGroup, child_seq_id
+
+
+def id_in_use(groups: Mapping[str, SequenceGroup], request: EngineRequest) -> bool:
+    """Whether one of the request's sequence ids is taken: "x" with n=2 owns "x" and "x#1"."""
+    for i in range(request.sampling_params.num_sequences):
+        seq_id = child_seq_id(request.req_id, i)
+        if seq_id in groups:
+            return True
+        base, sep, index = seq_id.rpartition("#")
+        owner = groups.get(base) if sep and index.isdigit() else None
+        if owner is not None and (owner.mode == "beam" or int(index) < owner.params.num_sequences):
+            return True  # beam search forks children with ever-growing indices
+    return False
+
+
+def validate_request(cfg: EngineConfig, request: EngineRequest) -> int:
+    """Reject what could never run (RequestRejectedError). Returns the effective max_tokens."""
+    num_prompt = len(request.prompt_token_ids)
+    if request.lora is not None and not cfg.scheduler.max_loras:
+        raise RequestRejectedError(f"adapter {request.lora.lora_name!r}: LoRA is not enabled on this engine")
+    if cfg.runner == "pooling":
+        return check_pooling_prompt(num_prompt, cfg.scheduler.max_model_len, request.sampling_params)
+    max_tokens = resolve_max_tokens(num_prompt, request.sampling_params.max_tokens, cfg.scheduler.max_model_len)
+    # The last generated token is never computed, so its KV needs no slot.
+    blocks = math.ceil((num_prompt + max_tokens - 1) / cfg.cache.block_size)
+    if blocks > cfg.cache.num_blocks:
+        raise RequestRejectedError(
+            f"the request needs {blocks} KV cache blocks (prompt {num_prompt} + max_tokens {max_tokens} "
+            f"tokens) but the whole cache has only {cfg.cache.num_blocks} blocks"
+        )
+    params = request.sampling_params
+    if params.use_beam_search and cfg.speculative is not None:
+        raise RequestRejectedError(
+            "beam search does not combine with speculative decoding (speculative_config is set on this "
+            "engine): use sampling or greedy decoding"
+        )
+    if params.use_beam_search:  # all beams live at once: they share the prompt's blocks only
+        bs, width = cfg.cache.block_size, params.beam_width
+        if cfg.cache.enable_prefix_caching:
+            blocks = math.ceil(num_prompt / bs) + width * (math.ceil(max_tokens / bs) + 1)
+        else:  # a preempted beam is recomputed into blocks of its own: no prefix hits on its siblings'
+            blocks = width * math.ceil((num_prompt + max_tokens) / bs)
+        if blocks > cfg.cache.num_blocks:
+            raise RequestRejectedError(
+                f"beam search with width {params.beam_width} needs up to {blocks} KV cache blocks "
+                f"but the whole cache has only {cfg.cache.num_blocks} blocks"
+            )
+    return max_tokens

@@ -1,0 +1,1 @@
+"""What runs on CUDA only: decode and piecewise CUDA graphs, the fused Triton kernels."""

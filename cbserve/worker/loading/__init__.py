@@ -1,0 +1,2 @@
+"""Finding and loading a model: HF folders and GGUF files, their shapes without torch, building the model with its
+weights."""

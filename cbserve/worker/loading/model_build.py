@@ -1,0 +1,79 @@
+"""Build a causal LM on a worker from its folder: the target model of ``ModelRunner`` and the draft model of
+speculative decoding (``draft_model.py``) alike."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cbserve.worker.attention.selector import get_attention_backend
+from cbserve.worker.config import ModelConfig
+from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
+from cbserve.worker.cpu.kernels import CpuKernels
+from cbserve.worker.cpu.ops import resolve_cpu_ops
+from cbserve.worker.loading.model_loader import iter_weights
+from cbserve.worker.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    model: Any
+    cpu_ops: str  # the resolved cpu_ops mode
+    backend_cls: type
+    dtype: torch.dtype  # the model's and its KV cache's: float32 for bfloat16 products on the CPU kernels
+    kernels: CpuKernels | None  # the CPU C kernels the model runs on (native ops), else None
+    cpu_report: dict[str, Any]  # CpuOps.report(): mode, ISA level, probe figures (/stats)
+
+
+def build_model(
+    folder: Path,
+    hf_config: Any,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    progress: bool,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> BuiltModel:
+    """The model of ``folder`` with its weights loaded, in eval mode; on CPU its weights packed for the kernels
+    (the GGUF blocks kept when ``cpu_compact_weights``). ``weights``: HF-named tensors to load instead of the
+    folder's (benchmarks with random weights); the folder still gives the config."""
+    ops = resolve_cpu_ops(config.cpu_ops, device, dtype, config.cpu_isa, probe_shape(hf_config))
+    if ops.bf16_products:  # bfloat16 on the C kernels: a float32 model and KV cache, bfloat16 products
+        dtype = torch.float32
+        logger.info("dtype bfloat16 on the CPU kernels: linear layers multiply in bfloat16, the rest is float32")
+    backend_cls = get_attention_backend(config.attention_backend, device, ops.native, config.cpu_isa)
+    model_cls = model_class(hf_config)  # NotImplementedError naming what is supported
+    with default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config, backend_cls, max_model_len, ops)
+    model.load_weights(weights if weights is not None else iter_weights(folder, progress=progress))
+    model.eval()
+    if device.type == "cpu":
+        compact = config.cpu_compact_weights and ops.native
+        model.finish_loading(load_gguf_blocks(folder) if compact else None, compact)
+    return BuiltModel(model, ops.mode, backend_cls, dtype, ops.kernels, ops.report())
+
+
+def probe_shape(hf_config: Any) -> tuple[int, int]:
+    """The model's hidden size and MLP width (a mixture of experts': one expert's), for the cpu_ops probe."""
+    hidden = int(hf_config.hidden_size)
+    inter = getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "moe_intermediate_size", None)
+    return hidden, int(inter or 4 * hidden)

@@ -1,0 +1,1 @@
+"""Sampling: the batched sampler, token constraints, structured output's matchers, speculative drafts' verification."""
