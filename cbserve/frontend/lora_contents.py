@@ -1,6 +1,6 @@
-"""The checked bytes of LoRA adapters, kept so that the workers run exactly what was checked (an adapter's files
-may change or go once it is loaded; ``worker/lora/files.py`` reads and checks them, ``LoRARequest.digest`` names
-them).
+"""The checked bytes of LoRA adapters, kept so that the workers run exactly what was checked (an adapter's
+files may change or go once it is loaded; ``worker/lora/files.py`` reads and checks them, ``LoRARequest.digest``
+names them).
 
 - ``AdapterContents``: contents by digest, those of the adapters served (one copy for every name that serves
   the same bytes) and, once unloaded, the last ``keep_unloaded`` of them: a request admitted before its adapter

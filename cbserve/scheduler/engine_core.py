@@ -321,13 +321,14 @@ class EngineCore:
     async def step_async(self, wait: Callable[[Future[ModelRunnerOutput] | None], Awaitable[object]]
                          ) -> StepResult | None:
         """One turn of the loop, for a host on an event loop (the SchedulerActor): send what can be sent, then
-        ``await wait(future)`` for the oldest step's output (requests come in meanwhile; ``wait(None)``: the oldest
+        ``await wait(future)`` for the oldest step's output (requests come in meanwhile; ``wait(None)``: the only
         step runs nothing, a batching window is open) and apply it. None when there was nothing to run."""
         self.submit_steps()
         if not self.batch_queue:
             return None
         so, future = self.batch_queue[0]
-        await wait(None if so.is_empty else future)
+        window = so.is_empty and len(self.batch_queue) == 1  # nothing runs or follows: a batching window is open
+        await wait(None if window else future)
         return self.complete_oldest_step()
 
     def step_with_batch_queue(self) -> StepResult | None:

@@ -106,9 +106,8 @@ class OutputFrame:
 class StepReply:
     """A worker rank's answer to one ``SchedulerOutput`` (the step itself is that dataclass, scheduler/outputs.py):
     rank 0's ``ModelRunnerOutput`` (None on the other ranks), or the ``StepFailedError`` of a step that raised on a
-    live worker (worker/runner/step_guard.py: the engine fails its culprits alone), or ``error``: the worker's end of
-    the
-    hop itself failed (a bug; the replica rebuilds its workers)."""
+    live worker (worker/runner/step_guard.py: the engine fails its culprits alone), or ``error``: the worker's end
+    of the hop itself failed (a bug; the replica rebuilds its workers)."""
 
     output: ModelRunnerOutput | None = None
     failure: StepFailedError | None = None

@@ -10,8 +10,8 @@ channel before any output of the request (``Admitted`` or its ``EngineFailure``)
 the requests of one channel go out as ONE frame (``OutputFrame``), with the engine's prefix-cache events (for the
 cache-aware router) and its state when it changed. A channel's first frame carries the replica's state and a
 snapshot of its prefix cache. A Ray actor call would cost the two processes ~1.5 ms of CPU per message in Ray's
-threads; a frame on a socket costs ~0.3 ms. Ray calls are left for the life cycle (``output_address``, stats,
-shutdown).
+threads; a frame on a socket costs ~0.3 ms. Ray calls are left for the life cycle (``output_address``,
+stats, shutdown).
 
 The connection is the boundary's liveness signal, both ways: when the ingress goes (its process died, or it closed
 the channel), the actor aborts the requests the channel sent (``on_closed``); when the actor's process dies, the

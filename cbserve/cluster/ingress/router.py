@@ -12,11 +12,10 @@ within the same imbalance bound; otherwise to the adapter's own replica by rende
 the prompt), so an adapter's requests gather on one replica instead of loading it everywhere.
 
 Modes (``routing``): ``cache_aware`` (the default) first looks at what each replica's prefix cache really holds
-(cluster/ingress/prefix_index.py, fed by the replicas' block events). When some replica within the imbalance bound of
-the
-least loaded one holds a cached prefix of the prompt (in whole blocks; it counts when it covers the affinity chunk,
-or every cacheable block of a shorter prompt), the request goes to the replica of that bound where its first token
-should come soonest: the fewest prompt tokens to prefill ahead of it (those of the requests routed there that have
+(cluster/ingress/prefix_index.py, fed by the replicas' block events). When some replica within the imbalance bound
+of the least loaded one holds a cached prefix of the prompt (in whole blocks; it counts when it covers the affinity
+chunk, or every cacheable block of a shorter prompt), the request goes to the replica of that bound where its first
+token should come soonest: the fewest prompt tokens to prefill ahead of it (those of the requests routed there that have
 no token yet) plus its own uncached ones (counted twice, for the cache room they take); with no prefill waiting
 anywhere that is the longest cached prefix (then more cached blocks, then the less loaded). With no such hit, the
 rules above apply. So a tenant's prompts follow its cache where the cache went (a spill past the bound, a rebuilt
