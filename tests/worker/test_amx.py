@@ -48,7 +48,7 @@ def _packed(kernels: CpuKernels, fmt: str, w: torch.Tensor) -> tuple[Panels, tor
     else:
         raw = quantize(w.numpy(), GGMLQuantizationType[fmt])
         blocks = QuantBlocks(fmt, torch.from_numpy(raw))
-        packed = kernels.pack_q8_0(*blocks.q8_0()) if fmt == "Q8_0" else kernels.pack_q4_1(*blocks.q4_1())
+        packed = kernels.pack_blocks(blocks)
         packed = kernels.with_bf16_products(packed)
     return packed, kernels.unpack(packed)
 

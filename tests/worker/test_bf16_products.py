@@ -72,7 +72,7 @@ def test_gguf_blocks_with_bf16_products_equal_bf16_dot_panels_of_their_values(
     raw = quantize(w, GGMLQuantizationType[qtype])
     blocks = QuantBlocks(qtype, torch.from_numpy(raw))
     decoded = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]))
-    packed = kernels.pack_q8_0(*blocks.q8_0()) if qtype == "Q8_0" else kernels.pack_q4_1(*blocks.q4_1())
+    packed = kernels.pack_blocks(blocks)
     as_bf16 = kernels.with_bf16_products(packed)
     assert as_bf16.fmt == qtype.lower() + "_bf16" and as_bf16.data is packed.data
     assert torch.equal(kernels.unpack(as_bf16), decoded.bfloat16().float())
@@ -101,7 +101,7 @@ def test_one_row_through_blocks_equals_the_tiled_path_bit_for_bit(kernels: CpuKe
 
     w = np.random.default_rng(7).normal(0.0, 0.05, size=(150, 576)).astype(np.float32)  # a partial last panel
     blocks = QuantBlocks(qtype, torch.from_numpy(quantize(w, GGMLQuantizationType[qtype])))
-    packed = kernels.pack_q8_0(*blocks.q8_0()) if qtype == "Q8_0" else kernels.pack_q4_1(*blocks.q4_1())
+    packed = kernels.pack_blocks(blocks)
     packed = kernels.with_bf16_products(packed)
     gen = torch.Generator().manual_seed(3)
     x, bias = torch.randn(2, 576, generator=gen), torch.randn(150, generator=gen)
@@ -136,7 +136,7 @@ def test_portable_build_gives_the_avx512_bf16_results(kernels: CpuKernels, tmp_p
     a, b = kernels.linear(x, p_native, bias), portable.linear(x, p_portable, bias)
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
     q = torch.randint(-127, 128, (130, 320), dtype=torch.int8, generator=gen)
-    d = torch.rand(130, 10, generator=gen) * 0.01
+    d = (torch.rand(130, 10, generator=gen) * 0.01).half().float()  # GGUF's float16 scales
     q8_native = kernels.with_bf16_products(kernels.pack_q8_0(d, q))
     q8_portable = portable.with_bf16_products(portable.pack_q8_0(d, q))
     x = x[:, :320].contiguous()

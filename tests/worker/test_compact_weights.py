@@ -43,7 +43,7 @@ def gguf_blocks(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantBlocks,
 
 
 def pack_blocks(kernels: CpuKernels, blocks: QuantBlocks):  # noqa: ANN201
-    return kernels.pack_q8_0(*blocks.q8_0()) if blocks.qtype == "Q8_0" else kernels.pack_q4_1(*blocks.q4_1())
+    return kernels.pack_blocks(blocks)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
@@ -52,13 +52,13 @@ def test_gguf_blocks_decode_to_gguf_py_values_bit_for_bit(kernels: CpuKernels, q
     blocks, reference = gguf_blocks(qtype, n, k)
     assert blocks.shape == (n, k)
     packed = pack_blocks(kernels, blocks)
-    assert packed.fmt == ("q8_0" if qtype == "Q8_0" else "q4_1")
+    assert packed.fmt == qtype.lower()
     decoded = kernels.unpack(packed)
     assert torch.equal(decoded, reference)
     if qtype != "Q4_0":  # Q4_0's d * (q - 8) is -0 in gguf-py for q = 8 and d < 0, +0 here: same value
         assert torch.equal(decoded.view(torch.int32), reference.view(torch.int32))
     per_weight = packed.nbytes / (-(-n // 48) * 48 * k)
-    assert per_weight == (1.125 if qtype == "Q8_0" else 0.75)
+    assert per_weight == {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[qtype] / 32  # GGUF's own bytes per weight
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
@@ -97,6 +97,8 @@ def test_packing_refuses_bad_blocks(kernels: CpuKernels) -> None:
         kernels.pack_q8_0(torch.ones(4, 1), torch.zeros(4, 48, dtype=torch.int8))
     with pytest.raises(ValueError, match="scales"):
         kernels.pack_q8_0(torch.ones(4, 2), torch.zeros(4, 32, dtype=torch.int8))
+    with pytest.raises(ValueError, match="not a float16"):  # the panels keep GGUF's float16 scales
+        kernels.pack_q4_0(torch.full((4, 1), 0.1), torch.zeros(4, 32, dtype=torch.uint8))
     with pytest.raises(ValueError, match="whole blocks"):
         QuantBlocks("Q4_1", torch.zeros(4, 21, dtype=torch.uint8))
     with pytest.raises(ValueError, match="unsupported"):

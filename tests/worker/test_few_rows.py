@@ -1,8 +1,8 @@
 """The few-row products (csrc/rows.c): a decode step's 1-4 rows multiply the packed weights decoded in
 registers instead of through the tiled path's float32 scratch. They must give what the tiled path gives the same
 rows inside a larger batch, bit for bit, at every ISA level this CPU runs and in every float32-products format:
-each output is the same k-order sum of the same float32 weights (the GGUF blocks included: Q4_0 is Q4_1 with
-m = -8d). The shapes cross a partial last panel, several GGUF blocks and rows read with a stride."""
+each output is the same k-order sum of the same float32 weights (the GGUF blocks included). The shapes cross a
+partial last panel, several GGUF blocks and rows read with a stride."""
 
 from __future__ import annotations
 
@@ -25,16 +25,10 @@ def level_kernels(request: pytest.FixtureRequest) -> CpuKernels:
     return load.kernels
 
 
-def _q4_0(kernels: CpuKernels, gen: torch.Generator):
-    d = torch.rand(N, K // 32, generator=gen) * 0.01
-    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=gen)
-    return kernels.pack_q4_1(d, -8 * d, q)
-
-
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "q8_0", "q4_1", "q4_0"])
 def test_few_rows_equal_the_same_rows_in_a_batch_bit_for_bit(level_kernels: CpuKernels, fmt: str) -> None:
     gen = torch.Generator().manual_seed(len(fmt))
-    panels = _q4_0(level_kernels, gen) if fmt == "q4_0" else _weights(level_kernels, fmt, N, K, gen)[0]
+    panels = _weights(level_kernels, fmt, N, K, gen)[0]
     wide = torch.randn(9, K + 40, generator=gen)
     x, bias = wide[:, 20:20 + K], torch.randn(N, generator=gen)  # rows K + 40 floats apart
     for b in (None, bias):

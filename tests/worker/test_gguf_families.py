@@ -123,8 +123,8 @@ def test_gguf_family_matches_hf(gguf_model: tuple[str, Path, Any], path: str,
     model = executor.runner.model
     if path == "native" and case != "qwen3moe":  # the one-call C layer driver runs the dense families
         assert model.native_layers is not None
-    if path == "native" and CASES[case][5] is not None:  # the kernels read the GGUF blocks (Q4_0 as q4_1)
-        fmt = {"Q8_0": "q8_0", "Q4_0": "q4_1"}[CASES[case][5]]
+    if path == "native" and CASES[case][5] is not None:  # the kernels read the GGUF blocks
+        fmt = CASES[case][5].lower()
         assert model.model.layers[0].mlp.down_proj.packed.panels.fmt == fmt
         assert model.lm_head.packed.panels.fmt == fmt
     run = run_engine(executor, reqs, block_size=4, num_blocks=36, max_num_batched_tokens=16, max_num_seqs=4,

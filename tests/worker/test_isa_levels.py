@@ -82,13 +82,16 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
 
 def _weights(kernels: CpuKernels, fmt: str, n: int, k: int, gen: torch.Generator):
     """A packing of format fmt and the float32 weight it decodes to."""
+    scales = lambda: (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()  # noqa: E731 (GGUF's float16)
     if fmt in ("q8_0", "q8_0_bf16"):
-        d = torch.rand(n, k // 32, generator=gen) * 0.01
+        d = scales()
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
         panels = kernels.pack_q8_0(d, q)
     elif fmt in ("q4_1", "q4_1_bf16"):
-        d, m = torch.rand(n, k // 32, generator=gen) * 0.01, torch.randn(n, k // 32, generator=gen) * 0.01
+        d, m = scales(), -scales()
         panels = kernels.pack_q4_1(d, m, torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen))
+    elif fmt in ("q4_0", "q4_0_bf16"):
+        panels = kernels.pack_q4_0(scales(), torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen))
     else:
         w = torch.randn(n, k, generator=gen)
         panels = kernels.pack_weight(w.bfloat16().float() if fmt == "bf16" else w, fmt)
@@ -97,7 +100,7 @@ def _weights(kernels: CpuKernels, fmt: str, n: int, k: int, gen: torch.Generator
     return panels, kernels.unpack(panels)
 
 
-FORMATS = ("f32", "bf16", "q8_0", "q4_1", "bf16_dot", "q8_0_bf16", "q4_1_bf16")
+FORMATS = ("f32", "bf16", "q8_0", "q4_1", "q4_0", "bf16_dot", "q8_0_bf16", "q4_1_bf16", "q4_0_bf16")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -109,7 +112,7 @@ def test_linear_every_level_matches_float64_and_each_other(builds: dict[str, Cpu
         gen = torch.Generator().manual_seed(m * 31 + len(fmt))
         panels, w = _weights(kernels, fmt, n, k, gen)
         x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
-        if fmt in ("bf16_dot", "q8_0_bf16", "q4_1_bf16"):  # bfloat16 products: the rounded operands' product
+        if fmt.endswith(("_dot", "_bf16")):  # bfloat16 products: the rounded operands' product
             x_ref, w_ref = x.bfloat16().float(), w.bfloat16().float()
         else:
             x_ref, w_ref = x, w

@@ -61,7 +61,7 @@ def test_one_row_over_gguf_blocks_is_shared_the_same_way(kernels: CpuKernels, th
 
     w = np.random.default_rng(7).normal(0.0, 0.05, size=(1000, 256)).astype(np.float32)
     blocks = QuantBlocks(qtype, torch.from_numpy(quantize(w, GGMLQuantizationType[qtype])))
-    raw = kernels.pack_q8_0(*blocks.q8_0()) if qtype == "Q8_0" else kernels.pack_q4_1(*blocks.q4_1())
+    raw = kernels.pack_blocks(blocks)
     packed = kernels.with_bf16_products(raw)
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(7))
     ref = one_thread(kernels, x, packed, None)

@@ -56,6 +56,7 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
     "cb_pack_weight_bf16_dot": (_I32, [_P, _I64, _I32, _I32, _P]),
     "cb_pack_q8_0": (_I32, [_P, _P, _I32, _I32, _P]),
     "cb_pack_q4_1": (_I32, [_P, _P, _P, _I32, _I32, _P]),
+    "cb_pack_q4_0": (_I32, [_P, _P, _I32, _I32, _P]),
     "cb_unpack_panels": (_I32, [_I32, _P, _I32, _I32, _P, _I64]),
     "cb_linear": (_I32, [_I32, _P, _I64, _I32, _I32, _P, _I32, _P, _P, _I64]),
     "cb_set_amx": (_I32, [_I32]),
@@ -77,7 +78,8 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
 # The header's enums that Python numbers too: return codes, the build's ISA bits and packed-weight formats.
 RETURN_CODES = {"CB_OK": 0, "CB_ENOMEM": 1, "CB_EINVAL": 2, "CB_ERANGE": 3}
 ISA_FEATURES = {"avx2": 1, "avx512": 2, "avx512_bf16": 4, "amx": 8}
-PANEL_FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "bf16_dot": 4, "q8_0_bf16": 5, "q4_1_bf16": 6}
+PANEL_FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "bf16_dot": 4, "q8_0_bf16": 5, "q4_1_bf16": 6,
+                 "q4_0": 7, "q4_0_bf16": 8}
 
 _SCALARS: dict[str, CType] = {"int": _I32, "int32_t": _I32, "int64_t": _I64, "float": _F32}
 

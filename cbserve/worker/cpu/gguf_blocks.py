@@ -60,6 +60,16 @@ class QuantBlocks:
         b = self._blocks()
         return self._scale(b, 0).contiguous(), b[:, :, 2:].contiguous().view(torch.int8).reshape(b.shape[0], -1)
 
+    def q4_0(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d [n, k / 32] float32, q [n, k] uint8 in 0..15) with w = d * (q - 8)."""
+        if self.qtype != "Q4_0":
+            raise ValueError(f"{self.qtype} blocks are not Q4_0")
+        b = self._blocks()
+        qs = b[:, :, 2:]
+        # byte j of a block holds value j in its low nibble and value j + 16 in its high one
+        q = torch.cat([qs & 15, qs >> 4], dim=2).reshape(b.shape[0], -1)
+        return self._scale(b, 0).contiguous(), q.contiguous()
+
     def q4_1(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(d, m [n, k / 32] float32, q [n, k] uint8 in 0..15) with w = d * q + m; Q4_0 (w = d * (q - 8)) as
         m = -8d, which gives the same float32 values: d * q - 8d = d * (q - 8) is exact."""

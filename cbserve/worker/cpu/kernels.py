@@ -17,6 +17,7 @@ import torch
 
 from cbserve.worker.cpu import abi
 from cbserve.worker.cpu.abi import PANEL_FORMATS, ModelArgs
+from cbserve.worker.cpu.gguf_blocks import QuantBlocks
 from cbserve.worker.cpu.lora_segments import LoRASegments
 
 _ERRORS = {abi.RETURN_CODES["CB_ENOMEM"]: "out of memory for the kernel's scratch buffers",
@@ -44,7 +45,7 @@ def _vector(t: torch.Tensor, name: str, n: int, dtype: torch.dtype = torch.float
 
 
 # The k block of the quantized panel formats (PANEL_FORMATS: name -> the C enum, in abi.py).
-BLOCK_FORMATS = ("q8_0", "q4_1")
+BLOCK_FORMATS = ("q8_0", "q4_1", "q4_0")
 BLOCK_K = 32
 _LORA_DTYPES = (torch.float32, torch.bfloat16)  # of the LoRA kernel's adapter slots (bfloat16: bf16 products)
 LORA_MAX_COLS = 1536  # columns of a LoRA slot (csrc/lora.c): rank 512 of a fused q/k/v projection, 3 x 512
@@ -82,6 +83,17 @@ def _block_shape(q: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor, fmt:
         raise ValueError(f"{fmt} scales must be a contiguous float32 [{n}, {k // BLOCK_K}] matrix, "
                          f"got {scales.dtype} {tuple(scales.shape)}")
     return n, k
+
+
+def _check_nibbles(q: torch.Tensor, fmt: str) -> None:
+    if q.numel() and int(q.max()) > 15:
+        raise ValueError(f"{fmt} values must be in 0..15, got {int(q.max())}")
+
+
+def _check_scales(rc: int, what: str) -> None:
+    if rc == abi.RETURN_CODES["CB_ERANGE"]:
+        raise ValueError(f"{what}: a scale is not a float16 value (the GGUF block formats keep float16 scales)")
+    _check(rc, what)
 
 
 class CpuKernels:
@@ -122,25 +134,44 @@ class CpuKernels:
         return Panels(fmt, out, n, k)
 
     def pack_q8_0(self, d: torch.Tensor, q: torch.Tensor) -> Panels:
-        """W = d * q in blocks of 32 along k: d [n, k / 32] float32, q [n, k] int8."""
+        """W = d * q in blocks of 32 along k: d [n, k / 32] float32 holding float16 values (GGUF's scales; the
+        panels keep them as float16: ValueError otherwise), q [n, k] int8."""
         n, k = _block_shape(q, torch.int8, d, "q8_0")
         out = self._panels_out("q8_0", n, k)
-        _check(self._lib.cb_pack_q8_0(d.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q8_0")
+        _check_scales(self._lib.cb_pack_q8_0(d.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q8_0")
         return Panels("q8_0", out, n, k)
 
     def pack_q4_1(self, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> Panels:
-        """W = d * q + m in blocks of 32 along k: d, m [n, k / 32] float32, q [n, k] uint8 in 0..15."""
+        """W = d * q + m in blocks of 32 along k: d, m [n, k / 32] float32 holding float16 values, q [n, k] uint8
+        in 0..15."""
         n, k = _block_shape(q, torch.uint8, d, "q4_1")
         _block_shape(q, torch.uint8, m, "q4_1")
-        if q.numel() and int(q.max()) > 15:
-            raise ValueError(f"q4_1 values must be in 0..15, got {int(q.max())}")
+        _check_nibbles(q, "q4_1")
         out = self._panels_out("q4_1", n, k)
-        _check(self._lib.cb_pack_q4_1(d.data_ptr(), m.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q4_1")
+        rc = self._lib.cb_pack_q4_1(d.data_ptr(), m.data_ptr(), q.data_ptr(), n, k, out.data_ptr())
+        _check_scales(rc, "pack_q4_1")
         return Panels("q4_1", out, n, k)
+
+    def pack_q4_0(self, d: torch.Tensor, q: torch.Tensor) -> Panels:
+        """W = d * (q - 8) in blocks of 32 along k: d [n, k / 32] float32 holding float16 values, q [n, k] uint8
+        in 0..15."""
+        n, k = _block_shape(q, torch.uint8, d, "q4_0")
+        _check_nibbles(q, "q4_0")
+        out = self._panels_out("q4_0", n, k)
+        _check_scales(self._lib.cb_pack_q4_0(d.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q4_0")
+        return Panels("q4_0", out, n, k)
+
+    def pack_blocks(self, blocks: QuantBlocks) -> Panels:
+        """GGUF blocks (Q8_0, Q4_0, Q4_1) packed in their panel format ("q8_0", "q4_0", "q4_1")."""
+        if blocks.qtype == "Q8_0":
+            return self.pack_q8_0(*blocks.q8_0())
+        if blocks.qtype == "Q4_0":
+            return self.pack_q4_0(*blocks.q4_0())
+        return self.pack_q4_1(*blocks.q4_1())
 
     @staticmethod
     def with_bf16_products(panels: Panels) -> Panels:
-        """GGUF block panels ("q8_0", "q4_1") read for bfloat16 products: the same bytes, each decoded weight
+        """GGUF block panels ("q8_0", "q4_1", "q4_0") read for bfloat16 products: the same bytes, each decoded weight
         rounded to bfloat16 by the kernel (the products of "bf16_dot" panels of the decoded weight)."""
         if panels.fmt not in BLOCK_FORMATS:
             raise ValueError(f"only {BLOCK_FORMATS} panels have a bfloat16-products variant, not {panels.fmt!r}")

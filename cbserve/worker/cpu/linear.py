@@ -9,7 +9,8 @@ Two packings, chosen by ``ModelConfig.cpu_ops`` (see ``ops.py``):
   whose float32 values fit a smaller format exactly is stored in it: the GGUF Q8_0 / Q4_0 / Q4_1 blocks it
   was dequantized from (``gguf_blocks.py``), or bfloat16 when every value is one. The kernel decodes them to
   the same float32 values in registers, so the arithmetic and the results do not change (each packing is
-  checked against the weight it replaces) while 2-5x fewer bytes are read per step.
+  checked against the weight it replaces) while 2-7x fewer bytes are read per step (the GGUF blocks as many
+  bytes as in the file: float16 scales and packed values).
   With ``bf16_products`` (``dtype="bfloat16"`` on the native ops) every weight is instead rounded to
   bfloat16 and stored in k pairs (GGUF blocks, with ``compact``, stay blocks and are rounded as the kernel
   decodes them), and the kernel rounds its input rows to bfloat16 too and sums the products in float32 with
@@ -113,7 +114,7 @@ def block_panels(weight: torch.Tensor, kernels: CpuKernels, blocks: QuantBlocks 
     if blocks is None:
         return None
     try:
-        packed = kernels.pack_q8_0(*blocks.q8_0()) if blocks.qtype == "Q8_0" else kernels.pack_q4_1(*blocks.q4_1())
+        packed = kernels.pack_blocks(blocks)
     except ValueError as e:
         packed = None
         logger.warning("GGUF %s blocks of a %s weight cannot be packed (%s)", blocks.qtype, tuple(weight.shape), e)

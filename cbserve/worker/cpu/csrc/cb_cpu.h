@@ -25,7 +25,9 @@ enum {
     CB_FMT_BF16_DOT = 4,  /* bfloat16 products from here on (see cb_linear) */
     CB_FMT_Q8_0_BF16 = 5, /* CB_FMT_Q8_0's bytes, each decoded weight rounded to bfloat16 */
     CB_FMT_Q4_1_BF16 = 6, /* CB_FMT_Q4_1's bytes, likewise */
-    CB_FMT_COUNT = 7
+    CB_FMT_Q4_0 = 7,
+    CB_FMT_Q4_0_BF16 = 8, /* CB_FMT_Q4_0's bytes, each decoded weight rounded to bfloat16 */
+    CB_FMT_COUNT = 9
 };
 
 /* One packed linear layer: out [m, n] = a [m, k] W^T (+ bias). */
@@ -80,21 +82,25 @@ CB_API int cb_pack_weight_bf16(const float *w, int64_t ldw, int n, int k, uint16
 /* As cb_pack_weight_f32, each value rounded to bfloat16 (to nearest, ties to even) and stored in k pairs: the
  * CB_FMT_BF16_DOT layout, whose products cb_linear computes in bfloat16 (see there). */
 CB_API int cb_pack_weight_bf16_dot(const float *w, int64_t ldw, int n, int k, uint16_t *out);
+/* The GGUF block formats keep their float16 scales: each of d (and m) must be a float16 value (CB_ERANGE
+ * otherwise, as for a 4-bit value above 15). */
 /* d: [n, k / 32] scales; q: [n, k] int8 -> out: cb_packed_bytes(CB_FMT_Q8_0, n, k) bytes. */
 CB_API int cb_pack_q8_0(const float *d, const int8_t *q, int n, int k, uint8_t *out);
 /* d, m: [n, k / 32]; q: [n, k] uint8 values 0..15 -> out: cb_packed_bytes(CB_FMT_Q4_1, n, k) bytes. */
 CB_API int cb_pack_q4_1(const float *d, const float *m, const uint8_t *q, int n, int k, uint8_t *out);
+/* d: [n, k / 32]; q: [n, k] uint8 values 0..15 (w = d * (q - 8)) -> out: cb_packed_bytes(CB_FMT_Q4_0, n, k). */
+CB_API int cb_pack_q4_0(const float *d, const uint8_t *q, int n, int k, uint8_t *out);
 /* packed (fmt, [n, k]) -> out [n, k], rows ldo floats apart: what the linear kernel multiplies by. */
 CB_API int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float *out, int64_t ldo);
 
 /* ---- linear layers (gemm.c) ---------------------------------------------------------------------------- */
 
 /* a: [m, k] rows lda floats apart; wp: W [n, k] packed as fmt; bias: [n] or NULL; c: [m, n] rows ldc apart.
- * CB_FMT_F32 .. CB_FMT_Q4_1 multiply in float32 by the weight's exact float32 values. The bfloat16 formats
- * (CB_FMT_BF16_DOT, CB_FMT_Q8_0_BF16, CB_FMT_Q4_1_BF16) round each row of a and each (decoded) weight to
+ * CB_FMT_F32 .. CB_FMT_Q4_1 and CB_FMT_Q4_0 multiply in float32 by the weight's exact float32 values. The
+ * bfloat16 formats (CB_FMT_BF16_DOT and the *_BF16 block formats) round each row of a and each (decoded) weight to
  * bfloat16 (to nearest even) and sum the products in float32, two k values a step (AVX-512 BF16's dot product
  * where the CPU has it; from 4 rows on, with k a multiple of 32, Intel AMX tiles where the CPU has them, 32 k
- * values a step): results within float32 rounding of bf16(a) @ bf16(W)^T computed in float32; the three give
+ * values a step): results within float32 rounding of bf16(a) @ bf16(W)^T computed in float32; they give
  * the same products for the same decoded weights. */
 CB_API int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                      const float *bias, float *c, int64_t ldc);

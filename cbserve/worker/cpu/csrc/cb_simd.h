@@ -114,6 +114,48 @@ static inline float cb_round_bf16(float x) {
     return r;
 }
 
+/* The float32 value of float16 bits h (exact; the GGUF block scales). */
+static inline float cb_half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t bits = sign;
+    if (exp == 0x1F)
+        bits |= 0x7F800000u | man << 13;
+    else if (exp)
+        bits |= (exp + 112) << 23 | man << 13;
+    else if (man) { /* subnormal: man * 2^-24, a float32 normal */
+        const float f = (float)man * 0x1p-24f;
+        uint32_t mag;
+        memcpy(&mag, &f, 4);
+        bits |= mag;
+    }
+    float r;
+    memcpy(&r, &bits, 4);
+    return r;
+}
+
+/* The float16 bits of x into *h when x is a float16 value exactly (finite); 0 when it is not (nothing written). */
+static inline int cb_float_to_half_exact(float x, uint16_t *h) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    const uint16_t sign = (uint16_t)(bits >> 16 & 0x8000u);
+    const uint32_t mag = bits & 0x7FFFFFFFu;
+    const int e = (int)(mag >> 23) - 127;
+    uint16_t out;
+    if (mag == 0)
+        out = sign;
+    else if (e >= -14 && e <= 15 && !(mag & 0x1FFFu)) /* normal: 10 significand bits */
+        out = (uint16_t)(sign | (uint32_t)(e + 15) << 10 | (mag & 0x7FFFFFu) >> 13);
+    else if (e >= -24 && e < -14) { /* subnormal: an integer multiple of 2^-24 below 2^-14 */
+        const float scaled = (x < 0 ? -x : x) * 0x1p24f;
+        const uint32_t m = (uint32_t)scaled;
+        if ((float)m != scaled) return 0;
+        out = (uint16_t)(sign | m);
+    } else
+        return 0;
+    *h = out;
+    return 1;
+}
+
 #define CB_LOG2E 1.44269504088896341f
 #define CB_LN2_HI 0.693359375f
 #define CB_LN2_LO (-2.12194440e-4f)

@@ -47,15 +47,34 @@ static inline void store_bits(float *p, vi v) { memcpy(p, &v, sizeof v); }
 
 #define CB_PV (CB_NR / CB_VW) /* vectors per panel row */
 
-#define Q8_BLOCK_BYTES (CB_NR * 4 + CB_QK * CB_NR)          /* d[48] + q[32][48] = 1728 */
-#define Q41_BLOCK_BYTES (2 * CB_NR * 4 + CB_QK / 2 * CB_NR) /* d[48] + m[48] + q[16][48] = 1152 */
+/* Block layouts (panels.h): float16 scales, then the values. */
+#define Q8_BLOCK_BYTES (CB_NR * 2 + CB_QK * CB_NR)          /* d[48] + q[32][48] = 1632 */
+#define Q41_BLOCK_BYTES (2 * CB_NR * 2 + CB_QK / 2 * CB_NR) /* d[48] + m[48] + q[16][48] = 960 */
+#define Q40_BLOCK_BYTES (CB_NR * 2 + CB_QK / 2 * CB_NR)     /* d[48] + q[16][48] = 864 */
 
+/* CB_VW float16 values as float32 (exact: every float16 is a float32). */
+#if CB_VW == 16
+static inline vf half_value(const uint16_t *p) {
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+#elif CB_VW == 8
+static inline vf half_value(const uint16_t *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#else
+static inline vf half_value(const uint16_t *p) {
+    vf r;
+    for (int i = 0; i < CB_VW; ++i) r[i] = cb_half_to_float(p[i]);
+    return r;
+}
+#endif
 
 /* The weights of CB_VW columns. Q4_1: one byte per column holds k = 2j (low nibble) and k = 2j + 1 (high);
- * d * q is exact (an 11-bit float16 significand times 4 bits), so the one rounding is in the add. Q8_0: d * q,
- * exact. bfloat16: the upper halves of float32 values. */
+ * d * q is exact (an 11-bit float16 significand times 4 bits), so the one rounding is in the add. Q4_0 is
+ * d * (q - 8), decoded as Q4_1 with m = -8d (q4_0_offset): d * q and -8d are exact and so is their sum, d * (q - 8)
+ * itself, in one FMA (but +0 where gguf-py gives -0: q = 8 with a negative d). Q8_0: d * q, exact. bfloat16:
+ * the upper halves of float32 values. */
 static inline vf q4_1_low(vf d, vf m, vi pair) { return d * to_float(pair & 15) + m; }
 static inline vf q4_1_high(vf d, vf m, vi pair) { return d * to_float(pair >> 4) + m; }
+static inline vf q4_0_offset(vf d) { return d * -8.0f; }
 static inline vf q8_0_value(vf d, const int8_t *q) { return d * to_float(widen_s8(q)); }
 static inline vf bf16_value(const uint16_t *src) {
     const vi bits = widen_u16(src) << 16;

@@ -10,7 +10,7 @@
  *
  * Why its own kernel and not oneDNN or MKL: a decode step multiplies every weight by only a few rows (one
  * per running request), so its cost is reading the weights from memory. This loop reads each panel exactly
- * once, in order, and the compact formats read 2x (bfloat16) to 5x (Q4_1) fewer bytes than float32 for the
+ * once, in order, and the compact formats read 2x (bfloat16) to 7x (Q4_0) fewer bytes than float32 for the
  * same float32 arithmetic. benchmarks/bench_cpu.py prints the rates; BENCHMARKS.md has the runs.
  *
  * A few rows (a decode step's, up to 4) go to rows.c instead, which decodes each weight vector in registers
@@ -337,7 +337,7 @@ static int cb_linear_bf16_dot(int fmt, const float *a, int64_t lda, int m, int k
                               const float *bias, float *c, int64_t ldc) {
     const int kp = (k + 1) / 2, panels = (n + CB_NR - 1) / CB_NR, row_blocks = (m + CB_ROW_BLOCK - 1) / CB_ROW_BLOCK;
     const int64_t pbytes = cb_panel_bytes(fmt, k);
-    if (m == 1 && (fmt == CB_FMT_Q4_1_BF16 || fmt == CB_FMT_Q8_0_BF16)) {
+    if (m == 1 && cb_bf16_blocks(fmt)) {
         blocks_one_row(fmt, a, k, wp, pbytes, n, bias, c);
         return CB_OK;
     }

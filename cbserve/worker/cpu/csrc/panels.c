@@ -3,10 +3,15 @@
 #include "decode.h"
 
 int cb_storage_format(int fmt) {
-    return fmt == CB_FMT_Q8_0_BF16 ? CB_FMT_Q8_0 : fmt == CB_FMT_Q4_1_BF16 ? CB_FMT_Q4_1 : fmt;
+    switch (fmt) {
+    case CB_FMT_Q8_0_BF16: return CB_FMT_Q8_0;
+    case CB_FMT_Q4_1_BF16: return CB_FMT_Q4_1;
+    case CB_FMT_Q4_0_BF16: return CB_FMT_Q4_0;
+    default: return fmt;
+    }
 }
 
-static int is_block_format(int fmt) { return fmt == CB_FMT_Q8_0 || fmt == CB_FMT_Q4_1; }
+static int is_block_format(int fmt) { return fmt == CB_FMT_Q8_0 || fmt == CB_FMT_Q4_1 || fmt == CB_FMT_Q4_0; }
 
 int64_t cb_panel_bytes(int fmt, int k) {
     fmt = cb_storage_format(fmt);
@@ -17,6 +22,7 @@ int64_t cb_panel_bytes(int fmt, int k) {
     case CB_FMT_BF16_DOT: return (int64_t)((k + 1) / 2) * 2 * CB_NR * 2;
     case CB_FMT_Q8_0: return (int64_t)(k / CB_QK) * Q8_BLOCK_BYTES;
     case CB_FMT_Q4_1: return (int64_t)(k / CB_QK) * Q41_BLOCK_BYTES;
+    case CB_FMT_Q4_0: return (int64_t)(k / CB_QK) * Q40_BLOCK_BYTES;
     default: return -1;
     }
 }
@@ -48,10 +54,10 @@ static void chunk_bf16_dot(const uint16_t *restrict src, int kn, float *restrict
 
 static void chunk_q8_0(const uint8_t *restrict blocks, int kn, float *restrict dst) {
     for (int b = 0; b < kn / CB_QK; ++b, blocks += Q8_BLOCK_BYTES) {
-        const float *d = (const float *)blocks;
-        const int8_t *q = (const int8_t *)(blocks + CB_NR * 4);
+        const uint16_t *d = (const uint16_t *)blocks;
+        const int8_t *q = (const int8_t *)(blocks + CB_NR * 2);
         vf dv[CB_PV];
-        for (int v = 0; v < CB_PV; ++v) dv[v] = cb_load(d + CB_VW * v);
+        for (int v = 0; v < CB_PV; ++v) dv[v] = half_value(d + CB_VW * v);
         for (int j = 0; j < CB_QK; ++j) {
             const int8_t *qj = q + j * CB_NR;
             float *o = dst + (int64_t)(b * CB_QK + j) * CB_NR;
@@ -62,10 +68,26 @@ static void chunk_q8_0(const uint8_t *restrict blocks, int kn, float *restrict d
 
 static void chunk_q4_1(const uint8_t *restrict blocks, int kn, float *restrict dst) {
     for (int b = 0; b < kn / CB_QK; ++b, blocks += Q41_BLOCK_BYTES) {
-        const float *d = (const float *)blocks, *m = d + CB_NR;
-        const uint8_t *q = blocks + 2 * CB_NR * 4;
+        const uint16_t *d = (const uint16_t *)blocks, *m = d + CB_NR;
+        const uint8_t *q = blocks + 2 * CB_NR * 2;
         for (int v = 0; v < CB_PV; ++v) {
-            const vf dv = cb_load(d + CB_VW * v), mv = cb_load(m + CB_VW * v);
+            const vf dv = half_value(d + CB_VW * v), mv = half_value(m + CB_VW * v);
+            for (int j = 0; j < CB_QK / 2; ++j) {
+                const vi pair = widen_u8(q + j * CB_NR + CB_VW * v);
+                float *o = dst + (int64_t)(b * CB_QK + 2 * j) * CB_NR + CB_VW * v;
+                cb_store(o, q4_1_low(dv, mv, pair));
+                cb_store(o + CB_NR, q4_1_high(dv, mv, pair));
+            }
+        }
+    }
+}
+
+static void chunk_q4_0(const uint8_t *restrict blocks, int kn, float *restrict dst) {
+    for (int b = 0; b < kn / CB_QK; ++b, blocks += Q40_BLOCK_BYTES) {
+        const uint16_t *d = (const uint16_t *)blocks;
+        const uint8_t *q = blocks + CB_NR * 2;
+        for (int v = 0; v < CB_PV; ++v) {
+            const vf dv = half_value(d + CB_VW * v), mv = q4_0_offset(dv);
             for (int j = 0; j < CB_QK / 2; ++j) {
                 const vi pair = widen_u8(q + j * CB_NR + CB_VW * v);
                 float *o = dst + (int64_t)(b * CB_QK + 2 * j) * CB_NR + CB_VW * v;
@@ -88,7 +110,7 @@ static void round_bf16(float *x, int64_t n) {
 }
 
 const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch) {
-    if (fmt == CB_FMT_Q8_0_BF16 || fmt == CB_FMT_Q4_1_BF16) { /* decoded, then rounded as the kernel rounds */
+    if (cb_bf16_blocks(fmt)) { /* decoded, then rounded as the kernel rounds */
         cb_panel_chunk(cb_storage_format(fmt), panel, k0, kn, scratch);
         round_bf16(scratch, (int64_t)kn * CB_NR);
         return scratch;
@@ -100,6 +122,7 @@ const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float
         chunk_bf16_dot((const uint16_t *)panel + (int64_t)k0 * CB_NR, kn, scratch);
         return scratch;
     case CB_FMT_Q8_0: chunk_q8_0(panel + (int64_t)(k0 / CB_QK) * Q8_BLOCK_BYTES, kn, scratch); return scratch;
+    case CB_FMT_Q4_0: chunk_q4_0(panel + (int64_t)(k0 / CB_QK) * Q40_BLOCK_BYTES, kn, scratch); return scratch;
     default: chunk_q4_1(panel + (int64_t)(k0 / CB_QK) * Q41_BLOCK_BYTES, kn, scratch); return scratch;
     }
 }
@@ -113,8 +136,10 @@ static inline __m512i pair_vector(vf16 even, vf16 odd) {
     return _mm512_permutexvar_epi16(interleave, both);
 }
 
+static inline vf16 half16(const uint16_t *p) { return (vf16)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
 /* The decoded pairs of 16 columns: Q4_1 bytes (low nibble k = 2j, high nibble k = 2j + 1) with their scales d
- * and m; Q8_0 rows k = 2j and 2j + 1 with their scale d. One expression each, for the scratch path and the
+ * and m (Q4_0's: d and q4_0_offset(d)); Q8_0 rows k = 2j and 2j + 1 with their scale d. One expression each, for the scratch path and the
  * one-row path alike (their results must agree bit for bit). */
 static inline __m512i q4_1_pairs(vf16 d, vf16 m, const uint8_t *q) {
     const vi pair = widen_u8(q);
@@ -125,13 +150,26 @@ static inline __m512i q8_0_pairs(vf16 d, const int8_t *even, const int8_t *odd) 
     return pair_vector(q8_0_value(d, even), q8_0_value(d, odd));
 }
 
-/* Q4_1 blocks -> pairs: byte [j][c] already holds the pair (2j, 2j + 1) of column c in its two nibbles. */
+/* Q4_1 / Q4_0 blocks -> pairs: byte [j][c] already holds the pair (2j, 2j + 1) of column c in its two nibbles. */
 static void pairs_q4_1(const uint8_t *restrict blocks, int kn, uint16_t *restrict out) {
     for (int b = 0; b < kn / CB_QK; ++b, blocks += Q41_BLOCK_BYTES) {
-        const float *d = (const float *)blocks, *m = d + CB_NR;
-        const uint8_t *q = blocks + 2 * CB_NR * 4;
+        const uint16_t *d = (const uint16_t *)blocks, *m = d + CB_NR;
+        const uint8_t *q = blocks + 2 * CB_NR * 2;
         for (int v = 0; v < 3; ++v) {
-            const vf16 dv = cb_load16(d + 16 * v), mv = cb_load16(m + 16 * v);
+            const vf16 dv = half16(d + 16 * v), mv = half16(m + 16 * v);
+            for (int j = 0; j < CB_QK / 2; ++j)
+                _mm512_storeu_si512(out + ((b * CB_QK / 2 + j) * CB_NR + 16 * v) * 2,
+                                    q4_1_pairs(dv, mv, q + j * CB_NR + 16 * v));
+        }
+    }
+}
+
+static void pairs_q4_0(const uint8_t *restrict blocks, int kn, uint16_t *restrict out) {
+    for (int b = 0; b < kn / CB_QK; ++b, blocks += Q40_BLOCK_BYTES) {
+        const uint16_t *d = (const uint16_t *)blocks;
+        const uint8_t *q = blocks + CB_NR * 2;
+        for (int v = 0; v < 3; ++v) {
+            const vf16 dv = half16(d + 16 * v), mv = q4_0_offset(dv);
             for (int j = 0; j < CB_QK / 2; ++j)
                 _mm512_storeu_si512(out + ((b * CB_QK / 2 + j) * CB_NR + 16 * v) * 2,
                                     q4_1_pairs(dv, mv, q + j * CB_NR + 16 * v));
@@ -141,10 +179,10 @@ static void pairs_q4_1(const uint8_t *restrict blocks, int kn, uint16_t *restric
 
 static void pairs_q8_0(const uint8_t *restrict blocks, int kn, uint16_t *restrict out) {
     for (int b = 0; b < kn / CB_QK; ++b, blocks += Q8_BLOCK_BYTES) {
-        const float *d = (const float *)blocks;
-        const int8_t *q = (const int8_t *)(blocks + CB_NR * 4);
+        const uint16_t *d = (const uint16_t *)blocks;
+        const int8_t *q = (const int8_t *)(blocks + CB_NR * 2);
         for (int v = 0; v < 3; ++v) {
-            const vf16 dv = cb_load16(d + 16 * v);
+            const vf16 dv = half16(d + 16 * v);
             for (int j = 0; j < CB_QK / 2; ++j)
                 _mm512_storeu_si512(out + ((b * CB_QK / 2 + j) * CB_NR + 16 * v) * 2,
                                     q8_0_pairs(dv, q + 2 * j * CB_NR + 16 * v, q + (2 * j + 1) * CB_NR + 16 * v));
@@ -158,9 +196,9 @@ static void q8_0_row_dot(const uint32_t *restrict a, int kp, const uint8_t *rest
     __m512 acc[3];
     for (int v = 0; v < 3; ++v) acc[v] = _mm512_loadu_ps(acc48 + 16 * v);
     for (int b = 0; b < kp / (CB_QK / 2); ++b, panel += Q8_BLOCK_BYTES, a += CB_QK / 2) {
-        const float *d = (const float *)panel;
-        const int8_t *q = (const int8_t *)(panel + CB_NR * 4);
-        const vf16 dv[3] = {cb_load16(d), cb_load16(d + 16), cb_load16(d + 32)};
+        const uint16_t *d = (const uint16_t *)panel;
+        const int8_t *q = (const int8_t *)(panel + CB_NR * 2);
+        const vf16 dv[3] = {half16(d), half16(d + 16), half16(d + 32)};
         for (int j = 0; j < CB_QK / 2; ++j) {
             const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[j]);
             const int8_t *qe = q + 2 * j * CB_NR, *qo = qe + CB_NR;
@@ -171,18 +209,24 @@ static void q8_0_row_dot(const uint32_t *restrict a, int kp, const uint8_t *rest
     for (int v = 0; v < 3; ++v) _mm512_storeu_ps(acc48 + 16 * v, acc[v]);
 }
 
-static void q4_1_row_dot(const uint32_t *restrict a, int kp, const uint8_t *restrict panel, float *restrict acc48) {
+/* Q4_1 (q41 = 1) or Q4_0 (0, a compile-time constant once inlined): the nibbles decoded as cb_panel_pairs
+ * decodes them. */
+static inline __attribute__((always_inline)) void q4_row_dot(const int q41, const uint32_t *restrict a, int kp,
+                                                             const uint8_t *restrict panel, float *restrict acc48) {
+    const int bytes = q41 ? Q41_BLOCK_BYTES : Q40_BLOCK_BYTES;
     __m512 acc[3];
     for (int v = 0; v < 3; ++v) acc[v] = _mm512_loadu_ps(acc48 + 16 * v);
-    for (int b = 0; b < kp / (CB_QK / 2); ++b, panel += Q41_BLOCK_BYTES, a += CB_QK / 2) {
-        const float *d = (const float *)panel, *m = d + CB_NR;
-        const uint8_t *q = panel + 2 * CB_NR * 4;
-        const vf16 dv[3] = {cb_load16(d), cb_load16(d + 16), cb_load16(d + 32)};
-        const vf16 mv[3] = {cb_load16(m), cb_load16(m + 16), cb_load16(m + 32)};
+    for (int b = 0; b < kp / (CB_QK / 2); ++b, panel += bytes, a += CB_QK / 2) {
+        const uint16_t *d = (const uint16_t *)panel, *m = d + CB_NR;
+        const uint8_t *q = panel + (q41 ? 2 : 1) * CB_NR * 2;
+        const vf16 dv[3] = {half16(d), half16(d + 16), half16(d + 32)};
+        vf16 mv[3];
+        for (int v = 0; v < 3; ++v) mv[v] = q41 ? half16(m + 16 * v) : q4_0_offset(dv[v]);
         for (int j = 0; j < CB_QK / 2; ++j) {
             const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[j]);
-            for (int v = 0; v < 3; ++v)
+            for (int v = 0; v < 3; ++v) {
                 acc[v] = _mm512_dpbf16_ps(acc[v], x, (__m512bh)q4_1_pairs(dv[v], mv[v], q + j * CB_NR + 16 * v));
+            }
         }
     }
     for (int v = 0; v < 3; ++v) _mm512_storeu_ps(acc48 + 16 * v, acc[v]);
@@ -191,14 +235,17 @@ static void q4_1_row_dot(const uint32_t *restrict a, int kp, const uint8_t *rest
 void cb_blocks_row_dot(int fmt, const uint32_t *a, int kp, const uint8_t *panel, float *acc48) {
     if (fmt == CB_FMT_Q8_0_BF16)
         q8_0_row_dot(a, kp, panel, acc48);
+    else if (fmt == CB_FMT_Q4_1_BF16)
+        q4_row_dot(1, a, kp, panel, acc48);
     else
-        q4_1_row_dot(a, kp, panel, acc48);
+        q4_row_dot(0, a, kp, panel, acc48);
 }
 
 const uint16_t *cb_panel_pairs(int fmt, const uint8_t *panel, int k0, int kn, uint16_t *scratch) {
     switch (fmt) {
     case CB_FMT_BF16_DOT: return (const uint16_t *)panel + (int64_t)k0 * CB_NR;
     case CB_FMT_Q8_0_BF16: pairs_q8_0(panel + (int64_t)(k0 / CB_QK) * Q8_BLOCK_BYTES, kn, scratch); return scratch;
+    case CB_FMT_Q4_0_BF16: pairs_q4_0(panel + (int64_t)(k0 / CB_QK) * Q40_BLOCK_BYTES, kn, scratch); return scratch;
     default: pairs_q4_1(panel + (int64_t)(k0 / CB_QK) * Q41_BLOCK_BYTES, kn, scratch); return scratch;
     }
 }
@@ -277,42 +324,54 @@ int cb_pack_weight_bf16_dot(const float *w, int64_t ldw, int n, int k, uint16_t 
     return CB_OK;
 }
 
-/* d: [n, k / 32] float32 scales; q: [n, k] int8 -> out: cb_packed_bytes(CB_FMT_Q8_0, n, k) bytes. */
-int cb_pack_q8_0(const float *d, const int8_t *q, int n, int k, uint8_t *out) {
-    if (n < 1 || k < CB_QK || k % CB_QK) return CB_EINVAL;
-    const int panels = (n + CB_NR - 1) / CB_NR, nb = k / CB_QK;
-#pragma omp parallel for schedule(static)
-    for (int p = 0; p < panels; ++p)
-        for (int b = 0; b < nb; ++b) {
-            uint8_t *blk = out + ((int64_t)p * nb + b) * Q8_BLOCK_BYTES;
-            float *bd = (float *)blk;
-            int8_t *bq = (int8_t *)(blk + CB_NR * 4);
-            for (int j = 0; j < CB_NR; ++j) {
-                const int row = p * CB_NR + j;
-                bd[j] = row < n ? d[(int64_t)row * nb + b] : 0.0f;
-                for (int kk = 0; kk < CB_QK; ++kk)
-                    bq[kk * CB_NR + j] = row < n ? q[(int64_t)row * k + b * CB_QK + kk] : 0;
-            }
-        }
-    return CB_OK;
+/* The float16 bits of scale x into *h; 0 for the padding rows (valid = 0). Returns 0 when x is not a float16. */
+static int half_scale(float x, int valid, uint16_t *h) {
+    if (!valid) {
+        *h = 0;
+        return 1;
+    }
+    return cb_float_to_half_exact(x, h);
 }
 
-/* d, m: [n, k / 32] float32; q: [n, k] uint8 values 0..15 -> out: cb_packed_bytes(CB_FMT_Q4_1, n, k) bytes. */
-int cb_pack_q4_1(const float *d, const float *m, const uint8_t *q, int n, int k, uint8_t *out) {
+/* d: [n, k / 32] float32 scales (float16 values); q: [n, k] int8 -> out: cb_packed_bytes(CB_FMT_Q8_0, n, k). */
+int cb_pack_q8_0(const float *d, const int8_t *q, int n, int k, uint8_t *out) {
     if (n < 1 || k < CB_QK || k % CB_QK) return CB_EINVAL;
     const int panels = (n + CB_NR - 1) / CB_NR, nb = k / CB_QK;
     int bad = 0;
 #pragma omp parallel for schedule(static) reduction(| : bad)
     for (int p = 0; p < panels; ++p)
         for (int b = 0; b < nb; ++b) {
-            uint8_t *blk = out + ((int64_t)p * nb + b) * Q41_BLOCK_BYTES;
-            float *bd = (float *)blk, *bm = bd + CB_NR;
-            uint8_t *bq = blk + 2 * CB_NR * 4;
+            uint8_t *blk = out + ((int64_t)p * nb + b) * Q8_BLOCK_BYTES;
+            uint16_t *bd = (uint16_t *)blk;
+            int8_t *bq = (int8_t *)(blk + CB_NR * 2);
             for (int j = 0; j < CB_NR; ++j) {
                 const int row = p * CB_NR + j;
-                const uint8_t *qr = q + (int64_t)row * k + b * CB_QK;
-                bd[j] = row < n ? d[(int64_t)row * nb + b] : 0.0f;
-                bm[j] = row < n ? m[(int64_t)row * nb + b] : 0.0f;
+                bad |= !half_scale(row < n ? d[(int64_t)row * nb + b] : 0.0f, row < n, bd + j);
+                for (int kk = 0; kk < CB_QK; ++kk)
+                    bq[kk * CB_NR + j] = row < n ? q[(int64_t)row * k + b * CB_QK + kk] : 0;
+            }
+        }
+    return bad ? CB_ERANGE : CB_OK;
+}
+
+/* The 4-bit formats: d (and m for Q4_1, else NULL) [n, k / 32] float32 (float16 values); q: [n, k] uint8 0..15. */
+static int pack_q4(const float *d, const float *m, const uint8_t *q, int n, int k, uint8_t *out) {
+    if (n < 1 || k < CB_QK || k % CB_QK) return CB_EINVAL;
+    const int panels = (n + CB_NR - 1) / CB_NR, nb = k / CB_QK, scales = m ? 2 : 1;
+    const int64_t bytes = m ? Q41_BLOCK_BYTES : Q40_BLOCK_BYTES;
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
+    for (int p = 0; p < panels; ++p)
+        for (int b = 0; b < nb; ++b) {
+            uint8_t *blk = out + ((int64_t)p * nb + b) * bytes;
+            uint16_t *bd = (uint16_t *)blk, *bm = bd + CB_NR;
+            uint8_t *bq = blk + scales * CB_NR * 2;
+            for (int j = 0; j < CB_NR; ++j) {
+                const int row = p * CB_NR + j;
+                const int64_t at = (int64_t)(row < n ? row : 0) * nb + b;
+                bad |= !half_scale(d[at], row < n, bd + j);
+                if (m) bad |= !half_scale(m[at], row < n, bm + j);
+                const uint8_t *qr = q + (int64_t)(row < n ? row : 0) * k + b * CB_QK;
                 for (int jj = 0; jj < CB_QK / 2; ++jj) {
                     const uint8_t lo = row < n ? qr[2 * jj] : 0, hi = row < n ? qr[2 * jj + 1] : 0;
                     bad |= (lo | hi) > 15;
@@ -322,3 +381,11 @@ int cb_pack_q4_1(const float *d, const float *m, const uint8_t *q, int n, int k,
         }
     return bad ? CB_ERANGE : CB_OK;
 }
+
+/* d, m: [n, k / 32] float32; q: [n, k] uint8 values 0..15 -> out: cb_packed_bytes(CB_FMT_Q4_1, n, k) bytes. */
+int cb_pack_q4_1(const float *d, const float *m, const uint8_t *q, int n, int k, uint8_t *out) {
+    return pack_q4(d, m, q, n, k, out);
+}
+
+/* d: [n, k / 32] float32; q: [n, k] uint8 values 0..15 -> out: cb_packed_bytes(CB_FMT_Q4_0, n, k) bytes. */
+int cb_pack_q4_0(const float *d, const uint8_t *q, int n, int k, uint8_t *out) { return pack_q4(d, NULL, q, n, k, out); }

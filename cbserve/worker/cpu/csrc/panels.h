@@ -7,22 +7,25 @@
  *   CB_FMT_F32   4 bytes a weight:   [k][48] float.
  *   CB_FMT_BF16  2 bytes a weight:   [k][48] the upper halves of float32 values whose lower halves are zero
  *                                    (what a bfloat16 checkpoint loaded as float32 holds).
- *   CB_FMT_Q8_0  1.125 bytes:        blocks of CB_QK = 32 k values: float d[48], int8 q[32][48];
- *                                    w = d * q (GGUF Q8_0).
- *   CB_FMT_Q4_1  0.75 bytes:         blocks of 32 k values: float d[48], float m[48], uint8 q[16][48] where
- *                                    byte [j][c] holds k = 2j in its low nibble and k = 2j + 1 in its high
- *                                    one; w = d * q + m (GGUF Q4_1; Q4_0 is m = -8d).
+ *   CB_FMT_Q8_0  1.0625 bytes:       blocks of CB_QK = 32 k values: float16 d[48], int8 q[32][48];
+ *                                    w = d * q (GGUF Q8_0, whose bytes per weight it keeps).
+ *   CB_FMT_Q4_1  0.625 bytes:        blocks of 32 k values: float16 d[48], float16 m[48], uint8 q[16][48]
+ *                                    where byte [j][c] holds k = 2j in its low nibble and k = 2j + 1 in its
+ *                                    high one; w = d * q + m (GGUF Q4_1).
+ *   CB_FMT_Q4_0  0.5625 bytes:       blocks of 32 k values: float16 d[48], uint8 q[16][48] as Q4_1's;
+ *                                    w = d * (q - 8) (GGUF Q4_0).
  *   CB_FMT_BF16_DOT  2 bytes:        [ceil(k / 2)][48][2] bfloat16: the k pair (2j, 2j + 1) of each column
  *                                    side by side (a zero pads an odd k), each value rounded to nearest
  *                                    even; what AVX-512 BF16's pairwise dot product reads. Lossy: the
  *                                    one format whose values are not the checkpoint's (dtype bfloat16).
- *   CB_FMT_Q8_0_BF16, CB_FMT_Q4_1_BF16: the bytes of CB_FMT_Q8_0 / CB_FMT_Q4_1, each decoded value rounded
- *                                    to bfloat16 (for bfloat16 products: the GGUF blocks stay compact).
+ *   CB_FMT_Q8_0_BF16, CB_FMT_Q4_1_BF16, CB_FMT_Q4_0_BF16: the bytes of CB_FMT_Q8_0 / CB_FMT_Q4_1 /
+ *                                    CB_FMT_Q4_0, each decoded value rounded to bfloat16 (for bfloat16
+ *                                    products: the GGUF blocks stay compact).
  *
  * Every other format decodes to the float32 values the dense checkpoint holds: the GGUF scales are float16
- * values, so d * q is exact in float32 and d * q + m is rounded once, as gguf-py's dequantization (and so
- * transformers) rounds it; bit for bit, but for Q4_0's zeros, which gguf-py may give as -0. The Python side
- * checks this for every weight before it uses a packing.
+ * values, kept as such, so d * q and d * (q - 8) are exact in float32 and d * q + m is rounded once, as gguf-py's
+ * dequantization (and so transformers) rounds it: bit for bit. The Python side checks this for every weight
+ * before it uses a packing.
  */
 #ifndef CB_PANELS_H
 #define CB_PANELS_H
@@ -37,7 +40,13 @@
 /* The format whose bytes fmt reads (CB_FMT_Q8_0 for CB_FMT_Q8_0_BF16, ...), and whether its products are
  * bfloat16. */
 int cb_storage_format(int fmt);
-static inline int cb_bf16_products(int fmt) { return fmt >= CB_FMT_BF16_DOT && fmt < CB_FMT_COUNT; }
+static inline int cb_bf16_products(int fmt) {
+    return fmt == CB_FMT_BF16_DOT || fmt == CB_FMT_Q8_0_BF16 || fmt == CB_FMT_Q4_1_BF16 || fmt == CB_FMT_Q4_0_BF16;
+}
+/* GGUF blocks decoded for bfloat16 products (the one-row path of gemm.c decodes them in registers). */
+static inline int cb_bf16_blocks(int fmt) {
+    return fmt == CB_FMT_Q8_0_BF16 || fmt == CB_FMT_Q4_1_BF16 || fmt == CB_FMT_Q4_0_BF16;
+}
 
 /* Bytes of one panel of k rows in format fmt; -1 for an unknown format or a k the format cannot hold. */
 int64_t cb_panel_bytes(int fmt, int k);
@@ -68,7 +77,7 @@ void cb_linear_rows(int fmt, const float *a, int64_t lda, int m, int k, const ui
  * cb_panel_chunk rounds (but for denormals, which the instruction flushes to zero). k0, kn: as there. */
 const uint16_t *cb_panel_pairs(int fmt, const uint8_t *panel, int k0, int kn, uint16_t *scratch);
 
-/* One row against one CB_FMT_Q8_0_BF16 or CB_FMT_Q4_1_BF16 panel, the weights decoded and rounded as
+/* One row against one panel of a cb_bf16_blocks format, the weights decoded and rounded as
  * cb_panel_pairs does but fed to vdpbf16ps from registers (a decode step's one-row products read each weight
  * once: no scratch round trip). a: the row's kp bfloat16 pairs (kp = k / 2, k a multiple of CB_QK); acc48:
  * the 48 column sums, in and out. Bit for bit what the tiled path computes (the same products added in the

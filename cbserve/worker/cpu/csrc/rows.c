@@ -35,19 +35,24 @@ static inline void prefetch_ahead(const uint8_t *at, int bytes) {
 #define CB_ROWS_K(i, kk) a[(int64_t)(i) * lda + (kk)]
 
 /* Each format's loop over all of k for rows [0, mr) and one column group: acc[i][v] += A[i, kk] * W[kk, v-th
- * vector of the group], kk in order. w: the group's first column in the panel's first block (or row). */
+ * vector of the group], kk in order. panel: the panel's first block (or row); col: the group's first column. */
 #define CB_ROWS_ADD(x, w)                                                                            \
     for (int i = 0; i < mr; ++i) acc[i][v] = cb_settled(acc[i][v] + CB_ROWS_K(i, x) * (w))
 
-static inline __attribute__((always_inline)) void rows_q4_1(const int mr, vf acc[][CB_RG], const float *restrict a,
-                                                            int64_t lda, int k, const uint8_t *restrict panel,
-                                                            int col) {
-    for (int b = 0; b < k / CB_QK; ++b, panel += Q41_BLOCK_BYTES) {
-        const float *d = (const float *)panel + col, *m = d + CB_NR;
-        const uint8_t *q = panel + 2 * CB_NR * 4 + col;
-        if (col == 0) prefetch_ahead(panel, Q41_BLOCK_BYTES);
+/* Q4_1 (q41 = 1: scales d and m) or Q4_0 (q41 = 0: d, and m = -8d), one byte holding k = 2j and 2j + 1 */
+static inline __attribute__((always_inline)) void rows_q4(const int mr, const int q41, vf acc[][CB_RG],
+                                                          const float *restrict a, int64_t lda, int k,
+                                                          const uint8_t *restrict panel, int col) {
+    const int bytes = q41 ? Q41_BLOCK_BYTES : Q40_BLOCK_BYTES;
+    for (int b = 0; b < k / CB_QK; ++b, panel += bytes) {
+        const uint16_t *d = (const uint16_t *)panel + col;
+        const uint8_t *q = panel + (q41 ? 2 : 1) * CB_NR * 2 + col;
+        if (col == 0) prefetch_ahead(panel, bytes);
         vf dv[CB_RG], mv[CB_RG];
-        for (int v = 0; v < CB_RG; ++v) dv[v] = cb_load(d + CB_VW * v), mv[v] = cb_load(m + CB_VW * v);
+        for (int v = 0; v < CB_RG; ++v) {
+            dv[v] = half_value(d + CB_VW * v);
+            mv[v] = q41 ? half_value(d + CB_NR + CB_VW * v) : q4_0_offset(dv[v]);
+        }
         for (int j = 0; j < CB_QK / 2; ++j)
             for (int v = 0; v < CB_RG; ++v) {
                 const vi pair = widen_u8(q + j * CB_NR + CB_VW * v);
@@ -63,11 +68,11 @@ static inline __attribute__((always_inline)) void rows_q8_0(const int mr, vf acc
                                                             int64_t lda, int k, const uint8_t *restrict panel,
                                                             int col) {
     for (int b = 0; b < k / CB_QK; ++b, panel += Q8_BLOCK_BYTES) {
-        const float *d = (const float *)panel + col;
-        const int8_t *q = (const int8_t *)(panel + CB_NR * 4) + col;
+        const uint16_t *d = (const uint16_t *)panel + col;
+        const int8_t *q = (const int8_t *)(panel + CB_NR * 2) + col;
         if (col == 0) prefetch_ahead(panel, Q8_BLOCK_BYTES);
         vf dv[CB_RG];
-        for (int v = 0; v < CB_RG; ++v) dv[v] = cb_load(d + CB_VW * v);
+        for (int v = 0; v < CB_RG; ++v) dv[v] = half_value(d + CB_VW * v);
         for (int j = 0; j < CB_QK; ++j)
             for (int v = 0; v < CB_RG; ++v) {
                 const vf w = cb_settled(q8_0_value(dv[v], q + j * CB_NR + CB_VW * v));
@@ -95,8 +100,8 @@ static inline __attribute__((always_inline)) void rows_group(const int mr, int f
     vf acc[CB_ROWS_MAX][CB_RG];
     for (int i = 0; i < mr; ++i)
         for (int v = 0; v < CB_RG; ++v) acc[i][v] = cb_load(acc_io + i * CB_NR + col + CB_VW * v);
-    if (fmt == CB_FMT_Q4_1)
-        rows_q4_1(mr, acc, a, lda, k, panel, col);
+    if (fmt == CB_FMT_Q4_1 || fmt == CB_FMT_Q4_0)
+        rows_q4(mr, fmt == CB_FMT_Q4_1, acc, a, lda, k, panel, col);
     else if (fmt == CB_FMT_Q8_0)
         rows_q8_0(mr, acc, a, lda, k, panel, col);
     else
@@ -116,6 +121,7 @@ static inline __attribute__((always_inline)) void rows_panel_mr(const int mr, in
                                                                 int k, const uint8_t *panel, float *acc_io) {
     switch (fmt) {
     case CB_FMT_Q4_1: rows_panel_fmt(mr, CB_FMT_Q4_1, a, lda, k, panel, acc_io); break;
+    case CB_FMT_Q4_0: rows_panel_fmt(mr, CB_FMT_Q4_0, a, lda, k, panel, acc_io); break;
     case CB_FMT_Q8_0: rows_panel_fmt(mr, CB_FMT_Q8_0, a, lda, k, panel, acc_io); break;
     case CB_FMT_BF16: rows_panel_fmt(mr, CB_FMT_BF16, a, lda, k, panel, acc_io); break;
     default: rows_panel_fmt(mr, CB_FMT_F32, a, lda, k, panel, acc_io); break;
@@ -136,7 +142,7 @@ static int rows_enabled = 1;
 int cb_set_rows(int enable) { return __atomic_exchange_n(&rows_enabled, enable != 0, __ATOMIC_RELAXED); }
 
 int cb_rows_take(int fmt, int m, int k) {
-    const int blocks = fmt == CB_FMT_Q8_0 || fmt == CB_FMT_Q4_1;
+    const int blocks = fmt == CB_FMT_Q8_0 || fmt == CB_FMT_Q4_1 || fmt == CB_FMT_Q4_0;
     const int fits = fmt == CB_FMT_F32 || fmt == CB_FMT_BF16 || (blocks && k % CB_QK == 0);
     return fits && m >= 1 && m <= CB_ROWS_TAKE && __atomic_load_n(&rows_enabled, __ATOMIC_RELAXED) != 0;
 }
