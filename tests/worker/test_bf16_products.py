@@ -21,6 +21,7 @@ from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu.kernels import CpuKernels
+from cbserve.worker.cpu.linear import native_weight
 from cbserve.worker.loading.model_loader import resolve_model
 from cbserve.worker.runner.executor import LocalExecutor
 
@@ -169,8 +170,8 @@ def test_bundled_model_in_bf16_tracks_hf_bf16() -> None:
     ex = LocalExecutor(ModelConfig(dtype="bfloat16", device="cpu", block_size=16), num_blocks=64, progress=False)
     assert ex.runner.dtype == torch.float32 and ex.runner.kv_caches[0][0].dtype == torch.float32
     # the GGUF's Q4_1 / Q8_0 blocks stay compact, rounded to bfloat16 as the kernel decodes them
-    assert ex.runner.model.model.layers[0].mlp.down_proj.packed.panels.fmt == "q4_1_bf16"
-    assert ex.runner.model.lm_head.packed.panels.fmt == "q8_0_bf16"
+    assert native_weight(ex.runner.model.model.layers[0].mlp.down_proj.packed).panels.fmt == "q4_1_bf16"
+    assert native_weight(ex.runner.model.lm_head.packed).panels.fmt == "q8_0_bf16"
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=TOP)
     run = run_engine(ex, [(f"r{i}", p, sp) for i, p in enumerate(prompts)], block_size=16, num_blocks=64,
                      max_num_batched_tokens=24, max_num_seqs=4)

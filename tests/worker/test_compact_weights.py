@@ -24,7 +24,7 @@ from cbserve.worker.cpu.gguf_blocks import (
     save_gguf_blocks,
 )
 from cbserve.worker.cpu.kernels import CpuKernels, is_bfloat16_exact
-from cbserve.worker.cpu.linear import NativeWeight, make_packed_weight
+from cbserve.worker.cpu.linear import NativeWeight, make_packed_weight, native_weight
 from cbserve.worker.loading.model_info import default_model_path
 from cbserve.worker.loading.model_loader import resolve_model
 from cbserve.worker.runner.model_runner import ModelRunner
@@ -159,6 +159,6 @@ def test_runner_packs_a_bf16_valued_model_as_bf16(tmp_path: Path) -> None:
     compact = ModelRunner(ModelConfig(model=str(folder), device="cpu", block_size=4), progress=False).model
     dense_cfg = ModelConfig(model=str(folder), cpu_compact_weights=False, device="cpu")
     dense = ModelRunner(dataclasses.replace(dense_cfg, block_size=4), progress=False).model
-    assert compact.model.layers[1].mlp.gate_up_proj.packed.panels.fmt == "bf16"
-    assert compact.lm_head.packed.panels.fmt == "bf16"
-    assert dense.model.layers[1].mlp.gate_up_proj.packed.panels.fmt == "f32"
+    assert native_weight(compact.model.layers[1].mlp.gate_up_proj.packed).panels.fmt == "bf16"
+    assert native_weight(compact.lm_head.packed).panels.fmt == "bf16"
+    assert native_weight(dense.model.layers[1].mlp.gate_up_proj.packed).panels.fmt == "f32"

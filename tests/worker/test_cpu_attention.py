@@ -61,13 +61,13 @@ def test_long_prefill_contexts_go_to_sdpa_and_decodes_stay_on_the_kernel() -> No
     decodes of the same step by the kernel; such a step has no per-token rows, so the model's one-call
     layer driver leaves it to the modules."""
     from cbserve.worker.attention.cpu_backend import ROWS_MAX_PREFILL_CONTEXT
-    from cbserve.worker.models.native_layers import NativeLayers
+    from cbserve.worker.models.native_layers import rows_prepared
 
     ctx_q = [(40, 1), (300, 1), (ROWS_MAX_PREFILL_CONTEXT - 60, 100), (0, 12)]
     md = paged_metadata(ctx_q, 16, 80, torch.Generator().manual_seed(0))
     build_plan(CpuAttentionBackend(9, 3, 64, 0.125), md)
     assert md.prepared.prefill is not None and md.prepared.rows.seq_lens.tolist() == [41, 301]
-    assert not NativeLayers.applies(int(md.query_start_loc[-1]), md)
+    assert not rows_prepared(int(md.query_start_loc[-1]), md)
     out_c, out_t = _run_both(ctx_q, 9, 3, 64, 16, seed=5)
     torch.testing.assert_close(out_c, out_t, atol=2e-5, rtol=1e-5)
 
@@ -77,13 +77,13 @@ def test_short_queries_at_long_contexts_stay_kernel_rows() -> None:
     """A speculative verification (1 + 4 tokens) past ROWS_MAX_PREFILL_CONTEXT is still rows: the step keeps
     the one-call layer driver (the torch/module path cost 2x there); a long chunk there still goes to torch."""
     from cbserve.worker.attention.cpu_backend import ROWS_MAX_PREFILL_CONTEXT, ROWS_MAX_SHORT_QUERY
-    from cbserve.worker.models.native_layers import NativeLayers
+    from cbserve.worker.models.native_layers import rows_prepared
 
     ctx_q = [(40, 1), (ROWS_MAX_PREFILL_CONTEXT + 200, 5), (ROWS_MAX_PREFILL_CONTEXT, ROWS_MAX_SHORT_QUERY)]
     md = paged_metadata(ctx_q, 16, 140, torch.Generator().manual_seed(0))
     build_plan(CpuAttentionBackend(9, 3, 64, 0.125), md)
     assert md.prepared.prefill is None and md.prepared.rows.seq_lens.shape[0] == 1 + 5 + ROWS_MAX_SHORT_QUERY
-    assert NativeLayers.applies(int(md.query_start_loc[-1]), md)
+    assert rows_prepared(int(md.query_start_loc[-1]), md)
     out_c, out_t = _run_both(ctx_q, 9, 3, 64, 16, seed=6)
     torch.testing.assert_close(out_c, out_t, atol=2e-5, rtol=1e-5)
     longer = paged_metadata([(40, 1), (ROWS_MAX_PREFILL_CONTEXT, ROWS_MAX_SHORT_QUERY + 1)], 16, 140,

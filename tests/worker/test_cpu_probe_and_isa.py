@@ -1,12 +1,11 @@
-"""cpu_ops="auto"'s start-up probe and the cpu_isa setting: the choice between the C kernels and torch follows
-the probe's figures (a stand-in probe decides here; the real one runs once), cpu_isa reaches every C kernel a
-model runs (linear layers, norms, attention, the layer driver), is reported, and a model on each ISA build this
-CPU runs gives HF transformers' greedy tokens."""
+"""cpu_ops="auto" and the cpu_isa setting: the choice between the C kernels and torch follows the probe's figures
+for each regime (a stand-in probe decides here; the probe itself is tested in test_cpu_probe.py), cpu_isa reaches
+every C kernel a model runs (linear layers, norms, attention, the layer driver), is reported, and a model on each
+ISA build this CPU runs gives HF transformers' greedy tokens."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 
@@ -19,87 +18,53 @@ from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native
 from cbserve.worker.cpu import ops as cpu_ops
-from cbserve.worker.cpu import probe as cpu_probe
 from cbserve.worker.cpu.kernels import CpuKernels
-from cbserve.worker.cpu.probe import ProbeResult, probe_cached, probe_linear, verdict_path
+from cbserve.worker.cpu.probe import ProbeResult, RegimeTiming
 from cbserve.worker.runner.executor import LocalExecutor
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 CPU = torch.device("cpu")
 
 
-def _result(native_ms: tuple[float, float], torch_ms: tuple[float, float]) -> ProbeResult:
-    return ProbeResult((192, 64), (1, 128), native_ms, torch_ms, "onednn")
+def _result(few: tuple[float, float], many: tuple[float, float]) -> ProbeResult:
+    """A stand-in verdict: (C kernels, torch) milliseconds for few-row and for many-row products."""
+    return ProbeResult((192, 64), "q4_0", "onednn", RegimeTiming(1, *few), RegimeTiming(128, *many), 0.0)
 
 
-def test_the_probe_decides_by_the_geometric_mean_of_its_ratios() -> None:
-    assert _result((0.5, 10.0), (1.0, 8.0)).native_wins  # 2x faster decode, 1.25x slower prefill
-    assert not _result((0.5, 30.0), (1.0, 10.0)).native_wins  # 3x slower prefill outweighs it
-    assert _result((1.0, 1.0), (1.0, 1.0)).native_wins  # a tie keeps the C kernels
-    assert _result((1.1, 1.1), (1.0, 1.0)).native_wins  # so does 10% slower: within the noise margin
-    assert not _result((1.3, 1.3), (1.0, 1.0)).native_wins
-    r = _result((2.0, 2.0), (1.0, 1.0))
-    assert r.ratio == pytest.approx(2.0) and r.as_dict()["native_wins"] is False
-    assert "1 row: 2.000 vs 1.000 ms" in r.summary() and "ratio 2.00" in r.summary()
+# (few-row figures, many-row figures) -> the mode and the paths cpu_ops "auto" gives the model
+CASES = {
+    "both native": (((1.0, 2.0), (1.0, 2.0)), "native", ("native", "native")),
+    "both torch": (((2.0, 1.0), (2.0, 1.0)), "onednn", ("onednn", "onednn")),
+    "decode native, prefill torch": (((1.0, 2.0), (2.0, 1.0)), "native", ("native", "torch")),
+    "decode torch, prefill native": (((2.0, 1.0), (1.0, 2.0)), "native", ("torch", "native")),
+}
 
 
-@pytest.mark.parametrize("wins", [True, False])
-def test_auto_follows_a_stand_in_probe(wins: bool, monkeypatch: pytest.MonkeyPatch,
-                                       caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_auto_follows_a_stand_in_probe_per_regime(case: str, monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    figures, mode, paths = CASES[case]
     seen = []
 
-    def stand_in(kernels: CpuKernels, hidden: int, inter: int, bf16: bool) -> ProbeResult:
-        seen.append((kernels.isa, hidden, inter, bf16))
-        return _result((1.0, 1.0), (2.0, 2.0)) if wins else _result((2.0, 2.0), (1.0, 1.0))
+    def stand_in(kernels: CpuKernels, hidden: int, inter: int, fmt: str, bf16: bool) -> ProbeResult:
+        seen.append((kernels.isa, hidden, inter, fmt, bf16))
+        return _result(*figures)
 
     monkeypatch.setattr(cpu_ops, "probe_cached", stand_in)
     with caplog.at_level(logging.INFO, logger="cbserve.worker.cpu.ops"):
-        ops = cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96))
-    assert seen == [("scalar", 64, 96, False)]  # the requested build is the one probed
-    assert ops.mode == ("native" if wins else "onednn") and ops.probe is not None
-    assert (ops.kernels is not None) is wins
+        ops = cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0")
+    assert seen == [("scalar", 64, 96, "q4_0", False)]  # the requested build and the model's format are probed
+    assert ops.mode == mode and ops.probe is not None and (ops.kernels is not None) is (mode == "native")
     report = ops.report()
-    assert report["cpu_ops"] == ops.mode and report["cpu_ops_probe"]["native_wins"] is wins
-    assert report["cpu_isa"] == ("scalar" if wins else None)
-    assert any(("slower on this CPU" in r.getMessage()) is (not wins) for r in caplog.records)
+    assert report["cpu_linear_paths"] == {"few_rows": paths[0], "many_rows": paths[1]}
+    few, many = ("native" if native <= other else "torch" for native, other in figures)
+    assert report["cpu_ops_probe"]["paths"] == {"few": few, "many": many}
+    assert report["cpu_isa"] == ("scalar" if mode == "native" else None)
+    assert any(("slower on this CPU" in r.getMessage()) is (case != "both native") for r in caplog.records)
     # "native" is never second-guessed, and without the model's shapes nothing is probed
-    assert cpu_ops.resolve_cpu_ops("native", CPU, torch.float32, "scalar", (64, 96)).mode == "native"
+    assert cpu_ops.resolve_cpu_ops("native", CPU, torch.float32, "scalar", (64, 96)).linear_paths == ("native",) * 2
     assert cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar").probe is None
     assert len(seen) == 1
-
-
-def test_the_real_probe_times_both_paths(kernels: CpuKernels) -> None:
-    r = probe_linear(kernels, 64, 96)
-    assert r.shape == (192, 64) and r.rows == (1, 128)
-    assert all(t > 0 for t in (*r.native_ms, *r.torch_ms))
-    assert r.torch_path in ("onednn", "torch")
-    assert probe_linear(kernels, 64, 4096).shape == (2048, 64)  # the probe's weight stays small
-
-
-def test_a_verdict_is_taken_once_per_machine_and_shared(kernels: CpuKernels, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Replicas starting together on one machine take one verdict: the first probes under the lock, the others
-    read what it kept (so every replica runs the same path); a damaged file is probed again."""
-    import shutil
-    from concurrent.futures import ThreadPoolExecutor
-
-    lib = CpuKernels(Path(shutil.copy(kernels.path, tmp_path / kernels.path.name)), isa=kernels.isa)
-    calls = []
-
-    def counted(*args: object) -> ProbeResult:
-        calls.append(args)
-        return probe_linear(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cpu_probe, "probe_linear", counted)
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda _: probe_cached(lib, 64, 96), range(4)))
-    assert len(calls) == 1 and all(r == results[0] for r in results)
-    path = verdict_path(lib, 64, 96, False)
-    assert path.parent == tmp_path and ProbeResult.from_dict(json.loads(path.read_text())) == results[0]
-    assert probe_cached(lib, 64, 128) != results[0] and len(calls) == 2  # another shape: its own verdict
-    path.write_text("{not json")
-    again = probe_cached(lib, 64, 96)
-    assert len(calls) == 3 and again != results[0] and probe_cached(lib, 64, 96) == again
 
 
 def test_cpu_isa_is_validated() -> None:

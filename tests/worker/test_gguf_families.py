@@ -22,6 +22,7 @@ from worker_testlib import hf_greedy, run_engine
 from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
+from cbserve.worker.cpu.linear import native_weight
 from cbserve.worker.loading import model_info, model_loader
 from cbserve.worker.loading.gguf_arch import GGUF_MODEL_TYPES
 from cbserve.worker.runner.executor import LocalExecutor
@@ -125,8 +126,8 @@ def test_gguf_family_matches_hf(gguf_model: tuple[str, Path, Any], path: str,
         assert model.native_layers is not None
     if path == "native" and CASES[case][5] is not None:  # the kernels read the GGUF blocks
         fmt = CASES[case][5].lower()
-        assert model.model.layers[0].mlp.down_proj.packed.panels.fmt == fmt
-        assert model.lm_head.packed.panels.fmt == fmt
+        assert native_weight(model.model.layers[0].mlp.down_proj.packed).panels.fmt == fmt
+        assert native_weight(model.lm_head.packed).panels.fmt == fmt
     run = run_engine(executor, reqs, block_size=4, num_blocks=36, max_num_batched_tokens=16, max_num_seqs=4,
                      join_at_step={"r2": 5, "r5": 9})
     assert run.num_preemptions > 0 and run.prefix_hits > 0

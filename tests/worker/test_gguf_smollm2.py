@@ -14,6 +14,7 @@ from cbserve.frontend.tokenizer import load_tokenizer
 from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
+from cbserve.worker.cpu.linear import native_weight
 from cbserve.worker.loading import model_info, model_loader
 from cbserve.worker.loading.model_info import default_model_path
 from cbserve.worker.runner.executor import LocalExecutor
@@ -71,8 +72,8 @@ def test_smollm2_greedy_matches_hf(folder: Path) -> None:
     ex = LocalExecutor(ModelConfig(device="cpu", block_size=16), num_blocks=6, progress=False)
     model = ex.runner.model
     if ex.runner.cpu_ops == "native":  # the kernels read the GGUF blocks, not float32 copies
-        assert model.model.layers[0].mlp.down_proj.packed.panels.fmt == "q4_1"
-        assert model.lm_head.packed.panels.fmt == "q8_0"
+        assert native_weight(model.model.layers[0].mlp.down_proj.packed).panels.fmt == "q4_1"
+        assert native_weight(model.lm_head.packed).panels.fmt == "q8_0"
     run = run_engine(ex, [(f"r{i}", p, sp) for i, p in enumerate(prompts)], block_size=16, num_blocks=6,
                      max_num_batched_tokens=24, max_num_seqs=4, join_at_step={"r1": 2, "r3": 3})
     assert run.prefix_hits > 0 and run.num_preemptions > 0

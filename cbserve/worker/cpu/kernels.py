@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +17,9 @@ import torch
 from cbserve.worker.cpu import abi
 from cbserve.worker.cpu.abi import PANEL_FORMATS, ModelArgs
 from cbserve.worker.cpu.gguf_blocks import QuantBlocks
+from cbserve.worker.cpu.panels import BLOCK_FORMATS, BLOCK_K, Panels, block_shape, check_nibbles, is_bfloat16_exact
+
+__all__ = ["BLOCK_FORMATS", "BLOCK_K", "CpuKernels", "Panels", "is_bfloat16_exact"]
 from cbserve.worker.cpu.lora_segments import LoRASegments
 
 _ERRORS = {abi.RETURN_CODES["CB_ENOMEM"]: "out of memory for the kernel's scratch buffers",
@@ -44,50 +46,8 @@ def _vector(t: torch.Tensor, name: str, n: int, dtype: torch.dtype = torch.float
         raise ValueError(f"{name} must be a contiguous {dtype} CPU vector of {n}, got {t.dtype} {tuple(t.shape)}")
 
 
-# The k block of the quantized panel formats (PANEL_FORMATS: name -> the C enum, in abi.py).
-BLOCK_FORMATS = ("q8_0", "q4_1", "q4_0")
-BLOCK_K = 32
 _LORA_DTYPES = (torch.float32, torch.bfloat16)  # of the LoRA kernel's adapter slots (bfloat16: bf16 products)
 LORA_MAX_COLS = 1536  # columns of a LoRA slot (csrc/lora.c): rank 512 of a fused q/k/v projection, 3 x 512
-
-
-@dataclass(frozen=True)
-class Panels:
-    """A [n, k] weight packed for ``CpuKernels.linear`` in one of the formats of csrc/cb_cpu.h (layouts in
-    csrc/panels.h)."""
-
-    fmt: str
-    data: torch.Tensor  # uint8, the packed bytes
-    n: int
-    k: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
-
-
-def is_bfloat16_exact(weight: torch.Tensor) -> bool:
-    """True when every float32 value of ``weight`` is a bfloat16 (its lower 16 bits are zero)."""
-    return weight.dtype == torch.float32 and not bool(
-        (weight.contiguous().view(torch.int32) & 0xFFFF).any()
-    )
-
-
-def _block_shape(q: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor, fmt: str) -> tuple[int, int]:
-    if q.dtype != dtype or q.dim() != 2 or not q.is_contiguous() or q.device.type != "cpu":
-        raise ValueError(f"{fmt} values must be a contiguous {dtype} CPU matrix, got {q.dtype} {tuple(q.shape)}")
-    n, k = q.shape
-    if k % BLOCK_K or k == 0:
-        raise ValueError(f"{fmt} needs k to be a multiple of {BLOCK_K}, got {k}")
-    if scales.dtype != torch.float32 or scales.shape != (n, k // BLOCK_K) or not scales.is_contiguous():
-        raise ValueError(f"{fmt} scales must be a contiguous float32 [{n}, {k // BLOCK_K}] matrix, "
-                         f"got {scales.dtype} {tuple(scales.shape)}")
-    return n, k
-
-
-def _check_nibbles(q: torch.Tensor, fmt: str) -> None:
-    if q.numel() and int(q.max()) > 15:
-        raise ValueError(f"{fmt} values must be in 0..15, got {int(q.max())}")
 
 
 def _check_scales(rc: int, what: str) -> None:
@@ -136,7 +96,7 @@ class CpuKernels:
     def pack_q8_0(self, d: torch.Tensor, q: torch.Tensor) -> Panels:
         """W = d * q in blocks of 32 along k: d [n, k / 32] float32 holding float16 values (GGUF's scales; the
         panels keep them as float16: ValueError otherwise), q [n, k] int8."""
-        n, k = _block_shape(q, torch.int8, d, "q8_0")
+        n, k = block_shape(q, torch.int8, d, "q8_0")
         out = self._panels_out("q8_0", n, k)
         _check_scales(self._lib.cb_pack_q8_0(d.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q8_0")
         return Panels("q8_0", out, n, k)
@@ -144,9 +104,9 @@ class CpuKernels:
     def pack_q4_1(self, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> Panels:
         """W = d * q + m in blocks of 32 along k: d, m [n, k / 32] float32 holding float16 values, q [n, k] uint8
         in 0..15."""
-        n, k = _block_shape(q, torch.uint8, d, "q4_1")
-        _block_shape(q, torch.uint8, m, "q4_1")
-        _check_nibbles(q, "q4_1")
+        n, k = block_shape(q, torch.uint8, d, "q4_1")
+        block_shape(q, torch.uint8, m, "q4_1")
+        check_nibbles(q, "q4_1")
         out = self._panels_out("q4_1", n, k)
         rc = self._lib.cb_pack_q4_1(d.data_ptr(), m.data_ptr(), q.data_ptr(), n, k, out.data_ptr())
         _check_scales(rc, "pack_q4_1")
@@ -155,8 +115,8 @@ class CpuKernels:
     def pack_q4_0(self, d: torch.Tensor, q: torch.Tensor) -> Panels:
         """W = d * (q - 8) in blocks of 32 along k: d [n, k / 32] float32 holding float16 values, q [n, k] uint8
         in 0..15."""
-        n, k = _block_shape(q, torch.uint8, d, "q4_0")
-        _check_nibbles(q, "q4_0")
+        n, k = block_shape(q, torch.uint8, d, "q4_0")
+        check_nibbles(q, "q4_0")
         out = self._panels_out("q4_0", n, k)
         _check_scales(self._lib.cb_pack_q4_0(d.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q4_0")
         return Panels("q4_0", out, n, k)

@@ -19,6 +19,9 @@ Two packings, chosen by ``ModelConfig.cpu_ops`` (see ``ops.py``):
   within float32 rounding of the same product computed on bfloat16-rounded operands.
 - ``"onednn"``: oneDNN's blocked layout through ``mkldnn._linear_pointwise`` (float32 and bfloat16), for
   machines where the C kernels cannot be built. Still 2-3x MKL's ``F.linear`` for decode-sized products.
+- both, by row count (``RegimeWeight``), where ``cpu_ops="auto"``'s probe found the C kernels faster in one
+  regime and torch in the other (``probe.py``): products of fewer than ``MANY_ROWS`` rows on one packing, the
+  others on the other. The weight is then held twice (its compact panels and torch's copy of its values).
 
 Results equal ``F.linear`` up to float32 summation order (~1e-4 absolute on unit-scale inputs).
 """
@@ -42,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 # Row count oneDNN chooses the blocked layout for; measured flat from 16 to 1024 rows on the bench machine.
 PACK_BATCH_HINT = 64
+# Products of this many rows or more are "many-row" products (prefill chunks) for RegimeWeight and the probe;
+# fewer, "few-row" ones (decode steps).
+MANY_ROWS = 128
+PATHS_NATIVE = ("native", "native")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -103,6 +110,51 @@ class NativeWeight:
         return self.kernels.linear(x, self.panels, bias)
 
 
+@dataclass(frozen=True)
+class DenseWeight:
+    """torch's plain ``F.linear`` of a dense weight (where oneDNN cannot pack it)."""
+
+    weight: torch.Tensor
+    dtype: torch.dtype
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+
+@dataclass(frozen=True)
+class RegimeWeight:
+    """One weight on two paths: products of fewer than ``many_rows`` rows on ``few``, the others on ``many``
+    (each given its input, bias and result in its own dtype; the model's are float32)."""
+
+    few: PackedWeight
+    many: PackedWeight
+    many_rows: int = MANY_ROWS
+    dtype: torch.dtype = torch.float32
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        part = self.many if x.shape[0] >= self.many_rows else self.few
+        if part.dtype == x.dtype:
+            return part.matmul(x, bias)
+        out = part.matmul(x.to(part.dtype), None if bias is None else bias.to(part.dtype))
+        return out.to(x.dtype)
+
+
+def torch_weight(weight: torch.Tensor, bf16_products: bool) -> PackedWeight:
+    """torch's product of the float32 ``weight`` (rounded to bfloat16 for bfloat16 products): oneDNN's packed
+    copy where it applies, else ``F.linear`` on a copy."""
+    w = weight.detach().to(torch.bfloat16 if bf16_products else torch.float32)
+    if packing_supported(w):
+        return OneDnnWeight(pack_weight(w), w.dtype)
+    return DenseWeight(w, w.dtype)  # the module's dense weight, or its bfloat16 copy
+
+
+def native_weight(packed: PackedWeight | None) -> NativeWeight | None:
+    """The C kernels' packing that few-row products of ``packed`` run on, or None when they run on torch."""
+    if isinstance(packed, RegimeWeight):
+        packed = packed.few
+    return packed if isinstance(packed, NativeWeight) else None
+
+
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal float32 values, NaN nowhere. Bit for bit but for the sign of zeros: Q4_0 stores d * (q - 8),
     which gguf-py gives as -0 for q = 8 and a negative d, and the kernel as d * q - 8d = +0."""
@@ -140,21 +192,31 @@ def make_packed_weight(
     blocks: QuantBlocks | None = None,
     compact: bool = False,
     bf16_products: bool = False,
+    paths: tuple[str, str] = PATHS_NATIVE,
 ) -> PackedWeight | None:
     """The weight packed for the C kernels (float32, when ``kernels`` is given; with ``compact`` in the
     smallest exact format; with ``bf16_products`` rounded to bfloat16 for bfloat16 products) or else for
-    oneDNN; None where neither applies."""
+    oneDNN; None where neither applies. ``paths`` (with ``kernels``): "native" or "torch" for few-row and
+    many-row products; a mixed pair gives a ``RegimeWeight`` of the native packing and torch's."""
     if kernels is not None and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2:
-        w = weight.detach()
-        if bf16_products:  # GGUF blocks stay compact (rounded as decoded), anything else is rounded once here
-            blocks_packed = block_panels(w, kernels, blocks) if compact else None
-            panels = kernels.with_bf16_products(blocks_packed) if blocks_packed else kernels.pack_weight(w, "bf16_dot")
-            return NativeWeight(panels, kernels)
-        return NativeWeight((compact_panels(w, kernels, blocks) if compact else None) or kernels.pack_weight(w),
-                            kernels)
+        native = _native_packing(weight.detach(), kernels, blocks, compact, bf16_products)
+        if paths == PATHS_NATIVE:
+            return native
+        other = torch_weight(weight, bf16_products)
+        few, many = (native if p == "native" else other for p in paths)
+        return RegimeWeight(few, many)
     if packing_supported(weight):
         return OneDnnWeight(pack_weight(weight), weight.dtype)
     return None
+
+
+def _native_packing(w: torch.Tensor, kernels: CpuKernels, blocks: QuantBlocks | None, compact: bool,
+                    bf16_products: bool) -> NativeWeight:
+    if bf16_products:  # GGUF blocks stay compact (rounded as decoded), anything else is rounded once here
+        blocks_packed = block_panels(w, kernels, blocks) if compact else None
+        panels = kernels.with_bf16_products(blocks_packed) if blocks_packed else kernels.pack_weight(w, "bf16_dot")
+        return NativeWeight(panels, kernels)
+    return NativeWeight((compact_panels(w, kernels, blocks) if compact else None) or kernels.pack_weight(w), kernels)
 
 
 def pack_module_weight(
@@ -164,11 +226,12 @@ def pack_module_weight(
     blocks: QuantBlocks | None = None,
     compact: bool = False,
     bf16_products: bool = False,
+    paths: tuple[str, str] = PATHS_NATIVE,
 ) -> bool:
     """Set ``module.packed`` to its packed ``weight`` (once) and, with ``release_dense``, free the dense copy;
     returns False, changing nothing, where packing is unsupported."""
     if module.packed is None:
-        packed = make_packed_weight(module.weight, kernels, blocks, compact, bf16_products)
+        packed = make_packed_weight(module.weight, kernels, blocks, compact, bf16_products, paths)
         if packed is None:
             return False
         module.packed = packed
@@ -186,6 +249,7 @@ class Packable(Protocol):
         blocks: QuantBlocks | None = None,
         compact: bool = False,
         bf16_products: bool = False,
+        paths: tuple[str, str] = PATHS_NATIVE,
     ) -> bool: ...
 
 
@@ -207,8 +271,9 @@ class PackableLinear(nn.Module):
         blocks: QuantBlocks | None = None,
         compact: bool = False,
         bf16_products: bool = False,
+        paths: tuple[str, str] = PATHS_NATIVE,
     ) -> bool:
-        return pack_module_weight(self, release_dense, kernels, blocks, compact, bf16_products)
+        return pack_module_weight(self, release_dense, kernels, blocks, compact, bf16_products, paths)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2 and x.dtype == self.packed.dtype:
@@ -224,11 +289,13 @@ def pack_linear_weights(
     blocks: Mapping[str, QuantBlocks] | None = None,
     compact: bool = False,
     bf16_products: bool = False,
+    paths: tuple[str, str] = PATHS_NATIVE,
 ) -> int:
     """Pack every ``Packable`` module of ``model`` for the C kernels (when ``kernels`` is given; with
     ``compact``, each weight in the smallest format that holds it exactly, from ``blocks`` (parameter name ->
-    its GGUF blocks) where given; with ``bf16_products`` rounded to bfloat16) or for oneDNN. Dense copies are
-    released unless the weight is shared, like tied embeddings. Returns how many were packed."""
+    its GGUF blocks) where given; with ``bf16_products`` rounded to bfloat16; with mixed ``paths``, torch's
+    copy too for the regime it runs) or for oneDNN. Dense copies are released unless the weight is shared,
+    like tied embeddings. Returns how many were packed."""
     names: dict[int, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
         names[id(param)].append(name)
@@ -237,17 +304,22 @@ def pack_linear_weights(
     for m in model.modules():
         if isinstance(m, Packable) and isinstance(m.weight, torch.Tensor):
             source = next((blocks[n] for n in names[id(m.weight)] if n in blocks), None)
-            packed += m.pack(len(names[id(m.weight)]) == 1, kernels, source, compact, bf16_products)
+            packed += m.pack(len(names[id(m.weight)]) == 1, kernels, source, compact, bf16_products, paths)
     if packed:
-        _log_packing(model, kernels is not None)
+        _log_packing(model, kernels is not None, paths)
     return packed
 
 
-def _log_packing(model: nn.Module, native: bool) -> None:
+def _log_packing(model: nn.Module, native: bool, paths: tuple[str, str]) -> None:
     if not native:
         logger.info("packed the CPU linear weights into oneDNN's blocked layout")
         return
-    weights = [m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), NativeWeight)]
+    packed = [getattr(m, "packed", None) for m in model.modules()]
+    if paths != PATHS_NATIVE:
+        logger.warning("CPU linear weights held twice (cbserve's panels and torch's copy): products of fewer than %d "
+                       "rows on %s, the others on %s", MANY_ROWS, *paths)
+    weights = [w for w in (p.few if isinstance(p, RegimeWeight) else p for p in packed) if isinstance(w, NativeWeight)]
+    weights += [p.many for p in packed if isinstance(p, RegimeWeight) and isinstance(p.many, NativeWeight)]
     formats = Counter(w.panels.fmt for w in weights)
     stored = sum(w.panels.nbytes for w in weights) / 2**20
     dense = sum(4 * w.panels.n * w.panels.k for w in weights) / 2**20

@@ -138,6 +138,18 @@ def _compiler() -> str | None:
     return shutil.which("gcc") or shutil.which("cc")
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else the platform's processor or machine name."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _cpu_id() -> str:
     try:
         with open("/proc/cpuinfo") as f:

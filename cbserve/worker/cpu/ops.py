@@ -8,8 +8,11 @@ to its constructor as a ``CpuOps``.
   ``dtype="bfloat16"`` the linear layers' products are bfloat16 (``CpuOps.bf16_products``, see linear.py).
 - "onednn": linear weights packed for oneDNN; torch for everything else.
 - "torch": plain torch (``F.linear`` on MKL), the reference the others are tested against.
-- "auto": native when the kernels build (float32 or bfloat16) and, given the model's shapes, the start-up
-  probe (``probe.py``) finds their products no slower than torch's on this CPU; else onednn, else torch.
+- "auto": native when the kernels build (float32 or bfloat16); given the model's shapes and weight format, the
+  start-up probe (``probe.py``) then decides few-row (decode) and many-row (prefill) products apart: the C
+  kernels where they were no slower than torch's products, torch (oneDNN, else plain) where they were. Both
+  regimes on torch: onednn (else torch) for everything; one of each: native, with each linear weight held for
+  both paths (``linear.RegimeWeight``).
 
 ``isa`` picks the kernels' build (``native.py``: "avx512", "avx2", "scalar"; "auto" the CPU's best).
 
@@ -28,7 +31,7 @@ from torch import nn
 
 from cbserve.worker.cpu.gguf_blocks import QuantBlocks
 from cbserve.worker.cpu.kernels import CpuKernels
-from cbserve.worker.cpu.linear import pack_linear_weights
+from cbserve.worker.cpu.linear import PATHS_NATIVE, pack_linear_weights
 from cbserve.worker.cpu.native import load_cpu_kernels
 from cbserve.worker.cpu.probe import ProbeResult, probe_cached
 
@@ -45,11 +48,15 @@ class CpuOps(NamedTuple):
     kernels: CpuKernels | None
     bf16_products: bool = False
     probe: ProbeResult | None = None  # cpu_ops "auto": the start-up probe's figures, when it ran
+    linear_paths: tuple[str, str] = PATHS_NATIVE  # native mode: "native" | "torch" for few-row, many-row products
 
     def report(self) -> dict[str, object]:
-        """What /stats shows of the CPU path: the mode, the kernels' ISA level and the probe's figures."""
+        """What /stats shows of the CPU path: the mode, the kernels' ISA level, which path each regime of the
+        linear products runs on and the probe's figures."""
+        paths = self.linear_paths if self.native else (self.mode, self.mode)
         return {"cpu_ops": self.mode, "cpu_isa": self.kernels.isa if self.kernels is not None else None,
                 "cpu_isa_features": list(self.kernels.isa_features) if self.kernels is not None else [],
+                "cpu_linear_paths": {"few_rows": paths[0], "many_rows": paths[1]},
                 "cpu_ops_probe": self.probe.as_dict() if self.probe is not None else None}
 
     @property
@@ -61,11 +68,12 @@ TORCH_OPS = CpuOps("torch", None)
 
 
 def resolve_cpu_ops(requested: str, device: torch.device, dtype: torch.dtype, isa: str = "auto",
-                    probe_shape: tuple[int, int] | None = None) -> CpuOps:
+                    probe_shape: tuple[int, int] | None = None, weight_format: str = "f32") -> CpuOps:
     """The ops to build the model with. ValueError when "native" or "onednn" is asked for explicitly and
     cannot be had, or ``isa`` names a level this CPU cannot run. Not a CPU device: torch. ``probe_shape``
-    (the model's hidden and intermediate sizes): "auto" keeps the C kernels only where the probe finds them
-    no slower than torch."""
+    (the model's hidden and intermediate sizes) and ``weight_format`` (``probe.model_weight_format``): "auto"
+    keeps the C kernels for each regime of the linear products only where the probe finds them no slower
+    than torch."""
     if device.type != "cpu":
         return TORCH_OPS
     if requested in ("auto", "native"):
@@ -77,7 +85,7 @@ def resolve_cpu_ops(requested: str, device: torch.device, dtype: torch.dtype, is
                 native = CpuOps("native", load.kernels, dtype == torch.bfloat16)
                 if requested == "native" or probe_shape is None:
                     return native
-                return _probed(native, load.kernels, probe_shape)
+                return _probed(native, load.kernels, probe_shape, weight_format)
             reason = load.reason
         if requested == "native":
             raise ValueError(f"cpu_ops='native' is not available: {reason}")
@@ -94,16 +102,21 @@ def _torch_ops(requested: str, probe: ProbeResult | None = None) -> CpuOps:
     return CpuOps("torch", None, probe=probe)
 
 
-def _probed(native: CpuOps, kernels: CpuKernels, shape: tuple[int, int]) -> CpuOps:
-    """cpu_ops "auto": the C kernels, unless the probe finds them slower than torch on this CPU."""
-    result = probe_cached(kernels, shape[0], shape[1], native.bf16_products)
-    if result.native_wins:
+def _probed(native: CpuOps, kernels: CpuKernels, shape: tuple[int, int], weight_format: str) -> CpuOps:
+    """cpu_ops "auto": per regime of the linear products, the C kernels unless the probe found them slower."""
+    result = probe_cached(kernels, shape[0], shape[1], weight_format, native.bf16_products)
+    if result.paths == PATHS_NATIVE:
         logger.info("cpu_ops auto: the %s C kernels (%s)", kernels.isa, result.summary())
         return native._replace(probe=result)
-    chosen = _torch_ops("auto", result)
-    logger.warning("cpu_ops auto: %s, not the %s C kernels, which are slower on this CPU (%s); cpu_ops "
-                   "'native' forces them", chosen.mode, kernels.isa, result.summary())
-    return chosen
+    if "native" not in result.paths:
+        chosen = _torch_ops("auto", result)
+        logger.warning("cpu_ops auto: %s, not the %s C kernels, which are slower on this CPU (%s); cpu_ops "
+                       "'native' forces them", chosen.mode, kernels.isa, result.summary())
+        return chosen
+    logger.warning("cpu_ops auto: the %s C kernels for %s-row products, torch for the others, which the C kernels "
+                   "run slower on this CPU (%s)", kernels.isa, "few" if result.paths[0] == "native" else "many",
+                   result.summary())
+    return native._replace(probe=result, linear_paths=result.paths)
 
 
 def pack_weights(
@@ -117,4 +130,4 @@ def pack_weights(
         raise ValueError("cpu_ops 'native' needs the loaded kernels")
     native = ops.native and ops.kernels is not None
     return pack_linear_weights(model, ops.kernels if native else None, blocks, compact and native,
-                               ops.bf16_products)
+                               ops.bf16_products, ops.linear_paths if native else PATHS_NATIVE)

@@ -1,22 +1,27 @@
-"""``cpu_ops="auto"``'s start-up probe: are the C kernels' linear products at least as fast as torch's on
-this CPU, at the model's own shapes?
+"""``cpu_ops="auto"``'s start-up probe: for each regime of the model's linear products, which path is faster on
+this CPU, at the model's shapes and in the model's own weight format: the C kernels or torch's product of the
+same weights (oneDNN's packed weight where torch has oneDNN, else ``F.linear``).
 
-The C kernels are the default because on the CPUs they were tuned on they are faster than torch's (oneDNN / MKL)
-products. A CPU they were not tuned for must not get a default slower than the fallback it would otherwise run,
-so before the model is built the probe times one decode-shaped product (one row) and one prefill-shaped product
-(``PREFILL_ROWS`` rows) of a weight of the model's MLP shape (its hidden size in, up to ``MAX_COLUMNS`` of its
-gate/up columns out), each on the C kernels and on the torch path ``auto`` would fall back to (oneDNN's packed
-weight where torch has oneDNN, else ``F.linear``), in the products' dtype. Each figure is the best of a few runs
-after a warm-up, the two paths timed alternately on one thread (tens of milliseconds in all: one thread, because
-both scale alike over threads, while a thread team timed beside a busy neighbour measures the neighbour: on a
-loaded 2-core machine the C kernels' team took 1.8x oneDNN's time, alone on one thread they were faster, and such
-a verdict is kept). The C kernels are kept when the
-geometric mean of their time over torch's, across the two shapes, is at most ``NATIVE_MARGIN`` (1.2: no slower
-beyond timing noise). The figures and the choice are logged and reported in ``/stats``.
+The regimes are decided apart, because one path can win one and lose the other: **few rows** (a decode step's
+rows, one per running request; timed at ``FEW_ROWS``), where the cost is streaming the weights and the C kernels
+read their compact formats, and **many rows** (a prefill chunk's, from ``linear.MANY_ROWS`` rows on; timed at
+that count), where the cost is the multiply-adds. Each is timed on a weight of the model's MLP shape (its hidden
+size in, up to ``MAX_COLUMNS`` of its gate/up columns out) stored as the model stores it (``model_weight_format``:
+GGUF Q8_0 / Q4_0 / Q4_1 blocks, bfloat16 or float32 panels, or bfloat16 pairs for bfloat16 products), against
+torch's product of the float32 weights the format decodes to (bfloat16 for bfloat16 products). A regime keeps
+the C kernels only when they took no longer than torch: the measured figures decide, with no margin, so the
+probe never keeps the path it timed slower for the regime it decides. Each figure is the best of a few runs
+after a warm-up (figures within ``CLOSE`` of each other are timed again, longer, and the best of all runs
+decides), the two paths timed alternately on one thread (tens of milliseconds in all: one thread, because
+both scale alike over threads, while a thread team timed beside a busy neighbour measures the neighbour). The
+figures and the choices are logged and reported in ``/stats``; ``ops.py`` turns them into the model's paths.
 
-A verdict is kept beside the kernel library it was taken with (``probe_cached``): every engine replica and
-every restart on one machine runs the same path, so replicas answer one request with the same numbers, and
-replicas that start together take turns (a file lock) instead of timing each other's contention.
+A verdict is kept beside the kernel library it was taken with (``probe_cached``), keyed by the probe's version,
+the library (whose name hashes its sources, compiler flags and the CPU's model and flags), the CPU model, the
+torch version, the weight format and the shapes, so a change of any of them probes again; a kept verdict is
+taken again after ``MAX_AGE_S``, and one dated in the future is not trusted. Every engine replica and every
+restart on one machine within that time runs the same paths, and replicas that start together take turns (a
+file lock) instead of timing each other's contention.
 """
 
 from __future__ import annotations
@@ -31,63 +36,73 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from cbserve.worker.cpu.kernels import CpuKernels
-from cbserve.worker.cpu.linear import pack_weight, packed_linear, packing_supported
+from cbserve.worker.cpu.kernels import CpuKernels, Panels
+from cbserve.worker.cpu.linear import MANY_ROWS, OneDnnWeight, PackedWeight, torch_weight
+from cbserve.worker.cpu.native import cpu_model_name
 
-DECODE_ROWS = 1
-PREFILL_ROWS = 128
+FEW_ROWS = 1
 MAX_COLUMNS = 2048  # columns of the probe's weight at most (a large model's MLP would take seconds to pack)
-_MAX_SECONDS = 0.1  # per row count: stop repeating once this much time is spent
+_MAX_SECONDS = 0.15  # per regime: stop repeating once this much time is spent
 _REPEATS = 7
-# The C kernels are kept unless they take this much longer than torch's path: a margin over timing noise on a
-# busy machine (the probe is there for CPUs where they are several times slower, as on AVX2 before the
-# kernels were written for its register width), not for a few percent either way.
-NATIVE_MARGIN = 1.2
-PROBE_VERSION = 3  # in the kept verdicts' key: a changed way of probing probes again
+CLOSE = 0.05  # figures this close are timed again, three times as long
+PROBE_VERSION = 5  # in the kept verdicts' key: a changed way of probing probes again
+MAX_AGE_S = 7 * 24 * 3600.0  # a kept verdict older than this is taken again
+WEIGHT_FORMATS = ("f32", "bf16", "q8_0", "q4_0", "q4_1")  # as the model stores its weights (model_weight_format)
+
+
+@dataclass(frozen=True)
+class RegimeTiming:
+    """Milliseconds of one product of ``rows`` rows on the C kernels and on torch, and the faster path."""
+
+    rows: int
+    native_ms: float
+    torch_ms: float
+
+    @property
+    def path(self) -> str:
+        """"native" when the C kernels took no longer than torch, else "torch"."""
+        return "native" if self.native_ms <= self.torch_ms else "torch"
 
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """Milliseconds per product at each row count, C kernels and torch, and what they decide."""
+    """The probe's figures for the few-row and many-row regimes, and what they decide."""
 
     shape: tuple[int, int]  # the probe weight's [n, k]
-    rows: tuple[int, ...]
-    native_ms: tuple[float, ...]
-    torch_ms: tuple[float, ...]
+    weight_format: str  # the C kernels' panel format timed ("q4_0", "bf16_dot", ...)
     torch_path: str  # "onednn" | "torch"
+    few: RegimeTiming
+    many: RegimeTiming
+    taken_at: float = 0.0  # time.time() when measured
 
     @property
-    def ratio(self) -> float:
-        """Geometric mean over the row counts of the C kernels' time over torch's (< 1: the C kernels win)."""
-        logs = [math.log(max(a, 1e-9) / max(b, 1e-9)) for a, b in zip(self.native_ms, self.torch_ms, strict=True)]
-        return math.exp(sum(logs) / len(logs))
-
-    @property
-    def native_wins(self) -> bool:
-        return self.ratio <= NATIVE_MARGIN
+    def paths(self) -> tuple[str, str]:
+        """("native" | "torch") for few-row and for many-row products."""
+        return self.few.path, self.many.path
 
     def summary(self) -> str:
         n, k = self.shape
-        parts = [f"{r} row{'s' if r > 1 else ''}: {a:.3f} vs {b:.3f} ms"
-                 for r, a, b in zip(self.rows, self.native_ms, self.torch_ms, strict=True)]
-        return (f"[{n}, {k}] products, C kernels vs {self.torch_path}: " + ", ".join(parts)
-                + f" (ratio {self.ratio:.2f})")
+        parts = [f"{name} ({r.rows} row{'s' if r.rows > 1 else ''}): {r.native_ms:.3f} vs {r.torch_ms:.3f} ms -> "
+                 f"{r.path}" for name, r in (("few rows", self.few), ("many rows", self.many))]
+        return f"[{n}, {k}] {self.weight_format} products, C kernels vs {self.torch_path}: " + ", ".join(parts)
 
     def as_dict(self) -> dict[str, object]:
-        return {"shape": list(self.shape), "rows": list(self.rows), "native_ms": list(self.native_ms),
-                "torch_ms": list(self.torch_ms), "torch_path": self.torch_path, "ratio": self.ratio,
-                "native_wins": self.native_wins}
+        return {"shape": list(self.shape), "weight_format": self.weight_format, "torch_path": self.torch_path,
+                "rows": [self.few.rows, self.many.rows], "native_ms": [self.few.native_ms, self.many.native_ms],
+                "torch_ms": [self.few.torch_ms, self.many.torch_ms],
+                "paths": {"few": self.few.path, "many": self.many.path}, "taken_at": self.taken_at}
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> ProbeResult:
-        def floats(key: str) -> tuple[float, ...]:
-            return tuple(float(v) for v in d[key])  # type: ignore[attr-defined]
+        def values(key: str) -> list[float]:
+            return [float(v) for v in d[key]]  # type: ignore[attr-defined]
 
-        shape = tuple(int(v) for v in d["shape"])  # type: ignore[attr-defined]
-        rows = tuple(int(v) for v in d["rows"])  # type: ignore[attr-defined]
-        return cls((shape[0], shape[1]), rows, floats("native_ms"), floats("torch_ms"), str(d["torch_path"]))
+        shape, rows = [int(v) for v in d["shape"]], [int(v) for v in d["rows"]]  # type: ignore[attr-defined]
+        native, other = values("native_ms"), values("torch_ms")
+        return cls((shape[0], shape[1]), str(d["weight_format"]), str(d["torch_path"]),
+                   RegimeTiming(rows[0], native[0], other[0]), RegimeTiming(rows[1], native[1], other[1]),
+                   float(d["taken_at"]))  # type: ignore[arg-type]
 
 
 def best_ms_pair(a: Callable[[], object], b: Callable[[], object], repeats: int = _REPEATS,
@@ -109,61 +124,83 @@ def best_ms_pair(a: Callable[[], object], b: Callable[[], object], repeats: int 
     return 1000 * best[0], 1000 * best[1]
 
 
-def _torch_product(weight: torch.Tensor, dtype: torch.dtype) -> tuple[str, Callable[[torch.Tensor], object]]:
-    """The product the torch fallback would run for this weight: oneDNN's packed weight where it applies."""
-    w = weight.to(dtype)
-    if packing_supported(w):
-        packed = pack_weight(w)
-        return "onednn", lambda x: packed_linear(x.to(dtype), packed, None)
-    return "torch", lambda x: F.linear(x.to(dtype), w)
+def probe_panels(kernels: CpuKernels, n: int, k: int, weight_format: str, bf16_products: bool,
+                 gen: torch.Generator) -> Panels:
+    """A random [n, k] weight packed as a model in ``weight_format`` packs its weights (blocks with float16
+    scales for the GGUF formats), for bfloat16 products where asked."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    if weight_format in ("f32", "bf16"):
+        w = torch.randn(n, k, generator=gen) * 0.02
+        if bf16_products:
+            return kernels.pack_weight(w, "bf16_dot")
+        return kernels.pack_weight(w.bfloat16().float(), "bf16") if weight_format == "bf16" else kernels.pack_weight(w)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.002).half().float()
+    if weight_format == "q8_0":
+        panels = kernels.pack_q8_0(d, torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen))
+    else:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        panels = kernels.pack_q4_0(d, q) if weight_format == "q4_0" else kernels.pack_q4_1(d, -8 * d, q)
+    return kernels.with_bf16_products(panels) if bf16_products else panels
 
 
-def probe_linear(kernels: CpuKernels, hidden: int, inter: int, bf16_products: bool = False,
-                 rows: tuple[int, ...] = (DECODE_ROWS, PREFILL_ROWS)) -> ProbeResult:
-    """Time a [min(2 * inter, MAX_COLUMNS), hidden] weight's products on the C kernels and on torch."""
-    n, k = min(2 * inter, MAX_COLUMNS), hidden
+def probe_linear(kernels: CpuKernels, hidden: int, inter: int, weight_format: str = "f32",
+                 bf16_products: bool = False, now: float | None = None) -> ProbeResult:
+    """Time a [min(2 * inter, MAX_COLUMNS), hidden] weight of ``weight_format`` at FEW_ROWS and MANY_ROWS rows on
+    the C kernels and on torch (k rounded down to whole GGUF blocks for the block formats)."""
+    n, k = min(2 * inter, MAX_COLUMNS), hidden if weight_format in ("f32", "bf16") else max(32, hidden // 32 * 32)
     gen = torch.Generator().manual_seed(0)  # the global generator (request sampling) stays untouched
-    weight = torch.randn(n, k, generator=gen) * 0.02
-    panels = kernels.pack_weight(weight, "bf16_dot" if bf16_products else "f32")
-    path, torch_fn = _torch_product(weight, torch.bfloat16 if bf16_products else torch.float32)
-    native_ms, torch_ms = [], []
+    panels = probe_panels(kernels, n, k, weight_format, bf16_products, gen)
+    other: PackedWeight = torch_weight(kernels.unpack(panels), bf16_products)
+    path = "onednn" if isinstance(other, OneDnnWeight) else "torch"
+    timings = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the C kernels run on torch's OpenMP threads too (native.py)
     try:
         with torch.inference_mode():
-            for m in rows:
+            for m in (FEW_ROWS, MANY_ROWS):
                 x = torch.randn(m, k, generator=gen)
-                native, other = best_ms_pair(lambda x=x: kernels.linear(x, panels, None), lambda x=x: torch_fn(x))
-                native_ms.append(native)
-                torch_ms.append(other)
+                xt = x.to(other.dtype)
+                timings.append(_timed(m, lambda x=x: kernels.linear(x, panels, None),
+                                      lambda xt=xt: other.matmul(xt, None)))
     finally:
         torch.set_num_threads(threads)
-    return ProbeResult((n, k), tuple(rows), tuple(native_ms), tuple(torch_ms), path)
+    return ProbeResult((n, k), panels.fmt, path, timings[0], timings[1], time.time() if now is None else now)
 
 
-def verdict_path(kernels: CpuKernels, hidden: int, inter: int, bf16_products: bool,
-                 rows: tuple[int, ...] = (DECODE_ROWS, PREFILL_ROWS)) -> Path:
-    """Where the probe's verdict for this library, shape, dtype and torch build is kept: beside the library,
-    whose name already hashes its sources, compiler flags and CPU."""
-    key = json.dumps([PROBE_VERSION, kernels.path.name, hidden, inter, bf16_products, list(rows), torch.__version__])
+def _timed(rows: int, native: Callable[[], object], other: Callable[[], object]) -> RegimeTiming:
+    a, b = best_ms_pair(native, other)
+    if abs(a - b) <= CLOSE * min(a, b):
+        a2, b2 = best_ms_pair(native, other, 3 * _REPEATS, 3 * _MAX_SECONDS)
+        a, b = min(a, a2), min(b, b2)
+    return RegimeTiming(rows, a, b)
+
+
+def verdict_path(kernels: CpuKernels, hidden: int, inter: int, weight_format: str, bf16_products: bool) -> Path:
+    """Where the verdict for this library, CPU, torch build, weight format and shape is kept: beside the library."""
+    key = json.dumps([PROBE_VERSION, kernels.path.name, cpu_model_name(), torch.__version__, weight_format,
+                      bf16_products, hidden, inter, FEW_ROWS, MANY_ROWS])
     return kernels.path.with_name(f"probe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
 
 
-def probe_cached(kernels: CpuKernels, hidden: int, inter: int, bf16_products: bool = False) -> ProbeResult:
-    """``probe_linear``'s verdict, taken once per library, shape and torch build on this machine: read back
-    when it is kept, else probed under an exclusive lock (so concurrent starters wait for the first one's
-    verdict) and kept. A folder that cannot be written only costs the sharing: the probe runs each time."""
-    path = verdict_path(kernels, hidden, inter, bf16_products)
+def probe_cached(kernels: CpuKernels, hidden: int, inter: int, weight_format: str = "f32",
+                 bf16_products: bool = False, now: float | None = None) -> ProbeResult:
+    """``probe_linear``'s verdict, taken once per library, CPU, torch build, format and shape on this machine and
+    again once it is ``MAX_AGE_S`` old: read back when a fresh one is kept, else probed under an exclusive lock
+    (so concurrent starters wait for the first one's verdict) and kept. A folder that cannot be written only
+    costs the sharing: the probe runs each time."""
+    now = time.time() if now is None else now
+    path = verdict_path(kernels, hidden, inter, weight_format, bf16_products)
     try:
         lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 - held across the probe below
     except OSError:
-        return probe_linear(kernels, hidden, inter, bf16_products)
+        return probe_linear(kernels, hidden, inter, weight_format, bf16_products, now)
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        kept = _read_verdict(path)
+        kept = read_verdict(path, now)
         if kept is not None:
             return kept
-        result = probe_linear(kernels, hidden, inter, bf16_products)
+        result = probe_linear(kernels, hidden, inter, weight_format, bf16_products, now)
         _keep_verdict(path, result)
         return result
 
@@ -177,8 +214,38 @@ def _keep_verdict(path: Path, result: ProbeResult) -> None:
         pass
 
 
-def _read_verdict(path: Path) -> ProbeResult | None:
+def read_verdict(path: Path, now: float) -> ProbeResult | None:
+    """The verdict kept at ``path`` when it is younger than MAX_AGE_S (and not from the future); else None."""
     try:
-        return ProbeResult.from_dict(json.loads(path.read_text()))
+        result = ProbeResult.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError, IndexError):  # none kept yet, or a damaged file: probe
         return None
+    return result if 0.0 <= now - result.taken_at <= MAX_AGE_S else None
+
+
+def model_weight_format(folder: Path) -> str:
+    """How a checkpoint folder stores most of its linear weights, as the probe times them: the GGUF block type
+    kept beside a converted GGUF ("q8_0", "q4_0", "q4_1"), else "bf16" for bfloat16 safetensors, else "f32".
+    Read from the files' headers; "f32" when they cannot be read."""
+    from collections import Counter
+
+    from safetensors import safe_open
+
+    from cbserve.worker.cpu.gguf_blocks import BLOCKS_FILE
+
+    try:
+        blocks = folder / BLOCKS_FILE
+        if blocks.exists():
+            with safe_open(str(blocks), framework="pt") as f:
+                kinds = Counter(v.lower() for v in (f.metadata() or {}).values())
+            if kinds and kinds.most_common(1)[0][0] in WEIGHT_FORMATS:
+                return kinds.most_common(1)[0][0]
+        dtypes: Counter[str] = Counter()
+        for file in sorted(folder.glob("*.safetensors"))[:1]:
+            with safe_open(str(file), framework="pt") as f:
+                for name in list(f.keys())[:64]:  # noqa: SIM118 (safe_open is not a mapping)
+                    if name.endswith("proj.weight"):
+                        dtypes[f.get_slice(name).get_dtype()] += 1
+        return "bf16" if dtypes and dtypes.most_common(1)[0][0] == "BF16" else "f32"
+    except Exception:  # noqa: BLE001 (safetensors raises its own error types; any means: the default)
+        return "f32"

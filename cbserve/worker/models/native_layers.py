@@ -23,14 +23,14 @@ from cbserve.worker.attention.backend import AttentionMetadata, KVCache
 from cbserve.worker.attention.cpu_backend import CpuAttentionBackend, CpuPrepared
 from cbserve.worker.cpu.abi import PANEL_FORMATS, LayerArgs, LinearArgs, ModelArgs
 from cbserve.worker.cpu.kernels import CpuKernels
-from cbserve.worker.cpu.linear import NativeWeight
+from cbserve.worker.cpu.linear import MANY_ROWS, NativeWeight, RegimeWeight, native_weight
 from cbserve.worker.parallel import tp_world_size
 
 logger = logging.getLogger(__name__)
 
 
 def _linear_args(module: nn.Module, bias_in_kernel: bool) -> LinearArgs:
-    p = module.packed.panels
+    p = native_weight(module.packed).panels
     bias = module.bias
     return LinearArgs(PANEL_FORMATS[p.fmt], p.data.data_ptr(), p.n, p.k, 0 if bias is None else bias.data_ptr(),
                       int(bias_in_kernel))
@@ -47,7 +47,7 @@ def _ineligible(model: Any) -> str | None:
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(m.packed, NativeWeight) for m in linears):
+        if not all(native_weight(m.packed) is not None for m in linears):
             return "linear weights not packed for the C kernels"
         if not isinstance(attn.attn, CpuAttentionBackend):
             return f"attention backend {attn.attn.name!r}"
@@ -70,6 +70,13 @@ def _ff_norms(layer: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
     return getattr(layer, "pre_feedforward_layernorm", None), getattr(layer, "post_feedforward_layernorm", None)
 
 
+def rows_prepared(num_tokens: int, md: AttentionMetadata) -> bool:
+    """A step whose per-token C attention arguments the backend prepared."""
+    p = md.prepared
+    return num_tokens > 0 and isinstance(p, CpuPrepared) and p.prefill is None \
+        and p.rows.seq_lens.shape[0] == num_tokens
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -89,7 +96,7 @@ class NativeLayers:
         self.args = ModelArgs(
             num_layers=len(layers), hidden=model.config.hidden_size, heads=attn0.num_heads,
             kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim,
-            inter=layers[0].mlp.gate_up_proj.packed.panels.n // 2, num_blocks=0, block_size=0,
+            inter=native_weight(layers[0].mlp.gate_up_proj.packed).panels.n // 2, num_blocks=0, block_size=0,
             eps=layers[0].input_layernorm.eps, scale=attn0.attn.scale, cos=rotary.cos.data_ptr(),
             sin=rotary.sin.data_ptr(), max_pos=rotary.cos.shape[0],
             act=0 if model.spec.act == "silu" else 1,
@@ -112,6 +119,11 @@ class NativeLayers:
                 cos=_ptr(local.cos if uses_local(i) else None), sin=_ptr(local.sin if uses_local(i) else None),
             )
         self._bound: tuple[int, ...] = ()  # addresses of the KV caches the structs point at (no reference held)
+        # steps of this many rows or more run module by module: their products belong on torch's path
+        # (the probe found the C kernels slower there, linear.RegimeWeight)
+        torch_many = any(isinstance(m.packed, RegimeWeight) and not isinstance(m.packed.many, NativeWeight)
+                         for layer in layers for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+        self.max_rows = MANY_ROWS if torch_many else None
 
     @classmethod
     def build(cls, model: Any, kernels: CpuKernels) -> NativeLayers | None:
@@ -121,12 +133,10 @@ class NativeLayers:
             return None
         return cls(model, kernels)
 
-    @staticmethod
-    def applies(num_tokens: int, md: AttentionMetadata) -> bool:
-        """A step whose per-token C attention arguments the backend prepared."""
-        p = md.prepared
-        return num_tokens > 0 and isinstance(p, CpuPrepared) and p.prefill is None \
-            and p.rows.seq_lens.shape[0] == num_tokens
+    def applies(self, num_tokens: int, md: AttentionMetadata) -> bool:
+        """A step the driver runs: ``rows_prepared``, and where the linear products of many rows run on torch, of
+        fewer rows than that."""
+        return rows_prepared(num_tokens, md) and (self.max_rows is None or num_tokens < self.max_rows)
 
     def _bind(self, kv_caches: list[KVCache]) -> None:
         if len(kv_caches) != len(self.layers):

@@ -94,7 +94,8 @@ def test_stats_report_each_workers_cpu_path(server: Server) -> None:
         (cpu,) = replica["worker_cpu"]  # one rank
         probe = cpu["cpu_ops_probe"]
         assert probe is not None and probe["rows"] == [1, 128] and min(probe["native_ms"] + probe["torch_ms"]) > 0
-        assert cpu["cpu_ops"] == ("native" if probe["native_wins"] else "onednn")
+        assert cpu["cpu_ops"] == ("native" if "native" in probe["paths"].values() else "onednn")
+        assert set(cpu["cpu_linear_paths"].values()) <= {"native", "torch", "onednn"}
         if cpu["cpu_ops"] == "native":  # the CPU's best build, which reports its own ISA
             assert cpu["cpu_isa"] == supported_levels()[0]
             assert cpu["cpu_isa"] in cpu["cpu_isa_features"] or cpu["cpu_isa_features"] == []

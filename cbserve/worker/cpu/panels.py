@@ -1,0 +1,53 @@
+"""The packed weights of cbserve's CPU linear kernel as Python sees them (``Panels``: a format of
+``csrc/panels.h`` and its bytes) and the checks of what the packers are given (``kernels.py`` packs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The k block of the quantized panel formats (PANEL_FORMATS: name -> the C enum, in abi.py).
+BLOCK_FORMATS = ("q8_0", "q4_1", "q4_0")
+BLOCK_K = 32
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A [n, k] weight packed for ``CpuKernels.linear`` in one of the formats of csrc/cb_cpu.h (layouts in
+    csrc/panels.h)."""
+
+    fmt: str
+    data: torch.Tensor  # uint8, the packed bytes
+    n: int
+    k: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def is_bfloat16_exact(weight: torch.Tensor) -> bool:
+    """True when every float32 value of ``weight`` is a bfloat16 (its lower 16 bits are zero)."""
+    return weight.dtype == torch.float32 and not bool(
+        (weight.contiguous().view(torch.int32) & 0xFFFF).any()
+    )
+
+
+def block_shape(q: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor, fmt: str) -> tuple[int, int]:
+    """[n, k] of block values ``q`` of ``dtype`` and their float32 ``scales`` [n, k / 32] (ValueError otherwise)."""
+    if q.dtype != dtype or q.dim() != 2 or not q.is_contiguous() or q.device.type != "cpu":
+        raise ValueError(f"{fmt} values must be a contiguous {dtype} CPU matrix, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    if k % BLOCK_K or k == 0:
+        raise ValueError(f"{fmt} needs k to be a multiple of {BLOCK_K}, got {k}")
+    if scales.dtype != torch.float32 or scales.shape != (n, k // BLOCK_K) or not scales.is_contiguous():
+        raise ValueError(f"{fmt} scales must be a contiguous float32 [{n}, {k // BLOCK_K}] matrix, "
+                         f"got {scales.dtype} {tuple(scales.shape)}")
+    return n, k
+
+
+def check_nibbles(q: torch.Tensor, fmt: str) -> None:
+    """ValueError when a 4-bit block value is above 15."""
+    if q.numel() and int(q.max()) > 15:
+        raise ValueError(f"{fmt} values must be in 0..15, got {int(q.max())}")
