@@ -1,6 +1,7 @@
 """What CPU a benchmark ran on, and its ceilings: the model name and ISA level (named in every figure), the
 measured FMA peak (an unrolled loop of independent FMAs, compiled here for the level's vector width) and the
-measured memory copy bandwidth (the decode roofline's denominator)."""
+measured memory bandwidths: torch's copy (bytes read + written) and a read-only stream (what a decode step
+does with the weights)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,40 @@ int main(void) {
     return 0;
 }
 """
+_READ_SRC = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+typedef float vf __attribute__((vector_size(VW * 4)));
+int main(void) {
+    const long n = 1L << 28; /* 1 GiB of floats, far beyond the caches */
+    float *a = aligned_alloc(64, n * 4);
+#pragma omp parallel for
+    for (long i = 0; i < n; ++i) a[i] = 1.0f;
+    double best = 0;
+    for (int rep = 0; rep < 5; ++rep) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        float total = 0;
+#pragma omp parallel reduction(+ : total)
+        {
+            vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+#pragma omp for
+            for (long i = 0; i < n; i += 4 * VW) {
+                s0 += *(const vf *)(a + i); s1 += *(const vf *)(a + i + VW);
+                s2 += *(const vf *)(a + i + 2 * VW); s3 += *(const vf *)(a + i + 3 * VW);
+            }
+            const vf s = s0 + s1 + s2 + s3;
+            for (int j = 0; j < VW; ++j) total += s[j];
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        const double gbs = n * 4.0 / ((t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec)) / 1e9;
+        best = gbs > best && total > 0 ? gbs : best;
+    }
+    printf("%f\n", best);
+    return 0;
+}
+"""
 _MARCH = {"avx512": ("-march=native", "-DVW=16"), "avx2": ("-march=x86-64-v3", "-DVW=8"),
           "scalar": ("-march=x86-64", "-DVW=4")}
 
@@ -63,12 +98,23 @@ def describe(isa: str) -> str:
 def fma_peak_gflops(isa: str, threads: int) -> float | None:
     """float32 GFLOP/s of ``threads`` threads doing nothing but independent FMAs of the level's width (None
     without a compiler)."""
+    return _run_c(_PEAK_SRC, isa, threads)
+
+
+def read_bandwidth_gbs(isa: str, threads: int) -> float | None:
+    """Bytes per second ``threads`` threads read summing a 1 GiB buffer with the level's vectors, best of 5: the
+    rate a decode step could stream its weights at (None without a compiler)."""
+    return _run_c(_READ_SRC, isa, threads)
+
+
+def _run_c(source: str, isa: str, threads: int) -> float | None:
+    """Compile ``source`` for ``isa`` and run it on ``threads`` OpenMP threads: the number it prints."""
     cc = native._compiler()
     if cc is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "peak.c", Path(tmp) / "peak"
-        src.write_text(_PEAK_SRC)
+        src.write_text(source)
         flags = (*_MARCH[isa], "-O2", "-fopenmp") if native._is_x86() else ("-DVW=4", "-O2", "-fopenmp")
         if subprocess.run([cc, *flags, str(src), "-o", str(exe)], capture_output=True).returncode != 0:
             return None
