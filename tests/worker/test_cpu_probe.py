@@ -28,6 +28,7 @@ from cbserve.worker.cpu.probe import (
     model_weight_format,
     probe_cached,
     probe_linear,
+    regime_timing,
     verdict_path,
 )
 
@@ -36,13 +37,21 @@ pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C com
 
 def test_a_regime_keeps_the_c_kernels_only_when_they_were_no_slower() -> None:
     assert RegimeTiming(1, 1.0, 1.0).path == "native"  # a tie keeps them
-    assert RegimeTiming(1, 1.01, 1.0).path == "torch"  # 1% slower loses: no margin
-    assert RegimeTiming(128, 6.33, 4.62).path == "torch"
+    assert RegimeTiming(1, 1.01, 1.0).path == "torch"  # 1% slower with runs that never scattered: no margin
+    assert RegimeTiming(1, 1.01, 1.0, scatter=0.02).path == "native"  # within the runs' own scatter: a tie
+    assert RegimeTiming(128, 6.33, 4.62, scatter=0.05).path == "torch"
     r = ProbeResult((192, 64), "q4_1", "onednn", RegimeTiming(1, 0.200, 0.218), RegimeTiming(128, 6.33, 4.62), 5.0)
     assert r.paths == ("native", "torch")  # the figures of one verdict that once covered both regimes
     assert ProbeResult.from_dict(json.loads(json.dumps(r.as_dict()))) == r
-    assert "few rows (1 row): 0.200 vs 0.218 ms -> native" in r.summary()
-    assert "many rows (128 rows): 6.330 vs 4.620 ms -> torch" in r.summary() and "q4_1" in r.summary()
+    assert "few rows (1 row): 0.200 vs 0.218 ms, scatter 0.0% -> native" in r.summary()
+    assert "many rows (128 rows): 6.330 vs 4.620 ms" in r.summary() and "q4_1" in r.summary()
+
+
+def test_the_scatter_is_measured_from_the_runs() -> None:
+    tie = regime_timing(1, [1.0, 1.1, 1.2], [0.99, 1.0, 1.01])  # torch 1% faster, runs scattered by 10%
+    assert (tie.native_ms, tie.torch_ms, tie.scatter, tie.path) == (1.0, 0.99, pytest.approx(0.1), "native")
+    slower = regime_timing(128, [2.0, 2.02, 2.04], [1.0, 1.01, 1.02])
+    assert slower.path == "torch" and slower.scatter == pytest.approx(0.01)
 
 
 @dataclass

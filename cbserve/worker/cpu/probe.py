@@ -8,11 +8,14 @@ read their compact formats, and **many rows** (a prefill chunk's, from ``linear.
 that count), where the cost is the multiply-adds. Each is timed on a weight of the model's MLP shape (its hidden
 size in, up to ``MAX_COLUMNS`` of its gate/up columns out) stored as the model stores it (``model_weight_format``:
 GGUF Q8_0 / Q4_0 / Q4_1 blocks, bfloat16 or float32 panels, or bfloat16 pairs for bfloat16 products), against
-torch's product of the float32 weights the format decodes to (bfloat16 for bfloat16 products). A regime keeps
-the C kernels only when they took no longer than torch: the measured figures decide, with no margin, so the
-probe never keeps the path it timed slower for the regime it decides. Each figure is the best of a few runs
-after a warm-up (figures within ``CLOSE`` of each other are timed again, longer, and the best of all runs
-decides), the two paths timed alternately on one thread (tens of milliseconds in all: one thread, because
+torch's product of the float32 weights the format decodes to (bfloat16 for bfloat16 products). The measured
+figures decide, with no assumed margin: each is the best of a few runs after a warm-up (figures within
+``CLOSE`` of each other are timed again, longer, and the best of all runs counts), and torch takes a regime
+when its best was faster than the C kernels' by more than the runs' own scatter (for each path, its median
+run's distance from its best, measured in the same probe). A smaller difference is no measured difference:
+the C kernels keep that regime, since torch's path for one regime holds every weight a second time. So the
+probe never keeps a path it measured slower for the regime it decides. The two paths are timed alternately
+on one thread (tens of milliseconds in all: one thread, because
 both scale alike over threads, while a thread team timed beside a busy neighbour measures the neighbour). The
 figures and the choices are logged and reported in ``/stats``; ``ops.py`` turns them into the model's paths.
 
@@ -29,7 +32,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +49,7 @@ MAX_COLUMNS = 2048  # columns of the probe's weight at most (a large model's MLP
 _MAX_SECONDS = 0.15  # per regime: stop repeating once this much time is spent
 _REPEATS = 7
 CLOSE = 0.05  # figures this close are timed again, three times as long
-PROBE_VERSION = 5  # in the kept verdicts' key: a changed way of probing probes again
+PROBE_VERSION = 6  # in the kept verdicts' key: a changed way of probing probes again
 MAX_AGE_S = 7 * 24 * 3600.0  # a kept verdict older than this is taken again
 WEIGHT_FORMATS = ("f32", "bf16", "q8_0", "q4_0", "q4_1")  # as the model stores its weights (model_weight_format)
 
@@ -58,11 +61,12 @@ class RegimeTiming:
     rows: int
     native_ms: float
     torch_ms: float
+    scatter: float = 0.0  # the runs' relative scatter: the larger path's (median - best) / best
 
     @property
     def path(self) -> str:
-        """"native" when the C kernels took no longer than torch, else "torch"."""
-        return "native" if self.native_ms <= self.torch_ms else "torch"
+        """"torch" when torch's best beat the C kernels' by more than the scatter, else "native"."""
+        return "torch" if self.torch_ms * (1.0 + self.scatter) < self.native_ms else "native"
 
 
 @dataclass(frozen=True)
@@ -83,14 +87,15 @@ class ProbeResult:
 
     def summary(self) -> str:
         n, k = self.shape
-        parts = [f"{name} ({r.rows} row{'s' if r.rows > 1 else ''}): {r.native_ms:.3f} vs {r.torch_ms:.3f} ms -> "
-                 f"{r.path}" for name, r in (("few rows", self.few), ("many rows", self.many))]
+        parts = [f"{name} ({r.rows} row{'s' if r.rows > 1 else ''}): {r.native_ms:.3f} vs {r.torch_ms:.3f} ms, "
+                 f"scatter {r.scatter:.1%} -> {r.path}"
+                 for name, r in (("few rows", self.few), ("many rows", self.many))]
         return f"[{n}, {k}] {self.weight_format} products, C kernels vs {self.torch_path}: " + ", ".join(parts)
 
     def as_dict(self) -> dict[str, object]:
         return {"shape": list(self.shape), "weight_format": self.weight_format, "torch_path": self.torch_path,
                 "rows": [self.few.rows, self.many.rows], "native_ms": [self.few.native_ms, self.many.native_ms],
-                "torch_ms": [self.few.torch_ms, self.many.torch_ms],
+                "torch_ms": [self.few.torch_ms, self.many.torch_ms], "scatter": [self.few.scatter, self.many.scatter],
                 "paths": {"few": self.few.path, "many": self.many.path}, "taken_at": self.taken_at}
 
     @classmethod
@@ -99,29 +104,31 @@ class ProbeResult:
             return [float(v) for v in d[key]]  # type: ignore[attr-defined]
 
         shape, rows = [int(v) for v in d["shape"]], [int(v) for v in d["rows"]]  # type: ignore[attr-defined]
-        native, other = values("native_ms"), values("torch_ms")
+        native, other, scatter = values("native_ms"), values("torch_ms"), values("scatter")
         return cls((shape[0], shape[1]), str(d["weight_format"]), str(d["torch_path"]),
-                   RegimeTiming(rows[0], native[0], other[0]), RegimeTiming(rows[1], native[1], other[1]),
-                   float(d["taken_at"]))  # type: ignore[arg-type]
+                   RegimeTiming(rows[0], native[0], other[0], scatter[0]),
+                   RegimeTiming(rows[1], native[1], other[1], scatter[1]), float(d["taken_at"]))  # type: ignore[arg-type]
 
 
-def best_ms_pair(a: Callable[[], object], b: Callable[[], object], repeats: int = _REPEATS,
-                 budget_s: float = _MAX_SECONDS) -> tuple[float, float]:
-    """The fastest of up to ``repeats`` timed calls of ``a`` and of ``b``, in milliseconds, after one warm-up
-    call of each. The calls alternate, so a neighbour taking the cores for a while slows both alike instead
-    of only the one timed then; fewer repeats once ``budget_s`` is spent."""
+def timed_pair(a: Callable[[], object], b: Callable[[], object], repeats: int = _REPEATS,
+               budget_s: float = _MAX_SECONDS) -> tuple[list[float], list[float]]:
+    """Up to ``repeats`` timed calls of ``a`` and of ``b``, in milliseconds, after one warm-up call of each. The
+    calls alternate, so a neighbour taking the cores for a while slows both alike instead of only the one timed
+    then; fewer repeats once ``budget_s`` is spent (two at least)."""
     a()
     b()
-    best, spent = [math.inf, math.inf], 0.0
-    for _ in range(repeats):
-        for i, fn in enumerate((a, b)):
+    runs: tuple[list[float], list[float]] = ([], [])
+    spent = 0.0
+    for i in range(repeats):
+        for fn, out in zip((a, b), runs, strict=True):
             t0 = time.perf_counter()
             fn()
             dt = time.perf_counter() - t0
-            best[i], spent = min(best[i], dt), spent + dt
-        if spent > budget_s:
+            out.append(1000 * dt)
+            spent += dt
+        if spent > budget_s and i >= 1:
             break
-    return 1000 * best[0], 1000 * best[1]
+    return runs
 
 
 def probe_panels(kernels: CpuKernels, n: int, k: int, weight_format: str, bf16_products: bool,
@@ -168,12 +175,20 @@ def probe_linear(kernels: CpuKernels, hidden: int, inter: int, weight_format: st
     return ProbeResult((n, k), panels.fmt, path, timings[0], timings[1], time.time() if now is None else now)
 
 
+def regime_timing(rows: int, native_runs: list[float], torch_runs: list[float]) -> RegimeTiming:
+    """The regime's figures from the runs of each path: the bests, and the larger relative scatter."""
+    def scatter(runs: list[float]) -> float:
+        return (statistics.median(runs) - min(runs)) / min(runs)
+
+    return RegimeTiming(rows, min(native_runs), min(torch_runs), max(scatter(native_runs), scatter(torch_runs)))
+
+
 def _timed(rows: int, native: Callable[[], object], other: Callable[[], object]) -> RegimeTiming:
-    a, b = best_ms_pair(native, other)
-    if abs(a - b) <= CLOSE * min(a, b):
-        a2, b2 = best_ms_pair(native, other, 3 * _REPEATS, 3 * _MAX_SECONDS)
-        a, b = min(a, a2), min(b, b2)
-    return RegimeTiming(rows, a, b)
+    a, b = timed_pair(native, other)
+    if abs(min(a) - min(b)) <= CLOSE * min(min(a), min(b)):
+        a2, b2 = timed_pair(native, other, 3 * _REPEATS, 3 * _MAX_SECONDS)
+        a, b = a + a2, b + b2
+    return regime_timing(rows, a, b)
 
 
 def verdict_path(kernels: CpuKernels, hidden: int, inter: int, weight_format: str, bf16_products: bool) -> Path:
