@@ -28,7 +28,8 @@ int main(void) {
         clock_gettime(CLOCK_MONOTONIC, &t0);
 #pragma omp parallel
         {
-            const vf x = (vf){0} + 1.0f, y = (vf){0} + 1e-9f;
+            volatile float one = 1.0f; /* not a constant: a * 1.0f + y must stay an FMA, not fold to an add */
+            const vf x = (vf){0} + one, y = (vf){0} + 1e-9f;
             vf a0 = x, a1 = x + 1, a2 = x + 2, a3 = x + 3, a4 = x + 4, a5 = x + 5, a6 = x + 6, a7 = x + 7,
                a8 = x + 8, a9 = x + 9, a10 = x + 10, a11 = x + 11;
             for (long it = 0; it < iters; ++it) {
