@@ -25,7 +25,7 @@ from cbserve.worker.cpu.probe import (
     MAX_AGE_S,
     ProbeResult,
     RegimeTiming,
-    model_weight_format,
+    model_weights,
     probe_cached,
     probe_linear,
     regime_timing,
@@ -138,11 +138,11 @@ def test_the_models_weight_format_is_read_from_its_files(tmp_path: Path) -> None
 
     weights = {"model.layers.0.mlp.down_proj.weight": torch.ones(4, 4), "model.norm.weight": torch.ones(4)}
     save_file({k: v.bfloat16() for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
-    assert model_weight_format(tmp_path) == "bf16"
+    assert model_weights(tmp_path) == ("bf16", 20)
     save_file(weights, str(tmp_path / "model.safetensors"))
-    assert model_weight_format(tmp_path) == "f32"
+    assert model_weights(tmp_path) == ("f32", 20)
     (tmp_path / BLOCKS_FILE).parent.mkdir()
     raw = {f"w{i}": torch.zeros(2, 18, dtype=torch.uint8) for i in range(3)}
     save_file(raw, str(tmp_path / BLOCKS_FILE), metadata={"w0": "Q4_0", "w1": "Q4_0", "w2": "Q8_0"})
-    assert model_weight_format(tmp_path) == "q4_0"  # the blocks most weights are kept in
-    assert model_weight_format(tmp_path / "missing") == "f32"
+    assert model_weights(tmp_path) == ("q4_0", 20)  # the blocks most weights are kept in
+    assert model_weights(tmp_path / "missing") == ("f32", 0)

@@ -61,10 +61,16 @@ def test_auto_follows_a_stand_in_probe_per_regime(case: str, monkeypatch: pytest
     assert report["cpu_ops_probe"]["paths"] == {"few": few, "many": many}
     assert report["cpu_isa"] == ("scalar" if mode == "native" else None)
     assert any(("slower on this CPU" in r.getMessage()) is (case != "both native") for r in caplog.records)
+    # mixed paths hold torch's copy of the weights too: not when it would take over half the memory available
+    monkeypatch.setattr(cpu_ops, "available_memory_bytes", lambda: 7 * 2**30)
+    for values, mixed in ((2 * 2**30, False), (2**28, True)):  # 8 or 1 GiB of float32 weights
+        ops = cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", values)
+        held = paths if mixed or "native" not in paths else ("native", "native")
+        assert ops.mode == mode and tuple(ops.report()["cpu_linear_paths"].values()) == held
     # "native" is never second-guessed, and without the model's shapes nothing is probed
     assert cpu_ops.resolve_cpu_ops("native", CPU, torch.float32, "scalar", (64, 96)).linear_paths == ("native",) * 2
     assert cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar").probe is None
-    assert len(seen) == 1
+    assert len(seen) == 3
 
 
 def test_cpu_isa_is_validated() -> None:

@@ -33,7 +33,7 @@ from cbserve.worker.cpu.gguf_blocks import QuantBlocks
 from cbserve.worker.cpu.kernels import CpuKernels
 from cbserve.worker.cpu.linear import PATHS_NATIVE, pack_linear_weights
 from cbserve.worker.cpu.native import load_cpu_kernels
-from cbserve.worker.cpu.probe import ProbeResult, probe_cached
+from cbserve.worker.cpu.probe import ProbeResult, available_memory_bytes, probe_cached
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +68,14 @@ TORCH_OPS = CpuOps("torch", None)
 
 
 def resolve_cpu_ops(requested: str, device: torch.device, dtype: torch.dtype, isa: str = "auto",
-                    probe_shape: tuple[int, int] | None = None, weight_format: str = "f32") -> CpuOps:
+                    probe_shape: tuple[int, int] | None = None, weight_format: str = "f32",
+                    weight_values: int = 0) -> CpuOps:
     """The ops to build the model with. ValueError when "native" or "onednn" is asked for explicitly and
     cannot be had, or ``isa`` names a level this CPU cannot run. Not a CPU device: torch. ``probe_shape``
-    (the model's hidden and intermediate sizes) and ``weight_format`` (``probe.model_weight_format``): "auto"
+    (the model's hidden and intermediate sizes) and ``weight_format`` (``probe.model_weights``): "auto"
     keeps the C kernels for each regime of the linear products only where the probe finds them no slower
-    than torch."""
+    than torch; ``weight_values`` (the checkpoint's): the regimes stay on the C kernels when torch's copy of
+    the weights for one of them would take more than half the memory available."""
     if device.type != "cpu":
         return TORCH_OPS
     if requested in ("auto", "native"):
@@ -85,7 +87,7 @@ def resolve_cpu_ops(requested: str, device: torch.device, dtype: torch.dtype, is
                 native = CpuOps("native", load.kernels, dtype == torch.bfloat16)
                 if requested == "native" or probe_shape is None:
                     return native
-                return _probed(native, load.kernels, probe_shape, weight_format)
+                return _probed(native, load.kernels, probe_shape, weight_format, weight_values)
             reason = load.reason
         if requested == "native":
             raise ValueError(f"cpu_ops='native' is not available: {reason}")
@@ -102,7 +104,8 @@ def _torch_ops(requested: str, probe: ProbeResult | None = None) -> CpuOps:
     return CpuOps("torch", None, probe=probe)
 
 
-def _probed(native: CpuOps, kernels: CpuKernels, shape: tuple[int, int], weight_format: str) -> CpuOps:
+def _probed(native: CpuOps, kernels: CpuKernels, shape: tuple[int, int], weight_format: str,
+            weight_values: int) -> CpuOps:
     """cpu_ops "auto": per regime of the linear products, the C kernels unless the probe found them slower."""
     result = probe_cached(kernels, shape[0], shape[1], weight_format, native.bf16_products)
     if result.paths == PATHS_NATIVE:
@@ -113,6 +116,13 @@ def _probed(native: CpuOps, kernels: CpuKernels, shape: tuple[int, int], weight_
         logger.warning("cpu_ops auto: %s, not the %s C kernels, which are slower on this CPU (%s); cpu_ops "
                        "'native' forces them", chosen.mode, kernels.isa, result.summary())
         return chosen
+    extra, available = weight_values * (2 if native.bf16_products else 4), available_memory_bytes()
+    if available is not None and extra > available // 2:
+        logger.warning("cpu_ops auto: the %s C kernels for all products, though torch ran %s-row products faster "
+                       "(%s): its copy of the weights would take %.1f GiB of the %.1f GiB available", kernels.isa,
+                       "many" if result.paths[0] == "native" else "few", result.summary(), extra / 2**30,
+                       available / 2**30)
+        return native._replace(probe=result)
     logger.warning("cpu_ops auto: the %s C kernels for %s-row products, torch for the others, which the C kernels "
                    "run slower on this CPU (%s)", kernels.isa, "few" if result.paths[0] == "native" else "many",
                    result.summary())

@@ -32,6 +32,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -238,10 +239,11 @@ def read_verdict(path: Path, now: float) -> ProbeResult | None:
     return result if 0.0 <= now - result.taken_at <= MAX_AGE_S else None
 
 
-def model_weight_format(folder: Path) -> str:
-    """How a checkpoint folder stores most of its linear weights, as the probe times them: the GGUF block type
-    kept beside a converted GGUF ("q8_0", "q4_0", "q4_1"), else "bf16" for bfloat16 safetensors, else "f32".
-    Read from the files' headers; "f32" when they cannot be read."""
+def model_weights(folder: Path) -> tuple[str, int]:
+    """How a checkpoint folder stores most of its linear weights, as the probe times them (the GGUF block type
+    kept beside a converted GGUF: "q8_0", "q4_0", "q4_1"; else "bf16" for bfloat16 safetensors, else "f32"),
+    and how many values its safetensors files hold. Read from the files' headers; ("f32", 0) when they cannot
+    be read."""
     from collections import Counter
 
     from safetensors import safe_open
@@ -249,18 +251,33 @@ def model_weight_format(folder: Path) -> str:
     from cbserve.worker.cpu.gguf_blocks import BLOCKS_FILE
 
     try:
-        blocks = folder / BLOCKS_FILE
-        if blocks.exists():
-            with safe_open(str(blocks), framework="pt") as f:
+        dtypes: Counter[str] = Counter()
+        values = 0
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    piece = f.get_slice(name)
+                    values += math.prod(piece.get_shape())
+                    if name.endswith("proj.weight"):
+                        dtypes[piece.get_dtype()] += 1
+        fmt = "bf16" if dtypes and dtypes.most_common(1)[0][0] == "BF16" else "f32"
+        if (folder / BLOCKS_FILE).exists():
+            with safe_open(str(folder / BLOCKS_FILE), framework="pt") as f:
                 kinds = Counter(v.lower() for v in (f.metadata() or {}).values())
             if kinds and kinds.most_common(1)[0][0] in WEIGHT_FORMATS:
-                return kinds.most_common(1)[0][0]
-        dtypes: Counter[str] = Counter()
-        for file in sorted(folder.glob("*.safetensors"))[:1]:
-            with safe_open(str(file), framework="pt") as f:
-                for name in list(f.keys())[:64]:  # noqa: SIM118 (safe_open is not a mapping)
-                    if name.endswith("proj.weight"):
-                        dtypes[f.get_slice(name).get_dtype()] += 1
-        return "bf16" if dtypes and dtypes.most_common(1)[0][0] == "BF16" else "f32"
+                fmt = kinds.most_common(1)[0][0]
+        return fmt, values
     except Exception:  # noqa: BLE001 (safetensors raises its own error types; any means: the default)
-        return "f32"
+        return "f32", 0
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

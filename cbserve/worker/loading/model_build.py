@@ -17,7 +17,7 @@ from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
 from cbserve.worker.cpu.kernels import CpuKernels
 from cbserve.worker.cpu.ops import resolve_cpu_ops
-from cbserve.worker.cpu.probe import model_weight_format
+from cbserve.worker.cpu.probe import model_weights
 from cbserve.worker.loading.model_loader import iter_weights
 from cbserve.worker.models.registry import model_class
 
@@ -57,8 +57,9 @@ def build_model(
     """The model of ``folder`` with its weights loaded, in eval mode; on CPU its weights packed for the kernels
     (the GGUF blocks kept when ``cpu_compact_weights``). ``weights``: HF-named tensors to load instead of the
     folder's (benchmarks with random weights); the folder still gives the config."""
-    weight_format = model_weight_format(folder) if config.cpu_compact_weights else "f32"
-    ops = resolve_cpu_ops(config.cpu_ops, device, dtype, config.cpu_isa, probe_shape(hf_config), weight_format)
+    weight_format, weight_values = model_weights(folder)
+    ops = resolve_cpu_ops(config.cpu_ops, device, dtype, config.cpu_isa, probe_shape(hf_config),
+                          weight_format if config.cpu_compact_weights else "f32", weight_values)
     if ops.bf16_products:  # bfloat16 on the C kernels: a float32 model and KV cache, bfloat16 products
         dtype = torch.float32
         logger.info("dtype bfloat16 on the CPU kernels: linear layers multiply in bfloat16, the rest is float32")
