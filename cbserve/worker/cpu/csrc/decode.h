@@ -47,10 +47,13 @@ static inline void store_bits(float *p, vi v) { memcpy(p, &v, sizeof v); }
 
 #define CB_PV (CB_NR / CB_VW) /* vectors per panel row */
 
-/* Block layouts (panels.h): float16 scales, then the values. */
-#define Q8_BLOCK_BYTES (CB_NR * 2 + CB_QK * CB_NR)          /* d[48] + q[32][48] = 1632 */
-#define Q41_BLOCK_BYTES (2 * CB_NR * 2 + CB_QK / 2 * CB_NR) /* d[48] + m[48] + q[16][48] = 960 */
-#define Q40_BLOCK_BYTES (CB_NR * 2 + CB_QK / 2 * CB_NR)     /* d[48] + q[16][48] = 864 */
+/* Block layouts (panels.h): float16 scales, then the values at the *_Q offset. */
+#define Q8_Q (CB_NR * 2)                           /* after d[48] */
+#define Q8_BLOCK_BYTES (Q8_Q + CB_QK * CB_NR)      /* d[48] + q[32][48] = 1632 */
+#define Q41_Q (2 * CB_NR * 2)                      /* after d[48], m[48] */
+#define Q41_BLOCK_BYTES (Q41_Q + CB_QK / 2 * CB_NR) /* d[48] + m[48] + q[16][48] = 960 */
+#define Q40_Q (CB_NR * 2)                          /* after d[48] */
+#define Q40_BLOCK_BYTES (Q40_Q + CB_QK / 2 * CB_NR) /* d[48] + q[16][48] = 864 */
 
 /* CB_VW float16 values as float32 (exact: every float16 is a float32). */
 #if CB_VW == 16

@@ -55,7 +55,7 @@ static void chunk_bf16_dot(const uint16_t *restrict src, int kn, float *restrict
 static void chunk_q8_0(const uint8_t *restrict blocks, int kn, float *restrict dst) {
     for (int b = 0; b < kn / CB_QK; ++b, blocks += Q8_BLOCK_BYTES) {
         const uint16_t *d = (const uint16_t *)blocks;
-        const int8_t *q = (const int8_t *)(blocks + CB_NR * 2);
+        const int8_t *q = (const int8_t *)(blocks + Q8_Q);
         vf dv[CB_PV];
         for (int v = 0; v < CB_PV; ++v) dv[v] = half_value(d + CB_VW * v);
         for (int j = 0; j < CB_QK; ++j) {
@@ -69,7 +69,7 @@ static void chunk_q8_0(const uint8_t *restrict blocks, int kn, float *restrict d
 static void chunk_q4_1(const uint8_t *restrict blocks, int kn, float *restrict dst) {
     for (int b = 0; b < kn / CB_QK; ++b, blocks += Q41_BLOCK_BYTES) {
         const uint16_t *d = (const uint16_t *)blocks, *m = d + CB_NR;
-        const uint8_t *q = blocks + 2 * CB_NR * 2;
+        const uint8_t *q = blocks + Q41_Q;
         for (int v = 0; v < CB_PV; ++v) {
             const vf dv = half_value(d + CB_VW * v), mv = half_value(m + CB_VW * v);
             for (int j = 0; j < CB_QK / 2; ++j) {
@@ -85,7 +85,7 @@ static void chunk_q4_1(const uint8_t *restrict blocks, int kn, float *restrict d
 static void chunk_q4_0(const uint8_t *restrict blocks, int kn, float *restrict dst) {
     for (int b = 0; b < kn / CB_QK; ++b, blocks += Q40_BLOCK_BYTES) {
         const uint16_t *d = (const uint16_t *)blocks;
-        const uint8_t *q = blocks + CB_NR * 2;
+        const uint8_t *q = blocks + Q40_Q;
         for (int v = 0; v < CB_PV; ++v) {
             const vf dv = half_value(d + CB_VW * v), mv = q4_0_offset(dv);
             for (int j = 0; j < CB_QK / 2; ++j) {
@@ -154,7 +154,7 @@ static inline __m512i q8_0_pairs(vf16 d, const int8_t *even, const int8_t *odd) 
 static void pairs_q4_1(const uint8_t *restrict blocks, int kn, uint16_t *restrict out) {
     for (int b = 0; b < kn / CB_QK; ++b, blocks += Q41_BLOCK_BYTES) {
         const uint16_t *d = (const uint16_t *)blocks, *m = d + CB_NR;
-        const uint8_t *q = blocks + 2 * CB_NR * 2;
+        const uint8_t *q = blocks + Q41_Q;
         for (int v = 0; v < 3; ++v) {
             const vf16 dv = half16(d + 16 * v), mv = half16(m + 16 * v);
             for (int j = 0; j < CB_QK / 2; ++j)
@@ -167,7 +167,7 @@ static void pairs_q4_1(const uint8_t *restrict blocks, int kn, uint16_t *restric
 static void pairs_q4_0(const uint8_t *restrict blocks, int kn, uint16_t *restrict out) {
     for (int b = 0; b < kn / CB_QK; ++b, blocks += Q40_BLOCK_BYTES) {
         const uint16_t *d = (const uint16_t *)blocks;
-        const uint8_t *q = blocks + CB_NR * 2;
+        const uint8_t *q = blocks + Q40_Q;
         for (int v = 0; v < 3; ++v) {
             const vf16 dv = half16(d + 16 * v), mv = q4_0_offset(dv);
             for (int j = 0; j < CB_QK / 2; ++j)
@@ -180,7 +180,7 @@ static void pairs_q4_0(const uint8_t *restrict blocks, int kn, uint16_t *restric
 static void pairs_q8_0(const uint8_t *restrict blocks, int kn, uint16_t *restrict out) {
     for (int b = 0; b < kn / CB_QK; ++b, blocks += Q8_BLOCK_BYTES) {
         const uint16_t *d = (const uint16_t *)blocks;
-        const int8_t *q = (const int8_t *)(blocks + CB_NR * 2);
+        const int8_t *q = (const int8_t *)(blocks + Q8_Q);
         for (int v = 0; v < 3; ++v) {
             const vf16 dv = half16(d + 16 * v);
             for (int j = 0; j < CB_QK / 2; ++j)
@@ -197,7 +197,7 @@ static void q8_0_row_dot(const uint32_t *restrict a, int kp, const uint8_t *rest
     for (int v = 0; v < 3; ++v) acc[v] = _mm512_loadu_ps(acc48 + 16 * v);
     for (int b = 0; b < kp / (CB_QK / 2); ++b, panel += Q8_BLOCK_BYTES, a += CB_QK / 2) {
         const uint16_t *d = (const uint16_t *)panel;
-        const int8_t *q = (const int8_t *)(panel + CB_NR * 2);
+        const int8_t *q = (const int8_t *)(panel + Q8_Q);
         const vf16 dv[3] = {half16(d), half16(d + 16), half16(d + 32)};
         for (int j = 0; j < CB_QK / 2; ++j) {
             const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[j]);
@@ -218,7 +218,7 @@ static inline __attribute__((always_inline)) void q4_row_dot(const int q41, cons
     for (int v = 0; v < 3; ++v) acc[v] = _mm512_loadu_ps(acc48 + 16 * v);
     for (int b = 0; b < kp / (CB_QK / 2); ++b, panel += bytes, a += CB_QK / 2) {
         const uint16_t *d = (const uint16_t *)panel, *m = d + CB_NR;
-        const uint8_t *q = panel + (q41 ? 2 : 1) * CB_NR * 2;
+        const uint8_t *q = panel + (q41 ? Q41_Q : Q40_Q);
         const vf16 dv[3] = {half16(d), half16(d + 16), half16(d + 32)};
         vf16 mv[3];
         for (int v = 0; v < 3; ++v) mv[v] = q41 ? half16(m + 16 * v) : q4_0_offset(dv[v]);
@@ -343,7 +343,7 @@ int cb_pack_q8_0(const float *d, const int8_t *q, int n, int k, uint8_t *out) {
         for (int b = 0; b < nb; ++b) {
             uint8_t *blk = out + ((int64_t)p * nb + b) * Q8_BLOCK_BYTES;
             uint16_t *bd = (uint16_t *)blk;
-            int8_t *bq = (int8_t *)(blk + CB_NR * 2);
+            int8_t *bq = (int8_t *)(blk + Q8_Q);
             for (int j = 0; j < CB_NR; ++j) {
                 const int row = p * CB_NR + j;
                 bad |= !half_scale(row < n ? d[(int64_t)row * nb + b] : 0.0f, row < n, bd + j);
@@ -357,7 +357,7 @@ int cb_pack_q8_0(const float *d, const int8_t *q, int n, int k, uint8_t *out) {
 /* The 4-bit formats: d (and m for Q4_1, else NULL) [n, k / 32] float32 (float16 values); q: [n, k] uint8 0..15. */
 static int pack_q4(const float *d, const float *m, const uint8_t *q, int n, int k, uint8_t *out) {
     if (n < 1 || k < CB_QK || k % CB_QK) return CB_EINVAL;
-    const int panels = (n + CB_NR - 1) / CB_NR, nb = k / CB_QK, scales = m ? 2 : 1;
+    const int panels = (n + CB_NR - 1) / CB_NR, nb = k / CB_QK;
     const int64_t bytes = m ? Q41_BLOCK_BYTES : Q40_BLOCK_BYTES;
     int bad = 0;
 #pragma omp parallel for schedule(static) reduction(| : bad)
@@ -365,7 +365,7 @@ static int pack_q4(const float *d, const float *m, const uint8_t *q, int n, int 
         for (int b = 0; b < nb; ++b) {
             uint8_t *blk = out + ((int64_t)p * nb + b) * bytes;
             uint16_t *bd = (uint16_t *)blk, *bm = bd + CB_NR;
-            uint8_t *bq = blk + scales * CB_NR * 2;
+            uint8_t *bq = blk + (m ? Q41_Q : Q40_Q);
             for (int j = 0; j < CB_NR; ++j) {
                 const int row = p * CB_NR + j;
                 const int64_t at = (int64_t)(row < n ? row : 0) * nb + b;

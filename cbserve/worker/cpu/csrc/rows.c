@@ -46,7 +46,7 @@ static inline __attribute__((always_inline)) void rows_q4(const int mr, const in
     const int bytes = q41 ? Q41_BLOCK_BYTES : Q40_BLOCK_BYTES;
     for (int b = 0; b < k / CB_QK; ++b, panel += bytes) {
         const uint16_t *d = (const uint16_t *)panel + col;
-        const uint8_t *q = panel + (q41 ? 2 : 1) * CB_NR * 2 + col;
+        const uint8_t *q = panel + (q41 ? Q41_Q : Q40_Q) + col;
         if (col == 0) prefetch_ahead(panel, bytes);
         vf dv[CB_RG], mv[CB_RG];
         for (int v = 0; v < CB_RG; ++v) {
@@ -69,7 +69,7 @@ static inline __attribute__((always_inline)) void rows_q8_0(const int mr, vf acc
                                                             int col) {
     for (int b = 0; b < k / CB_QK; ++b, panel += Q8_BLOCK_BYTES) {
         const uint16_t *d = (const uint16_t *)panel + col;
-        const int8_t *q = (const int8_t *)(panel + CB_NR * 2) + col;
+        const int8_t *q = (const int8_t *)(panel + Q8_Q) + col;
         if (col == 0) prefetch_ahead(panel, Q8_BLOCK_BYTES);
         vf dv[CB_RG];
         for (int v = 0; v < CB_RG; ++v) dv[v] = half_value(d + CB_VW * v);
