@@ -114,14 +114,15 @@ def test_the_kv_budget_buys_more_fp8_blocks(folder: Path) -> None:
 
 def test_where_fp8_cannot_run_the_build_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
-    assert fp8_cpu_ops(ModelConfig(quantization="fp8"), cpu) == "torch"  # "auto" resolves to the emulation
-    assert fp8_cpu_ops(ModelConfig(kv_cache_dtype="fp8", cpu_ops="native"), cpu) == "native"  # the linears' own
+    # cpu_ops "auto" resolves to the emulation; an FP8 KV cache alone keeps the linears' own ops
+    assert fp8_cpu_ops(ModelConfig(quantization="fp8", device="cpu"), cpu) == "torch"
+    assert fp8_cpu_ops(ModelConfig(kv_cache_dtype="fp8", cpu_ops="native", device="cpu"), cpu) == "native"
     with pytest.raises(ValueError, match="emulation on the torch ops"):
-        fp8_cpu_ops(ModelConfig(quantization="fp8", cpu_ops="native"), cpu)  # device "auto": caught at build
+        fp8_cpu_ops(ModelConfig(quantization="fp8", cpu_ops="native", device="cpu"), cpu)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA RTX A6000")
     with pytest.raises(ValueError, match=r"quantization='fp8': FP8 needs .* 8\.9 .*RTX A6000"):
-        fp8_cpu_ops(ModelConfig(quantization="fp8"), torch.device("cuda", 0))
+        fp8_cpu_ops(ModelConfig(quantization="fp8", device="cpu"), torch.device("cuda", 0))
     assert get_attention_backend("auto", cpu, native_cpu=True, kv_fp8=True) is TorchAttentionBackend
     for name, device, match in (
         ("cpu", cpu, "does not read an FP8 KV cache"),
