@@ -7,8 +7,10 @@ then, the GPU free, HF transformers' baselines for part 2's burst (``gpu_check_h
 continuous batching, labelled).
 Part 2, speed (``--part 2``, ``gpu_check_speed.py``): a Llama-3.1-8B-shaped model with random bf16 weights:
 decode, prefill and mixed steps against their rooflines (medians of interleaved repeats), the 256-request burst
-against its ideal schedule with a step timeline, and the peer workloads (``gpu_check_peers.py``: published
-figures of TensorRT-LLM and torchao replicated, with their equivalent on this card).
+against its ideal schedule with a step timeline, the peer workloads (``gpu_check_peers.py``: published
+figures of TensorRT-LLM and torchao replicated, with their equivalent on this card), piecewise graphs, then the
+same model with FP8 weights and KV cache (``gpu_check_fp8.py``: decode steps, the concurrency-250 workload's first
+seconds against bf16's, greedy agreement and KL with bf16; "refused" below compute capability 8.9).
 ``--part all`` runs both, each in its own process (a dry run: one after the other in this one).
 
 Each part merges its results into ``<out>/check.json`` after every sub-step (the other part's keys are kept;

@@ -172,7 +172,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 @dataclass
 class RunSpec:
     """One engine run: requests of ``prompts`` with ``outs`` output tokens each, at most ``concurrency`` in the
-    engine at once (None: all at once), stopped at ``deadline`` (perf_counter seconds)."""
+    engine at once (None: all at once), stopped at ``deadline`` (perf_counter seconds). ``window_s``: also the
+    output tokens of the run's first ``window_s`` seconds (``window_figures``), and with ``stop_at_window`` the run
+    ends there."""
 
     prompts: list[list[int]]
     outs: list[int]
@@ -180,6 +182,8 @@ class RunSpec:
     deadline: float
     progress: Callable[[dict[str, Any]], None] | None = None
     times: dict[str, list[float]] = field(default_factory=dict)  # req_id -> [arrival, first token, finish]
+    window_s: float | None = None
+    stop_at_window: bool = False
 
 
 def new_engine(serve_config: Any, executor: Any) -> Any:
@@ -192,12 +196,14 @@ def new_engine(serve_config: Any, executor: Any) -> Any:
 
 def drive(engine: Any, spec: RunSpec) -> dict[str, Any]:
     """Run ``spec`` on ``engine`` (``EngineCore``) as ``LLM.generate`` turns it; the figures of ``run_figures``
-    (``partial`` when the deadline cut it: the requests left are aborted and drained)."""
+    (``partial`` when the deadline or the window cut it: the requests left are aborted and drained), with
+    ``window`` (``window_figures``) when ``spec.window_s`` is set."""
     from cbserve.scheduler.requests.request import EngineRequest
     from cbserve.scheduler.requests.sampling_params import SamplingParams
 
     n, limit = len(spec.prompts), spec.concurrency or len(spec.prompts)
     preempted0, tokens, finished, added = engine.totals.num_preemptions, [0] * n, 0, 0
+    window: dict[str, Any] | None = None
     t0 = last_report = time.perf_counter()
 
     def add(i: int) -> None:
@@ -222,6 +228,10 @@ def drive(engine: Any, spec: RunSpec) -> dict[str, Any]:
                 if added < n:
                     add(added)
                     added += 1
+        if spec.window_s is not None and window is None and now >= spec.window_s:
+            window = window_figures(spec.window_s, now, sum(tokens), finished, reached=True)
+            if spec.stop_at_window:
+                break
         if spec.progress is not None and time.perf_counter() - last_report >= PROGRESS_EVERY_S:
             last_report = time.perf_counter()
             spec.progress(run_figures(spec, tokens, finished, last_report - t0, partial=True))
@@ -231,7 +241,23 @@ def drive(engine: Any, spec: RunSpec) -> dict[str, Any]:
         _abort_rest(engine, [f"r{i}" for i in range(added)])
     figures = run_figures(spec, tokens, finished, seconds, partial)
     figures["preemptions"] = engine.totals.num_preemptions - preempted0
+    if spec.window_s is not None:
+        figures["window"] = window or window_figures(spec.window_s, seconds, sum(tokens), finished, reached=False)
     return figures
+
+
+def window_figures(window_s: float, seconds: float, output_tokens: int, finished: int, reached: bool) -> dict[str, Any]:
+    """A run's first ``window_s`` seconds: the output tokens counted when the first step that ended at or past
+    ``window_s`` seconds from the run's start returned (``seconds``: then), over those seconds. ``reached``
+    False: the run ended (finished or cut) before the window did, and the figures are the whole run's."""
+    return {
+        "window_s": window_s,
+        "reached": reached,
+        "seconds": round(seconds, 3),
+        "output_tokens": output_tokens,
+        "output_tok_s": output_tokens / max(seconds, 1e-9),
+        "finished_requests": finished,
+    }
 
 
 def _abort_rest(engine: Any, req_ids: list[str]) -> None:

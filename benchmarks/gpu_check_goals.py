@@ -25,6 +25,13 @@ TRTLLM_V1 = (
 )
 TORCHAO = "https://github.com/pytorch/ao/blob/fd6e4b1f36d644de9b56be69ffe0f1a24b6ea111/torchao/quantization/README.md"
 
+# FP8 against bf16 (issue 50's goals): the decode step at batch 1 at most this share of bf16's, the output tokens/s
+# of the concurrency-250 workload's first seconds (its window, the same for both) at least this multiple
+FP8_DECODE_B1_AT_MOST = 0.6
+FP8_C250_WINDOW_AT_LEAST = 1.4
+WINDOW_WORKLOAD = "c250_1000_1000"
+FP8_ACCURACY_VARIANT = "fp8-both"  # bench_fp8_accuracy's name for FP8 weights and KV cache, as the group serves
+
 
 @dataclass(frozen=True)
 class Published:
@@ -206,9 +213,78 @@ def _peer_goal(rec: dict[str, Any], name: str, key: str) -> bool | None:
     return got >= target if pub.metric == "output_tok_s" else got <= target
 
 
+def _decode_vs(bf16_rows: list[dict[str, Any]], fp8_rows: list[dict[str, Any]], batch: int) -> dict[str, Any] | None:
+    """FP8's decode step at ``batch`` against bf16's, the same way on both sides (CUDA graphs where both have
+    them, else eager): the ratio of the medians (below 1: FP8 is faster); None where either row is missing."""
+    bf16 = next((r for r in bf16_rows if r.get("batch") == batch), None)
+    fp8 = next((r for r in fp8_rows if r.get("batch") == batch), None)
+    if bf16 is None or fp8 is None:
+        return None
+    key = "graph_ms" if bf16.get("graph_ms") and fp8.get("graph_ms") else "eager_ms"
+    return {
+        "path": key.split("_")[0],
+        "bf16_ms": bf16[key],
+        "fp8_ms": fp8[key],
+        "ratio": fp8[key] / bf16[key],
+        "context": {"bf16": bf16.get("context"), "fp8": fp8.get("context")},
+    }
+
+
+def _window_vs(bf16_row: dict[str, Any], fp8_row: dict[str, Any]) -> dict[str, Any] | None:
+    """FP8's output tokens/s over the concurrency-250 run's window against bf16's over the same window: None
+    where either has none; ``ratio`` None unless both runs reached the same window."""
+    bf16, fp8 = bf16_row.get("window"), fp8_row.get("window")
+    if not bf16 or not fp8:
+        return None
+    same = bf16["reached"] and fp8["reached"] and bf16["window_s"] == fp8["window_s"]
+    return {
+        "window_s": fp8["window_s"],
+        "bf16_output_tok_s": bf16["output_tok_s"],
+        "fp8_output_tok_s": fp8["output_tok_s"],
+        "reached": {"bf16": bf16["reached"], "fp8": fp8["reached"]},
+        "ratio": fp8["output_tok_s"] / bf16["output_tok_s"] if same and bf16["output_tok_s"] else None,
+    }
+
+
+def fp8_vs_bf16(rec: dict[str, Any]) -> dict[str, Any] | None:
+    """The FP8 group's figures against bf16's (None: the group has not run; ``refused``: the card cannot run
+    FP8): each decode row it timed (batch 1 and 64), the concurrency-250 window, greedy agreement and KL."""
+    fp8 = rec.get("fp8")
+    if not fp8:
+        return None
+    if fp8.get("refused"):
+        return {"refused": fp8["refused"]}
+    rows = fp8.get("decode") or []
+    out: dict[str, Any] = {f"decode_b{r['batch']}": _decode_vs(rec.get("decode") or [], rows, r["batch"]) for r in rows}
+    bf16_row = (rec.get("peers") or {}).get(WINDOW_WORKLOAD) or {}
+    out["c250_window"] = _window_vs(bf16_row, (fp8.get("peers") or {}).get(WINDOW_WORKLOAD) or {})
+    accuracy = fp8.get("accuracy") or {}
+    variant = (accuracy.get("results") or {}).get(FP8_ACCURACY_VARIANT)
+    out["accuracy"] = variant and {
+        "model": accuracy.get("model"),
+        **{k: variant[k] for k in ("greedy_prefix_agreement", "top1_agreement", "mean_kl", "max_kl")},
+    }
+    return out
+
+
+def _fp8_goal(rec: dict[str, Any], key: str, met: Any) -> bool | str | None:
+    """An FP8 goal: "not measurable: refused: ..." where the card cannot run FP8; None where part 2 has not
+    run; False where it ran but the figure is missing or partial (a window not reached); else ``met(ratio)``."""
+    summary = fp8_vs_bf16(rec)
+    if summary and summary.get("refused"):
+        return f"not measurable: {summary['refused']}"
+    if "2" not in (rec.get("parts") or {}):
+        return None
+    row = (summary or {}).get(key)
+    if key == "accuracy":
+        return row is not None
+    return bool(row and row["ratio"] is not None and met(row["ratio"]))
+
+
 def goals(rec: dict[str, Any]) -> dict[str, Any]:
     """The goals, read off the merged record: True / False, None where not measured. A burst or peer run cut by
-    its deadline (``partial``) has not met its goal."""
+    its deadline (``partial``) has not met its goal. The FP8 goals (``_fp8_goal``): False where part 2 ran but
+    left the figure missing or partial, a string saying why where the card cannot run FP8."""
     kt, eq = rec.get("kernel_tests") or {}, rec.get("greedy_equal") or {}
     frac, speed = rec.get("decode_roofline_fraction") or {}, rec.get("graphs_speedup") or {}
     burst = (rec.get("e2e") or {}).get("cbserve") or {}
@@ -225,12 +301,16 @@ def goals(rec: dict[str, Any]) -> dict[str, Any]:
         else not burst.get("partial") and schedule["fraction"] >= 0.85,
         "decode_b64_80pct_of_copy_bandwidth": frac["64"] >= 0.8 if "64" in frac else None,
         "graphs_1.5x_eager_b1": speed["1"] >= 1.5 if "1" in speed else None,
+        "fp8_decode_b1_at_most_0.6x_bf16": _fp8_goal(rec, "decode_b1", lambda r: r <= FP8_DECODE_B1_AT_MOST),
+        "fp8_c250_window_at_least_1.4x_bf16": _fp8_goal(rec, "c250_window", lambda r: r >= FP8_C250_WINDOW_AT_LEAST),
+        "fp8_accuracy_reported": _fp8_goal(rec, "accuracy", None),
     }
 
 
 def derived(rec: dict[str, Any]) -> dict[str, Any]:
     """The summary keys of the merged record: ``commit`` and ``device`` (the parts', "mixed: ..." when the parts
-    ran apart), ``throughput`` (each burst's output tokens/s, None for a run cut by its deadline) and ``goals``."""
+    ran apart), ``throughput`` (each burst's output tokens/s, None for a run cut by its deadline),
+    ``fp8_vs_bf16`` and ``goals``."""
     parts = rec.get("parts") or {}
     out: dict[str, Any] = {key: _agreed(parts, key, rec.get(key)) for key in ("commit", "device")}
     e2e = rec.get("e2e") or {}
@@ -242,6 +322,7 @@ def derived(rec: dict[str, Any]) -> dict[str, Any]:
         "hf_static": hf.get("static"),
     }
     out["throughput"] = {k: None if not r or r.get("partial") else r.get("output_tok_s") for k, r in runs.items()}
+    out["fp8_vs_bf16"] = fp8_vs_bf16(rec)
     out["goals"] = goals(rec)
     return out
 

@@ -37,6 +37,7 @@ PART_KEYS: dict[int, tuple[str, ...]] = {
         "piecewise_speedup",
         "burst_schedule",
         "peers",
+        "fp8",
     ),
 }
 SCHEMA_DEFAULTS: dict[str, Any] = {

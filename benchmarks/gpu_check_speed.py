@@ -3,15 +3,15 @@
 decode steps at batch 1/16/64/256 with CUDA graphs and eagerly against the copy-bandwidth roofline; a prefill
 step against the GEMM rate; the 256-request burst through cbserve's offline engine with a step timeline,
 against its ideal prefill-then-decode schedule on the measured step times; the peer workloads
-(``gpu_check_peers.py``); then, with what is left of the part, steps mixing decodes with a prefill chunk eagerly
-and from piecewise CUDA graphs, and the burst again replaying the piecewise graphs. Every comparison of two ways
-of running a step is the median of interleaved repeats after a warm-up of both
-(``gpu_rooflines.time_interleaved``)."""
+(``gpu_check_peers.py``); then, with what is left before the FP8 group's reserve, steps mixing decodes with a
+prefill chunk eagerly and from piecewise CUDA graphs, and the burst again replaying the piecewise graphs; last,
+the bf16 model freed, the FP8 group (``gpu_check_fp8.py``). Every comparison of two ways of running a step is
+the median of interleaved repeats after a warm-up of both (``gpu_rooflines.time_interleaved``); the step
+timings themselves are ``gpu_check_steps.py``'s. ``plan_s`` is how the part's budget is split."""
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 from pathlib import Path
@@ -19,20 +19,62 @@ from typing import Any
 
 import torch
 from gpu_check_engine import RunSpec, StepTimeline, drive, new_engine, summarize
+from gpu_check_fp8 import plan_s as fp8_plan_s
+from gpu_check_fp8 import run_fp8
 from gpu_check_goals import nominal
 from gpu_check_peers import peer_workloads, run_peers
-from gpu_rooflines import (
-    _batch,
-    _mixed_batch,
-    _step_fn,
-    _weight_bytes,
-    copy_bandwidth,
-    ideal_schedule,
-    matmul_flops,
-    prefill_roofline,
-    time_interleaved,
-)
+from gpu_check_steps import capture_piecewise, decode_row, mixed_row, release_memory
+from gpu_rooflines import _weight_bytes, copy_bandwidth, ideal_schedule, matmul_flops, prefill_roofline
 from gpu_workload import build_cbserve, make_workload, serve_config
+
+
+def plan_s(dry_run: bool) -> dict[str, float]:
+    """Part 2's budget (290 s on the GPU) split by group, in the order they run. Measured on the H200 (the record's
+    ``parts.2.steps`` and log, before the peers existed): startup with hardware and the model folder 6.5 s, the
+    build 5.8 s, four decode rows 1.8 s, the prefill row 1.2 s, the burst 9.0 s; each planned with a margin. Not
+    yet timed on a GPU, so estimated: the concurrency-1 run (2 x 1000 tokens at ~5-6 ms), the 2048/128 and
+    concurrency-250 runs (their caps: the latter needs 500,000 tokens / 6,059 tok/s = 83 s at the H100 goal, 58 s
+    at the H200's, so a run that needs more than its 90 s fails its goal whether cut or not), the piecewise group
+    (capture, three mixed rows, a burst) and the FP8 group (``gpu_check_fp8.plan_s``). The peers stop before the
+    seconds planned after them (``reserve_after``); the piecewise group runs only where the FP8 group keeps its
+    own."""
+    fp8 = sum(fp8_plan_s(dry_run).values())
+    if dry_run:
+        steps = {
+            "startup": 3,
+            "build": 2,
+            "decode": 2,
+            "prefill": 1,
+            "burst": 2,
+            "peers.c1_1000_1000": 2,
+            "peers.max_2048_128": 2,
+            "peers.c250_1000_1000": 3,
+            "piecewise": 5,
+            "fp8": fp8,
+            "end": 3,
+        }
+    else:
+        steps = {
+            "startup": 8,
+            "build": 8,
+            "decode": 4,
+            "prefill": 2,
+            "burst": 12,
+            "peers.c1_1000_1000": 15,
+            "peers.max_2048_128": 35,
+            "peers.c250_1000_1000": 90,
+            "piecewise": 30,
+            "fp8": fp8,
+            "end": 5,
+        }
+    return {k: float(v) for k, v in steps.items()}
+
+
+def reserve_after(plan: dict[str, float], group: str) -> float:
+    """The seconds ``plan`` keeps for the groups after ``group`` ("peers" or "piecewise") and the part's end."""
+    order = list(plan)
+    last = max(i for i, k in enumerate(order) if k == group or k.startswith(group + "."))
+    return sum(plan[k] for k in order[last + 1 :])
 
 
 def workload(dry_run: bool) -> argparse.Namespace:
@@ -102,89 +144,6 @@ def hardware(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     return out
 
 
-def decode_row(runner: Any, b: int, ctx: int, bw: float, repeats: int) -> dict[str, Any]:
-    """One decode step of ``b`` requests with ``ctx`` tokens of context each, eagerly and replayed from the
-    runner's CUDA graph when there is one (interleaved repeats, medians), against (weight bytes + KV bytes read)
-    / the measured copy bandwidth."""
-    ctx = min(ctx, runner.max_model_len, runner.num_blocks // b * runner.block_size)
-    batch = _batch(runner, b, ctx, 1)
-    ways = {"eager": _step_fn(runner, batch)}
-    graphs = runner.graphs
-    if graphs is not None and b <= graphs.max_batch:
-        ways["graph"] = _step_fn(runner, batch, graphs)
-    t = time_interleaved(ways, runner.device, repeats=repeats, iters=10, warmup=3, warmup_s=0.2)
-    eager, graph = t["eager"].median_s, t["graph"].median_s if "graph" in t else None
-    roofline = (_weight_bytes(runner.model) + b * ctx * (runner.block_bytes() // runner.block_size)) / bw
-    served = graph if graph is not None else eager
-    return {
-        "batch": b,
-        "context": ctx,
-        "eager_ms": eager * 1e3,
-        "graph_ms": graph and graph * 1e3,
-        "roofline_ms": roofline * 1e3,
-        "roofline_fraction": roofline / served,
-        "graphs_speedup": graph and eager / graph,
-        "tok_s": b / served,
-        "timing": {k: v.record() for k, v in t.items()},
-    }
-
-
-class _EagerPiece:
-    """A dry run's stand-in for a captured piece: a piece writes only static buffers, so a replay reruns it."""
-
-    def __init__(self, forward: Any) -> None:
-        self.replay = forward
-        forward()
-
-
-def _eager_pieces(forward: Any, pool: Any) -> tuple[_EagerPiece, None]:
-    return _EagerPiece(forward), None
-
-
-def capture_piecewise(runner: Any) -> tuple[Any, float]:
-    """Piecewise CUDA graphs (``cudagraph_mode: full_and_piecewise``) captured on the runner built with the
-    decode graphs only, and the seconds the capture took (a dry run: stand-ins that rerun each piece)."""
-    from cbserve.worker.cuda.piecewise_graphs import MAX_PIECEWISE_TOKENS, PiecewiseCUDAGraphs
-
-    kw = {} if runner.device.type == "cuda" else {"capture": _eager_pieces}
-    pieces = PiecewiseCUDAGraphs(
-        runner.model,
-        runner.kv_caches,
-        device=runner.device,
-        max_tokens=min(runner.max_num_batched_tokens, MAX_PIECEWISE_TOKENS),
-        **kw,
-    )
-    t0 = time.perf_counter()
-    pieces.capture()
-    return pieces, time.perf_counter() - t0
-
-
-def mixed_row(runner: Any, pieces: Any, decodes: int, ctx: int, chunk: int, repeats: int) -> dict[str, Any]:
-    """One step of ``decodes`` decodes and a ``chunk``-token prefill chunk, eagerly and from the pieces."""
-    ctx = min(ctx, runner.max_model_len)
-    batch = _mixed_batch(runner, decodes, ctx, chunk)
-    t = time_interleaved(
-        {"eager": _step_fn(runner, batch), "piecewise": _step_fn(runner, batch, pieces)},
-        runner.device,
-        repeats=repeats,
-        iters=10,
-        warmup=3,
-        warmup_s=0.2,
-    )
-    eager, piecewise = t["eager"].median_s, t["piecewise"].median_s
-    return {
-        "decodes": decodes,
-        "context": ctx,
-        "chunk": chunk,
-        "tokens": decodes + chunk,
-        "bucket": pieces.bucket(decodes + chunk),
-        "eager_ms": eager * 1e3,
-        "piecewise_ms": piecewise * 1e3,
-        "piecewise_speedup": eager / piecewise,
-        "timing": {k: v.record() for k, v in t.items()},
-    }
-
-
 def burst(
     check: Any, args: argparse.Namespace, executor: Any, serve_cfg: Any, name: str, reserve_s: float
 ) -> dict[str, Any]:
@@ -228,12 +187,14 @@ def schedule_fraction(args: argparse.Namespace, result: dict[str, Any], vocab: i
 
 
 def run_part2(check: Any, dry_run: bool, model_folder: Path) -> None:
-    """Part 2's sub-steps, each guarded; the model is built once and serves every one."""
+    """Part 2's sub-steps, each guarded; the bf16 model is built once and serves every one up to the FP8 group,
+    which builds its own once the bf16 one is freed."""
     from gpu_workload import write_model_folder
 
     args = workload(dry_run)
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
+    plan = check.info["plan_s"] = plan_s(dry_run)
     hw = check.step("hardware", hardware, args, device) or {}
     check.set("hardware", hw)
     cfg = write_model_folder(args.preset, model_folder)
@@ -247,20 +208,18 @@ def run_part2(check: Any, dry_run: bool, model_folder: Path) -> None:
         },
     )
     executor = check.step("build_cbserve", build_cbserve, args, model_folder, cfg, device, args.max_model_len)
-    if executor is None:
-        return
-    serve_cfg = serve_config(args, model_folder, device, args.max_model_len)
-    try:
-        _steps(check, args, executor, hw)
-        _burst(check, args, executor, serve_cfg)
-        run_peers(check, executor, serve_cfg, cfg, hw, dry_run)
-        _piecewise(check, args, executor, serve_cfg)
-    finally:
-        executor.shutdown()
-        del executor
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    if executor is not None:
+        serve_cfg = serve_config(args, model_folder, device, args.max_model_len)
+        try:
+            _steps(check, args, executor, hw)
+            _burst(check, args, executor, serve_cfg)
+            run_peers(check, executor, serve_cfg, cfg, hw, dry_run, reserve_after(plan, "peers"))
+            _piecewise(check, args, executor, serve_cfg, reserve_after(plan, "piecewise"))
+        finally:
+            executor.shutdown()
+            del executor
+            release_memory(device)
+    check.step("fp8", run_fp8, check, args, model_folder, cfg, hw, dry_run)  # its sub-steps guarded each
 
 
 def _steps(check: Any, args: argparse.Namespace, executor: Any, hw: dict[str, Any]) -> None:
@@ -316,11 +275,12 @@ def _burst(check: Any, args: argparse.Namespace, executor: Any, serve_cfg: Any) 
         )
 
 
-def _piecewise(check: Any, args: argparse.Namespace, executor: Any, serve_cfg: Any) -> None:
+def _piecewise(check: Any, args: argparse.Namespace, executor: Any, serve_cfg: Any, reserve_s: float) -> None:
     """Piecewise graphs captured on the runner: the mixed steps both ways, then the burst again replaying them
-    (``cudagraph_mode: full_and_piecewise``) beside the burst as served."""
+    (``cudagraph_mode: full_and_piecewise``) beside the burst as served; each sub-step only where it leaves
+    ``reserve_s`` of the part's budget (the FP8 group's)."""
     runner = executor.runner
-    captured = check.step("piecewise.capture", capture_piecewise, runner, min_s=40)
+    captured = check.step("piecewise.capture", capture_piecewise, runner, min_s=reserve_s + 25)
     if captured is None:
         return
     pieces, seconds = captured
@@ -338,7 +298,7 @@ def _piecewise(check: Any, args: argparse.Namespace, executor: Any, serve_cfg: A
             args.decode_context,
             chunk,
             args.repeats,
-            min_s=30,
+            min_s=reserve_s + 5,
         )
         if row is not None:
             rows.append(row)
@@ -352,7 +312,15 @@ def _piecewise(check: Any, args: argparse.Namespace, executor: Any, serve_cfg: A
     runner.piecewise = pieces  # the runner replays them for steps with prefill chunks, as full_and_piecewise does
     try:
         got = check.step(
-            "e2e.cbserve_piecewise", burst, check, args, executor, serve_cfg, "burst_piecewise", 10.0, min_s=30
+            "e2e.cbserve_piecewise",
+            burst,
+            check,
+            args,
+            executor,
+            serve_cfg,
+            "burst_piecewise",
+            reserve_s,
+            min_s=reserve_s + 15,
         )
     finally:
         runner.piecewise = None
@@ -361,6 +329,4 @@ def _piecewise(check: Any, args: argparse.Namespace, executor: Any, serve_cfg: A
         check.save()
         check.log(f"  cbserve burst with piecewise graphs: {got['output_tok_s']:.0f} output tok/s")
     del pieces
-    gc.collect()
-    if runner.device.type == "cuda":
-        torch.cuda.empty_cache()
+    release_memory(runner.device)

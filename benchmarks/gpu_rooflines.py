@@ -168,9 +168,18 @@ def _step_fn(runner: Any, batch: Any, graphs: Any = None) -> Callable[[], torch.
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes read per step: every parameter except the embedding table (only a few rows are gathered)."""
+    """Bytes read per step: every parameter except the embedding table (only a few rows are gathered), and with
+    ``quantization="fp8"`` each linear layer's e4m3 weight and scales (its dense parameter is released: empty)."""
+    from cbserve.worker.layers.fp8_linear import Fp8Weight
+
     emb = model.model.embed_tokens.weight
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
+    fp8 = 0
+    for m in model.modules():
+        packed = getattr(m, "packed", None)
+        if isinstance(packed, Fp8Weight):
+            fp8 += sum(t.numel() * t.element_size() for t in (packed.weight, packed.scale))
+    return dense + fp8
 
 
 def decode_rooflines(args: argparse.Namespace, runner: Any, bw: float) -> list[dict[str, float]]:

@@ -83,10 +83,13 @@ def make_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]]
     return prompts, outs
 
 
-def serve_config(args: argparse.Namespace, folder: Path, device: torch.device, max_model_len: int | None = None) -> Any:
+def serve_config(
+    args: argparse.Namespace, folder: Path, device: torch.device, max_model_len: int | None = None, **overrides: Any
+) -> Any:
     """The ``CBServeConfig`` of cbserve on the random model in ``folder`` (``args``: the workload's engine limits;
     ``max_model_len``: prompt_len + max_out unless given), as ``LLM(**fields)`` would build it: its engine and
-    worker configurations are the served ones. No prefix caching: random prompts share nothing."""
+    worker configurations are the served ones. No prefix caching: random prompts share nothing. ``overrides``:
+    other fields of the configuration (``quantization="fp8"``, ``kv_cache_dtype="fp8"``)."""
     from cbserve.config import CBServeConfig
 
     return CBServeConfig(
@@ -103,17 +106,24 @@ def serve_config(args: argparse.Namespace, folder: Path, device: torch.device, m
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=False,
         seed=args.seed,
+        **overrides,
     )
 
 
 def build_cbserve(
-    args: argparse.Namespace, folder: Path, cfg: Any, device: torch.device, max_model_len: int | None = None
+    args: argparse.Namespace,
+    folder: Path,
+    cfg: Any,
+    device: torch.device,
+    max_model_len: int | None = None,
+    **overrides: Any,
 ) -> Any:
-    """A ``LocalExecutor`` of ``serve_config``'s worker configuration over the seeded random weights of ``cfg``."""
+    """A ``LocalExecutor`` of ``serve_config``'s worker configuration (with ``overrides``) over the seeded random
+    weights of ``cfg`` (in the model's dtype: ``quantization="fp8"`` quantizes them as they are loaded)."""
     from cbserve.worker.runner.executor import LocalExecutor
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    mc = serve_config(args, folder, device, max_model_len).worker_model_config()
+    mc = serve_config(args, folder, device, max_model_len, **overrides).worker_model_config()
     return LocalExecutor(mc, progress=False, weights=random_weights(cfg, device, dtype, args.seed))
 
 

@@ -1,7 +1,8 @@
 """The plot of ``make gpu-check``'s speed figures, read off ``check.json``: decode step time per batch (CUDA
 graphs and eager, medians, beside the copy-bandwidth roofline); the burst's output tokens/s through cbserve (as
 served and with piecewise graphs) beside HF transformers' best static and continuous batching, labelled with
-what they ran; and each peer workload against the published figures it replicates, on this card.
+what they ran; each peer workload against the published figures it replicates, on this card; and FP8 weights
+and KV cache against bf16 (decode step times beside bf16's, and the ratios the FP8 goals read).
 
     python benchmarks/plot_gpu_check.py                      # benchmarks/results/gpu/check.json -> check.png
     python benchmarks/plot_gpu_check.py --record other/check.json --out other/check.png
@@ -64,6 +65,20 @@ def peer_bars(rec: dict[str, Any]) -> list[tuple[str, float]]:
     return bars
 
 
+def fp8_bars(rec: dict[str, Any]) -> list[tuple[str, float]]:
+    """(label, FP8 / bf16) of each figure ``fp8_vs_bf16`` sets side by side: decode step time (below 1: FP8 is
+    faster) and the concurrency-250 window's output tokens/s (above 1: FP8 is faster)."""
+    summary = rec.get("fp8_vs_bf16") or {}
+    bars = []
+    for key, row in summary.items():
+        if key.startswith("decode_b") and row:
+            bars.append((f"decode b={key.removeprefix('decode_b')}\nstep time ({row['path']})", row["ratio"]))
+    window = summary.get("c250_window")
+    if window and window["ratio"] is not None:
+        bars.append((f"c250 1000/1000\nfirst {window['window_s']:g} s, tok/s", window["ratio"]))
+    return bars
+
+
 def _decode_panel(ax: Any, rec: dict[str, Any]) -> None:
     rows = rec.get("decode") or []
     batches = [str(r["batch"]) for r in rows]
@@ -73,6 +88,11 @@ def _decode_panel(ax: Any, rec: dict[str, Any]) -> None:
         ("roofline_ms", "roofline (weights + KV / copy bandwidth)", "k:"),
     ):
         ax.plot(batches, [r[key] or float("nan") for r in rows], style, label=label)
+    fp8 = [r for r in (rec.get("fp8") or {}).get("decode") or [] if str(r["batch"]) in batches]
+    if fp8:  # on bf16's batch axis
+        key = "graph_ms" if all(r["graph_ms"] for r in fp8) else "eager_ms"
+        ax.plot([str(r["batch"]) for r in fp8], [r[key] for r in fp8], "D", color="C3",
+                label=f"cbserve FP8 weights + KV, {key.split('_')[0]}")  # fmt: skip
     ctx = rows[0]["context"] if rows else "?"
     ax.set(
         xlabel="requests in the decode step", ylabel="ms per step (median)", title=f"Decode step, {ctx}-token contexts"
@@ -100,7 +120,7 @@ def plot(rec: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, (left, mid, right, fp8) = plt.subplots(1, 4, figsize=(21, 4.8))
     _decode_panel(left, rec)
     work = (rec.get("model") or {}).get("workload") or {}
     _bar_panel(
@@ -117,6 +137,16 @@ def plot(rec: dict[str, Any], path: Path) -> None:
         peer_bars(rec),
         "measured / published on this card (>1: better)",
         "Peer workloads against their published figures",
+        ".2f",
+    )
+    fp8.axhline(0.6, color="C3", lw=0.8, ls=":")
+    fp8.axhline(1.4, color="C2", lw=0.8, ls=":")
+    refused = (rec.get("fp8_vs_bf16") or {}).get("refused")
+    _bar_panel(
+        fp8,
+        fp8_bars(rec),
+        "FP8 / bf16 (goals: step time <= 0.6, tok/s >= 1.4)",
+        "FP8 weights + KV cache against bf16" + (f"\n{refused[:60]}" if refused else ""),
         ".2f",
     )
     fig.text(0.01, 0.01, caption(rec), fontsize=7)

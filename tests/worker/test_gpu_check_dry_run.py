@@ -1,6 +1,6 @@
 """``make gpu-check DRY_RUN=1``: benchmarks/gpu_check.py runs every sub-step of both parts on the CPU with tiny
-shapes (the cuda tests interpreted) and writes check.json with every key the GPU run writes, so the GPU check
-cannot rot while no GPU is at hand; then the plot is drawn from it."""
+shapes (the cuda tests interpreted, FP8 emulated) and writes check.json with every key the GPU run writes, so the
+GPU check cannot rot while no GPU is at hand; then the plot is drawn from it."""
 
 from __future__ import annotations
 
@@ -100,6 +100,37 @@ def test_part2_peer_workloads(check: tuple[dict, Path, float]) -> None:
     }
 
 
+def test_part2_fp8_group_against_bf16(check: tuple[dict, Path, float]) -> None:
+    """The FP8 group on the emulation: decode rows, the concurrency-250 window beside bf16's, the accuracy."""
+    rec, out, _ = check
+    fp8, repeats = rec["fp8"], rec["model"]["workload"]["repeats"]
+    assert "refused" not in fp8 and fp8["settings"] == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+    assert [r["batch"] for r in fp8["decode"]] == [1, 4] and fp8["model"]["backend"] == "torch"
+    assert all(_positive(r["eager_ms"]) and len(r["timing"]["eager"]["repeats_ms"]) == repeats for r in fp8["decode"])
+    bf16_run, fp8_run = rec["peers"]["c250_1000_1000"], fp8["peers"]["c250_1000_1000"]
+    for window in (bf16_run["window"], fp8_run["window"]):
+        assert window["reached"] and window["window_s"] == fp8["window_s"] and window["seconds"] >= fp8["window_s"]
+    assert bf16_run["window"]["output_tokens"] < bf16_run["output_tokens"]  # the window is the run's start
+    assert fp8_run["partial"] and fp8_run["finished_requests"] < fp8_run["requests"]  # stopped at its window
+    assert abs(fp8_run["seconds"] - fp8_run["window"]["seconds"]) < 0.05 and not fp8_run["published"]
+    timeline = fp8_run["timeline"]
+    steps = json.loads((out / timeline["file"]).read_text())["steps"]
+    assert timeline["file"] == "timeline_fp8_c250_1000_1000.json" and len(steps) == timeline["steps"]
+    summary = rec["fp8_vs_bf16"]
+    assert _positive(summary["decode_b1"]["ratio"]) and _positive(summary["decode_b4"]["ratio"])
+    assert summary["decode_b1"]["path"] == "eager" and _positive(summary["c250_window"]["ratio"])
+    acc = fp8["accuracy"]
+    got = acc["results"]["fp8-both"]
+    assert acc["model"].startswith("tiny") and acc["prompts"] == 2 and 0 <= got["greedy_prefix_agreement"] <= 1
+    assert math.isfinite(got["mean_kl"]) and 0 <= got["mean_kl"] <= got["max_kl"]
+    assert summary["accuracy"]["mean_kl"] == got["mean_kl"]
+    goals = rec["goals"]
+    assert goals["fp8_decode_b1_at_most_0.6x_bf16"] in (True, False) and goals["fp8_accuracy_reported"] is True
+    assert goals["fp8_c250_window_at_least_1.4x_bf16"] in (True, False)
+    plan = rec["parts"]["2"]["plan_s"]
+    assert plan["fp8"] == sum(fp8["plan_s"].values()) and list(plan)[-2:] == ["fp8", "end"]
+
+
 def test_logs_and_record_name_no_path_of_this_machine(check: tuple[dict, Path, float]) -> None:
     _, out, _ = check
     for path in [out / "check.json", out / "kernel_tests.log", *out.glob("check_part*.log")]:
@@ -120,6 +151,7 @@ def test_a_rerun_of_one_part_keeps_the_other(check: tuple[dict, Path, float]) ->
     _run("benchmarks/gpu_check.py", "--dry-run", "--part", "1", "--out", str(out), "--budget-s", "1")
     again = json.loads((out / "check.json").read_text())
     assert again["parts"]["2"] == rec["parts"]["2"] and again["peers"] == rec["peers"] and again["e2e"] == rec["e2e"]
+    assert again["fp8"] == rec["fp8"] and again["fp8_vs_bf16"] == rec["fp8_vs_bf16"]
     assert again["throughput"]["cbserve"] == rec["throughput"]["cbserve"]
     part1 = again["parts"]["1"]
     assert part1["budget_s"] == 1 and part1["errors"] == {}
