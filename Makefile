@@ -57,19 +57,22 @@ endif
 test-bench: setup
 	$(BIN)/pytest -q -m bench $(PYTEST_ARGS)
 
-# `make gpu-check` proves the CUDA path on one GPU (benchmarks/gpu_check.py): PART=1 correctness, PART=2 speed, each
-# under 6 minutes, both by default; results merged into benchmarks/results/gpu/check.json beside their logs.
-# DRY_RUN=1 runs the same script on the CPU with tiny shapes (CI). It installs nothing: the GPU machines have
-# torch, triton, transformers and pytest but no network, and the tree reaches them without .venv. On a copied tree
-# whose .git is not its own, name the commit: `make gpu-check CBSERVE_COMMIT=<sha>` (it is recorded in check.json).
+# `make gpu-check` proves the CUDA path on one GPU (benchmarks/gpu_check.py): PART=1 correctness and HF
+# transformers' baselines, PART=2 speed (steps against their rooflines, the burst against its ideal schedule, the
+# peer workloads against their published figures), each under 6 minutes, both by default; results merged into
+# check.json in GPU_CHECK_OUT (default benchmarks/results/gpu) beside their logs and step timelines.
+# DRY_RUN=1 runs every sub-step on the CPU with tiny shapes (CI). It installs nothing: the GPU machines have torch,
+# triton, transformers and pytest but no network, and the tree reaches them without .venv. On a copied tree whose
+# .git is not its own, name the commit: `make gpu-check CBSERVE_COMMIT=<sha>` (it is recorded in check.json).
 PART ?= all
 DRY_RUN ?= 0
+GPU_CHECK_OUT ?=
 GPU_CHECK_ARGS ?=
 GPU_CHECK_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
 gpu-check:
 	$(if $(CBSERVE_COMMIT),CBSERVE_COMMIT=$(CBSERVE_COMMIT)) PYTHONPATH=.$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_CHECK_PYTHON) benchmarks/gpu_check.py --part $(PART) \
-		$(if $(filter 1 yes true,$(DRY_RUN)),--dry-run) $(GPU_CHECK_ARGS)
+		$(if $(filter 1 yes true,$(DRY_RUN)),--dry-run) $(if $(GPU_CHECK_OUT),--out $(GPU_CHECK_OUT)) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,18 +1,24 @@
-"""``make gpu-check``: cbserve proven on one GPU in two parts of under 6 minutes each (issue 37).
+"""``make gpu-check``: cbserve proven on one GPU in two parts of under 6 minutes each.
 
 Part 1, correctness (``--part 1``): the ``cuda``-marked tests, compiled, in a pytest subprocess running beside
 greedy tokens of a tiny random model of every family against HF transformers on the same GPU (fp32 eager and
-fp32 with CUDA graphs must be equal; bf16 is reported), through chunked prefill, preemption and prefix hits.
-Part 2, speed (``--part 2``): a Llama-3-8B-shaped model with random bf16 weights: decode steps at batch 1, 16,
-64 and 256 with graphs on and off against the HBM roofline, a prefill step against the GEMM peak, and a burst
-of 256 requests through cbserve, HF transformers' continuous batching and HF static batching.
+fp32 with CUDA graphs must be equal; bf16 is reported), through chunked prefill, preemption and prefix hits;
+then, the GPU free, HF transformers' baselines for part 2's burst (``gpu_check_hf.py``: its best static and
+continuous batching, labelled).
+Part 2, speed (``--part 2``, ``gpu_check_speed.py``): a Llama-3.1-8B-shaped model with random bf16 weights:
+decode, prefill and mixed steps against their rooflines (medians of interleaved repeats), the 256-request burst
+against its ideal schedule with a step timeline, the peer workloads (``gpu_check_peers.py``: published
+figures of TensorRT-LLM and torchao replicated, with their equivalent on this card), piecewise graphs, then the
+same model with FP8 weights and KV cache (``gpu_check_fp8.py``: decode steps, the concurrency-250 workload's first
+seconds against bf16's, greedy agreement and KL with bf16; "refused" below compute capability 8.9).
 ``--part all`` runs both, each in its own process (a dry run: one after the other in this one).
 
-Each part merges its results into ``<out>/check.json`` after every sub-step (the other part's keys are kept)
-and logs to ``<out>/check_part<N>.log``; a failing sub-step is recorded under ``parts.<N>.errors`` and the
-part goes on; a watchdog saves and stops a part that overruns. Needs torch, transformers (and triton, pytest
-for the kernel tests) only: no Ray, no network. ``--dry-run``: the same on the CPU with tiny shapes (the
-Triton tests interpreted), in well under a minute (tests/worker/test_gpu_check_dry_run.py runs it).
+Each part merges its results into ``<out>/check.json`` after every sub-step (the other part's keys are kept;
+the summary and the goals, ``gpu_check_goals.py``, are recomputed from the merged record at every save) and
+logs to ``<out>/check_part<N>.log``; a failing sub-step is recorded under ``parts.<N>.errors`` and the part
+goes on; a watchdog saves and stops a part that overruns. Needs torch, transformers (and triton, pytest for
+the kernel tests) only: no Ray, no network. ``--dry-run``: every sub-step on the CPU with tiny shapes (the
+Triton tests interpreted) in well under a minute (tests/worker/test_gpu_check_dry_run.py runs it).
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py --part 1        # or: make gpu-check PART=1
     PYTHONPATH=. python3 benchmarks/gpu_check.py --dry-run --out /tmp/check
@@ -31,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_check_goals import goals
 from gpu_check_record import Check, git_commit, load_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=["1", "2", "all"], default="all")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, interpreted Triton (CI)")
-    p.add_argument("--out", type=Path, default=None, help="folder of check.json and the logs (default: "
-                   "benchmarks/results/gpu; a dry run: cbserve-gpu-check-dry-run in the temp folder)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder of check.json and the logs (default: "
+        "benchmarks/results/gpu; a dry run: cbserve-gpu-check-dry-run in the temp folder)",
+    )
     p.add_argument("--budget-s", type=float, default=None, help="a part's soft time budget")
     args = p.parse_args(argv)
     if args.out is None:  # a dry run never overwrites the GPU's record
@@ -58,8 +70,12 @@ def base_record(dry_run: bool, device: torch.device) -> dict[str, Any]:
 
     rec: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
-        "commit": git_commit(ROOT), "dry_run": dry_run, "torch": torch.__version__, "cuda": torch.version.cuda,
-        "transformers": transformers.__version__, "gpu_count": torch.cuda.device_count(),
+        "commit": git_commit(ROOT),
+        "dry_run": dry_run,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "gpu_count": torch.cuda.device_count(),
     }
     try:
         import triton
@@ -71,24 +87,40 @@ def base_record(dry_run: bool, device: torch.device) -> dict[str, Any]:
 
 
 def part1(check: Check, dry_run: bool, device: torch.device) -> None:
-    """The cuda tests in the background while the families' greedy tokens are checked in this process."""
+    """The cuda tests in the background while the families' greedy tokens are checked in this process; then HF
+    transformers' baselines, on a GPU no test holds any more."""
     from gpu_check_correctness import finish_cuda_tests, greedy_all, start_cuda_tests
+    from gpu_check_hf import hf_baselines
+    from gpu_check_speed import workload
 
-    tests = check.step("kernel_tests.start", start_cuda_tests, check.out, dry_run, check.log,
-                       min_s=20 if dry_run else 60)
+    tests = check.step(
+        "kernel_tests.start", start_cuda_tests, check.out, dry_run, check.log, min_s=20 if dry_run else 60
+    )
     if tests is not None and tests.proc is not None:
         check.children.append(tests.proc)
     check.step("greedy", greedy_all, check, device.type, dry_run)
     n = torch.cuda.device_count()
-    check.set("tensor_parallel", {"tp2": None, "note": f"{n} GPU(s)" + (
-        "" if n < 2 else ": TP=2 runs through Ray's executor, which this machine does not have")})
+    check.set(
+        "tensor_parallel",
+        {
+            "tp2": None,
+            "note": f"{n} GPU(s)"
+            + ("" if n < 2 else ": TP=2 runs through Ray's executor, which this machine does not have"),
+        },
+    )
     if tests is not None:
         check.log("waiting for the cuda tests")
         counts = check.step("kernel_tests", finish_cuda_tests, tests, check.remaining() + 20, min_s=-1e9)
         check.set("kernel_tests", counts or {"passed": 0, "failed": 0, "note": "see parts.1.errors"})
         if counts:
-            check.log(f"  cuda tests ({counts['mode']}): {counts['passed']} passed, {counts['failed']} failed"
-                      + (" (timed out)" if counts["timed_out"] else ""))
+            check.log(
+                f"  cuda tests ({counts['mode']}): {counts['passed']} passed, {counts['failed']} failed"
+                + (" (timed out)" if counts["timed_out"] else "")
+            )
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    hf_baselines(check, workload(dry_run), device)
 
 
 def part2(check: Check, dry_run: bool, device: torch.device) -> None:
@@ -96,20 +128,6 @@ def part2(check: Check, dry_run: bool, device: torch.device) -> None:
 
     with tempfile.TemporaryDirectory(prefix="cbserve-gpu-check-model-") as tmp:
         run_part2(check, dry_run, Path(tmp))
-
-
-def goals(rec: dict[str, Any]) -> dict[str, Any]:
-    """The issue's goals, read off the merged record (None: not measured)."""
-    kt, eq, tp = rec.get("kernel_tests") or {}, rec.get("greedy_equal") or {}, rec.get("throughput") or {}
-    frac, speed = rec.get("decode_roofline_fraction") or {}, rec.get("graphs_speedup") or {}
-    hf = tp.get("hf_continuous_batching")
-    return {
-        "cuda_tests_pass": kt.get("passed", 0) > 0 and kt.get("failed", 1) == 0 if "note" not in kt else None,
-        "every_family_greedy_equal_fp32": all(eq.values()) if eq and None not in eq.values() else None,
-        "e2e_3x_hf_continuous_batching": tp["cbserve"] / hf >= 3 if tp.get("cbserve") and hf else None,
-        "decode_b64_within_1.5x_roofline": frac["64"] >= 1 / 1.5 if "64" in frac else None,
-        "graphs_1.5x_eager_b1": speed["1"] >= 1.5 if "1" in speed else None,
-    }
 
 
 def run_part(part: int, args: argparse.Namespace) -> int:
@@ -121,19 +139,20 @@ def run_part(part: int, args: argparse.Namespace) -> int:
         torch.set_num_threads(1)  # the CI machine is small and shared; the shapes are tiny
     args.out.mkdir(parents=True, exist_ok=True)
     budget = args.budget_s or BUDGET_S[args.dry_run]
-    check = Check(args.out, part, base_record(args.dry_run, device), budget)
-    check.info.update(started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), commit=check.results["commit"],
-                      device=check.results["device"])
-    check.log(f"gpu-check part {part} on {check.results['device']} (commit {check.results['commit']}, "
-              f"budget {budget:.0f} s{', dry run' if args.dry_run else ''}); record {check.path}")
+    check = Check(args.out, part, base_record(args.dry_run, device), budget, ROOT)
+    check.info.update(
+        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), commit=check.results["commit"], device=check.results["device"]
+    )
+    check.log(
+        f"gpu-check part {part} on {check.results['device']} (commit {check.results['commit']}, "
+        f"budget {budget:.0f} s{', dry run' if args.dry_run else ''}); record {check.path}"
+    )
     with check.watchdog(HARD_S[args.dry_run] + max(0.0, budget - BUDGET_S[args.dry_run])):
         (part1 if part == 1 else part2)(check, args.dry_run, device)
         gc.collect()
     check.info["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     check.save()
-    merged = load_json(check.path)
-    merged_goals = goals(merged)
-    check.set("goals", merged_goals)
+    merged_goals = goals(load_json(check.path))
     errors = check.info["errors"]
     check.log(f"part {part} done in {check.log.elapsed():.0f} s, {len(errors)} error(s); goals: {merged_goals}")
     check.log.close()

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_check_record import scrub
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -41,12 +43,29 @@ def cuda_test_files() -> list[Path]:
 class TestRun:
     """``pytest -m cuda`` running in a subprocess beside the greedy checks."""
 
-    proc: subprocess.Popen[bytes] | None
+    proc: subprocess.Popen[str] | None
     log_path: Path
     files: list[Path]
     interpreted: bool
     selection: str
     t0: float
+    pump: threading.Thread | None = None  # copies pytest's output to the log, paths scrubbed, as it comes
+
+
+def _pump(proc: subprocess.Popen[str], log_path: Path) -> threading.Thread:
+    """Copy ``proc``'s output line by line into ``log_path`` with paths scrubbed (``scrub``): the log is written
+    once, as pytest prints it."""
+
+    def copy() -> None:
+        assert proc.stdout is not None
+        with log_path.open("w", encoding="utf-8") as f:
+            for line in proc.stdout:
+                f.write(scrub(line, ROOT))
+                f.flush()
+
+    thread = threading.Thread(target=copy, name="kernel-tests-log", daemon=True)
+    thread.start()
+    return thread
 
 
 def start_cuda_tests(out: Path, dry_run: bool, log: Callable[[str], None]) -> TestRun:
@@ -58,9 +77,20 @@ def start_cuda_tests(out: Path, dry_run: bool, log: Callable[[str], None]) -> Te
     selection = DRY_RUN_TESTS if dry_run else "all"
     if not files:
         return TestRun(None, log_path, files, interpreted, selection, time.perf_counter())
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "-o",
-           "console_output_style=classic", "--continue-on-collection-errors",
-           *[str(f.relative_to(ROOT)) for f in files]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "cuda",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "console_output_style=classic",
+        "--continue-on-collection-errors",
+        *[str(f.relative_to(ROOT)) for f in files],
+    ]
     if dry_run:
         cmd += ["-k", DRY_RUN_TESTS]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -69,9 +99,10 @@ def start_cuda_tests(out: Path, dry_run: bool, log: Callable[[str], None]) -> Te
     else:
         env.pop("TRITON_INTERPRET", None)  # compiled, never interpreted, on the GPU
     log(f"pytest -m cuda on {len(files)} files in the background, output in {log_path.name}")
-    with log_path.open("wb") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    return TestRun(proc, log_path, files, interpreted, selection, time.perf_counter())
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    )
+    return TestRun(proc, log_path, files, interpreted, selection, time.perf_counter(), _pump(proc, log_path))
 
 
 def finish_cuda_tests(run: TestRun, timeout_s: float) -> dict[str, Any]:
@@ -86,20 +117,25 @@ def finish_cuda_tests(run: TestRun, timeout_s: float) -> dict[str, Any]:
         run.proc.kill()
         run.proc.wait()
         timed_out, rc = True, None
+    if run.pump is not None:
+        run.pump.join(timeout=30)  # the pipe is closed: the rest of the output is on its way to the log
     text = run.log_path.read_text(encoding="utf-8", errors="replace")
     counts = _count(text, rc, timed_out)
     if rc not in (0, 1) or not counts["passed"] + counts["failed"]:  # pytest itself failed: say why
         counts["log_tail"] = text[-3000:]
-    return {**counts, "mode": "interpreted" if run.interpreted else "compiled",
-            "seconds": round(time.perf_counter() - run.t0, 1), "files": [str(f.relative_to(ROOT)) for f in run.files],
-            "selection": run.selection}
+    return {
+        **counts,
+        "mode": "interpreted" if run.interpreted else "compiled",
+        "seconds": round(time.perf_counter() - run.t0, 1),
+        "files": [str(f.relative_to(ROOT)) for f in run.files],
+        "selection": run.selection,
+    }
 
 
 def _count(text: str, rc: int | None, timed_out: bool) -> dict[str, Any]:
     lines = [m for m in (_LINE.match(x) for x in text.splitlines()) if m]
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    summary = [x for x in text.splitlines() if x.startswith("=") and ("passed" in x or "failed" in x
-                                                                        or "error" in x)]
+    summary = [x for x in text.splitlines() if x.startswith("=") and ("passed" in x or "failed" in x or "error" in x)]
     if summary and not timed_out:
         for n, what in _OUTCOME.findall(summary[-1]):
             key = "errors" if what.startswith("error") else what
@@ -134,10 +170,14 @@ def families() -> list[Family]:
     from moe_testlib import make_tiny_moe
     from worker_testlib import make_tiny_model
 
-    out = [Family(n, lambda f, v=v: make_tiny_model(f, v), None, 1)
-           for n, v in (("llama", "llama_gqa"), ("qwen2", "qwen2_bias"), ("llama3_tied", "llama3_tied"))]
-    out += [Family(n, lambda f, n=n: make_family_model(f, n), MAX_MODEL_LEN.get(n), 17 if n == "phi3_long" else 1)
-            for n in FAMILIES]
+    out = [
+        Family(n, lambda f, v=v: make_tiny_model(f, v), None, 1)
+        for n, v in (("llama", "llama_gqa"), ("qwen2", "qwen2_bias"), ("llama3_tied", "llama3_tied"))
+    ]
+    out += [
+        Family(n, lambda f, n=n: make_family_model(f, n), MAX_MODEL_LEN.get(n), 17 if n == "phi3_long" else 1)
+        for n in FAMILIES
+    ]
     out += [Family(n, lambda f, n=n: make_tiny_moe(f, n), None, 1) for n in ("mixtral", "qwen3_moe")]
     return out
 
@@ -151,11 +191,18 @@ def hf_greedy(model: Any, prompt: list[int], max_new: int) -> list[int]:
     gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
-def engine_tokens(folder: Path, fam: Family, device: str, dtype: str, eager: bool, prompts: list[list[int]],
-                  graph_mode: str = "full_decode_only") -> dict[str, Any]:
+def engine_tokens(
+    folder: Path,
+    fam: Family,
+    device: str,
+    dtype: str,
+    eager: bool,
+    prompts: list[list[int]],
+    graph_mode: str = "full_decode_only",
+) -> dict[str, Any]:
     """Greedy tokens of cbserve's engine (chunked prefill, preemption, prefix hits, requests joining late)."""
     from worker_testlib import run_engine
 
@@ -163,19 +210,30 @@ def engine_tokens(folder: Path, fam: Family, device: str, dtype: str, eager: boo
     from cbserve.worker.config import ModelConfig
     from cbserve.worker.runner.executor import LocalExecutor
 
-    cfg = ModelConfig(model=str(folder), dtype=dtype, device=device, enforce_eager=eager,  # type: ignore[arg-type]
-                      max_model_len=fam.max_model_len, cudagraph_mode=graph_mode,  # type: ignore[arg-type]
-                      block_size=ENGINE["block_size"], max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
-                      max_num_seqs=ENGINE["max_num_seqs"])
+    cfg = ModelConfig(
+        model=str(folder),
+        dtype=dtype,
+        device=device,
+        enforce_eager=eager,  # type: ignore[arg-type]
+        max_model_len=fam.max_model_len,
+        cudagraph_mode=graph_mode,  # type: ignore[arg-type]
+        block_size=ENGINE["block_size"],
+        max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
+        max_num_seqs=ENGINE["max_num_seqs"],
+    )
     executor = LocalExecutor(cfg, num_blocks=ENGINE["num_blocks"], progress=False)
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
         reqs = [(f"r{i}", p, greedy) for i, p in enumerate(prompts)]
-        run = run_engine(executor, reqs, **ENGINE, max_model_len=fam.max_model_len or 256,
-                         join_at_step=JOIN_AT_STEP)
-        return {"tokens": [run.tokens[r][0] for r, _, _ in reqs], "preemptions": run.num_preemptions,
-                "prefix_hits": run.prefix_hits, "graphs": executor.runner.graphs is not None,
-                "piecewise": executor.runner.piecewise is not None, "backend": executor.runner.backend_cls.name}
+        run = run_engine(executor, reqs, **ENGINE, max_model_len=fam.max_model_len or 256, join_at_step=JOIN_AT_STEP)
+        return {
+            "tokens": [run.tokens[r][0] for r, _, _ in reqs],
+            "preemptions": run.num_preemptions,
+            "prefix_hits": run.prefix_hits,
+            "graphs": executor.runner.graphs is not None,
+            "piecewise": executor.runner.piecewise is not None,
+            "backend": executor.runner.backend_cls.name,
+        }
     finally:
         executor.shutdown()
 
@@ -191,9 +249,12 @@ def _agreement(got: list[list[int]], ref: list[list[int]]) -> float:
 
 # (name, dtype, enforce_eager, cudagraph_mode): fp32 must equal HF exactly (the goal: eager and graphs; the
 # piecewise graphs of mixed steps are reported apart); bf16 is reported as the share of tokens that agree
-MODES = (("fp32_eager", "float32", True, "full_decode_only"), ("fp32_graphs", "float32", False, "full_decode_only"),
-         ("fp32_piecewise", "float32", False, "full_and_piecewise"),
-         ("bf16_graphs", "bfloat16", False, "full_decode_only"))
+MODES = (
+    ("fp32_eager", "float32", True, "full_decode_only"),
+    ("fp32_graphs", "float32", False, "full_decode_only"),
+    ("fp32_piecewise", "float32", False, "full_and_piecewise"),
+    ("bf16_graphs", "bfloat16", False, "full_decode_only"),
+)
 GOAL_MODES = ("fp32_eager", "fp32_graphs")
 
 
@@ -213,8 +274,9 @@ def check_family(check: Any, fam: Family, device: str, folder: Path, modes: tupl
         if ref is None:
             detail[mode] = {"ok": False, "error": "no HF reference"}
             continue
-        run = check.step(f"greedy.{fam.name}.{mode}", engine_tokens, folder, fam, device, dtype, eager, batch,
-                         graph_mode)
+        run = check.step(
+            f"greedy.{fam.name}.{mode}", engine_tokens, folder, fam, device, dtype, eager, batch, graph_mode
+        )
         if run is None:
             detail[mode] = {"ok": False, "error": "engine run failed (see parts.1.errors)"}
             continue
@@ -225,9 +287,11 @@ def check_family(check: Any, fam: Family, device: str, folder: Path, modes: tupl
             i = next(i for i, (a, b) in enumerate(zip(tokens, ref, strict=True)) if a != b)
             row["first_mismatch"] = {"request": f"r{i}", "cbserve": tokens[i], "hf": ref[i]}
         detail[mode] = row
-        check.log(f"  {fam.name} {mode}: {'EQUAL' if equal else 'DIFFERENT'} (agreement {row['agreement']:.2f}, "
-                  f"preemptions {run['preemptions']}, prefix hits {run['prefix_hits']}, graphs {run['graphs']}, "
-                  f"piecewise {run['piecewise']})")
+        check.log(
+            f"  {fam.name} {mode}: {'EQUAL' if equal else 'DIFFERENT'} (agreement {row['agreement']:.2f}, "
+            f"preemptions {run['preemptions']}, prefix hits {run['prefix_hits']}, graphs {run['graphs']}, "
+            f"piecewise {run['piecewise']})"
+        )
     return detail
 
 

@@ -1,5 +1,8 @@
-"""The record of ``gpu_check.py``: ``check.json`` merged part by part, the part's log, guarded timed sub-steps
-and a watchdog that saves what was measured before a part overruns its time."""
+"""The record of ``gpu_check.py``: ``check.json`` merged part by part (its summary keys and goals recomputed from
+the parts' own keys at every save: ``gpu_check_goals.derived``), the part's log, guarded timed sub-steps and a
+watchdog that saves what was measured before a part overruns its time. Text that reaches the record or a log
+names the repository ``<repo>``, a virtual environment ``<venv>``, the temp folder ``<tmp>`` and the home folder
+``~`` (``scrub``), as it is written."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -15,19 +19,45 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from gpu_check_goals import derived
+
 # The keys each part owns in check.json: a rerun of a part replaces them and keeps the other part's.
 PART_KEYS: dict[int, tuple[str, ...]] = {
-    1: ("kernel_tests", "greedy_equal", "greedy", "tensor_parallel"),
-    2: ("throughput", "e2e", "decode_roofline_fraction", "graphs_speedup", "decode", "prefill", "hardware",
-        "model"),
+    1: ("kernel_tests", "greedy_equal", "greedy", "greedy_equal_piecewise", "tensor_parallel", "hf"),
+    2: (
+        "e2e",
+        "decode_roofline_fraction",
+        "graphs_speedup",
+        "decode",
+        "prefill",
+        "hardware",
+        "model",
+        "mixed",
+        "piecewise",
+        "piecewise_speedup",
+        "burst_schedule",
+        "peers",
+        "fp8",
+    ),
 }
 SCHEMA_DEFAULTS: dict[str, Any] = {
     "kernel_tests": {"passed": 0, "failed": 0, "note": "not run"},
     "greedy_equal": {},
-    "throughput": {"cbserve": None, "hf_continuous_batching": None, "hf_static": None},
     "decode_roofline_fraction": {},
     "graphs_speedup": {},
+    "peers": {},
 }
+
+
+def scrub(text: str, root: Path) -> str:
+    """``text`` with the repository's path as ``<repo>``, a virtual environment's as ``<venv>``, the temp folder's
+    as ``<tmp>`` and the home folder's as ``~`` (the longest first: one may lie in another)."""
+    places = {str(root.resolve()): "<repo>", str(root): "<repo>", tempfile.gettempdir(): "<tmp>", str(Path.home()): "~"}
+    if sys.prefix != sys.base_prefix:
+        places[sys.prefix] = "<venv>"
+    for path in sorted((p for p in places if len(p) > 1), key=len, reverse=True):
+        text = text.replace(path, places[path])
+    return text
 
 
 def git_commit(root: Path) -> str:
@@ -37,8 +67,13 @@ def git_commit(root: Path) -> str:
         return env
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     if out.returncode != 0:
@@ -49,9 +84,9 @@ def git_commit(root: Path) -> str:
 class Log:
     """Progress lines with the seconds since the part started, to stdout and to the part's log file."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, root: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
+        self.path, self.root = path, root
         self._file: TextIO = path.open("w", encoding="utf-8")
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
@@ -60,7 +95,7 @@ class Log:
         return time.perf_counter() - self._t0
 
     def __call__(self, msg: str) -> None:
-        line = f"[{self.elapsed():7.1f}s] {msg}"
+        line = scrub(f"[{self.elapsed():7.1f}s] {msg}", self.root)
         with self._lock:
             print(line, flush=True)
             self._file.write(line + "\n")
@@ -75,13 +110,13 @@ class Check:
     """One part's results, merged into ``out/check.json`` after every sub-step (a part cut short still leaves
     what it measured), with its own budget of seconds."""
 
-    def __init__(self, out: Path, part: int, base: dict[str, Any], budget_s: float) -> None:
-        self.out, self.part, self.budget_s = out, part, budget_s
+    def __init__(self, out: Path, part: int, base: dict[str, Any], budget_s: float, root: Path) -> None:
+        self.out, self.part, self.budget_s, self.root = out, part, budget_s, root
         self.path = out / "check.json"
-        self.log = Log(out / f"check_part{part}.log")
+        self.log = Log(out / f"check_part{part}.log", root)
         self.results: dict[str, Any] = dict(base)
         self.info: dict[str, Any] = {"steps": {}, "errors": {}, "budget_s": budget_s}
-        self.children: list[subprocess.Popen[bytes]] = []  # killed with the part when the watchdog fires
+        self.children: list[subprocess.Popen[Any]] = []  # killed with the part when the watchdog fires
         self._running: list[str] = []
         self._lock = threading.Lock()
 
@@ -94,6 +129,7 @@ class Check:
 
     def error(self, name: str, exc: BaseException | str) -> None:
         text = exc if isinstance(exc, str) else "".join(traceback.format_exception(exc)).strip()
+        text = scrub(text, self.root)
         self.info["errors"][name] = text[-4000:]
         self.log(f"ERROR in {name}: {text.splitlines()[-1] if text else ''}")
 
@@ -134,6 +170,7 @@ class Check:
                 merged.setdefault(key, default)
             self.info["wall_s"] = round(self.log.elapsed(), 1)
             merged.setdefault("parts", {})[str(self.part)] = self.info
+            merged.update(derived(merged))
             tmp = self.path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(merged, indent=2, default=str) + "\n")
             tmp.replace(self.path)

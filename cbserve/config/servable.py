@@ -10,7 +10,7 @@ import math
 from cbserve.config.lora_config import check_allowed_dirs, check_lora_modules
 from cbserve.config.serve_config import DEFAULT_MODEL_NAME, CBServeConfig, ConfigError, connected_ray
 from cbserve.config.sim_config import is_sim, sim_num_blocks
-from cbserve.worker.config import DTYPE_BYTES
+from cbserve.worker.config import DTYPE_BYTES, KV_FP8_DTYPES, kv_head_bytes
 from cbserve.worker.loading.model_info import SUPPORTED_MODEL_TYPES, ModelInfo, locate_model, read_model_info
 from cbserve.worker.loading.pooling_config import read_pooling_config
 
@@ -71,10 +71,12 @@ def check_servable(config: CBServeConfig, info: ModelInfo, device: str | None = 
 
 
 def kv_block_bytes(config: CBServeConfig, info: ModelInfo) -> int:
-    """Bytes of one KV block on one rank (all layers, K and V), as the worker allocates it on CPU."""
+    """Bytes of one KV block on one rank (all layers, K and V), as the worker allocates it on CPU (an FP8 cache:
+    e4m3 values and a float32 scale per token and head)."""
     elem = DTYPE_BYTES.get(config.dtype, 4)  # "auto" is float32 on CPU
     kv_heads = info.num_key_value_heads // config.tensor_parallel_size
-    return 2 * info.num_hidden_layers * config.block_size * kv_heads * info.head_dim * elem
+    head = kv_head_bytes(info.head_dim, elem, config.kv_cache_dtype in KV_FP8_DTYPES)
+    return 2 * info.num_hidden_layers * config.block_size * kv_heads * head
 
 
 def check_kv_capacity(config: CBServeConfig, num_blocks: int, device: str | None = None) -> None:

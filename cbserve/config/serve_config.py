@@ -28,7 +28,10 @@ from cbserve.worker.config import (
     CudaGraphMode,
     Device,
     Dtype,
+    KvCacheDtype,
     ModelConfig,
+    QuantizationName,
+    fp8_conflict,
 )
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,10 @@ class CBServeConfig(BaseModel):
     enforce_eager: bool = False  # CUDA: no CUDA-graph capture of decode steps
     # CUDA: "full_and_piecewise" also replays steps with prefill chunks (<= 512 tokens) from piecewise graphs
     cudagraph_mode: CudaGraphMode = "full_decode_only"
+    # FP8, vLLM's names (CUDA compute capability 8.9+; on CPU an emulation for accuracy checks, on the torch ops):
+    # "fp8" quantizes the linear weights to e4m3 at load (a scale per output channel, activations per token)
+    quantization: QuantizationName | None = None
+    kv_cache_dtype: KvCacheDtype = "auto"  # "fp8" / "fp8_e4m3": e4m3 KV with a scale per token and head
     tensor_parallel_size: int = Field(1, ge=1)
     num_replicas: int = Field(1, ge=1)  # data-parallel engine replicas
     seed: int = 0
@@ -190,6 +197,9 @@ class CBServeConfig(BaseModel):
                         {"runner 'pooling'": self.runner == "pooling", "a draft model (speculative_config)": draft},
                         self.allow_runtime_lora_updating, self.lora_allowed_dirs)
         check_sim_keys(self)
+        fp8 = fp8_conflict(self.quantization, self.kv_cache_dtype, self.attention_backend, self.device, self.cpu_ops)
+        if fp8 is not None:
+            raise ValueError(fp8)
         return self
 
     # ---- construction -----------------------------------------------------------------------
@@ -324,6 +334,8 @@ class CBServeConfig(BaseModel):
             block_size=self.block_size,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
+            quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
             **self._draft_fields(),
         )
 

@@ -15,11 +15,16 @@ CpuOpsName = Literal["auto", "native", "onednn", "torch"]
 CpuIsaName = Literal["auto", "avx512", "avx2", "scalar"]
 RunnerName = Literal["generate", "pooling"]
 CudaGraphMode = Literal["full_decode_only", "full_and_piecewise"]
+QuantizationName = Literal["fp8"]
+KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]  # vLLM's names; "fp8" is e4m3
 
 _DTYPES, _DEVICES = get_args(Dtype), get_args(Device)
 _BACKENDS, _CPU_OPS, _CPU_ISAS = get_args(AttentionBackendName), get_args(CpuOpsName), get_args(CpuIsaName)
 _RUNNERS, _GRAPH_MODES = get_args(RunnerName), get_args(CudaGraphMode)
+_QUANTIZATIONS, _KV_DTYPES = get_args(QuantizationName), get_args(KvCacheDtype)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+KV_FP8_DTYPES = ("fp8", "fp8_e4m3")  # the kv_cache_dtype values of an FP8 (e4m3) cache
+KV_FP8_SCALE_BYTES = 4  # an FP8 KV cache's float32 scale per token and head, beside its head_dim bytes
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 MAX_LORA_RANK = 512  # the largest max_lora_rank (vLLM's); the CPU kernels take its fused 3 x 512 columns
 
@@ -53,6 +58,12 @@ class ModelConfig:
     ``enable_lora``: requests may run with LoRA adapters (lora.py): ``max_loras`` adapter slots of weights (a
     step holds at most that many distinct adapters), ranks up to ``max_lora_rank``, and up to
     ``max_cpu_loras`` adapters kept loaded in host memory (None: ``max_loras``).
+    ``quantization="fp8"`` (vLLM's name): the linear layers' weights are quantized to FP8 e4m3 when they are loaded
+    (one scale per output channel) and multiply activations quantized per token at each step (``torch._scaled_mm``;
+    layers/fp8_linear.py). ``kv_cache_dtype="fp8"`` (or "fp8_e4m3"): the KV cache holds e4m3 values with one
+    float32 scale per token and head (attention/kv_fp8.py); "auto": the model's dtype. Both need compute
+    capability 8.9+ on CUDA; on CPU both run as an emulation for accuracy checks: FP8 weights on the torch ops
+    (cpu_ops "native"/"onednn" refused), the FP8 cache on the torch attention backend ("cpu" and "flash" refused).
     """
 
     model: str | None = None
@@ -81,6 +92,8 @@ class ModelConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
+    quantization: QuantizationName | None = None
+    kv_cache_dtype: KvCacheDtype = "auto"
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -94,6 +107,7 @@ class ModelConfig:
         if self.runner == "pooling" and self.draft_model is not None:
             raise ValueError("runner 'pooling' does not combine with a draft model")
         self._check_lora()
+        self._check_fp8()
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in _DEVICES:
@@ -139,6 +153,21 @@ class ModelConfig:
         if self.enable_lora and self.draft_model is not None:
             raise ValueError("enable_lora does not combine with a draft model")
 
+    def _check_fp8(self) -> None:
+        if self.quantization is not None and self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {_QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.kv_cache_dtype not in _KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_DTYPES}, got {self.kv_cache_dtype!r}")
+        conflict = fp8_conflict(self.quantization, self.kv_cache_dtype, self.attention_backend, self.device,
+                                self.cpu_ops)
+        if conflict is not None:
+            raise ValueError(conflict)
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the KV cache holds FP8 e4m3 values with scales (``kv_cache_dtype`` "fp8" / "fp8_e4m3")."""
+        return self.kv_cache_dtype in KV_FP8_DTYPES
+
     @property
     def lora_cache_size(self) -> int:
         """How many adapters a worker keeps loaded in host memory."""
@@ -161,3 +190,22 @@ class ModelConfig:
         if self.dtype != "auto":
             return getattr(torch, self.dtype)
         return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+
+
+def kv_head_bytes(head_dim: int, elem_bytes: int, kv_fp8: bool) -> int:
+    """Bytes one token's key (or value) of one head takes in the KV cache: ``head_dim`` elements of the model's
+    dtype, or with an FP8 cache ``head_dim`` e4m3 bytes and their float32 scale."""
+    return head_dim + KV_FP8_SCALE_BYTES if kv_fp8 else head_dim * elem_bytes
+
+
+def fp8_conflict(quantization: str | None, kv_cache_dtype: str, attention_backend: str, device: str,
+                 cpu_ops: str) -> str | None:
+    """Why these FP8 settings do not combine with the others (None: they do); the checks that need the device's
+    compute capability run when the model is built (worker/loading/model_build.py)."""
+    if kv_cache_dtype in KV_FP8_DTYPES and attention_backend in ("cpu", "flash"):
+        return (f"kv_cache_dtype={kv_cache_dtype!r} is read by the triton and torch attention backends only, not by "
+                f"attention_backend={attention_backend!r}")
+    if quantization is not None and device == "cpu" and cpu_ops in ("native", "onednn"):
+        return (f"quantization={quantization!r} on CPU is an emulation on the torch ops; cpu_ops={cpu_ops!r} does "
+                "not run it (use cpu_ops 'auto' or 'torch')")
+    return None

@@ -204,12 +204,13 @@ def test_build_app_refuses_a_config_that_can_never_serve() -> None:
 def test_the_worker_config_is_derived_from_every_matching_field() -> None:
     from cbserve.worker.config import ModelConfig
 
-    values = {"model": "/m", "dtype": "bfloat16", "device": "cpu", "max_model_len": 77, "seed": 5,
+    values = {"model": "/m", "dtype": "bfloat16", "device": "cuda", "max_model_len": 77, "seed": 5,
               "kv_cache_memory_bytes": 12345, "gpu_memory_utilization": 0.5, "attention_backend": "torch",
               "enforce_eager": True, "cudagraph_mode": "full_and_piecewise", "cpu_ops": "native", "cpu_isa": "scalar",
               "cpu_compact_weights": False, "tensor_parallel_size": 3, "runner": "pooling", "enable_lora": False,
               "max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4, "block_size": 8, "max_num_batched_tokens": 64,
-              "max_num_seqs": 3}  # fmt: skip  (enable_lora: test_lora_config.py)
+              "max_num_seqs": 3, "quantization": "fp8",
+              "kv_cache_dtype": "fp8"}  # fmt: skip  (enable_lora: test_lora_config.py)
     mc = CBServeConfig(**values).worker_model_config(rank=2)
     # the draft model's fields come from speculative_config (see the speculative_config test below)
     assert {f.name for f in dataclasses.fields(ModelConfig)} == set(values) | {"rank", "draft_model",

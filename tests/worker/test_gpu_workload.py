@@ -21,8 +21,16 @@ def gw(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
 
 def test_build_cbserve_loads_the_seeded_random_weights(gw: ModuleType, tmp_path: Path) -> None:
     cfg = gw.write_model_folder("tiny", tmp_path)
-    args = argparse.Namespace(prompt_len=8, max_out=8, max_num_seqs=2, max_num_batched_tokens=32,
-                              gpu_memory_utilization=0.5, attention_backend="auto", enforce_eager=True, seed=3)
+    args = argparse.Namespace(
+        prompt_len=8,
+        max_out=8,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        gpu_memory_utilization=0.5,
+        attention_backend="auto",
+        enforce_eager=True,
+        seed=3,
+    )
     device = torch.device("cpu")
     executor = gw.build_cbserve(args, tmp_path, cfg, device)
     try:

@@ -1,5 +1,5 @@
 """Compile every Triton kernel ahead of time for an H100 (sm_90, bf16; the attention kernels at head_dim 64, 128
-and 256, with the launchers' tiles for each head size, and in fp16 and float32 too)
+and 256, with the launchers' tiles for each head size, and in fp16 and float32 too, and over an FP8 cache)
 without needing a GPU.
 
 The interpreter runs kernels as Python, so it does not catch what only the compiler rejects (non-constexpr
@@ -27,20 +27,22 @@ _TRITON_SPEC = importlib.util.find_spec("triton")  # not imported here: it would
 pytestmark = pytest.mark.slow
 
 _PTR = "*bf16"
+_SCALES = dict(k_scale_ptr="*fp32", v_scale_ptr="*fp32", stride_s_blk="i32", stride_s_off="i32")  # FP8 caches'
 _KV_WRITE = dict(key_ptr=_PTR, value_ptr=_PTR, k_cache_ptr=_PTR, v_cache_ptr=_PTR, slot_ptr="*i64",
                  stride_k_tok="i32", stride_k_head="i32", stride_v_tok="i32", stride_v_head="i32",
-                 stride_c_blk="i64", stride_c_off="i32", stride_c_head="i32")
+                 stride_c_blk="i64", stride_c_off="i32", stride_c_head="i32", **_SCALES)
 _PREFILL = dict(q_ptr=_PTR, k_cache_ptr=_PTR, v_cache_ptr=_PTR, out_ptr=_PTR, block_tables_ptr="*i32",
                 cu_seqlens_q_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32", softcap="fp32", window="i32",
                 stride_q_tok="i32",
                 stride_q_head="i32", stride_o_tok="i32", stride_o_head="i32", stride_c_blk="i64",
-                stride_c_off="i32", stride_c_head="i32", stride_bt="i32")
+                stride_c_off="i32", stride_c_head="i32", stride_bt="i32", **_SCALES)
 _DECODE = dict(q_ptr=_PTR, k_cache_ptr=_PTR, v_cache_ptr=_PTR, block_tables_ptr="*i32", seq_lens_ptr="*i32",
                mid_o_ptr="*fp32", mid_lse_ptr="*fp32", qk_scale="fp32", softcap="fp32", window="i32",
                stride_q_tok="i32",
                stride_q_head="i32", stride_c_blk="i64", stride_c_off="i32", stride_c_head="i32",
                stride_bt="i32", stride_mo_req="i32", stride_mo_head="i32", stride_mo_split="i32",
-               stride_ml_req="i32", stride_ml_head="i32")
+               stride_ml_req="i32", stride_ml_head="i32", **_SCALES)
+_FP8_CACHE = dict(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
 _MERGE = dict(mid_o_ptr="*fp32", mid_lse_ptr="*fp32", out_ptr=_PTR, stride_mo_req="i32",
               stride_mo_head="i32", stride_mo_split="i32", stride_ml_req="i32", stride_ml_head="i32",
               stride_o_tok="i32", stride_o_head="i32")
@@ -51,22 +53,27 @@ def _typed(types: dict[str, str], ptr: str) -> dict[str, str]:
     return {a: ptr if t == _PTR else t for a, t in types.items()}
 
 
-def _attention(head_dim: int, group: int, softcap: bool, dtype: str) -> list[tuple]:
+def _attention(head_dim: int, group: int, softcap: bool, dtype: str, kv_fp8: bool = False) -> list[tuple]:
     """The prefill and decode-split kernels at ``head_dim``; the compile script adds the launchers' CUDA tiles
-    for that head size (``triton_kernels.cuda_tiles``: BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    for that head size (``triton_kernels.cuda_tiles``: BLOCK_M, BLOCK_N, num_warps, num_stages). ``kv_fp8``:
+    over an e4m3 cache with its scales (queries and outputs in ``dtype``)."""
     ptr = {"bfloat16": _PTR, "float16": "*fp16", "float32": "*fp32"}[dtype]
-    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_D=head_dim, SOFTCAP=softcap)
-    return [("_prefill_kernel", _typed(_PREFILL, ptr), common, dtype),
-            ("_decode_split_kernel", _typed(_DECODE, ptr), dict(common, NUM_SPLITS=8, BLOCK_H=16), dtype)]
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_D=head_dim, SOFTCAP=softcap, KV_FP8=kv_fp8)
+    cache = _FP8_CACHE if kv_fp8 else {}
+    return [("_prefill_kernel", _typed(_PREFILL, ptr) | cache, common, dtype),
+            ("_decode_split_kernel", _typed(_DECODE, ptr) | cache, dict(common, NUM_SPLITS=8, BLOCK_H=16), dtype)]
 
 
 # (kernel name, arg types, constexprs, dtype of the K/V cache); the launchers' DOT_PRECISION for that dtype is
 # added to the attention kernels' constexprs. Llama-3-8B shapes (GQA 4, head_dim 128, block 16) and head_dim 64
 # in bf16; Gemma 2 9B (GQA 2, head_dim 256, logit soft-capping) in bf16; Gemma 3 (head_dim 256) in fp16;
-# float32 at 128 and 256.
+# float32 at 128 and 256; the FP8 cache (kv_cache_dtype "fp8") under bf16 at 64 and 128, Gemma 2's 256 with
+# soft-capping, and float32 at 128.
 CASES = [
     ("_kv_write_kernel", _KV_WRITE, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8,
-                                         BLOCK_D=128), "bfloat16"),
+                                         BLOCK_D=128, KV_FP8=False), "bfloat16"),
+    ("_kv_write_kernel", _KV_WRITE | _FP8_CACHE, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8,
+                                                      BLOCK_D=128, KV_FP8=True), "bfloat16"),
     ("_decode_merge_kernel", _MERGE, dict(NUM_SPLITS=8, HEAD_DIM=128, BLOCK_S=8, BLOCK_D=128), "bfloat16"),
     *_attention(64, 4, False, "bfloat16"),
     *_attention(128, 4, False, "bfloat16"),
@@ -74,6 +81,10 @@ CASES = [
     *_attention(256, 2, False, "float16"),
     *_attention(128, 4, False, "float32"),
     *_attention(256, 2, False, "float32"),
+    *_attention(64, 4, False, "bfloat16", kv_fp8=True),
+    *_attention(128, 4, False, "bfloat16", kv_fp8=True),
+    *_attention(256, 2, True, "bfloat16", kv_fp8=True),
+    *_attention(128, 4, False, "float32", kv_fp8=True),
 ]
 _SHARED_MAX = 232448  # sm_90's shared memory per block, bytes
 _MAX_WORKERS = 4  # compile processes run side by side (at most one per CPU)
@@ -106,8 +117,8 @@ for name, types, consts, dtype in json.loads(sys.argv[1]):
     k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=options)
     if not k.asm.get("cubin") or k.metadata.shared > shared_max:
         sys.exit(f"{name} {dtype} {consts}: no cubin or too much shared memory ({k.metadata.shared})")
-    print(name, dtype, "head_dim", consts["HEAD_DIM"], "shared", k.metadata.shared, "tf32",
-          k.asm["ptx"].count("tf32"))
+    print(name, dtype + ("+fp8kv" if consts.get("KV_FP8") else ""), "head_dim", consts["HEAD_DIM"], "shared",
+          k.metadata.shared, "tf32", k.asm["ptx"].count("tf32"))
 """
 
 
@@ -141,6 +152,10 @@ def test_kernels_compile_for_sm90() -> None:
     for kernel in ("_prefill_kernel", "_decode_split_kernel"):
         assert {(kernel, "bfloat16", d) for d in (64, 128, 256)} <= compiled, stdout
         assert {(kernel, "float16", 256), (kernel, "float32", 128), (kernel, "float32", 256)} <= compiled, stdout
-    fp32 = [line for line in lines if line[1] == "float32"]
-    assert len(fp32) == 4, stdout
+    for kernel in ("_prefill_kernel", "_decode_split_kernel"):
+        assert {(kernel, "bfloat16+fp8kv", d) for d in (64, 128, 256)} <= compiled, stdout
+        assert (kernel, "float32+fp8kv", 128) in compiled, stdout
+    assert ("_kv_write_kernel", "bfloat16+fp8kv", 128) in compiled, stdout
+    fp32 = [line for line in lines if line[1].startswith("float32")]
+    assert len(fp32) == 6, stdout
     assert all(line[-1] == "0" for line in fp32), f"TF32 instructions in float32 attention:\n{stdout}"

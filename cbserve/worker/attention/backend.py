@@ -23,7 +23,10 @@ from typing import Any
 
 import torch
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # (K, V), each [num_blocks, block_size, num_kv_heads, head_dim]
+from cbserve.worker.attention.kv_fp8 import Fp8KVCache, write_fp8
+
+# (K, V), each [num_blocks, block_size, num_kv_heads, head_dim]; with kv_cache_dtype "fp8" an Fp8KVCache (kv_fp8.py)
+KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -149,7 +152,10 @@ class AttentionBackend(ABC):
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
-    """Scatter this iteration's keys/values into their cache slots."""
+    """Scatter this iteration's keys/values into their cache slots (quantized, for an FP8 cache)."""
+    if isinstance(kv_cache, Fp8KVCache):
+        write_fp8(k, v, kv_cache, slot_mapping)
+        return
     k_cache, v_cache = kv_cache
     heads, dim = k_cache.shape[-2:]
     k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)

@@ -29,16 +29,19 @@ def _load(name: str) -> type[AttentionBackend]:
 
 
 def get_attention_backend(
-    name: str, device: torch.device | str, native_cpu: bool = True, cpu_isa: str = "auto"
+    name: str, device: torch.device | str, native_cpu: bool = True, cpu_isa: str = "auto", kv_fp8: bool = False
 ) -> type[AttentionBackend]:
     """The backend class for ``name`` ("auto" | "torch" | "cpu" | "triton" | "flash") on ``device``.
 
     "auto" picks cpu on CPU when ``native_cpu`` (the model runs on cbserve's C kernels, see cpu/ops.py) and
     the kernels build, else torch; on CUDA it tries triton, then flash,
     and falls back to torch. Asking for "cpu"/"triton"/"flash" explicitly raises ValueError when it cannot
-    be used. ``cpu_isa``: the build of the C kernels the "cpu" backend needs (cpu/native.py).
+    be used. ``cpu_isa``: the build of the C kernels the "cpu" backend needs (cpu/native.py). ``kv_fp8``: an FP8
+    KV cache (kv_fp8.py), which only triton and torch read: "auto" picks triton on CUDA, torch on CPU.
     """
     device = torch.device(device)
+    if kv_fp8:
+        return _fp8_backend(name, device)
     if name == "torch":
         return TorchAttentionBackend
     if name == "auto" and device.type == "cpu" and not native_cpu:
@@ -73,3 +76,22 @@ def _cpu_backend(device: torch.device, explicit: bool, isa: str) -> type[Attenti
         raise ValueError(f"attention backend 'cpu' is not available: {load.reason}")
     logger.warning("CPU attention kernels unavailable (%s); using the torch attention backend", load.reason)
     return TorchAttentionBackend
+
+
+def _fp8_backend(name: str, device: torch.device) -> type[AttentionBackend]:
+    if name in ("cpu", "flash"):
+        raise ValueError(f"attention backend {name!r} does not read an FP8 KV cache (kv_cache_dtype fp8): use "
+                         "'triton' or 'torch'")
+    if name == "torch" or (name == "auto" and device.type == "cpu"):
+        return TorchAttentionBackend
+    if name not in ("auto", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}")
+    if device.type != "cuda":
+        raise ValueError(f"attention backend 'triton' needs a CUDA device, got {device}")
+    try:
+        return _load("triton")
+    except (ImportError, AttributeError) as e:
+        if name == "triton":
+            raise ValueError(f"attention backend 'triton' is not available: {e}") from e
+        logger.warning("attention backend triton unavailable (%s): the FP8 KV cache is read by the torch backend", e)
+        return TorchAttentionBackend

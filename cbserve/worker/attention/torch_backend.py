@@ -3,7 +3,9 @@
 Decode requests (one query token each) are attended together: their cache blocks are gathered into one
 padded [num_decodes, max_len, kv_heads, head_dim] tensor and a single masked SDPA call covers them all
 (grouped by context length so little padding is gathered). Prefill chunks are attended one request at a
-time, straight from this step's keys when the chunk starts the sequence, else from the cache.
+time, straight from this step's keys when the chunk starts the sequence, else from the cache. An FP8 cache
+(``kv_fp8.py``) is always read back, dequantized into the model's dtype: the reference of the Triton kernels'
+FP8 path, and on CPU its emulation.
 
 A layer with a sliding window masks the keys before its window (per step and window, the masks are made once
 and shared by the layers with that window); one with logit soft-capping runs the eager form HF Gemma 2 runs
@@ -32,6 +34,7 @@ from cbserve.worker.attention.backend import (
     PreparedAttention,
     write_kv_cache,
 )
+from cbserve.worker.attention.kv_fp8 import Fp8KVCache, gather_fp8
 
 # Decode requests are split into groups of similar context length when that saves this much padding.
 _MIN_GROUP = 8
@@ -43,8 +46,12 @@ class _GatherBuffer:
     def __init__(self) -> None:
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def gather(self, kv_cache: KVCache, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``blocks`` (1-D int64 block ids), as [len(blocks), block_size, kv_heads, head_dim]."""
+    def gather(self, kv_cache: KVCache, blocks: torch.Tensor,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``blocks`` (1-D int64 block ids), as [len(blocks), block_size, kv_heads, head_dim]; an FP8
+        cache's dequantized to ``dtype`` (default float32; new tensors: the emulation's)."""
+        if isinstance(kv_cache, Fp8KVCache):
+            return gather_fp8(kv_cache, blocks, dtype or torch.float32)
         k_cache, v_cache = kv_cache
         n = blocks.numel()
         if self._kv is None or not _fits(self._kv[0], k_cache, n):
@@ -90,7 +97,8 @@ class _DecodeGroup:
 class _PrefillChunk:
     start: int
     end: int
-    blocks: torch.Tensor | None  # int64 block ids to gather the context from; None: use this step's k/v
+    blocks: torch.Tensor  # int64 block ids of the request's keys and values
+    from_cache: bool  # the chunk continues a sequence: its context is read from the cache (else this step's k/v)
     seq_len: int
     mask: torch.Tensor | None  # [q_len, seq_len] bool; None means plain causal
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask (made once)
@@ -145,14 +153,13 @@ def _prefill_chunks(md: AttentionMetadata) -> list[_PrefillChunk]:
     start = md.num_decodes
     for i in range(md.num_decodes, md.num_reqs):
         ql, sl = md.query_lens_cpu[i], md.seq_lens_cpu[i]
-        blocks, mask = None, None
+        blocks = md.block_tables[i, : -(-sl // md.block_size)].long()
+        mask = None
         if sl != ql:
-            nblocks = -(-sl // md.block_size)
-            blocks = md.block_tables[i, :nblocks].long()
             dev = md.block_tables.device
             qpos = torch.arange(sl - ql, sl, device=dev)
             mask = torch.arange(sl, device=dev)[None, :] <= qpos[:, None]
-        chunks.append(_PrefillChunk(start, start + ql, blocks, sl, mask))
+        chunks.append(_PrefillChunk(start, start + ql, blocks, sl != ql, sl, mask))
         start += ql
     return chunks
 
@@ -204,7 +211,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         n, nblocks = g.block_table.shape
         shape = (n, nblocks * kv_cache[0].shape[1], self.num_kv_heads, self.head_dim)
-        k_blocks, v_blocks = buffer.gather(kv_cache, g.block_table.reshape(-1))
+        k_blocks, v_blocks = buffer.gather(kv_cache, g.block_table.reshape(-1), q.dtype)
         keys = k_blocks.view(shape).transpose(1, 2)
         values = v_blocks.view(shape).transpose(1, 2)
         qg = q[g.rows].unsqueeze(2)  # [n, heads, 1, dim]
@@ -225,10 +232,10 @@ class TorchAttentionBackend(AttentionBackend):
         buffer: _GatherBuffer,
     ) -> None:
         qc = q[c.start : c.end].transpose(0, 1).unsqueeze(0)
-        if c.blocks is None:
-            keys, values = k[c.start : c.end], v[c.start : c.end]
+        if not c.from_cache and not isinstance(kv_cache, Fp8KVCache):  # an FP8 cache's values are read back, as
+            keys, values = k[c.start : c.end], v[c.start : c.end]  # the Triton kernels read them
         else:
-            k_blocks, v_blocks = buffer.gather(kv_cache, c.blocks)
+            k_blocks, v_blocks = buffer.gather(kv_cache, c.blocks, q.dtype)
             keys = k_blocks.flatten(0, 1)[: c.seq_len]
             values = v_blocks.flatten(0, 1)[: c.seq_len]
         keys = keys.transpose(0, 1).unsqueeze(0)

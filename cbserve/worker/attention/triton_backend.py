@@ -1,7 +1,8 @@
 """Attention backend over the Triton paged kernels (the "auto" choice on CUDA).
 
 Per layer and iteration: one K/V cache-write launch (padded slots ``< 0`` skipped), one split-KV decode
-launch (+ merge) for the first ``num_decodes`` requests, one varlen prefill launch for the rest. The
+launch (+ merge) for the first ``num_decodes`` requests, one varlen prefill launch for the rest. An FP8 cache
+(``kv_fp8.py``) is quantized by the write kernel and dequantized inside the attention kernels. The
 prefill kernel reads query rows at absolute offsets ``query_start_loc[r]``, so the prefill part of the
 batch needs no re-basing: it gets views of the metadata tensors past the decodes.
 
@@ -27,6 +28,7 @@ from cbserve.worker.attention.backend import (
     KVCache,
     PreparedAttention,
 )
+from cbserve.worker.attention.kv_fp8 import kv_scales
 
 _DEFAULT_NUM_SMS = 132  # H100 SXM; only used for the split heuristic off-GPU (interpreter tests)
 
@@ -85,9 +87,10 @@ class TritonAttentionBackend(AttentionBackend):
         p: TritonPrepared,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
+        scales = kv_scales(kv_cache)  # an FP8 cache's (kv_fp8.py), else None
         q = _last_dim_contiguous(q)
         triton_kernels.write_kv_cache(
-            _last_dim_contiguous(k), _last_dim_contiguous(v), k_cache, v_cache, md.slot_mapping
+            _last_dim_contiguous(k), _last_dim_contiguous(v), k_cache, v_cache, md.slot_mapping, scales
         )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = md.num_decodes
@@ -103,6 +106,7 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out[:nd],
                 window=self.sliding_window,
                 softcap=self.softcap,
+                kv_scales=scales,
             )
         if p.prefill_max_q is not None:
             triton_kernels.prefill_attention(
@@ -117,5 +121,6 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out,
                 window=self.sliding_window,
                 softcap=self.softcap,
+                kv_scales=scales,
             )
         return out

@@ -14,9 +14,11 @@ Three jobs, one kernel each (two for decode: split pass + merge):
   computed in-kernel from its own ``seq_len``.
 
 Cache layout, per layer: K and V are ``[num_blocks, block_size, num_kv_heads, head_dim]`` with a contiguous
-last dimension; ``block_tables`` is int32 ``[num_reqs, max_blocks]``. The kernels run natively on CUDA and,
-at small sizes, on CPU tensors under ``TRITON_INTERPRET=1`` (set before ``triton`` is imported). Kernels are
-looked up on the ``triton_jit`` module at each launch, so reloading it (interpreter tests) takes effect.
+last dimension; ``block_tables`` is int32 ``[num_reqs, max_blocks]``. An FP8 cache (``kv_fp8.py``) is e4m3 with
+its scales given as ``kv_scales`` (k_scale, v_scale), each float32 ``[num_blocks, block_size, num_kv_heads]``.
+The kernels run natively on CUDA and, at small sizes, on CPU tensors under ``TRITON_INTERPRET=1`` (set before
+``triton`` is imported). Kernels are looked up on the ``triton_jit`` module at each launch, so reloading it
+(interpreter tests) takes effect.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import triton
 
 from cbserve.worker.attention import triton_jit
+from cbserve.worker.fp8 import FP8_DTYPE
 
 _LOG2E = 1.4426950408889634
 
@@ -61,6 +64,23 @@ def _check_query(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         )
 
 
+def _scale_args(k_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, Any]:
+    """The kernels' FP8 arguments: the scales and their strides, or placeholders never read (KV_FP8 off).
+    ValueError when an e4m3 cache comes without scales or they do not match it."""
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 != (kv_scales is not None):
+        raise ValueError(f"a {k_cache.dtype} cache takes {'its' if fp8 else 'no'} kv_scales")
+    if kv_scales is None:
+        return dict(k_scale_ptr=k_cache, v_scale_ptr=k_cache, stride_s_blk=0, stride_s_off=0, KV_FP8=False)
+    k_scale, v_scale = kv_scales
+    want = tuple(k_cache.shape[:3])
+    for s in kv_scales:
+        if tuple(s.shape) != want or s.dtype != torch.float32 or s.stride() != k_scale.stride() or s.stride(-1) != 1:
+            raise ValueError(f"kv_scales must be float32 {want} with equal strides, got {tuple(s.shape)} {s.dtype}")
+    return dict(k_scale_ptr=k_scale, v_scale_ptr=v_scale, stride_s_blk=k_scale.stride(0),
+                stride_s_off=k_scale.stride(1), KV_FP8=True)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -72,10 +92,11 @@ def _on_cuda(x: torch.Tensor) -> bool:
 _NO_WINDOW = 1 << 30  # a window no sequence reaches: the kernels' "no sliding window"
 
 
-def dot_precision(k_cache: torch.Tensor) -> str:
-    """The attention kernels' ``tl.dot`` input precision: "ieee" for a float32 cache (no TF32 rounding of
-    float32 operands), "tf32" (Triton's default; 16-bit operands ignore it) otherwise."""
-    return "ieee" if k_cache.dtype == torch.float32 else "tf32"
+def dot_precision(q: torch.Tensor) -> str:
+    """The attention kernels' ``tl.dot`` input precision, from the dtype the products run in (the query's, which
+    is the cache's unless the cache is FP8): "ieee" for float32 (no TF32 rounding of float32 operands), "tf32"
+    (Triton's default; 16-bit operands ignore it) otherwise."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
 class CudaTiles(NamedTuple):
@@ -110,9 +131,11 @@ def _cache_strides(k_cache: torch.Tensor) -> tuple[int, int, int]:
 
 
 def write_kv_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the paged caches.
+    """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the paged caches (an FP8 cache:
+    each head vector quantized, its scale written to ``kv_scales``).
 
     ``slot_mapping`` (int32/int64 ``[num_tokens]``): ``block_id * block_size + offset``; ``< 0`` is skipped.
     """
@@ -124,11 +147,12 @@ def write_kv_cache(
         raise ValueError(f"K/V rows {tuple(key.shape)} do not match cache {tuple(k_cache.shape)}")
     if slot_mapping.shape[0] < num_tokens:
         raise ValueError("slot_mapping is shorter than the number of K/V rows")
+    scales = _scale_args(k_cache, kv_scales)
     if num_tokens == 0:
         return
     triton_jit._kv_write_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), *_cache_strides(k_cache),
+        key, value, k_cache, v_cache, slot_mapping, scales.pop("k_scale_ptr"), scales.pop("v_scale_ptr"),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), *_cache_strides(k_cache), **scales,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
     )
@@ -148,15 +172,17 @@ def prefill_attention(
     block_n: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Varlen causal paged attention. ``q``: ``[num_tokens, num_q_heads, head_dim]``; returns the same shape.
     ``window``: the query at position p sees keys p - window + 1..p only; ``softcap``: logits capped to
-    softcap * tanh(s / softcap) before the softmax.
+    softcap * tanh(s / softcap) before the softmax; ``kv_scales``: an FP8 cache's scales.
 
     ``cu_seqlens_q`` int32 ``[num_reqs + 1]``; ``seq_lens`` int32 ``[num_reqs]`` (context after this step,
     this step's K/V already in the cache); ``max_query_len`` is a host int (sizes the grid, no device sync).
     """
     _check_query(q, k_cache, v_cache)
+    scales = _scale_args(k_cache, kv_scales)
     out = torch.empty_like(q) if out is None else out
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or q.shape[0] == 0 or max_query_len <= 0:
@@ -167,13 +193,14 @@ def prefill_attention(
     bm = block_m or (tiles.prefill_block_m if on_cuda else 32)
     grid = (num_reqs, num_q_heads, triton.cdiv(max_query_len, bm))
     triton_jit._prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, scales.pop("k_scale_ptr"),
+        scales.pop("v_scale_ptr"),
         (head_dim**-0.5 if scale is None else scale) * _LOG2E, (softcap or 0.0) * _LOG2E, _window(window),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
-        GROUP=num_q_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=bm,
+        **scales, GROUP=num_q_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=bm,
         BLOCK_N=block_n or (tiles.prefill_block_n if on_cuda else 32),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SOFTCAP=softcap is not None,
-        DOT_PRECISION=dot_precision(k_cache),
+        DOT_PRECISION=dot_precision(q),
         **({"num_warps": tiles.prefill_warps, "num_stages": tiles.num_stages} if on_cuda else {}),
     )
     return out
@@ -212,14 +239,16 @@ def decode_attention(
     block_n: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Split-KV paged decode (``window``, ``softcap``: as :func:`prefill_attention`; the splits share the
-    window's keys). ``q``: ``[num_reqs, num_q_heads, head_dim]`` (one token per request).
+    """Split-KV paged decode (``window``, ``softcap``, ``kv_scales``: as :func:`prefill_attention`; the splits
+    share the window's keys). ``q``: ``[num_reqs, num_q_heads, head_dim]`` (one token per request).
 
     Each request attends to keys ``0..seq_lens[r]-1``; a request with ``seq_len == 0`` (CUDA-graph padding)
     gets a zero output. ``num_splits`` is fixed per launch (see :func:`default_num_splits`).
     """
     _check_query(q, k_cache, v_cache)
+    scales = _scale_args(k_cache, kv_scales)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     out = torch.empty_like(q) if out is None else out
@@ -229,7 +258,8 @@ def decode_attention(
     mid_o = torch.empty((num_reqs, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((num_reqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     scale = head_dim**-0.5 if scale is None else scale
-    _decode_split(q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale, block_n, window, softcap)
+    _decode_split(q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale, block_n, window, softcap,
+                  scales)
     block_d = max(16, triton.next_power_of_2(head_dim))
     triton_jit._decode_merge_kernel[(num_reqs, num_q_heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
@@ -243,21 +273,24 @@ def decode_attention(
 def _decode_split(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, mid_o: torch.Tensor, mid_lse: torch.Tensor, scale: float, block_n: int | None,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None, softcap: float | None, scales: dict[str, Any],
 ) -> None:
-    """The split pass of :func:`decode_attention`: partial outputs and log-sum-exps into ``mid_o``/``mid_lse``."""
+    """The split pass of :func:`decode_attention`: partial outputs and log-sum-exps into ``mid_o``/``mid_lse``
+    (``scales``: ``_scale_args``)."""
     num_reqs, num_q_heads, head_dim = q.shape
     num_kv_heads, num_splits = k_cache.shape[2], mid_o.shape[2]
     group = num_q_heads // num_kv_heads
     on_cuda = _on_cuda(q)
     tiles = cuda_tiles(head_dim)
     launch: dict[str, Any] = {"num_warps": tiles.decode_warps, "num_stages": tiles.num_stages} if on_cuda else {}
+    scales = dict(scales)
     triton_jit._decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale * _LOG2E, (softcap or 0.0) * _LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scales.pop("k_scale_ptr"),
+        scales.pop("v_scale_ptr"), scale * _LOG2E, (softcap or 0.0) * _LOG2E,
         _window(window), q.stride(0), q.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), **scales,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], NUM_SPLITS=num_splits,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n or (tiles.decode_block_n if on_cuda else 32),
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), SOFTCAP=softcap is not None,
-        DOT_PRECISION=dot_precision(k_cache), **launch,
+        DOT_PRECISION=dot_precision(q), **launch,
     )

@@ -18,6 +18,8 @@ from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
 from cbserve.worker.cpu.kernels import CpuKernels
 from cbserve.worker.cpu.ops import resolve_cpu_ops
 from cbserve.worker.cpu.probe import model_weights
+from cbserve.worker.fp8 import check_fp8_device
+from cbserve.worker.layers.fp8_linear import quantize_linear_weights
 from cbserve.worker.loading.model_loader import iter_weights
 from cbserve.worker.models.registry import model_class
 
@@ -54,25 +56,44 @@ def build_model(
     progress: bool,
     weights: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> BuiltModel:
-    """The model of ``folder`` with its weights loaded, in eval mode; on CPU its weights packed for the kernels
-    (the GGUF blocks kept when ``cpu_compact_weights``). ``weights``: HF-named tensors to load instead of the
-    folder's (benchmarks with random weights); the folder still gives the config."""
+    """The model of ``folder`` with its weights loaded, in eval mode; its linear weights in FP8 with
+    ``quantization="fp8"`` (layers/fp8_linear.py), else on CPU packed for the kernels (the GGUF blocks kept when
+    ``cpu_compact_weights``). ``weights``: HF-named tensors to load instead of the folder's (benchmarks with random
+    weights); the folder still gives the config."""
     weight_format, weight_values = model_weights(folder)
-    ops = resolve_cpu_ops(config.cpu_ops, device, dtype, config.cpu_isa, probe_shape(hf_config),
+    ops = resolve_cpu_ops(fp8_cpu_ops(config, device), device, dtype, config.cpu_isa, probe_shape(hf_config),
                           weight_format if config.cpu_compact_weights else "f32", weight_values)
     if ops.bf16_products:  # bfloat16 on the C kernels: a float32 model and KV cache, bfloat16 products
         dtype = torch.float32
         logger.info("dtype bfloat16 on the CPU kernels: linear layers multiply in bfloat16, the rest is float32")
-    backend_cls = get_attention_backend(config.attention_backend, device, ops.native, config.cpu_isa)
+    backend_cls = get_attention_backend(config.attention_backend, device, ops.native, config.cpu_isa, config.kv_fp8)
     model_cls = model_class(hf_config)  # NotImplementedError naming what is supported
     with default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, backend_cls, max_model_len, ops)
     model.load_weights(weights if weights is not None else iter_weights(folder, progress=progress))
     model.eval()
+    if config.quantization == "fp8":  # before the CPU packing below, which keeps what is already packed
+        quantize_linear_weights(model)
     if device.type == "cpu":
         compact = config.cpu_compact_weights and ops.native
         model.finish_loading(load_gguf_blocks(folder) if compact else None, compact)
     return BuiltModel(model, ops.mode, backend_cls, dtype, ops.kernels, ops.report())
+
+
+def fp8_cpu_ops(config: ModelConfig, device: torch.device) -> str:
+    """The cpu_ops to build with: ``config.cpu_ops``, but "torch" for FP8 weights on CPU (an emulation on the torch
+    ops: "auto" resolves to it, "native" / "onednn" are refused). ValueError where ``device`` cannot run the FP8
+    settings (a GPU below compute capability 8.9)."""
+    for what, on in ((f"quantization={config.quantization!r}", config.quantization is not None),
+                     (f"kv_cache_dtype={config.kv_cache_dtype!r}", config.kv_fp8)):
+        if on:
+            check_fp8_device(device, what)
+    if device.type != "cpu" or config.quantization is None:
+        return config.cpu_ops
+    if config.cpu_ops in ("native", "onednn"):
+        raise ValueError(f"quantization={config.quantization!r} on CPU is an emulation on the torch ops; cpu_ops="
+                         f"{config.cpu_ops!r} does not run it (use cpu_ops 'auto' or 'torch')")
+    return "torch"
 
 
 def probe_shape(hf_config: Any) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from cbserve.worker.config import ModelConfig
 from cbserve.worker.loading.model_build import build_model
 from cbserve.worker.loading.model_loader import load_hf_config, resolve_model
 from cbserve.worker.runner.input_batch import CachedRequestState, PreparedBatch, build_batch
-from cbserve.worker.runner.kv_cache import allocate_kv_cache, copy_blocks
+from cbserve.worker.runner.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks
 from cbserve.worker.sampling.sampler import Sampler, step_seed
 from cbserve.worker.sampling.spec_verify import draw_one
 from cbserve.worker.shapes import head_dim_of, num_kv_heads_of
@@ -87,6 +87,7 @@ class DraftModel:
         if config.tensor_parallel_size != 1:
             raise ValueError("speculative_config: a draft model runs only with tensor_parallel_size 1")
         self.k = config.num_speculative_tokens
+        self.kv_fp8 = config.kv_fp8  # the draft's cache in the target's KV dtype (its weights: build_model)
         self.folder = resolve_model(config.draft_model).folder
         hf = load_hf_config(self.folder)
         check_same_vocab(target_folder, target_vocab, self.folder, int(hf.vocab_size))
@@ -108,15 +109,15 @@ class DraftModel:
         self.proposals: dict[str, Proposal] = {}
 
     def block_bytes(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+                               self.kv_fp8)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """The target's ``num_blocks`` mirrored, plus the proposal rows' scratch blocks after them."""
         self.num_blocks = num_blocks
         total = num_blocks + self.max_num_seqs * self.scratch_per_row
-        self.kv_caches = allocate_kv_cache(
-            self.num_layers, total, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
-        )
+        self.kv_caches = allocate_kv_cache(self.num_layers, total, self.block_size, self.num_kv_heads, self.head_dim,
+                                           self.dtype, self.device, self.kv_fp8)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         copy_blocks(self.kv_caches, copies)

@@ -120,7 +120,8 @@ class ModelRunner:
 
     # ---- KV cache ------------------------------------------------------------------------------
     def block_bytes(self) -> int:
-        own = bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        own = bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype,
+                              self.config.kv_fp8)
         return own + (self.draft.block_bytes() if self.draft is not None else 0)  # the draft mirrors every block
 
     def determine_num_blocks(self) -> int:
@@ -133,9 +134,8 @@ class ModelRunner:
         return num_blocks_for_budget(budget, self.block_bytes())
 
     def allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
-        return allocate_kv_cache(
-            self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
-        )
+        return allocate_kv_cache(self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                                 self.dtype, self.device, self.config.kv_fp8)
 
     def init_kv_cache(self, num_blocks: int, capture: CaptureFn | None = None,
                       piece_capture: PieceCaptureFn | None = None) -> None:
