@@ -53,8 +53,7 @@ def convert_gguf(gguf: Path) -> Path:
         return target
     meta = read_gguf_metadata(gguf, wanted=lambda key: not key.startswith("tokenizer."))
     gguf_model_type(meta, gguf)
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from cbserve.worker.cpu.gguf_blocks import extract_gguf_blocks, save_gguf_blocks
 
@@ -69,14 +68,11 @@ def convert_gguf(gguf: Path) -> Path:
                 setattr(config, key, value)
             AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
             bar.update()
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config, dtype=torch.float32)
-            bar.update()
-            state = {k: v.contiguous() for k, v in model.state_dict().items()}
+            state = _dequantized_state(gguf, config) or _model_state(gguf, config)
             if getattr(config, "tie_word_embeddings", False):
                 state.pop("lm_head.weight", None)
             config.save_pretrained(tmp)
-            model.generation_config.save_pretrained(tmp)
-            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
             bar.update()
             try:
                 blocks = extract_gguf_blocks(gguf, config, state)
@@ -85,6 +81,8 @@ def convert_gguf(gguf: Path) -> Path:
                 blocks = {}
             save_gguf_blocks(tmp, blocks)
             logger.info("kept the GGUF blocks of %d of %d weights", len(blocks), len(state))
+            bar.update()
+            save_sharded(state, tmp)  # empties ``state`` shard by shard
             (tmp / COMPLETE_MARKER).write_text(str(gguf.resolve()))
             bar.update()
         with contextlib.suppress(OSError):  # another process may have finished first: keep theirs
@@ -94,6 +92,53 @@ def convert_gguf(gguf: Path) -> Path:
     if not (target / COMPLETE_MARKER).exists():
         raise RuntimeError(f"GGUF conversion of {gguf} did not produce {target}")
     return target
+
+
+def _dequantized_state(gguf: Path, config: Any) -> dict[str, torch.Tensor] | None:
+    """The float32 weights of ``gguf`` under the HF model's names, read by transformers' GGUF loader into one
+    dictionary (the model itself built on the meta device: no second copy); None when its names or shapes are
+    not exactly the model's (a family whose loading renames or fuses tensors: ``_model_state`` then)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    want = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    if getattr(config, "tie_word_embeddings", False):
+        want.pop("lm_head.weight", None)
+        tensors.pop("lm_head.weight", None)
+    if {k: tuple(v.shape) for k, v in tensors.items()} != want:
+        logger.info("transformers' GGUF tensors are not the model's own names and shapes: loading the model")
+        return None
+    return {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}
+
+
+def _model_state(gguf: Path, config: Any) -> dict[str, torch.Tensor]:
+    """The float32 weights of ``gguf`` as the model transformers loads from it holds them (about twice the
+    float32 model at the peak)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config,
+                                                 dtype=torch.float32)
+    return {k: v.contiguous() for k, v in model.state_dict().items()}
+
+
+def save_sharded(state: dict[str, torch.Tensor], folder: Path, shard_bytes: int = 1 << 30) -> None:
+    """Write ``state`` to ``folder`` as safetensors shards of about ``shard_bytes`` with their index, removing each
+    tensor from ``state`` once its shard is written (the memory of a written shard is freed)."""
+    from safetensors.torch import save_file
+
+    names, weight_map = list(state), {}
+    shard: dict[str, torch.Tensor] = {}
+    for i, name in enumerate(names):
+        shard[name] = state.pop(name)
+        if sum(t.nbytes for t in shard.values()) >= shard_bytes or i == len(names) - 1:
+            file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(shard, str(folder / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+            shard = {}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 def hide_triton_from_torch() -> None:
