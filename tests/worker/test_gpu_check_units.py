@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -38,6 +39,26 @@ def bench() -> dict[str, ModuleType]:
         return {n: importlib.import_module(n) for n in names}
     finally:
         sys.path.remove(str(BENCH))
+
+
+@pytest.fixture
+def tiny_engine(bench: dict[str, ModuleType], tmp_path: Path) -> tuple[Any, Any]:
+    """An eager executor of a tiny random model on the CPU and its serve config (at most 4 sequences a step, 64
+    tokens); the test shuts the executor down."""
+    gw = bench["gpu_workload"]
+    cfg = gw.write_model_folder("tiny", tmp_path)
+    args = argparse.Namespace(
+        prompt_len=8,
+        max_out=6,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        gpu_memory_utilization=0.5,
+        attention_backend="auto",
+        enforce_eager=True,
+        seed=1,
+    )
+    device = torch.device("cpu")
+    return gw.build_cbserve(args, tmp_path, cfg, device), gw.serve_config(args, tmp_path, device)
 
 
 def test_interleaved_timing_warms_every_way_up_first_and_rotates_the_lead(bench: dict[str, ModuleType]) -> None:
@@ -136,23 +157,9 @@ def test_scrub_names_no_path_of_this_machine(bench: dict[str, ModuleType]) -> No
     assert "rootdir: <repo>\nFile <repo>/benchmarks/x.py\nout <tmp>/run" in got
 
 
-def test_an_engine_run_holds_its_concurrency(bench: dict[str, ModuleType], tmp_path: Path) -> None:
-    gw, ge = bench["gpu_workload"], bench["gpu_check_engine"]
-    cfg = gw.write_model_folder("tiny", tmp_path)
-    args = argparse.Namespace(
-        prompt_len=8,
-        max_out=6,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        gpu_memory_utilization=0.5,
-        attention_backend="auto",
-        enforce_eager=True,
-        seed=1,
-    )
-    device = torch.device("cpu")
-    executor = gw.build_cbserve(args, tmp_path, cfg, device)
+def test_an_engine_run_holds_its_concurrency(bench: dict[str, ModuleType], tiny_engine: tuple[Any, Any]) -> None:
+    ge, (executor, serve) = bench["gpu_check_engine"], tiny_engine
     try:
-        serve = gw.serve_config(args, tmp_path, device)
         spec = ge.RunSpec([[5 + i] * 8 for i in range(6)], [6] * 6, 2, time.perf_counter() + 60)
         timeline = ge.StepTimeline(executor)
         with timeline.attached():
@@ -288,23 +295,9 @@ def test_weight_bytes_count_fp8_weights_and_scales(bench: dict[str, ModuleType])
     assert weight_bytes(model) == 32 * 16 + 32 * 4  # e4m3 values, a float32 scale per output channel
 
 
-def test_an_engine_run_measured_over_its_window(bench: dict[str, ModuleType], tmp_path: Path) -> None:
-    gw, ge = bench["gpu_workload"], bench["gpu_check_engine"]
-    cfg = gw.write_model_folder("tiny", tmp_path)
-    args = argparse.Namespace(
-        prompt_len=8,
-        max_out=6,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        gpu_memory_utilization=0.5,
-        attention_backend="auto",
-        enforce_eager=True,
-        seed=1,
-    )
-    device = torch.device("cpu")
-    executor = gw.build_cbserve(args, tmp_path, cfg, device)
+def test_an_engine_run_measured_over_its_window(bench: dict[str, ModuleType], tiny_engine: tuple[Any, Any]) -> None:
+    ge, (executor, serve) = bench["gpu_check_engine"], tiny_engine
     try:
-        serve = gw.serve_config(args, tmp_path, device)
         prompts = [[5 + i] * 8 for i in range(4)]
         spec = ge.RunSpec(prompts, [6] * 4, 2, time.perf_counter() + 60, window_s=0.0, stop_at_window=True)
         stopped = ge.drive(ge.new_engine(serve, executor), spec)
