@@ -121,8 +121,10 @@ def test_background_sweep_keeps_the_engine_the_raylet_and_idle_workers(procs: li
 
 
 def _wait_titles(pids: dict[str, int]) -> None:
-    """Until each exec -a child runs under its argv[0] (the subshell forks before it execs)."""
-    want = {"raylet": b"raylet", "idle": b"ray::IDLE", "proxy": b"ray::ProxyActor", "worker": b"ray::WorkerActor"}
+    """Until each child runs under its argv[0]: the shells fork before they exec, and a process caught between the
+    two is still the shell."""
+    want = {"raylet": b"raylet", "idle": b"ray::IDLE", "proxy": b"ray::ProxyActor", "worker": b"ray::WorkerActor",
+            "plain": b"sleep", "chose": b"sleep", "grandchild": b"sleep"}
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         argv0 = {k: Path(f"/proc/{pids[k]}/cmdline").read_bytes().split(b"\0")[0] for k in want}

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 from worker_testlib import make_tiny_model
 
 from cbserve.worker.config import ModelConfig
@@ -26,7 +25,7 @@ from cbserve.worker.cpu.gguf_blocks import (
 from cbserve.worker.cpu.kernels import CpuKernels, is_bfloat16_exact
 from cbserve.worker.cpu.linear import NativeWeight, make_packed_weight, native_weight
 from cbserve.worker.loading.model_info import default_model_path
-from cbserve.worker.loading.model_loader import resolve_model
+from cbserve.worker.loading.model_loader import iter_weights, resolve_model
 from cbserve.worker.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
@@ -144,7 +143,7 @@ def test_extraction_keeps_only_blocks_that_reproduce_the_checkpoint() -> None:
 
     folder = resolve_model(None).folder
     cfg = AutoConfig.from_pretrained(str(folder))
-    good = load_file(str(folder / "model.safetensors"))
+    good = dict(iter_weights(folder, progress=False))
     names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight",
              "model.layers.1.self_attn.q_proj.weight"]
     state = {n: good[n].clone() for n in names}
