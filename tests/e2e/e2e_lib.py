@@ -88,9 +88,9 @@ def derive_tp2_model(dst: Path, num_layers: int = 4, num_kv_heads: int = 2) -> P
     """The bundled SmolLM2-135M with its first ``num_layers`` layers and its first ``num_kv_heads`` KV heads
     (with their query heads): 6 heads and 2 KV heads divide by a tensor-parallel size of 2."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    from cbserve.worker.loading.model_loader import resolve_model
+    from cbserve.worker.loading.model_loader import iter_weights, resolve_model
 
     src = resolve_model(None).folder
     cfg = json.loads((src / "config.json").read_text())
@@ -98,7 +98,7 @@ def derive_tp2_model(dst: Path, num_layers: int = 4, num_kv_heads: int = 2) -> P
     q_rows = num_kv_heads * (cfg["num_attention_heads"] // cfg["num_key_value_heads"]) * head_dim
     kv_rows = num_kv_heads * head_dim
     state: dict[str, torch.Tensor] = {}
-    for name, t in load_file(str(src / "model.safetensors")).items():
+    for name, t in iter_weights(src, progress=False):
         if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
             continue
         if name.endswith("q_proj.weight"):
