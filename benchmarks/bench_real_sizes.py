@@ -260,6 +260,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def portable(text: str, args: argparse.Namespace) -> str:
+    """``text`` with this machine's folders named by role (the models, the output, the peers, the home folder),
+    so that the record says how it ran without saying where."""
+    folders = {str(peers_dir()): "<peers>", str(Path.home()): "~"}
+    for given, name in ((args.models_dir, "<models-dir>"), (args.out_dir, "<out-dir>")):
+        folders.update(dict.fromkeys((os.path.abspath(given), str(Path(given).resolve())), name))  # absolute only
+    for folder, name in sorted(folders.items(), key=lambda kv: -len(kv[0])):  # the longest first
+        text = text.replace(folder, name)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from cbserve.worker.cpu.native import resolve_isa
@@ -274,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.sizes:  # sizes of earlier runs are kept: one size at a time fits the disk
         doc["sizes"][size] = run_size(size, args)
         doc["machine"] = machine(isa, doc["machine"])
-        doc_path.write_text(json.dumps(doc, indent=1))
+        doc_path.write_text(portable(json.dumps(doc, indent=1), args))
     print(format_tables(doc))
     plot_real_sizes(doc, out / "real_sizes.png")
     print(f"wrote {doc_path} and {out / 'real_sizes.png'}")

@@ -111,12 +111,7 @@ def hf_static(model: Any, prompts: list[list[int]], outs: list[int], batch: int,
         finished += len(want)
     seconds = time.perf_counter() - t0
     return {
-        "output_tokens": tokens,
-        "seconds": round(seconds, 2),
-        "output_tok_s": tokens / max(seconds, 1e-9),
-        "finished_requests": finished,
-        "requests": len(prompts),
-        "partial": finished < len(prompts),
+        **_throughput(tokens, seconds, finished, len(prompts)),
         "generated_tokens": generated,
         "batch": batch,
         "label": {
@@ -124,6 +119,18 @@ def hf_static(model: Any, prompts: list[list[int]], outs: list[int], batch: int,
             "cache": "generate's default (DynamicCache)",
             "compile": False,
         },
+    }
+
+
+def _throughput(tokens: int, seconds: float, finished: int, requests: int) -> dict[str, Any]:
+    """A baseline run's figures: output tokens over the seconds it ran, and whether every request finished."""
+    return {
+        "output_tokens": tokens,
+        "seconds": round(seconds, 2),
+        "output_tok_s": tokens / max(seconds, 1e-9),
+        "finished_requests": finished,
+        "requests": requests,
+        "partial": finished < requests,
     }
 
 
@@ -179,12 +186,7 @@ def hf_continuous(
         if finished < len(prompts):  # past the deadline: drop the rest rather than flush it
             manager.stop(block=True, timeout=30, hard_stop=True)
     return {
-        "output_tokens": tokens,
-        "seconds": round(seconds, 2),
-        "output_tok_s": tokens / max(seconds, 1e-9),
-        "finished_requests": finished,
-        "requests": len(prompts),
-        "partial": finished < len(prompts),
+        **_throughput(tokens, seconds, finished, len(prompts)),
         "label": {
             "attn_implementation": ran_with,
             "chosen_because": attention[1],

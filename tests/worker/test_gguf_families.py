@@ -114,16 +114,15 @@ def test_gguf_converts_to_the_served_model_type(gguf_model: tuple[str, Path, Any
 
 def test_the_conversion_holds_one_copy_of_the_weights(gguf_model: tuple[str, Path, Any], tmp_path: Path) -> None:
     """The converted weights are transformers' GGUF tensors taken directly (no model built around them: one
-    float32 copy at the peak), for every family equal to the loaded model's state (the way a family whose names
-    or shapes differ is converted), and written as shards with an index that the loader reads back."""
-    case, path, _ = gguf_model
+    float32 copy at the peak), for every family equal to the state of the model transformers loads from the
+    file, and written as shards with an index that the loader reads back."""
+    case, path, hf = gguf_model
     config = model_loader.load_hf_config(model_loader.resolve_model(str(path)).folder)
-    lean = model_loader._dequantized_state(path, config)
-    full = model_loader._model_state(path, config)
+    lean = model_loader.dequantized_state(path, config)
+    full = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         full.pop("lm_head.weight", None)
-    assert lean is not None, case
-    assert lean.keys() == full.keys() and all(torch.equal(lean[k], full[k]) for k in full)
+    assert lean.keys() == full.keys() and all(torch.equal(lean[k], full[k]) for k in full), case
     model_loader.save_sharded(dict(full), tmp_path, shard_bytes=max(t.nbytes for t in full.values()))
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     back = dict(model_loader.iter_weights(tmp_path, progress=False))

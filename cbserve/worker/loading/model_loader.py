@@ -68,9 +68,7 @@ def convert_gguf(gguf: Path) -> Path:
                 setattr(config, key, value)
             AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
             bar.update()
-            state = _dequantized_state(gguf, config) or _model_state(gguf, config)
-            if getattr(config, "tie_word_embeddings", False):
-                state.pop("lm_head.weight", None)
+            state = dequantized_state(gguf, config)  # a tied LM head left out
             config.save_pretrained(tmp)
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
             bar.update()
@@ -94,10 +92,10 @@ def convert_gguf(gguf: Path) -> Path:
     return target
 
 
-def _dequantized_state(gguf: Path, config: Any) -> dict[str, torch.Tensor] | None:
+def dequantized_state(gguf: Path, config: Any) -> dict[str, torch.Tensor]:
     """The float32 weights of ``gguf`` under the HF model's names, read by transformers' GGUF loader into one
-    dictionary (the model itself built on the meta device: no second copy); None when its names or shapes are
-    not exactly the model's (a family whose loading renames or fuses tensors: ``_model_state`` then)."""
+    dictionary (the model itself built on the meta device: no second copy). RuntimeError naming the tensors when
+    they are not exactly the model's own names and shapes."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -108,20 +106,11 @@ def _dequantized_state(gguf: Path, config: Any) -> dict[str, torch.Tensor] | Non
     if getattr(config, "tie_word_embeddings", False):
         want.pop("lm_head.weight", None)
         tensors.pop("lm_head.weight", None)
-    if {k: tuple(v.shape) for k, v in tensors.items()} != want:
-        logger.info("transformers' GGUF tensors are not the model's own names and shapes: loading the model")
-        return None
+    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    if got != want:
+        differ = sorted(k for k in got.keys() | want.keys() if got.get(k) != want.get(k))
+        raise RuntimeError(f"{gguf}: transformers' GGUF tensors are not the model's; these differ: {differ[:8]}")
     return {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}
-
-
-def _model_state(gguf: Path, config: Any) -> dict[str, torch.Tensor]:
-    """The float32 weights of ``gguf`` as the model transformers loads from it holds them (about twice the
-    float32 model at the peak)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, config=config,
-                                                 dtype=torch.float32)
-    return {k: v.contiguous() for k, v in model.state_dict().items()}
 
 
 def save_sharded(state: dict[str, torch.Tensor], folder: Path, shard_bytes: int = 1 << 30) -> None:
@@ -129,15 +118,18 @@ def save_sharded(state: dict[str, torch.Tensor], folder: Path, shard_bytes: int 
     tensor from ``state`` once its shard is written (the memory of a written shard is freed)."""
     from safetensors.torch import save_file
 
-    names, weight_map = list(state), {}
+    names, weight_map, files = list(state), {}, 0
     shard: dict[str, torch.Tensor] = {}
+    size = 0
     for i, name in enumerate(names):
         shard[name] = state.pop(name)
-        if sum(t.nbytes for t in shard.values()) >= shard_bytes or i == len(names) - 1:
-            file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        size += shard[name].nbytes
+        if size >= shard_bytes or i == len(names) - 1:
+            files += 1
+            file = f"model-{files:05d}.safetensors"
             save_file(shard, str(folder / file), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, file))
-            shard = {}
+            shard, size = {}, 0
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
