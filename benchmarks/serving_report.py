@@ -70,7 +70,8 @@ def goal_ratios(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def dispatch_overhead(burst: dict[str, Any]) -> dict[str, Any] | None:
-    """Mean Ray dispatch overhead per step over the burst, from /stats before and after (replica 0)."""
+    """Mean dispatch overhead per step (the step's hand-off: wall time minus forward) over the burst, from
+    /stats before and after (replica 0)."""
     before, after = burst.get("stats_before"), burst.get("stats_after")
     try:
         b, a = before["replicas"][0], after["replicas"][0]
@@ -122,7 +123,7 @@ def format_report(doc: dict[str, Any]) -> str:
         lines.append(f"  {k:<42}{val:>8}  goal {v['goal']:<7} {met}{rounds}")
     d = doc["ratios"].get("cbserve_burst_dispatch")
     if d and d.get("mean_overhead_ms") is not None:
-        lines.append(f"  cbserve burst: {d['steps']} steps, mean step {d['mean_step_ms']:.1f} ms, Ray dispatch "
+        lines.append(f"  cbserve burst: {d['steps']} steps, mean step {d['mean_step_ms']:.1f} ms, dispatch "
                      f"overhead {d['mean_overhead_ms']:.2f} ms/step ({100 * d['overhead_share']:.1f}% of the "
                      f"burst), compiled graph {d['compiled_graph']}")
     lines += _cpu_lines(results.get("cbserve", {}).get("burst", {}))

@@ -9,121 +9,13 @@ cluster/ops/metrics.py), so cbserve's series are ``ray_cbserve_*`` and Ray Serve
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-
-E = '{model=~"$model", replica=~"$replica"}'  # engine and worker series
-M = '{model=~"$model"}'  # ingress series (no replica label)
-S = '{application=~"$application"}'  # Ray Serve series
-RI = "[$__rate_interval]"
-
-
-def rate(metric: str, sel: str = E, by: str = "") -> str:
-    grp = f" by ({by})" if by else ""
-    return f"sum{grp}(rate({metric}{sel}{RI}))"
-
-
-def quantile(q: float, hist: str, sel: str = E, by: str = "") -> str:
-    labels = f"{by}, le" if by else "le"
-    return f"histogram_quantile({q}, sum by ({labels})(rate({hist}_bucket{sel}{RI})))"
-
-
-def mean(hist: str, sel: str = E, by: str = "") -> str:
-    return f"{rate(hist + '_sum', sel, by)} / {rate(hist + '_count', sel, by)}"
-
-
-def or_zero(expr: str) -> str:
-    """For a series another component creates only at its first event (Ray Serve's error counter): the
-    panel reads 0, not "No data", until then."""
-    return f"{expr} or on() vector(0)"
-
-
-def quantiles(hist: str, sel: str = E, by: str = "", qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> list:
-    suffix = "".join(f" {{{{{label.strip()}}}}}" for label in by.split(",") if label.strip())
-    targets = [(quantile(q, hist, sel, by), f"p{round(q * 100)}{suffix}") for q in qs]
-    return [*targets, (mean(hist, sel, by), f"mean{suffix}")]
-
-
-class Board:
-    """Lays out panels on Grafana's 24-column grid, row by row."""
-
-    def __init__(self) -> None:
-        self.panels: list[dict[str, Any]] = []
-        self.x = 0
-        self.y = 0
-        self.next_id = 1
-
-    def row(self, title: str) -> None:
-        self._newline()
-        self.panels.append(
-            {"type": "row", "title": title, "id": self._id(), "collapsed": False, "panels": [],
-             "gridPos": {"x": 0, "y": self.y, "w": 24, "h": 1}}
-        )  # fmt: skip
-        self.y += 1
-
-    def panel(self, title: str, targets: list[tuple[str, str]], unit: str = "short", *, w: int = 8,
-              kind: str = "timeseries", desc: str = "", stack: bool = False) -> None:  # fmt: skip
-        if self.x + w > 24:
-            self._newline()
-        defaults: dict[str, Any] = {"unit": unit}
-        if kind == "timeseries":
-            defaults["custom"] = {"lineWidth": 1, "fillOpacity": 10, "showPoints": "never"}
-            if stack:
-                defaults["custom"].update(stacking={"mode": "normal", "group": "A"}, fillOpacity=40)
-        self.panels.append({
-            "type": kind,
-            "title": title,
-            "description": desc,
-            "id": self._id(),
-            "datasource": {"type": "prometheus", "uid": "${datasource}"},
-            "gridPos": {"x": self.x, "y": self.y, "w": w, "h": 8},
-            "fieldConfig": {"defaults": defaults, "overrides": []},
-            "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
-                        "tooltip": {"mode": "multi", "sort": "desc"}},
-            "targets": [
-                {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend,
-                 "datasource": {"type": "prometheus", "uid": "${datasource}"}}
-                for i, (expr, legend) in enumerate(targets)
-            ],
-        })  # fmt: skip
-        self.x += w
-
-    def _newline(self) -> None:
-        if self.x:
-            self.x = 0
-            self.y += 8
-
-    def _id(self) -> int:
-        self.next_id += 1
-        return self.next_id - 1
-
-
-def variable(name: str, query: str, label: str) -> dict[str, Any]:
-    return {
-        "name": name, "label": label, "type": "query",
-        "datasource": {"type": "prometheus", "uid": "${datasource}"},
-        "query": {"query": query, "refId": f"var_{name}"}, "definition": query,
-        "refresh": 2, "multi": True, "includeAll": True, "allValue": ".*",
-        "current": {"text": "All", "value": "$__all"}, "sort": 1,
-    }  # fmt: skip
-
-
-def dashboard(uid: str, title: str, board: Board, variables: list[dict[str, Any]]) -> dict[str, Any]:
-    datasource = {
-        "name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-        "current": {}, "hide": 0, "refresh": 1,
-    }  # fmt: skip
-    return {
-        "uid": uid, "title": title, "tags": ["cbserve", "llm", "ray"], "timezone": "browser",
-        "schemaVersion": 39, "version": 1, "editable": True, "graphTooltip": 1, "refresh": "10s",
-        "time": {"from": "now-30m", "to": "now"}, "timepicker": {},
-        "annotations": {"list": []}, "links": [],
-        "templating": {"list": [datasource, *variables]},
-        "panels": board.panels,
-    }  # fmt: skip
-
+sys.path.insert(0, str(HERE))  # run as a script or loaded from its path (the tests): its sibling module
+from grafana import Board, E, M, S, dashboard, or_zero, quantile, quantiles, rate, variable  # noqa: E402
 
 C = "ray_cbserve_"
 
@@ -131,7 +23,8 @@ C = "ray_cbserve_"
 def engine_panels(b: Board) -> None:
     """The cbserve dashboard: throughput, latency, scheduler, KV cache, batches, errors, replicas, HTTP."""
     for section in (throughput_panels, latency_panels, scheduler_panels, kv_cache_panels, batch_panels,
-                    spec_decode_panels, lora_panels, error_panels, replica_panels, http_panels):  # fmt: skip
+                    kv_tier_panels, spec_decode_panels, lora_panels, error_panels, replica_panels,
+                    http_panels):  # fmt: skip
         section(b)
 
 
@@ -234,6 +127,20 @@ def batch_panels(b: Board) -> None:
     b.panel(
         "Generated tokens per finished request", quantiles(C + "request_generation_tokens", qs=(0.5, 0.99))
     )
+
+
+def kv_tier_panels(b: Board) -> None:
+    b.row("KV tiers (kv_offloading_size)")
+    hits = rate(C + "kv_tier_hit_tokens_total", by="medium")
+    b.panel("Prompt tokens from the tiers / s", [(hits, "{{medium}}"),
+            (rate(C + "prefix_cache_queries_total"), "looked up (pool and tiers)")], "short",
+            desc="Tokens loaded from the RAM tier (disk: prefetched from disk first) instead of computed.")
+    b.panel("KV bytes moved / s", [(rate(C + "kv_tier_bytes_total", by="direction"), "{{direction}}")], "Bps")
+    b.panel("Tier evictions and failed prefetches / s",
+            [(rate(C + "kv_tier_evictions_total", by="medium"), "evicted from {{medium}}"),
+             (rate(C + "kv_tier_prefetch_failures_total"), "failed prefetches (recomputed)"),
+             (rate(C + "kv_tier_transfer_seconds_total", by="direction"), "{{direction}} seconds / s")],
+            desc="Block moves between pool and RAM cost the worker the seconds shown (per second of wall time).")
 
 
 def spec_decode_panels(b: Board) -> None:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cbserve.config.autoscaling import from_serve_deployments, parse_autoscaling
 from cbserve.config.lora_config import check_lora_keys, parse_allowed_dirs, parse_lora_modules
 from cbserve.config.sim_config import check_sim_keys
-from cbserve.scheduler.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from cbserve.scheduler.config import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig, SpeculativeConfig
 from cbserve.worker.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     AttentionBackendName,
@@ -32,6 +32,7 @@ from cbserve.worker.config import (
     ModelConfig,
     QuantizationName,
     fp8_conflict,
+    tier_conflict,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,16 @@ class CBServeConfig(BaseModel):
     policy: Literal["continuous", "prefill_first", "static", "dynamic"] = "continuous"
     ordering: Literal["fcfs", "priority"] = "fcfs"  # "priority": requests' ``priority`` orders them (lower first)
     enable_prefix_caching: bool = True
+    # KV tiers below the pool, keyed by the prefix cache's block hashes (scheduler/kv/offload.py): a RAM tier of this
+    # many GiB (vLLM's --kv-offloading-size; "native" its one backend here), and a disk tier in a folder of this
+    # many GiB that survives restarts and is shared by the replicas of a node
+    kv_offloading_size: float | None = Field(None, gt=0)
+    kv_offloading_backend: Literal["native"] = "native"
+    # the tiers' dtype: "auto" keeps the cache's (lossless); "bfloat16" halves a float32 cache's blocks in the tiers
+    # (twice the blocks for the same GiB, restored blocks rounded to bfloat16: tokens may differ from recomputing)
+    kv_offloading_dtype: Literal["auto", "bfloat16"] = "auto"
+    kv_disk_path: str | None = None
+    kv_disk_size: float | None = Field(None, gt=0)
     enable_chunked_prefill: bool = True  # off: a prompt longer than the step's token budget waits for a step of its own
     dynamic_batch_window_s: float = Field(0.05, ge=0.0)  # policy "dynamic": collect requests for this long...
     dynamic_batch_size: int = Field(32, ge=1)  # ...or until this many wait, then run them as a static batch
@@ -112,7 +123,8 @@ class CBServeConfig(BaseModel):
     allow_runtime_lora_updating: bool = False
     lora_allowed_dirs: list[str] | None = None
     # Ray placement and execution
-    worker_num_cpus: float = Field(1.0, gt=0.0)  # CPUs per worker actor (one bundle per TP rank)
+    # CPUs per tensor-parallel rank: a worker actor's (one bundle per rank), or the engine actor's at TP=1
+    worker_num_cpus: float = Field(1.0, gt=0.0)
     # torch / C-kernel threads in each worker; unset: on CPU, the node's cores shared by its ranks (Ray would
     # otherwise give an actor with num_cpus=1 one thread); on CUDA, torch's default
     worker_torch_threads: int | None = Field(None, ge=1)
@@ -120,7 +132,9 @@ class CBServeConfig(BaseModel):
     # step runs) or one socket per rank (cluster/channel/steps.py, ~0.3 ms of CPU a step); "auto": the
     # compiled graph on CUDA only, where no core is taken from the model's compute
     use_compiled_graph: bool | Literal["auto"] = "auto"
-    max_restarts: int = Field(3, ge=-1)  # Ray restarts of a scheduler actor
+    # Ray restarts of an engine replica's actor (-1: always); at tensor_parallel_size 1 its rank runs in it, so a
+    # request that kills its process (or the OOM killer) uses one
+    max_restarts: int = Field(-1, ge=-1)
     # routing between replicas
     prefix_affinity_tokens: int = Field(64, ge=0)  # tokens hashed for prefix affinity (block aligned)
     affinity_max_imbalance_tokens: int = Field(4096, ge=0)  # stay on the preferred replica unless this
@@ -197,6 +211,19 @@ class CBServeConfig(BaseModel):
                         {"runner 'pooling'": self.runner == "pooling", "a draft model (speculative_config)": draft},
                         self.allow_runtime_lora_updating, self.lora_allowed_dirs)
         check_sim_keys(self)
+        if self.use_compiled_graph is True and self.tensor_parallel_size == 1:
+            raise ValueError("use_compiled_graph applies to tensor_parallel_size > 1: a replica of one rank runs it in "
+                             "its engine actor (cluster/engine/rank.py), with no step hop to compile")
+        draft_model = self.speculative_config is not None and self.speculative_config.get("method") == "draft_model"
+        tiers = tier_conflict(self.kv_offloading_size, self.kv_disk_path, self.kv_disk_size,
+                              {"enable_prefix_caching off": not self.enable_prefix_caching,
+                               "runner 'pooling'": self.runner == "pooling", "kv_cache_dtype fp8": "fp8" in
+                               self.kv_cache_dtype, "a draft model": draft_model,
+                               "tensor_parallel_size > 1": self.tensor_parallel_size > 1})  # fmt: skip
+        if tiers is not None:
+            raise ValueError(tiers)
+        if self.kv_offloading_dtype != "auto" and not self.kv_offloading_size:
+            raise ValueError("kv_offloading_dtype applies to the KV tiers: set kv_offloading_size too")
         fp8 = fp8_conflict(self.quantization, self.kv_cache_dtype, self.attention_backend, self.device, self.cpu_ops)
         if fp8 is not None:
             raise ValueError(fp8)
@@ -251,7 +278,10 @@ class CBServeConfig(BaseModel):
 
     @property
     def compiled_graph(self) -> bool:
-        """Whether the scheduler reaches its workers through a Ray compiled graph (``use_compiled_graph``)."""
+        """Whether the scheduler reaches its workers through a Ray compiled graph (``use_compiled_graph``; a replica
+        of one rank has no worker actor to reach)."""
+        if self.tensor_parallel_size == 1:
+            return False
         if self.use_compiled_graph == "auto":
             return self.resolved_device == "cuda"
         return self.use_compiled_graph
@@ -278,7 +308,8 @@ class CBServeConfig(BaseModel):
         """async_scheduling, unless speculative decoding is on (they do not combine yet)."""
         return self.async_scheduling and self.speculative_config is None
 
-    def engine_config(self, num_blocks: int) -> EngineConfig:
+    def engine_config(self, num_blocks: int, offload: OffloadConfig | None = None) -> EngineConfig:
+        """``offload``: the KV tiers' sizes in blocks, from the worker that holds them (``KVTiers.config``)."""
         if self.async_scheduling and self.speculative_config is not None:
             logger.info("speculative_config is set: the engine runs without async scheduling")
         pooling = self.runner == "pooling"
@@ -303,6 +334,7 @@ class CBServeConfig(BaseModel):
                 block_size=self.block_size,
                 num_blocks=num_blocks,
                 enable_prefix_caching=self.enable_prefix_caching and not pooling,
+                offload=offload,
             ),
             speculative=self.speculative,
             runner=self.runner,
@@ -336,6 +368,10 @@ class CBServeConfig(BaseModel):
             max_num_seqs=self.max_num_seqs,
             quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype,
+            kv_offloading_bytes=int((self.kv_offloading_size or 0) * 2**30),
+            kv_offloading_dtype=self.kv_offloading_dtype,
+            kv_disk_path=self.kv_disk_path,
+            kv_disk_bytes=int((self.kv_disk_size or 0) * 2**30),
             **self._draft_fields(),
         )
 

@@ -15,14 +15,33 @@ RUNNERS = ("generate", "pooling")
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """The KV tiers below the pool (kv/offload.py), in blocks (the worker's half computes them from the GiB the
+    operator gave and one block's bytes)."""
+
+    ram_blocks: int
+    disk_dir: str | None = None  # this model's folder in the disk tier (the worker names it by the model)
+    disk_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.ram_blocks < 1:
+            raise ValueError("the RAM tier must hold at least one block (raise kv_offloading_size)")
+        if self.disk_dir is not None and self.disk_blocks < 1:
+            raise ValueError("the disk tier must hold at least one block (raise kv_disk_size)")
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     num_blocks: int = 1024  # set from the worker's memory profile before the engine starts
     enable_prefix_caching: bool = True
+    offload: OffloadConfig | None = None  # KV tiers below the pool (kv/offload.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 1:
             raise ValueError("block_size and num_blocks must be positive")
+        if self.offload is not None and not self.enable_prefix_caching:
+            raise ValueError("KV tiers keep prefix-cache blocks: they need enable_prefix_caching")
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ class EngineCore:
         self.clock, self.timer = clock, timer  # request timestamps; step timing
         self.scheduler = Scheduler(config, clock)
         if kv_events:
-            self.scheduler.kv.record_events()
+            self.scheduler.record_events()
         self.groups: dict[str, SequenceGroup] = {}
         self.processor = SequenceUpdater(self.scheduler, self.groups)
         self._counter = 0
@@ -191,7 +191,7 @@ class EngineCore:
         t0 = self.timer()
         st, schedule_time, scheduled_at = self._in_flight.popleft() if self._in_flight else (None, 0.0, None)
         # from the later of its schedule() and the previous update (overlapped steps queue at the worker)
-        execute_time = 0.0 if so.is_empty or scheduled_at is None else t0 - max(scheduled_at, self._updated_at)
+        execute_time = 0.0 if so.is_idle or scheduled_at is None else t0 - max(scheduled_at, self._updated_at)
         now = self.clock()
         it, self._pending_iter = self._pending_iter, IterationStats()
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -199,6 +199,8 @@ class EngineCore:
             self.scheduler.cache_computed_blocks(so)
         else:
             self.scheduler.update_after_step(so)
+        if out.kv_transfer is not None and self.scheduler.offload is not None:
+            self.scheduler.offload.update_connector_output(out.kv_transfer)
         seqs = self.scheduler.seqs
         if out.prompt_logprobs:
             _store_prompt_logprobs(seqs, out.prompt_logprobs)
@@ -237,12 +239,12 @@ class EngineCore:
         stats.execute_time_s = execute_time
         stats.forward_time_s = out.forward_time_s
         self._updated_at = self.timer()
-        return StepResult(outputs, stats, it, self.scheduler.kv.take_events())
+        return StepResult(outputs, stats, it, self.scheduler.take_events())
 
     def step(self) -> StepResult:
         """One step on its own: schedule, run and apply it (never overlapped with another)."""
         so = self.schedule()
-        future = done_future(ModelRunnerOutput()) if so.is_empty else self.executor.execute_model(so)
+        future = done_future(ModelRunnerOutput()) if so.is_idle else self.executor.execute_model(so)
         self.batch_queue.append((so, future))
         return self.complete_oldest_step()
 
@@ -252,7 +254,7 @@ class EngineCore:
         step schedules nothing (only aborts to report, or a batching window is open)."""
         while len(self.batch_queue) < self.max_in_flight and self.has_unfinished_requests():
             so = self.schedule()
-            future = done_future(ModelRunnerOutput()) if so.is_empty else self.executor.execute_model(so)
+            future = done_future(ModelRunnerOutput()) if so.is_idle else self.executor.execute_model(so)
             self.batch_queue.append((so, future))
             if so.is_empty:
                 return
@@ -282,6 +284,8 @@ class EngineCore:
         dropped = [so, *(s for s, _ in self.batch_queue)]
         self.cancel_steps()
         sched = self.scheduler
+        if sched.offload is not None:
+            sched.offload.steps_dropped([s.kv_transfer for s in dropped if s.kv_transfer is not None])
         sched.epoch += 1
         sched.resend_removals(set().union(*(s.finished_req_ids | s.preempted_req_ids for s in dropped)))
         failed, fresh = step_requests(so, self._request_of)
@@ -327,7 +331,7 @@ class EngineCore:
         if not self.batch_queue:
             return None
         so, future = self.batch_queue[0]
-        window = so.is_empty and len(self.batch_queue) == 1  # nothing runs or follows: a batching window is open
+        window = so.is_idle and len(self.batch_queue) == 1  # nothing runs or follows: a batching window is open
         await wait(None if window else future)
         return self.complete_oldest_step()
 

@@ -39,8 +39,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cbserve.scheduler.kv.connector import KVTransfer, KVTransferResult
 from cbserve.scheduler.requests.lora import LoRARequest
 from cbserve.scheduler.requests.sampling_params import SamplingParams
+from cbserve.scheduler.requests.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -68,6 +70,30 @@ class CachedRequestData:
 
 
 @dataclass
+class StepState:
+    """What one schedule() call decided (the scheduler's own record beside the ``SchedulerOutput`` it sends), plus its
+    counters for the stats."""
+
+    budget: int
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    spec: dict[str, list[int]] = field(default_factory=dict)  # draft tokens by seq id
+    num_draft_tokens: int = 0
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.scheduled.append((seq, num_tokens))
+        self.budget -= num_tokens
+        if num_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            self.num_decode_tokens += 1
+        else:
+            self.num_prefill_tokens += num_tokens
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
@@ -78,10 +104,16 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     epoch: int = 0  # bumped by the engine after a failed step (see the module docstring)
+    kv_transfer: KVTransfer | None = None  # moves between the pool and the KV tiers (scheduler/kv/offload.py)
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing for the worker to do: no token to compute and no KV to move (such a step is not sent)."""
+        return self.total_num_scheduled_tokens == 0 and not self.kv_transfer
 
 
 @dataclass(slots=True)
@@ -111,6 +143,7 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Pooling engines: req id -> the request's embedding, for requests whose prompt completed this step.
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    kv_transfer: KVTransferResult | None = None  # the KV tiers' report (with tiers on)
 
 
 class Executor(Protocol):

@@ -18,13 +18,14 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from cbserve.scheduler.config import EngineConfig
 from cbserve.scheduler.fault_isolation import not_held
 from cbserve.scheduler.integrity import check_scheduler
 from cbserve.scheduler.kv.kv_cache_manager import NO_HITS, KVCacheManager
-from cbserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from cbserve.scheduler.kv.kv_events import KVCacheEvents
+from cbserve.scheduler.kv.offload import OffloadConnector
+from cbserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput, StepState
 from cbserve.scheduler.policies import make_policy
 from cbserve.scheduler.requests.lora import lora_admission
 from cbserve.scheduler.requests.request import RequestStatus
@@ -44,29 +45,6 @@ def _is_prefill(seq: Sequence) -> bool:
     return seq.is_prefill
 
 
-
-
-@dataclass
-class StepState:
-    """What one schedule() call decided, plus its counters for the stats."""
-
-    budget: int
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    spec: dict[str, list[int]] = field(default_factory=dict)  # draft tokens by seq id
-    num_draft_tokens: int = 0
-
-    def add(self, seq: Sequence, num_tokens: int) -> None:
-        self.scheduled.append((seq, num_tokens))
-        self.budget -= num_tokens
-        if num_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
-            self.num_decode_tokens += 1
-        else:
-            self.num_prefill_tokens += num_tokens
 
 
 class Scheduler:
@@ -89,6 +67,27 @@ class Scheduler:
         self.epoch = 0
         spec = config.speculative
         self.proposer = make_proposer(spec)
+        offload = config.cache.offload  # the KV tiers below the pool (kv/offload.py)
+        self.offload = None if offload is None else OffloadConnector(offload, self.block_size, self.kv.pool.key_hash)
+
+    # ---- prefix-cache events (kv/kv_events.py): the pool's blocks and the tiers' --------------------
+    def record_events(self) -> None:
+        self.kv.record_events()
+        if self.offload is not None:
+            self.offload.record_events()
+
+    def take_events(self) -> KVCacheEvents | None:
+        events = self.kv.take_events()
+        tier = self.offload.take_events() if self.offload is not None else None
+        if tier is not None:
+            events = events or KVCacheEvents()
+            events.tier_stored, events.tier_removed = tier.stored, tier.removed
+        return events
+
+    def cache_snapshot(self) -> KVCacheEvents:
+        """Every block the pool and the tiers hold, as events for a new listener."""
+        tiered = self.offload.tiered_hashes() if self.offload is not None else []
+        return KVCacheEvents(self.kv.cached_event_hashes(), reset=True, tier_stored=tiered)
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
@@ -146,6 +145,8 @@ class Scheduler:
                 self._schedule_running(st, select)
                 self._admit_waiting(st, admit)
         so = self._build_output(st)
+        if self.offload is not None:
+            so.kv_transfer = self.offload.build_connector_meta(self.kv.take_completed())
         if self.config.async_scheduling:
             self._commit(st)
         return so, st
@@ -239,7 +240,7 @@ class Scheduler:
         if self._preempted_beams:
             self._readmit_beams(st, accept)
         waiting = self.waiting
-        if accept is None:
+        if accept is None and self.offload is None:
             while waiting and self._has_room(st):
                 if not self._admit(waiting.peek(), st):
                     return
@@ -248,9 +249,12 @@ class Scheduler:
         for seq in waiting.ordered():
             if not self._has_room(st):
                 return
-            if not accept(seq):
+            if accept is not None and not accept(seq):
                 continue
-            if not self._admit(seq, st):
+            admitted = self._admit(seq, st)
+            if admitted is None:  # its blocks are on their way from disk (kv/offload.py): the next ones go first
+                continue
+            if not admitted:
                 return
             waiting.remove(seq)
 
@@ -272,20 +276,31 @@ class Scheduler:
                 return
             self.waiting.remove(seq)
 
-    def _admit(self, seq: Sequence, st: StepState) -> bool:
-        """Allocate blocks for a waiting sequence (taking prefix-cache hits) and mark it running. Does
-        not remove it from the waiting queue."""
-        computed = NO_HITS
+    def _admit(self, seq: Sequence, st: StepState) -> bool | None:
+        """Allocate blocks for a waiting sequence (taking prefix-cache and KV-tier hits) and mark it running. Does
+        not remove it from the waiting queue. None: it waits for its blocks from the disk tier."""
+        computed, tiered = NO_HITS, []
         if self.kv.enable_caching and seq.group.prompt_logprobs is None:
             computed = self.kv.get_computed_blocks(seq.token_ids, seq.group.extra_keys)
-        num_cached = len(computed[0]) * self.block_size
+            if self.offload is not None:  # blocks past the pool's hits that the KV tiers hold
+                hits = computed[1]
+                tiered, wait = self.offload.get_num_new_matched_tokens(
+                    seq.token_ids, seq.group.extra_keys, hits[-1] if hits else None, len(hits))
+                if wait:
+                    return None  # admitted once they are in the RAM tier
+        num_hit = len(computed[0]) * self.block_size
+        num_cached = num_hit + len(tiered) * self.block_size
         num_new = seq.num_tokens - num_cached
         if num_new > st.budget:
             if not self.config.enable_chunked_prefill:
                 return False
             num_new = st.budget
-        if self.kv.allocate_slots(seq.seq_id, num_cached, num_new, computed) is None:
+        new_blocks = self.kv.allocate_slots(seq.seq_id, num_hit, num_cached - num_hit + num_new, computed)
+        if new_blocks is None:
             return False
+        if tiered:
+            blocks = list(zip(new_blocks[: len(tiered)], tiered, strict=True))  # the tiered blocks come first
+            self.offload.update_state_after_alloc(blocks)  # type: ignore[union-attr]
         if seq.status is RequestStatus.PREEMPTED:
             self.num_preempted_waiting -= 1
             self._preempted_beams.pop(seq.seq_id, None)

@@ -94,6 +94,12 @@ class ModelConfig:
     max_num_seqs: int = 128
     quantization: QuantizationName | None = None
     kv_cache_dtype: KvCacheDtype = "auto"
+    # KV tiers below the pool (worker/runner/kv_tiers.py): the RAM tier's bytes (0: no tiers), the disk tier's
+    # folder and bytes
+    kv_offloading_bytes: int = 0
+    kv_offloading_dtype: str = "auto"  # "auto": the cache's dtype; "bfloat16": compressed (lossy for float32)
+    kv_disk_path: str | None = None
+    kv_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -108,6 +114,7 @@ class ModelConfig:
             raise ValueError("runner 'pooling' does not combine with a draft model")
         self._check_lora()
         self._check_fp8()
+        self._check_tiers()
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in _DEVICES:
@@ -163,6 +170,16 @@ class ModelConfig:
         if conflict is not None:
             raise ValueError(conflict)
 
+    def _check_tiers(self) -> None:
+        if self.kv_offloading_dtype not in ("auto", "bfloat16"):
+            raise ValueError(f"kv_offloading_dtype must be 'auto' or 'bfloat16', got {self.kv_offloading_dtype!r}")
+        conflict = tier_conflict(self.kv_offloading_bytes, self.kv_disk_path, self.kv_disk_bytes,
+                                 {"kv_cache_dtype fp8": self.kv_fp8, "runner 'pooling'": self.runner == "pooling",
+                                  "a draft model": self.draft_model is not None,
+                                  "tensor_parallel_size > 1": self.tensor_parallel_size > 1})  # fmt: skip
+        if conflict is not None:
+            raise ValueError(conflict)
+
     @property
     def kv_fp8(self) -> bool:
         """Whether the KV cache holds FP8 e4m3 values with scales (``kv_cache_dtype`` "fp8" / "fp8_e4m3")."""
@@ -208,4 +225,25 @@ def fp8_conflict(quantization: str | None, kv_cache_dtype: str, attention_backen
     if quantization is not None and device == "cpu" and cpu_ops in ("native", "onednn"):
         return (f"quantization={quantization!r} on CPU is an emulation on the torch ops; cpu_ops={cpu_ops!r} does "
                 "not run it (use cpu_ops 'auto' or 'torch')")
+    return None
+
+
+def tier_conflict(ram_bytes: int | float | None, disk_path: str | None, disk_bytes: int | float | None,
+                  refusing: dict[str, bool]) -> str | None:
+    """Why the KV tiers (a RAM tier of ``ram_bytes``, a disk tier in ``disk_path`` of ``disk_bytes``) cannot run as
+    asked, or None. ``refusing``: what else is configured that they do not combine with (name -> set)."""
+    ram, disk = ram_bytes or 0, disk_bytes or 0
+    if ram < 0 or disk < 0:
+        return "the KV tiers' sizes must not be negative"
+    if disk_path is not None and not disk:
+        return "kv_disk_path needs kv_disk_size (the disk tier's GiB)"
+    if disk and disk_path is None:
+        return "kv_disk_size needs kv_disk_path (the disk tier's folder)"
+    if (disk_path is not None or disk) and not ram:
+        return "the disk tier stages its blocks in the RAM tier: set kv_offloading_size too"
+    if not ram:
+        return None
+    for name, on in refusing.items():
+        if on:
+            return f"the KV tiers (kv_offloading_size) do not combine with {name} yet"
     return None

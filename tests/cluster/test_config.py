@@ -213,9 +213,23 @@ def test_the_worker_config_is_derived_from_every_matching_field() -> None:
               "kv_cache_dtype": "fp8"}  # fmt: skip  (enable_lora: test_lora_config.py)
     mc = CBServeConfig(**values).worker_model_config(rank=2)
     # the draft model's fields come from speculative_config (see the speculative_config test below)
+    # the KV tiers' sizes are GiB in the user's config and bytes in the worker's (see the next test)
+    tiers = {"kv_offloading_bytes", "kv_offloading_dtype", "kv_disk_path", "kv_disk_bytes"}
     assert {f.name for f in dataclasses.fields(ModelConfig)} == set(values) | {"rank", "draft_model",
-                                                                                "num_speculative_tokens"}
+                                                                                "num_speculative_tokens"} | tiers
     assert {k: getattr(mc, k) for k in values} == values and mc.rank == 2
+
+
+def test_the_kv_tiers_reach_the_worker_in_bytes() -> None:
+    mc = CBServeConfig(device="cpu", kv_offloading_size=1.5, kv_disk_path="/d", kv_disk_size=0.25).worker_model_config()
+    assert (mc.kv_offloading_bytes, mc.kv_disk_path, mc.kv_disk_bytes) == (3 * 2**29, "/d", 2**28)
+    assert CBServeConfig(device="cpu").worker_model_config().kv_offloading_bytes == 0
+    compressed = CBServeConfig(device="cpu", kv_offloading_size=1, kv_offloading_dtype="bfloat16")
+    assert compressed.worker_model_config().kv_offloading_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="kv_offloading_dtype applies to the KV tiers"):
+        CBServeConfig(device="cpu", kv_offloading_dtype="bfloat16")
+    with pytest.raises(ValueError, match="kv_offloading_backend"):
+        CBServeConfig(device="cpu", kv_offloading_backend="lmcache")
 
 
 def test_the_engine_config_is_derived_from_the_engine_fields() -> None:
@@ -294,11 +308,15 @@ def test_cbserve_serve_deploys_with_host_port_route_prefix_and_app_name(
 
 
 def test_the_hop_and_the_worker_threads_follow_the_device() -> None:
-    cpu = CBServeConfig(device="cpu")
+    cpu = CBServeConfig(device="cpu", tensor_parallel_size=2)
     assert cpu.use_compiled_graph == "auto" and cpu.compiled_graph is False  # its reader would spin a core
-    assert CBServeConfig(device="cuda").compiled_graph is True
-    assert CBServeConfig(device="cpu", use_compiled_graph=True).compiled_graph is True
-    assert CBServeConfig(device="cuda", use_compiled_graph=False).compiled_graph is False
+    assert CBServeConfig(device="cuda", tensor_parallel_size=2).compiled_graph is True
+    assert CBServeConfig(device="cpu", tensor_parallel_size=2, use_compiled_graph=True).compiled_graph is True
+    assert CBServeConfig(device="cuda", tensor_parallel_size=2, use_compiled_graph=False).compiled_graph is False
+    assert CBServeConfig(device="cuda").compiled_graph is False  # one rank: it runs in the engine actor, no hop
+    with pytest.raises(ValueError, match="use_compiled_graph applies to tensor_parallel_size > 1"):
+        CBServeConfig(device="cpu", use_compiled_graph=True)
+    cpu = CBServeConfig(device="cpu")
     assert cpu.worker_threads(8) == 8  # not the one thread Ray's num_cpus=1 would leave
     assert CBServeConfig(device="cpu", tensor_parallel_size=2).worker_threads(8) == 4
     assert CBServeConfig(device="cpu", tensor_parallel_size=4).worker_threads(2) == 1

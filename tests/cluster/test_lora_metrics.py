@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import test_metrics
 
+from cbserve.cluster.ops import metric_specs as ms
 from cbserve.cluster.ops import metrics as cm
 from cbserve.scheduler import LoRARequest
 from cbserve.scheduler.stats import IterationStats, LoRAStats, SchedulerStats
@@ -24,7 +25,7 @@ def _step(em: cm.EngineMetrics, lora: LoRAStats | None) -> None:
 
 
 def _gauges(log: list, name: str) -> dict[str, float]:
-    return {t["lora_name"]: v for n, v, t in log if n == cm.PREFIX + name}
+    return {t["lora_name"]: v for n, v, t in log if n == ms.PREFIX + name}
 
 
 def test_per_adapter_gauges_and_lora_requests_info(log: list, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,7 +36,7 @@ def test_per_adapter_gauges_and_lora_requests_info(log: list, monkeypatch: pytes
     _step(em, LoRAStats(2, {"sql": 3, "chat": 1}, {"math": 2}))
     assert _gauges(log, "lora_num_requests_running") == {"chat": 1.0, "math": 0.0, "sql": 3.0}
     assert _gauges(log, "lora_num_requests_waiting") == {"chat": 0.0, "math": 2.0, "sql": 0.0}
-    (info,) = [(v, t) for n, v, t in log if n == cm.PREFIX + "lora_requests_info"]
+    (info,) = [(v, t) for n, v, t in log if n == ms.PREFIX + "lora_requests_info"]
     assert info == (1700000000.0, {"model": "m", "replica": "0", "max_lora": "2", "running_lora_adapters": "chat,sql",
                                    "waiting_lora_adapters": "math"})  # fmt: skip
     log.clear()
@@ -51,11 +52,11 @@ def test_per_adapter_gauges_and_lora_requests_info(log: list, monkeypatch: pytes
     _step(em, None)  # LoRA off: the 0 series and an info of max_lora 0, every step
     assert _gauges(log, "lora_num_requests_running") == {"": 0.0}
     assert _gauges(log, "lora_num_requests_waiting") == {"": 0.0}
-    assert [t["max_lora"] for n, _, t in log if n == cm.PREFIX + "lora_requests_info"] == ["0"]
+    assert [t["max_lora"] for n, _, t in log if n == ms.PREFIX + "lora_requests_info"] == ["0"]
 
 
 def test_lora_series_are_specified_with_their_labels() -> None:
-    specs: dict[str, Any] = {s.name.removeprefix(cm.PREFIX): s for s in cm.ENGINE_SPECS}
+    specs: dict[str, Any] = {s.name.removeprefix(ms.PREFIX): s for s in ms.ENGINE_SPECS}
     assert specs["lora_requests_info"].labels == ("model", "replica", "max_lora", "running_lora_adapters",
                                                   "waiting_lora_adapters")  # fmt: skip
     assert specs["lora_num_requests_waiting"].labels == ("model", "replica", "lora_name")

@@ -1,4 +1,4 @@
-"""cluster/ops/metrics.py and dashboards/ agree (fast: no Ray cluster, no Prometheus).
+"""cluster/ops/metrics.py (and metric_specs.py) and dashboards/ agree (fast: no Ray cluster, no Prometheus).
 
 - every series a dashboard queries is one the code exports (ray_cbserve_*) or one Ray Serve exports
   (ray_serve_*), and every cbserve metric is charted on some panel;
@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from metric_recorders import _values, recorded
 
 from cbserve.cluster.ingress.router import RoutingStats
+from cbserve.cluster.ops import metric_specs as ms
 from cbserve.cluster.ops import metrics as cm
 from cbserve.scheduler.stats import (
     FinishedRequestStats,
@@ -196,34 +198,34 @@ def test_engine_dashboard_has_model_and_replica_variables() -> None:
         assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
         q = variables[name]["query"]["query"]
         assert re.fullmatch(rf"label_values\((ray_cbserve_\w+)(\{{.*\}})?, {name}\)", q), q
-        assert metric_names(q.removeprefix("label_values(").rsplit(",", 1)[0]) <= cm.exported_names()
+        assert metric_names(q.removeprefix("label_values(").rsplit(",", 1)[0]) <= ms.exported_names()
 
 
 def test_every_queried_series_is_exported() -> None:
-    exported = cm.exported_names()
+    exported = ms.exported_names()
     serve = ray_serve_metric_names()
     for dash, title, expr in all_exprs():
         names = metric_names(expr)
         assert names, f"{dash} / {title}: no metric in {expr!r}"
         for n in names:
             if n.startswith("ray_cbserve_"):
-                assert n in exported, f"{dash} / {title}: {n} is not exported by cluster/ops/metrics.py"
+                assert n in exported, f"{dash} / {title}: {n} is not exported by cluster/ops/metric_specs.py"
             else:
                 assert n in serve, f"{dash} / {title}: {n} is neither a cbserve nor a Ray Serve metric"
 
 
 def test_every_cbserve_metric_is_charted() -> None:
     queried = {n for _, _, expr in all_exprs() for n in metric_names(expr)}
-    for spec in cm.ALL_SPECS:
+    for spec in ms.ALL_SPECS:
         assert set(spec.exported_series()) & queried, f"{spec.exported} is on no panel"
 
 
 def test_specs_are_valid_and_bounded() -> None:
-    names = [s.name for s in cm.ALL_SPECS]
+    names = [s.name for s in ms.ALL_SPECS]
     assert len(names) == len(set(names))
     allowed = {"model", "replica", "rank", "reason", "route", "status", "position", "lora_name", "decision",
-               *cm.LORA_INFO_LABELS}
-    for s in cm.ALL_SPECS:
+               "medium", "direction", *ms.LORA_INFO_LABELS}
+    for s in ms.ALL_SPECS:
         assert re.fullmatch(r"cbserve_[a-z0-9_]+", s.name), s.name
         assert s.exported.startswith("ray_cbserve_")
         assert set(s.labels) <= allowed and "model" in s.labels, s.name
@@ -235,39 +237,14 @@ def test_specs_are_valid_and_bounded() -> None:
             assert s.initial, f"{s.name}: a counter or gauge is created at 0 at start-up"
         defaults = {"model", "replica", "rank"}
         assert all(set(labels) == set(s.labels) - defaults for labels in s.initial), s.name
-    for b in (cm.REQUEST_LATENCY_BUCKETS, cm.TOKEN_LATENCY_BUCKETS):  # ms to minutes
+    for b in (ms.REQUEST_LATENCY_BUCKETS, ms.TOKEN_LATENCY_BUCKETS):  # ms to minutes
         assert b[0] <= 0.005 and b[-1] >= 60
 
 
 # ---- the mapping from stats to observations, with Ray's metric classes replaced by recorders ------------
-class _Recorder:
-    def __init__(self, spec: cm.MetricSpec, log: list[tuple[str, float, dict[str, str]]]) -> None:
-        self.spec, self.log = spec, log
-        self.default: dict[str, str] = {}
-
-    def set_default_tags(self, tags: dict[str, str]) -> _Recorder:
-        self.default = tags
-        return self
-
-    def _record(self, value: float, tags: dict[str, str] | None = None) -> None:
-        self.log.append((self.spec.name, value, {**self.default, **(tags or {})}))
-
-    inc = observe = _record
-
-    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
-        self._record(value, tags)
-
-
 @pytest.fixture()
 def log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, float, dict[str, str]]]:
-    records: list[tuple[str, float, dict[str, str]]] = []
-    monkeypatch.setattr(cm, "_make", lambda spec: _Recorder(spec, records))
-    monkeypatch.setattr(cm, "_counter_type", lambda: _Recorder)
-    return records
-
-
-def _values(log: list[tuple[str, float, dict[str, str]]], name: str) -> list[float]:
-    return [v for n, v, _ in log if n == "cbserve_" + name]
+    return recorded(monkeypatch)
 
 
 def test_engine_metrics_zero_initialise_counters_and_gauges(log: list) -> None:
@@ -275,7 +252,7 @@ def test_engine_metrics_zero_initialise_counters_and_gauges(log: list) -> None:
     assert _values(log, "num_preemptions") == [0.0]
     assert _values(log, "kv_cache_usage_ratio") == [0.0]
     finished = {t["reason"] for n, _, t in log if n == "cbserve_request_finished"}
-    assert finished == set(cm.FINISH_REASONS)
+    assert finished == set(ms.FINISH_REASONS)
     assert all(t["model"] == "m" and t["replica"] == "1" for _, _, t in log)
 
 
@@ -346,7 +323,7 @@ def test_engine_metrics_observe_speculative_decoding(log: list) -> None:
         if n == "cbserve_spec_decode_num_accepted_tokens_per_pos":
             per_pos[t["position"]] = per_pos.get(t["position"], 0) + v
     assert per_pos["0"] == 3 and per_pos["1"] == 2 and per_pos["2"] == 2 and per_pos["3"] == 1
-    assert per_pos["15+"] == 2 and set(per_pos) <= set(cm.SPEC_POSITIONS)
+    assert per_pos["15+"] == 2 and set(per_pos) <= set(ms.SPEC_POSITIONS)
     log.clear()  # a step without drafts records none
     em.observe_step(type("R", (), {"scheduler_stats": SchedulerStats(batch_size=1), "iteration_stats":
                                    IterationStats()}), 0.0)  # fmt: skip
@@ -380,11 +357,11 @@ def test_every_dashboard_series_exists_at_zero_before_traffic(log: list) -> None
     (its label matchers included, e.g. reason=~"abort|error", status!~"2..") exists at 0."""
     cm.EngineMetrics("m", "0"), cm.WorkerMetrics("m", "0", 0), cm.IngressMetrics("m")
     assert log and all(v == 0.0 for _, v, _ in log), "construction records zeros only"
-    specs = {s.name: s for s in cm.ALL_SPECS}
+    specs = {s.name: s for s in ms.ALL_SPECS}
     started: dict[str, list[dict[str, str]]] = defaultdict(list)
     for name, _, tags in log:
         started[specs[name].exported].append(tags)
-    histograms = {n for s in cm.ALL_SPECS if s.kind == "histogram" for n in s.exported_series()}
+    histograms = {n for s in ms.ALL_SPECS if s.kind == "histogram" for n in s.exported_series()}
     checked = set()
     for dash, title, expr in all_exprs() + variable_queries():
         for name, matchers in selectors(expr):
@@ -392,8 +369,8 @@ def test_every_dashboard_series_exists_at_zero_before_traffic(log: list) -> None
                 continue
             assert any(matches(t, matchers) for t in started[name]), f"{dash} / {title}: no {name}{matchers} at 0"
             checked.add(name)
-    assert checked == {s.exported for s in cm.ALL_SPECS if s.kind != "histogram"}
+    assert checked == {s.exported for s in ms.ALL_SPECS if s.kind != "histogram"}
     rejected = {t["reason"] for t in started["ray_cbserve_request_rejected_total"]}
-    assert rejected == set(cm.REJECT_REASONS) == {"queue_full", "rejected"}
+    assert rejected == set(ms.REJECT_REASONS) == {"queue_full", "rejected"}
     errors = {(t["route"], t["status"]) for t in started["ray_cbserve_http_requests_total"]}
     assert {("/v1/completions", "400"), ("/v1/chat/completions", "503")} <= errors

@@ -86,7 +86,7 @@ def test_frames_reach_the_sink_in_order_with_the_state_and_cache_first() -> None
 
     async def run() -> tuple[_Sink, bool, bool]:
         server = ChannelServer(lambda client, msg: messages.append((client, msg)), closed.append,
-                               lambda: (READY, [1, 2]))  # fmt: skip
+                               lambda: (READY, KVCacheEvents(stored=[1, 2], reset=True)))  # fmt: skip
         sink = _Sink()
         reader = ChannelReader(_Engine(server), 0, "ingress-1", sink)
         before = reader.send(AbortRequest("early"))  # not connected yet: nothing written

@@ -243,3 +243,23 @@ def test_affinity_mode_ignores_the_caches() -> None:
     assert r.take_stats() == RoutingStats({"affinity": 1}, {})  # no prefix matched: none looked up
     with pytest.raises(ValueError, match="routing mode"):
         Router(2, block_size=BS, mode="random")
+
+
+def test_a_tiered_hit_scores_below_a_pool_hit_and_above_a_miss() -> None:
+    """The replicas' KV tiers (their events' tier fields): blocks a replica's pool holds, then blocks after them
+    its tiers hold, count as cached; at the same length a pool hit wins, and a tiered hit beats a miss."""
+    r = _router()
+    prompt = _prompt_where_affinity_prefers(r, 0)  # 9 full blocks; no hit anywhere: affinity says 0
+    hashes = list(prompt_block_hashes(prompt + [0], BS))[:8]
+    r.apply_cache_events(1, KVCacheEvents(tier_stored=hashes[:6]))  # replica 1: 6 blocks in its tiers only
+    assert r.index.matched(prompt, (), [0, 1, 2]) == {0: (0, 0), 1: (0, 6), 2: (0, 0)}
+    assert r.choose(prompt) == 1 and r.take_stats().decisions == {"cache_hit": 1}
+    r.apply_cache_events(2, KVCacheEvents(stored=hashes[:6]))  # replica 2: the same 6 blocks in its pool
+    assert r.choose(prompt) == 2
+    r.apply_cache_events(1, KVCacheEvents(stored=hashes[:2], tier_stored=hashes[6:8]))  # 2 pool + 6 tiered
+    assert r.index.matched(prompt, (), [1]) == {1: (2, 6)}
+    assert r.choose(prompt) == 1  # 8 cached blocks (2 to load) beat 6 in the pool
+    r.apply_cache_events(1, KVCacheEvents(tier_removed=hashes[:8]))  # its tiers dropped them: pool blocks stay
+    assert r.index.matched(prompt, (), [1]) == {1: (2, 0)} and r.choose(prompt) == 2
+    r.apply_cache_events(2, KVCacheEvents(reset=True, tier_stored=hashes[:1]))  # a snapshot: tiers only
+    assert r.index.matched(prompt, (), [2]) == {2: (0, 1)}

@@ -84,11 +84,13 @@ Batch = dict[str, Items]  # req_id -> its items since the previous frame, in ord
 class EngineState:
     """The engine replica's state: "starting", "ready", "restarting" (its workers are rebuilt after a loss),
     "failed" (its configuration or model cannot serve: ``error`` says why) or "stopped"; ``generation`` counts
-    its worker groups."""
+    the builds of its model (worker group or in-actor rank) by this actor, ``actor`` names the actor's life (a new
+    one each time Ray restarts it: the ingress counts the builds on across restarts)."""
 
     state: str
     generation: int = 0
     error: str | None = None
+    actor: str = ""
 
 
 @dataclass(frozen=True)

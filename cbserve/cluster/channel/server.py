@@ -89,11 +89,11 @@ class ChannelBuffer:
 
 class ChannelServer:
     """The engine end: a loopback TCP server; each connection is one channel (its reader sends the token, then
-    ``OpenChannel``, then its messages). ``snapshot()``: the replica's state now and its prefix cache's event
-    hashes (None: it reports no prefix-cache events), sent first on every channel."""
+    ``OpenChannel``, then its messages). ``snapshot()``: the replica's state now and what its prefix cache and KV
+    tiers hold (a reset ``KVCacheEvents``; None: it reports no prefix-cache events), sent first on every channel."""
 
     def __init__(self, on_message: MessageHandler, on_closed: Callable[[int], None],
-                 snapshot: Callable[[], tuple[EngineState, list[int] | None]]) -> None:
+                 snapshot: Callable[[], tuple[EngineState, KVCacheEvents | None]]) -> None:
         self.on_message = on_message
         self.on_closed = on_closed
         self.snapshot = snapshot
@@ -135,7 +135,7 @@ class ChannelServer:
         state, cached = self.snapshot()
         buffer.put_state(state)
         if cached is not None:
-            buffer.put_cache_events(KVCacheEvents(stored=cached, reset=True))
+            buffer.put_cache_events(cached)
         receiving = asyncio.ensure_future(self._receive(client, channel_id, reader, asyncio.current_task()))
         try:
             while True:

@@ -50,13 +50,10 @@ logger = logging.getLogger(__name__)
 
 class StepServer:
     """The worker end: ``serve()`` (blocking, on the thread the caller gives it) runs ``handler(step) -> StepReply``
-    one step at a time for the one peer holding the token, until that peer closes the connection; ``each_step``
-    runs on that thread before each step is handled (the path trace's ``sync``: cluster/ops/path_trace.py)."""
+    one step at a time for the one peer holding the token, until that peer closes the connection."""
 
-    def __init__(self, handler: Callable[[SchedulerOutput], StepReply], host: str,
-                 each_step: Callable[[], None] | None = None) -> None:
+    def __init__(self, handler: Callable[[SchedulerOutput], StepReply], host: str) -> None:
         self.handler = handler
-        self.each_step = each_step
         self.token = new_token()
         self._listener = listen(host)  # a node IP may be IPv6
         self.address = StepAddress(host, self._listener.getsockname()[1], self.token)
@@ -66,8 +63,6 @@ class StepServer:
             conn = accept_with_token(self._listener, self.token, "step channel")
         with conn:
             while (data := recv_frame(conn)) is not None:  # None: the scheduler closed the channel
-                if self.each_step is not None:
-                    self.each_step()
                 conn.sendall(self._reply(data))
 
     def _reply(self, data: bytes) -> bytes:

@@ -1,17 +1,20 @@
-"""RayExecutor: the scheduler's Executor over one replica's WorkerActors (one per tensor-parallel rank).
+"""RayExecutor: the scheduler's Executor over one replica's ranks: at tensor-parallel size 1 the one rank in this
+process (rank.py: ``LocalSteps``, vLLM's ``UniProcExecutor``), else one WorkerActor per rank.
 
-Every rank gets each SchedulerOutput and answers a ``StepReply`` (engine_messages.py); rank 0's output is used.
-The hop is one of two step transports behind one interface (``StepTransport``): a Ray compiled graph
-(compiled_graph.py) when ``use_compiled_graph`` (CUDA by default), else one socket per rank (step_channel.py: no
-Ray task per step, no busy wait; a compiled graph that fails to build falls back to it). ``dispatch overhead`` =
-wall time of one execute minus the worker-reported forward time: what the hop costs per iteration.
+Every rank gets each SchedulerOutput and answers a ``StepReply`` (channel/messages.py); rank 0's output is used.
+The hop is one of three step transports behind one interface (``StepTransport``): the in-process model thread at
+size 1; else a Ray compiled graph (compiled_graph.py) when ``use_compiled_graph`` (CUDA by default), or one socket
+per rank (channel/steps.py: no Ray task per step, no busy wait; a compiled graph that fails to build falls back to
+it). ``dispatch overhead`` = wall time of one execute minus the rank-reported forward time: what the hop costs per
+iteration.
 
-Two kinds of failure, kept apart. A step that raised on a live worker comes back as its ``StepFailedError`` (a
-reply like any other): the engine fails the requests to blame and goes on (scheduler/fault_isolation.py). A rank
-that is gone (its process or node) breaks the group: the pending step and every later one fail with
+Two kinds of failure, kept apart. A step that raised on a live rank comes back as its ``StepFailedError`` (a
+reply like any other): the engine fails the requests to blame and goes on (scheduler/fault_isolation.py). A worker
+rank that is gone (its process or node) breaks the group: the pending step and every later one fail with
 ``WorkerGroupError`` and the replica rebuilds. A gone rank is noticed once, by its transport's one signal: the
 socket (end of file at once when the process dies; TCP keepalive within ``transport.KEEPALIVE_S`` when its node
-vanishes), or, with a compiled graph, Ray's actor death.
+vanishes), or, with a compiled graph, Ray's actor death. The in-process rank dies with this actor, which Ray
+restarts and the ingress notices on its channel.
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cbserve.cluster.channel.messages import StepReply
 from cbserve.cluster.channel.steps import SocketSteps
 from cbserve.cluster.engine.compiled_graph import GraphSteps
+from cbserve.cluster.engine.rank import LocalSteps, Rank
 from cbserve.cluster.engine.worker_actor import WorkerActor
 from cbserve.config import CBServeConfig
+from cbserve.scheduler.config import OffloadConfig
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -74,8 +79,9 @@ class DispatchStats:
 class RayExecutor:
     """Built with ``await RayExecutor.create(config, replica, pg_name)`` (loads the model on every rank)."""
 
-    def __init__(self, workers: list[Any], pg: Any, num_blocks: int) -> None:
+    def __init__(self, workers: list[Any], pg: Any, num_blocks: int, local: Rank | None = None) -> None:
         self.workers = workers
+        self.local = local  # a replica of one rank: it runs here (rank.py), ``workers`` is empty
         self.pg = pg
         self.num_blocks = num_blocks
         self.stats = DispatchStats()
@@ -93,6 +99,8 @@ class RayExecutor:
     @classmethod
     async def create(cls, config: CBServeConfig, replica: str, pg_name: str) -> RayExecutor:
         """``pg_name`` is unique per replica: a group left behind by a crashed predecessor is removed."""
+        if config.tensor_parallel_size == 1:
+            return await cls._create_local(config, replica)
         workers, pg = await _start_workers(config, replica, pg_name)
         try:
             addr, port = await workers[0].node_ip_and_free_port.remote()
@@ -117,6 +125,27 @@ class RayExecutor:
             except BaseException:
                 executor.shutdown()
                 raise
+        return executor
+
+    def kv_tiers(self) -> OffloadConfig | None:
+        """The KV tiers' sizes in blocks, from the rank that holds them (tiers run at tensor-parallel size 1)."""
+        tiers = getattr(self.local.runner, "kv_tiers", None) if self.local is not None else None
+        return None if tiers is None else tiers.config
+
+    @classmethod
+    async def _create_local(cls, config: CBServeConfig, replica: str) -> RayExecutor:
+        """One rank, run in this process on its model thread (rank.py): no worker actor, no step hop."""
+        rank = Rank(config, 0, replica)
+        try:
+            num_blocks = await asyncio.wrap_future(rank.submit(rank.load_model))
+            await asyncio.wrap_future(rank.submit(rank.init_kv_cache, num_blocks))
+        except BaseException:
+            rank.shutdown()
+            raise
+        executor = cls([], None, num_blocks, rank)
+        info = rank.info()
+        executor.stats.torch_threads, executor.stats.cpu = [info["torch_threads"]], [info["cpu"]]
+        executor.transport = LocalSteps(rank)
         return executor
 
     def _mark_lost(self, why: str) -> None:
@@ -180,6 +209,9 @@ class RayExecutor:
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []
+        if self.local is not None:
+            self.local.shutdown()
+            self.local = None
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

@@ -1,23 +1,24 @@
-"""SchedulerActor: one engine replica. An async Ray actor that owns an EngineCore and the RayExecutor over its
-worker group, runs the engine's own loop (``EngineCore.step_async``) as an asyncio task and talks to the ingress
-replicas over one channel each (output_channel.py: a loopback socket this actor serves). It reads their requests,
-aborts and stop-string finishes from it (``_on_message``; an AddRequest is answered there with ``Admitted`` or the
-refusal's ``EngineFailure``) and sends each step's outputs back on it, each to the channel its request came on
-(``EngineRequest.client``: the engine knows every request and where it came from; this actor keeps no table of
-its own). Its state ("starting", "ready", "restarting", "failed") goes out on every channel when it changes. Ray
-calls only run its life cycle: ``output_address``, ``stats``, ``shutdown``.
+"""SchedulerActor: one engine replica. An async Ray actor that owns an EngineCore and the RayExecutor over its ranks
+(at tensor-parallel size 1 the one rank runs in this actor, on a model thread of its own: rank.py; larger replicas
+have a worker group of WorkerActors), runs the engine's own loop (``EngineCore.step_async``) as an asyncio task and
+talks to the ingress replicas over one channel each (output_channel.py: a loopback socket this actor serves). It
+reads their requests, aborts and stop-string finishes from it (``_on_message``; an AddRequest is answered there with
+``Admitted`` or the refusal's ``EngineFailure``) and sends each step's outputs back on it, each to the channel its
+request came on (``EngineRequest.client``: the engine knows every request and where it came from; this actor keeps
+no table of its own). Its state ("starting", "ready", "restarting", "failed") goes out on every channel when it
+changes. Ray calls only run its life cycle: ``output_address``, ``stats``, ``shutdown``.
 
 All engine state is touched from the actor's event loop only: the engine's turn schedules and applies steps on the
-loop (they are cheap) and awaits the workers in between, which is when the channels' messages come in. A step
-that raised on a live worker fails its culprits alone (scheduler/fault_isolation.py). When the worker group is
-lost (a worker process or node gone), every request in the engine gets an ``EngineFailure`` ("unavailable") and
-the replica rebuilds its worker group and engine; the actor itself is restarted by Ray (``max_restarts``) if it
-dies. A build that fails on the configuration or the model (a ConfigError, or the workers raising ValueError /
-FileNotFoundError / NotImplementedError while loading) is not retried: the replica stays "failed" with that error.
+loop (they are cheap) and awaits the workers in between, which is when the channels' messages come in. A step that
+raised on a live worker fails its culprits alone (scheduler/fault_isolation.py). When the worker group is lost (a
+worker process or node gone), every request in the engine gets an ``EngineFailure`` ("unavailable") and the replica
+rebuilds its worker group and engine; the actor itself (with its in-actor rank) is restarted by Ray
+(``max_restarts``) if it dies, and the ingress, whose channel to it ended, fails its requests over. A build that
+fails on the configuration or the model (a ConfigError, or the workers raising ValueError / FileNotFoundError /
+NotImplementedError while loading) is not retried: the replica stays "failed" with that error.
 
 Step timing and counters are the EngineCore's (``update_from_output`` fills the step's stats, ``EngineCore.totals``
-counts requests and prefix-cache lookups; each rebuilt engine continues the totals of the one it replaces).
-"""
+counts requests and prefix-cache lookups; each rebuilt engine continues the totals of the one it replaces)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import dataclasses
 import logging
 import os
 import time
+import uuid
 from concurrent.futures import Future
 from typing import Any
 
@@ -77,7 +79,7 @@ class SchedulerActor:
         self.config = CBServeConfig.model_validate(config)
         self.replica = replica
         self.name = name  # unique in the cluster: names the worker group's placement group
-        self.status = EngineState("starting")
+        self.status = EngineState("starting", actor=uuid.uuid4().hex)
         self.engine: EngineCore | None = None
         self.executor: RayExecutor | None = None
         self.outputs = ChannelServer(self._on_message, self._channel_closed, self._snapshot)  # the ingress channels
@@ -95,7 +97,7 @@ class SchedulerActor:
     def _set_state(self, state: str, error: str | None = None) -> None:
         """The replica's state, told on every channel."""
         generation = self.status.generation + (state == "ready")
-        self.status = EngineState(state, generation, error)
+        self.status = EngineState(state, generation, error, self.status.actor)
         self.outputs.put_state(self.status)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -122,11 +124,11 @@ class SchedulerActor:
         elif self.engine is not None and isinstance(message, FinishSequence):
             self.engine.finish_request(message.req_id, message.index, "stop")
 
-    def _snapshot(self) -> tuple[EngineState, list[int] | None]:
-        """The state, and what the engine's prefix cache holds (event hashes), for a channel that opens."""
+    def _snapshot(self) -> tuple[EngineState, KVCacheEvents | None]:
+        """The state, and what the engine's prefix cache and KV tiers hold (event hashes), for a channel that opens."""
         if not self.config.uses_kv_events:
             return self.status, None
-        return self.status, [] if self.engine is None else self.engine.scheduler.kv.cached_event_hashes()
+        return self.status, KVCacheEvents(reset=True) if self.engine is None else self.engine.scheduler.cache_snapshot()
 
     def _channel_closed(self, client: int) -> None:
         """Its reader went away (its ingress died or closed it): abort the requests it sent."""
@@ -156,6 +158,8 @@ class SchedulerActor:
     # ---- the loop ---------------------------------------------------------------------------
     async def _run(self) -> None:
         attempt = 0
+        if ray.get_runtime_context().was_current_actor_reconstructed:  # Ray restarted it: no tight crash loop
+            await asyncio.sleep(REBUILD_BACKOFF_S[0])
         while True:
             try:
                 await self._build()
@@ -196,7 +200,7 @@ class SchedulerActor:
         self.executor = await RayExecutor.create(self.config, self.replica, f"{self.name}:workers")
         self.executor.on_rank_lost = self._wake
         check_kv_capacity(self.config, self.executor.num_blocks, self.config.resolved_device)
-        engine_config = self.config.engine_config(self.executor.num_blocks)
+        engine_config = self.config.engine_config(self.executor.num_blocks, self.executor.kv_tiers())
         self.engine = EngineCore(engine_config, self.executor, totals=self.totals, kv_events=self.config.uses_kv_events)
         if self.config.uses_kv_events:  # a new engine's cache is empty: the routers forget the old one's
             self.outputs.put_cache_events(KVCacheEvents(reset=True))
@@ -224,6 +228,8 @@ class SchedulerActor:
                 self._dispatch(result.outputs)
                 ran = result.scheduler_stats.batch_size > 0
                 self.metrics.observe_step(result, executor.stats.last_overhead_s if ran else 0.0)
+                if engine.scheduler.offload is not None:
+                    self.metrics.observe_tiers(engine.scheduler.offload.stats)
                 await asyncio.sleep(0)  # let the channels' messages in
         finally:
             engine.cancel_steps()
@@ -275,6 +281,9 @@ class SchedulerActor:
                              **dataclasses.asdict(self.totals)}  # fmt: skip
         if self.engine is not None and self.executor is not None:
             kv = self.engine.scheduler.kv
+            offload = self.engine.scheduler.offload
+            if offload is not None:  # the KV tiers' counters (scheduler/kv/offload.py)
+                d["kv_tiers"] = dataclasses.asdict(offload.stats)
             d.update(num_kv_blocks=kv.num_blocks, num_free_kv_blocks=kv.num_free_blocks, kv_cache_usage=kv.usage,
                      has_unfinished_requests=self.engine.has_unfinished_requests())
             ds = self.executor.stats
@@ -295,9 +304,14 @@ class SchedulerActor:
         self.outputs.close()
 
     async def path_trace(self, command: str) -> dict[str, list[str]]:
-        """Record the files this actor's event loop runs ("start"), or stop and return them ("stop"): the request
-        path's check (path_trace.py)."""
-        return self.path.command(command)
+        """Record the files this actor's event loop runs, and its in-actor rank's model thread from its next step
+        ("start"), or stop and return them ("stop"): the request path's check (path_trace.py)."""
+        local = self.executor.local if self.executor is not None else None
+        rank: dict[str, list[str]] = {}
+        if local is not None:
+            rank = local.path.command_later(command)
+            await asyncio.wrap_future(local.submit(local.path.sync))  # its idle model thread applies it now
+        return {**self.path.command(command), **rank}
 
     async def worker_handles(self) -> list[Any]:
         return list(self.executor.workers) if self.executor is not None else []

@@ -49,18 +49,16 @@ class EngineClient:
             config.num_replicas, config.block_size, config.prefix_affinity_tokens,
             config.affinity_max_imbalance_tokens, config.max_cpu_loras or config.max_loras, config.routing,
         )
-        # The zero-CPU schedulers live beside the ingress that owns them (they die with it anyway): one
-        # network hop less per token, and a lost GPU node never takes a scheduler with it.
-        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         names = [engine_actor_name(app_name, owner, i) for i in range(config.num_replicas)]
         self.engines = [
             SchedulerActor.options(name=name, namespace=NAMESPACE, max_restarts=config.max_restarts,
-                                   max_task_retries=0, num_cpus=0, max_concurrency=100_000,
-                                   scheduling_strategy=here).remote(config.model_dump(), str(i), name)
+                                   max_task_retries=0, max_concurrency=100_000, **engine_placement(config))
+            .remote(config.model_dump(), str(i), name)
             for i, name in enumerate(names)
         ]  # fmt: skip
         self.readers = [ChannelReader(engine, i, owner, self) for i, engine in enumerate(self.engines)]
         self.health: list[dict[str, Any]] = [{"replica": str(i), "state": "starting"} for i in range(len(names))]
+        self._actors = [("", 0)] * len(names)  # per replica: its actor's life (EngineState.actor), builds before it
         self._changed: asyncio.Event | None = None
         self._ticker: asyncio.Task[None] | None = None
 
@@ -89,7 +87,16 @@ class EngineClient:
                 state.queue.put_nowait(failure)
 
     def _set_state(self, replica: int, s: EngineState) -> None:
-        self.health[replica] = {"replica": str(replica), "state": s.state, "generation": s.generation, "error": s.error}
+        """The replica's state as /health and /stats show it; its ``generation`` counts its builds across the
+        restarts of its actor (``EngineState.actor``; a state this side sets names no actor and keeps the count)."""
+        generation = self.health[replica].get("generation", 0)
+        if s.actor:
+            actor, base = self._actors[replica]
+            if s.actor != actor:  # a new life of the actor (Ray restarted it): its builds count on from here
+                base = generation if actor else 0
+                self._actors[replica] = (s.actor, base)
+            generation = base + s.generation
+        self.health[replica] = {"replica": str(replica), "state": s.state, "generation": generation, "error": s.error}
         self.router.set_healthy(replica, s.state == "ready")
         if self._changed is not None:
             self._changed.set()
@@ -137,6 +144,7 @@ class EngineClient:
             except Exception as e:
                 d = {"replica": str(i), "state": "unreachable", "error": f"{type(e).__name__}"}
             r = self.router.replicas[i]
+            d["generation"] = self.health[i].get("generation", 0)  # its builds across its actor's restarts
             d.update(routed_requests=r.total_routed, router_outstanding_tokens=r.outstanding_tokens,
                      routed_cache_hits=r.cache_hits, router_cached_blocks=self.router.index.num_blocks(i))
             return d
@@ -177,3 +185,17 @@ class EngineClient:
         for engine in self.engines:
             with contextlib.suppress(Exception):
                 ray.kill(engine, no_restart=True)
+
+
+def engine_placement(config: CBServeConfig) -> dict[str, Any]:
+    """Where an engine replica's SchedulerActor runs. A replica of one rank runs that rank in the actor itself
+    (cluster/engine/rank.py), so the actor takes the rank's resources (``worker_num_cpus``, a GPU on CUDA), on this
+    ingress's node when it has them. A larger replica's scheduler takes no CPU and lives beside the ingress that
+    owns it (it dies with it anyway): one network hop less per token, and a lost GPU node never takes a scheduler
+    with it; its ranks are WorkerActors in a placement group of their own."""
+    here = ray.get_runtime_context().get_node_id()
+    if config.tensor_parallel_size > 1:
+        return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=here, soft=False)}
+    gpu = config.resolved_device == "cuda"
+    return {"num_cpus": config.worker_num_cpus, "num_gpus": 1 if gpu else 0,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=here, soft=True)}

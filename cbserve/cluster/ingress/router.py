@@ -182,11 +182,12 @@ class Router:
             return Route(self._decided(healthy[self._turn % len(healthy)], "round_robin"), n)
         least = self._least_loaded(healthy)
         if self.mode == "cache_aware":
-            matched = self.index.matched_blocks(prompt_token_ids, extra_keys, healthy)
+            found = self.index.matched(prompt_token_ids, extra_keys, healthy)  # (pool, tier) blocks
+            matched = {i: pool + tier for i, (pool, tier) in found.items()}
             within = [i for i in healthy if self._within_bound(i, least)]
             min_hit = self._min_hit_blocks(n)
             if any(matched[i] >= min_hit for i in within):
-                best = min(within, key=lambda i: self._first_token_cost(i, n, matched[i]))
+                best = min(within, key=lambda i: self._first_token_cost(i, n, *found[i]))
                 kind = "cache_hit" if matched[best] >= min_hit else "least_loaded"
                 return Route(self._decided(best, kind, matched[best] * self.block_size),
                              n - matched[best] * self.block_size)  # fmt: skip
@@ -195,14 +196,20 @@ class Router:
         idx, kind = self._by_affinity(prompt_token_ids, healthy, least, lora_id)
         return Route(self._decided(idx, kind), n)
 
-    def _first_token_cost(self, idx: int, num_prompt_tokens: int, matched_blocks: int) -> tuple[int, int, int]:
+    def _first_token_cost(self, idx: int, num_prompt_tokens: int, pool_blocks: int,
+                          tier_blocks: int = 0) -> tuple[int, int, int]:
         """How soon replica ``idx`` should give a request its first token, lower first: the prompt tokens to
         prefill there before it and its own uncached ones, these counted twice (prefilling them also takes cache
         room that other prompts held, which later requests pay for: counted once, the spills cost 8 points of
-        hit rate in bench_routing.py for no better TTFT); then fewer cached blocks, then more outstanding tokens."""
+        hit rate in bench_routing.py for no better TTFT), and its tokens in the KV tiers at an eighth of that (a
+        load from the RAM tier is about a tenth of a prefill on CPU: bench_kv_tiers.py), so that a tiered hit
+        scores below a pool hit and above a miss; then fewer cached blocks, then more outstanding tokens."""
         r = self.replicas[idx]
-        uncached = num_prompt_tokens - matched_blocks * self.block_size
-        return r.pending_prefill_tokens + 2 * uncached, -matched_blocks, r.outstanding_tokens
+        bs = self.block_size
+        uncached = num_prompt_tokens - (pool_blocks + tier_blocks) * bs
+        loaded = tier_blocks * bs
+        cost = r.pending_prefill_tokens + 2 * uncached + loaded // 4
+        return cost, -(pool_blocks + tier_blocks), r.outstanding_tokens
 
     def _min_hit_blocks(self, num_prompt_tokens: int) -> int:
         """The shortest cached prefix (blocks) that counts as a hit: the affinity chunk, or the prompt's cacheable

@@ -142,16 +142,17 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(self, block: KVBlock, block_hash: int, block_key: BlockKey) -> None:
+    def cache_block(self, block: KVBlock, block_hash: int, block_key: BlockKey) -> bool:
         """Register a full, computed block (``block_hash``: ``key_hash(block_key)``; reported to ``events``). If
-        another block already holds this content, keep that one."""
+        another block already holds this content, keep that one. Whether ``block`` was registered."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         block.block_key = block_key
         self.cached[block_hash] = block
         if self.events is not None:
             self.events.store(block_hash)
+        return True
 
     def record_events(self, key_hash: Callable[[BlockKey], int]) -> KVEventRecorder:
         """From now on, key blocks by ``key_hash`` (their stable hash) and report each block registered and evicted

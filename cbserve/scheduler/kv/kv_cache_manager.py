@@ -22,6 +22,7 @@ from typing import Any
 from cbserve.scheduler.config import CacheConfig
 from cbserve.scheduler.kv.block_pool import BlockPool, KVBlock
 from cbserve.scheduler.kv.kv_events import KVCacheEvents, stable_key_hasher
+from cbserve.scheduler.kv.offload import tier_ok
 from cbserve.scheduler.requests.request import RequestStatus
 
 ComputedBlocks = tuple[list[KVBlock], list[int]]  # prefix-cache hit blocks and their hashes
@@ -36,6 +37,11 @@ class KVCacheManager:
         self.tables: dict[str, list[KVBlock]] = {}
         self.hashes: dict[str, list[int]] = {}  # chain hashes (pool keys) of each sequence's full computed blocks
         self.block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write copies, drained per step
+        # with KV tiers (offload.py): the blocks registered since the last step, (id, hash), and stable hashes
+        self.completed: list[tuple[int, int]] | None = None
+        if config.offload is not None:
+            self.pool.key_hash = stable_key_hasher(self.block_size)
+            self.completed = []
 
     @property
     def num_blocks(self) -> int:
@@ -88,11 +94,18 @@ class KVCacheManager:
         table = self.tables[seq_id]
         bs = self.block_size
         key_hash = self.pool.key_hash
+        completed = self.completed if self.completed is not None and tier_ok(extra_keys) else None
         for i in range(len(hashes), min(num_computed // bs, len(table))):
             key = self.block_key(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], extra_keys)
             block_hash = key_hash(key)
             hashes.append(block_hash)
-            self.pool.cache_block(table[i], block_hash, key)
+            if self.pool.cache_block(table[i], block_hash, key) and completed is not None:
+                completed.append((table[i].block_id, block_hash))
+
+    def take_completed(self) -> list[tuple[int, int]]:
+        """The blocks registered since the last call (with KV tiers): what the tiers may store."""
+        done, self.completed = self.completed or [], [] if self.completed is not None else None
+        return done
 
     # ---- prefix-cache events (kv_events.py) -------------------------------------------------------
     def record_events(self) -> None:

@@ -55,28 +55,39 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, extra_keys: t
 @dataclass
 class KVCacheEvents:
     """An engine's prefix-cache changes since the previous drain: event hashes of the blocks registered
-    (``stored``) and evicted (``removed``), disjoint. ``reset``: forget every hash known before, then apply (a
-    snapshot of the whole cache is ``reset`` with every cached block in ``stored``)."""
+    (``stored``) and evicted (``removed``), disjoint; the same for the KV tiers below the pool (``tier_stored``:
+    now in the RAM or the disk tier, ``tier_removed``: in neither any more; scheduler/kv/offload.py). ``reset``:
+    forget every hash known before, then apply (a snapshot of the whole cache is ``reset`` with every cached block
+    in ``stored`` and every tiered one in ``tier_stored``)."""
 
     stored: list[int] = field(default_factory=list)
     removed: list[int] = field(default_factory=list)
     reset: bool = False
+    tier_stored: list[int] = field(default_factory=list)
+    tier_removed: list[int] = field(default_factory=list)
 
-    def apply_to(self, held: set[int]) -> None:
-        """Bring ``held`` (a mirror of the engine's cached hashes) up to date."""
+    def apply_to(self, held: set[int], tiered: set[int] | None = None) -> None:
+        """Bring ``held`` (a mirror of the engine's cached hashes) and ``tiered`` (of its tiers') up to date."""
         if self.reset:
             held.clear()
         held.difference_update(self.removed)
         held.update(self.stored)
+        if tiered is not None:
+            if self.reset:
+                tiered.clear()
+            tiered.difference_update(self.tier_removed)
+            tiered.update(self.tier_stored)
 
 
 class KVEventRecorder:
-    """Accumulates events between drains, netted per hash (the later event of a hash replaces the earlier)."""
+    """Accumulates events between drains, netted per hash (the later event of a hash replaces the earlier); the
+    tiers' events (``tier``) the same way, apart."""
 
     def __init__(self) -> None:
         self._stored: dict[int, None] = {}
         self._removed: dict[int, None] = {}
         self._reset = False
+        self.tier: KVEventRecorder | None = None  # the tiers' events, once there are any
 
     def store(self, block_hash: int) -> None:
         self._removed.pop(block_hash, None)
@@ -86,29 +97,36 @@ class KVEventRecorder:
         self._stored.pop(block_hash, None)
         self._removed[block_hash] = None
 
-    def reset_to(self, hashes: Iterable[int]) -> None:
-        """Whatever came before is replaced by a snapshot: exactly ``hashes`` are cached."""
+    def reset_to(self, hashes: Iterable[int], tiered: Iterable[int] = ()) -> None:
+        """Whatever came before is replaced by a snapshot: exactly ``hashes`` are cached (``tiered`` in the tiers)."""
         self._stored = dict.fromkeys(hashes)
         self._removed = {}
         self._reset = True
+        self.tier = KVEventRecorder()
+        self.tier._stored = dict.fromkeys(tiered)
 
     def add(self, events: KVCacheEvents) -> None:
         """Events drained elsewhere, later than those recorded here."""
         if events.reset:
-            self.reset_to(events.stored)
-        else:
-            for h in events.removed:
-                self.remove(h)
-            for h in events.stored:
-                self.store(h)
+            self.reset_to(events.stored, events.tier_stored)
+            return
+        for h in events.removed:
+            self.remove(h)
+        for h in events.stored:
+            self.store(h)
+        if events.tier_stored or events.tier_removed:
+            self.tier = self.tier or KVEventRecorder()
+            self.tier.add(KVCacheEvents(events.tier_stored, events.tier_removed))
 
     def __bool__(self) -> bool:
-        return bool(self._stored or self._removed or self._reset)
+        return bool(self._stored or self._removed or self._reset or self.tier)
 
     def take(self) -> KVCacheEvents | None:
         """The events since the last take; None when there are none."""
         if not self:
             return None
-        events = KVCacheEvents(list(self._stored), list(self._removed), self._reset)
-        self._stored, self._removed, self._reset = {}, {}, False
+        tier = self.tier.take() if self.tier is not None else None
+        events = KVCacheEvents(list(self._stored), list(self._removed), self._reset,
+                               tier.stored if tier else [], tier.removed if tier else [])  # fmt: skip
+        self._stored, self._removed, self._reset, self.tier = {}, {}, False, None
         return events

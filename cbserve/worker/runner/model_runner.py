@@ -28,6 +28,7 @@ from cbserve.worker.runner.block_table import BlockTable
 from cbserve.worker.runner.draft_model import DraftModel
 from cbserve.worker.runner.input_batch import CachedRequestState, PreparedBatch, build_batch, order_decode_first
 from cbserve.worker.runner.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, num_blocks_for_budget
+from cbserve.worker.runner.kv_tiers import build_kv_tiers
 from cbserve.worker.runner.pooler import Pooler
 from cbserve.worker.runner.profiling import profile_cuda_kv_budget
 from cbserve.worker.runner.prompt_logprobs import compute_prompt_logprobs
@@ -92,6 +93,7 @@ class ModelRunner:
         self.structured = StructuredOutputs(self.model_folder, vocab, self.eos_token_ids)  # grammar matchers
         self.num_kv_heads = divide(num_kv_heads_of(self.hf_config), tp_world_size(), "num_key_value_heads")
         self.head_dim = head_dim_of(self.hf_config)
+        self.kv_tiers = build_kv_tiers(self)  # None unless kv_offloading_bytes
         self.kv_caches: list[KVCache] = []
         self.graphs: DecodeCUDAGraphs | None = None
         self.piecewise: PiecewiseCUDAGraphs | None = None
@@ -145,6 +147,8 @@ class ModelRunner:
         self.graphs = self.piecewise = None  # graphs of an earlier cache point at its tensors
         self.kv_caches = self.allocate_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+        if self.kv_tiers is not None:
+            self.kv_tiers.register_kv_caches(self.kv_caches)
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks)
         if self.lora is None:  # a step's adapters change between steps: no graphs with LoRA
@@ -175,6 +179,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: the KV tiers' moves first (worker/runner/kv_tiers.py), then the forward pass and sampling."""
+        tiers = self.kv_tiers
+        if tiers is None:
+            return self._execute(so)
+        if so.kv_transfer is not None:
+            tiers.start_load_kv(so.kv_transfer)
+            if so.kv_transfer.poll and not so.num_scheduled_tokens:
+                tiers.wait_for_prefetch()
+        out = self._execute(so)
+        out.kv_transfer = tiers.get_finished()
+        return out
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         self._update_states(so)
         if not self.kv_caches:
@@ -328,6 +345,8 @@ class ModelRunner:
         self.block_table.truncate(state.req_id, num_blocks)
 
     def shutdown(self) -> None:
+        if self.kv_tiers is not None:
+            self.kv_tiers.shutdown()
         self.graphs = self.piecewise = None
         self.kv_caches = []
         self.requests.clear()

@@ -1,0 +1,226 @@
+"""The KV tiers below the pool, the scheduler's half (connector.py's ``SchedulerConnector``): a RAM tier and a disk
+tier, keyed by the prefix cache's block hashes (stable ones: the same in every process and after a restart).
+
+The scheduler owns the index of what each tier holds; the worker's half (worker/runner/kv_tiers.py) holds the bytes
+and does what each step's ``KVTransfer`` says, in order, before the forward pass. So a load never misses: the
+scheduler offers a block only when the RAM tier holds it, and it evicts from the RAM tier itself.
+
+- Store on completion: a full block the pool registers (its KV computed) is copied to the RAM tier in the next step
+  and, with a disk tier, written to disk in the background (write-through). A block already held is only touched.
+- Load: a waiting request whose prompt continues past the pool's hits with blocks the RAM tier holds gets them
+  copied into fresh pool blocks in the step that admits it; they count as computed, like pool hits.
+- Disk: a block only on disk is prefetched into the RAM tier in the background; the request waits (it is not
+  admitted) until its blocks arrive or fail (a missing or corrupt file: dropped from the index, the tokens computed).
+  The engine loop never waits on disk.
+- Eviction: least recently used in each tier; a RAM tier entry evicted stays on disk.
+
+Blocks whose request runs a LoRA adapter are not kept in the tiers (an adapter's id is not stable across restarts).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from cbserve.scheduler.config import OffloadConfig
+from cbserve.scheduler.kv.connector import KVTransfer, KVTransferResult
+from cbserve.scheduler.kv.kv_events import KVCacheEvents, KVEventRecorder
+
+DISK_SUFFIX = ".kv"
+
+
+@dataclass
+class OffloadStats:
+    """Counters since the engine started (``/stats``, the metrics)."""
+
+    hit_tokens_ram: int = 0  # prompt tokens loaded from the RAM tier
+    hit_tokens_disk: int = 0  # of those, tokens whose blocks were prefetched from disk
+    blocks_stored: int = 0
+    blocks_loaded: int = 0
+    blocks_prefetched: int = 0
+    prefetch_failures: int = 0  # missing, truncated or corrupt files
+    evictions_ram: int = 0
+    evictions_disk: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    bytes_from_disk: int = 0
+    store_s: float = 0.0
+    load_s: float = 0.0
+
+
+def tier_ok(extra_keys: tuple) -> bool:
+    """Whether a request's blocks may go to the tiers: not with a LoRA adapter (see the module docstring)."""
+    return not any(isinstance(k, tuple) and k[:1] == ("lora",) for k in extra_keys)
+
+
+def scan_disk(disk_dir: str) -> list[int]:
+    """The block hashes of the files in ``disk_dir``, oldest first."""
+    try:
+        entries = [e for e in os.scandir(disk_dir) if e.name.endswith(DISK_SUFFIX)]
+    except FileNotFoundError:
+        return []
+    out = []
+    for e in sorted(entries, key=lambda e: e.stat().st_mtime_ns):
+        try:
+            out.append(int(e.name[: -len(DISK_SUFFIX)], 16))
+        except ValueError:
+            continue
+    return out
+
+
+@dataclass
+class _Pending:
+    stores: list[tuple[int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)
+    evict: list[int] = field(default_factory=list)
+    prefetch: list[int] = field(default_factory=list)
+    disk_evict: list[int] = field(default_factory=list)
+
+
+class OffloadConnector:
+    def __init__(self, config: OffloadConfig, block_size: int, key_hash: Callable[[tuple], int]) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.key_hash = key_hash  # the pool's (stable) key hash
+        self.ram: OrderedDict[int, bool] = OrderedDict()  # hash -> ready (False: prefetch from disk under way)
+        self.disk: OrderedDict[int, None] = OrderedDict()  # hashes on disk, least recently used first
+        self.from_disk: set[int] = set()  # RAM tier entries that came from disk (for the hit counters)
+        self.stats = OffloadStats()
+        self.events: KVEventRecorder | None = None  # which blocks the tiers hold, for a router (``record_events``)
+        self._next = _Pending()
+        if config.disk_dir is not None:
+            for h in scan_disk(config.disk_dir):  # a restarted replica warms from what is there
+                self.disk[h] = None
+            self._trim_disk()
+
+    # ---- admission --------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, token_ids: Sequence[int], extra_keys: tuple, parent: int | None,
+                                   num_cached_blocks: int) -> tuple[list[int], bool]:
+        if not tier_ok(extra_keys):
+            return [], False
+        bs = self.block_size
+        ready: list[int] = []
+        wait = False
+        for i in range(num_cached_blocks, (len(token_ids) - 1) // bs):  # the last token is always computed
+            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra_keys if parent is None else ())
+            h = self.key_hash(key)
+            state = self.ram.get(h)
+            if state is None and h in self.disk:
+                self._prefetch(h)
+                state = False
+            if state is None:
+                break
+            if not state:
+                wait = True  # on its way from disk: prefetch what follows too, load nothing yet
+            elif not wait:
+                ready.append(h)
+            parent = h
+        return ready, wait
+
+    def update_state_after_alloc(self, blocks: list[tuple[int, int]]) -> None:
+        for block_id, h in blocks:
+            self.ram.move_to_end(h)
+            self._next.loads.append((block_id, h))
+            self.stats.hit_tokens_ram += self.block_size
+            self.stats.hit_tokens_disk += self.block_size if h in self.from_disk else 0
+        self.stats.blocks_loaded += len(blocks)
+
+    # ---- each step ----------------------------------------------------------------------------------
+    def build_connector_meta(self, completed: list[tuple[int, int]]) -> KVTransfer | None:
+        for block_id, h in completed:
+            if h in self.ram:
+                self.ram.move_to_end(h)
+                continue
+            self._make_room()
+            self._tier_in(h)
+            self.ram[h] = True  # stored before any later step's load (the worker runs the steps in order)
+            self._next.stores.append((block_id, h))
+            self.stats.blocks_stored += 1
+        p, self._next = self._next, _Pending()
+        poll = any(not ready for ready in self.ram.values())
+        transfer = KVTransfer(p.stores, p.loads, p.evict, p.prefetch, p.disk_evict, poll)
+        return transfer if transfer else None
+
+    def update_connector_output(self, result: KVTransferResult) -> None:
+        for h in result.on_disk:
+            self._tier_in(h)
+            self.disk[h] = None
+            self.disk.move_to_end(h)
+        self._trim_disk()
+        for h in result.prefetched:
+            if h in self.ram:
+                self.ram[h] = True
+                self.from_disk.add(h)
+        for h in result.failed:  # never served: dropped (the worker deleted its file), its tokens computed
+            self.ram.pop(h, None)
+            self.disk.pop(h, None)
+            self._tier_out(h)
+        s = self.stats
+        s.blocks_prefetched += len(result.prefetched)
+        s.prefetch_failures += len(result.failed)
+        s.bytes_stored += result.bytes_stored
+        s.bytes_loaded += result.bytes_loaded
+        s.bytes_from_disk += result.bytes_from_disk
+        s.store_s += result.store_s
+        s.load_s += result.load_s
+
+    def steps_dropped(self, transfers: list[KVTransfer]) -> None:
+        """A dropped step's stores may not have happened: forget them (and drop whatever the worker holds of them);
+        its evictions are asked again; its loads went to requests that are recomputed."""
+        for t in transfers:
+            for _, h in t.stores:
+                if self.ram.pop(h, None) is not None:
+                    self._next.evict.append(h)
+                    self._tier_out(h)
+            self._next.evict.extend(t.evict)
+            self._next.disk_evict.extend(t.disk_evict)
+
+    def request_finished(self, seq_id: str, block_ids: list[int]) -> bool:
+        return False  # the tiers hold copies: the pool's blocks are free at once
+
+    # ---- events: which blocks the tiers hold (kv_events.py's tier fields) --------------------------
+    def record_events(self) -> None:
+        self.events = KVEventRecorder()
+
+    def tiered_hashes(self) -> list[int]:
+        return list(self.ram.keys() | self.disk.keys())
+
+    def take_events(self) -> KVCacheEvents | None:
+        """The blocks that came into the tiers (``stored``) and left both (``removed``) since the last call."""
+        return None if self.events is None else self.events.take()
+
+    def _tier_in(self, h: int) -> None:
+        """Before ``h`` goes into a tier: an event when neither held it."""
+        if self.events is not None and h not in self.ram and h not in self.disk:
+            self.events.store(h)
+
+    def _tier_out(self, h: int) -> None:
+        if self.events is not None and h not in self.ram and h not in self.disk:
+            self.events.remove(h)
+
+    # ---- capacity -----------------------------------------------------------------------------------
+    def _prefetch(self, h: int) -> None:
+        self._make_room()
+        self.ram[h] = False
+        self.disk.move_to_end(h)
+        self._next.prefetch.append(h)
+
+    def _make_room(self) -> None:
+        while len(self.ram) >= self.config.ram_blocks:
+            victim = next((h for h, ready in self.ram.items() if ready), None)
+            if victim is None:
+                return  # everything held is being prefetched: the tier runs over by a little until they land
+            del self.ram[victim]
+            self.from_disk.discard(victim)
+            self._next.evict.append(victim)
+            self._tier_out(victim)
+            self.stats.evictions_ram += 1
+
+    def _trim_disk(self) -> None:
+        while len(self.disk) > self.config.disk_blocks:
+            h, _ = self.disk.popitem(last=False)
+            self._next.disk_evict.append(h)
+            self._tier_out(h)
+            self.stats.evictions_disk += 1

@@ -1,0 +1,217 @@
+"""The KV tiers below the pool, the worker's half (scheduler/kv/connector.py's ``WorkerConnector``; the scheduler's
+half, which decides every move, is scheduler/kv/offload.py).
+
+- The RAM tier: one tensor per block, ``[layers, 2 (K, V), block_size, kv_heads, head_dim]``, in the cache's dtype
+  (lossless: a restored block gives the tokens a recomputed one gives; ``kv_offloading_dtype: bfloat16`` halves a
+  float32 cache's blocks instead, rounding them), on the CPU (pinned on CUDA).
+- The disk tier: one file per block in this model's folder (``<kv_disk_path>/<model key>/<hash>.kv``, the key
+  naming the model's files, dtype, block size and tensor-parallel rank, so that two models never share blocks),
+  written atomically (a temporary file, then a rename) by a background thread; a header with the block's hash,
+  shape and dtype, and a blake2b digest of the payload, checked on every read: a truncated or corrupt file is
+  reported failed (the scheduler drops it, the tokens are computed), never served. Replicas of one node share the
+  folder; a restarted replica finds what is there.
+
+Each step's ``KVTransfer`` is carried out before its forward pass: stores (pool -> RAM, and queued for disk),
+loads (RAM -> pool), evictions; prefetches (disk -> RAM) and deletions run in the background thread and are
+reported in a later step's ``KVTransferResult``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cbserve.scheduler.config import OffloadConfig
+from cbserve.scheduler.kv.connector import KVTransfer, KVTransferResult
+from cbserve.scheduler.kv.offload import DISK_SUFFIX
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"CBKV\x01"
+_HEADER = struct.Struct("<5sQ16sQ")  # magic, block hash, payload digest, payload bytes
+POLL_WAIT_S = 0.01  # a step sent only to collect prefetch reports waits this long for one
+
+
+def tier_key(model_files: list[Path], dtype: torch.dtype, block_size: int, rank: int, world: int,
+             tier_dtype: str = "auto") -> str:
+    """The disk tier's folder name for one model: its files (names, sizes, times), the cache's dtype and layout, the
+    tiers' dtype."""
+    h = hashlib.blake2b(digest_size=10)
+    for f in sorted(model_files):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    h.update(json.dumps([str(dtype), block_size, rank, world, tier_dtype]).encode())
+    return h.hexdigest()
+
+
+class KVTiers:
+    def __init__(self, ram_bytes: int, disk_dir: Path | None, disk_bytes: int, block_shape: tuple[int, ...],
+                 dtype: torch.dtype, pin: bool = False) -> None:
+        """``dtype``: the tiers' (the cache's, or bfloat16 for a float32 cache: rounded on store, widened on load)."""
+        self.block_shape = block_shape  # [layers, 2, block_size, kv_heads, head_dim]
+        self.dtype = dtype
+        self.block_bytes = torch.Size(block_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.config = OffloadConfig(ram_bytes // self.block_bytes, None if disk_dir is None else str(disk_dir),
+                                    disk_bytes // self.block_bytes if disk_dir is not None else 0)
+        self.disk_dir = disk_dir
+        if disk_dir is not None:
+            disk_dir.mkdir(parents=True, exist_ok=True)
+        self.pin = pin
+        self.ram: dict[int, torch.Tensor] = {}
+        self.kv_caches: list = []
+        self._io = ThreadPoolExecutor(1, "cbserve-kv-disk")  # disk writes, reads and deletions, in order
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        self._report = KVTransferResult()
+        self._prefetching = 0
+
+    # ---- WorkerConnector ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: list) -> None:
+        self.kv_caches = kv_caches
+
+    def start_load_kv(self, t: KVTransfer) -> None:
+        start = time.perf_counter()
+        if t.stores:
+            self._store(t.stores)
+        stored = time.perf_counter()
+        if t.loads:
+            self._load(t.loads)
+        with self._lock:
+            r = self._report
+            r.bytes_stored += len(t.stores) * self.block_bytes
+            r.bytes_loaded += len(t.loads) * self.block_bytes
+            r.store_s += stored - start
+            r.load_s += time.perf_counter() - stored
+        for h in t.evict:
+            self.ram.pop(h, None)
+        for h in t.prefetch:
+            with self._lock:
+                self._prefetching += 1
+            self._io.submit(self._read, h)
+        for h in t.disk_evict:
+            self._io.submit(self._unlink, h)
+
+    def get_finished(self) -> KVTransferResult | None:
+        with self._lock:
+            r, self._report = self._report, KVTransferResult()
+        return r if (r.on_disk or r.prefetched or r.failed or r.bytes_stored or r.bytes_loaded) else None
+
+    def wait_for_prefetch(self, timeout_s: float = POLL_WAIT_S) -> None:
+        """Until a prefetch lands or fails, or ``timeout_s`` (a poll step's wait: no busy loop while one runs)."""
+        with self._arrived:
+            if self._prefetching and not (self._report.prefetched or self._report.failed):
+                self._arrived.wait(timeout_s)
+
+    def shutdown(self) -> None:
+        self._io.shutdown(wait=True)
+
+    # ---- pool <-> RAM ---------------------------------------------------------------------------------
+    def _store(self, stores: list[tuple[int, int]]) -> None:
+        ids = torch.tensor([b for b, _ in stores], dtype=torch.long, device=self.kv_caches[0][0].device)
+        layers = [torch.stack((k.index_select(0, ids), v.index_select(0, ids))) for k, v in self.kv_caches]
+        blocks = torch.stack(layers).transpose(0, 2).to("cpu", self.dtype)  # [n, 2, layers, ...] -> per block
+        for i, (_, h) in enumerate(stores):
+            block = blocks[i].transpose(0, 1).contiguous()  # [layers, 2, block_size, heads, head_dim]
+            self.ram[h] = block.pin_memory() if self.pin else block
+            if self.disk_dir is not None:
+                self._io.submit(self._write, h, block)
+
+    def _load(self, loads: list[tuple[int, int]]) -> None:
+        device = self.kv_caches[0][0].device
+        ids = torch.tensor([b for b, _ in loads], dtype=torch.long, device=device)
+        blocks = torch.stack([self.ram[h] for _, h in loads]).to(device, non_blocking=True)  # [n, layers, 2, ...]
+        blocks = blocks.to(self.kv_caches[0][0].dtype)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, ids, blocks[:, layer, 0])
+            v.index_copy_(0, ids, blocks[:, layer, 1])
+
+    # ---- disk (the background thread) ---------------------------------------------------------------
+    def _path(self, h: int) -> Path:
+        assert self.disk_dir is not None
+        return self.disk_dir / f"{h:016x}{DISK_SUFFIX}"
+
+    def _write(self, h: int, block: torch.Tensor) -> None:
+        path = self._path(h)
+        payload = block.contiguous().view(torch.uint8).numpy().tobytes()
+        header = _HEADER.pack(MAGIC, h, hashlib.blake2b(payload, digest_size=16).digest(), len(payload))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(payload)
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.warning("KV disk tier: writing %s failed: %s", path.name, e)
+            tmp.unlink(missing_ok=True)
+            return
+        with self._lock:
+            self._report.on_disk.append(h)
+
+    def _read(self, h: int) -> None:
+        block, nbytes = self._read_checked(h), 0
+        if block is None:
+            self._unlink(h)  # a bad file is never read again (by this replica or another)
+        with self._arrived:
+            self._prefetching -= 1
+            if block is None:
+                self._report.failed.append(h)
+            else:
+                self.ram[h] = block
+                self._report.prefetched.append(h)
+                nbytes = self.block_bytes
+            self._report.bytes_from_disk += nbytes
+            self._arrived.notify_all()
+
+    def _read_checked(self, h: int) -> torch.Tensor | None:
+        path = self._path(h)
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            logger.warning("KV disk tier: block %016x unreadable (%s); it is computed", h, e)
+            return None
+        if len(data) != _HEADER.size + self.block_bytes:
+            logger.warning("KV disk tier: %s has %d bytes, not %d; it is computed", path.name, len(data),
+                           _HEADER.size + self.block_bytes)
+            return None
+        magic, stored_hash, digest, size = _HEADER.unpack_from(data)
+        payload = data[_HEADER.size :]
+        if magic != MAGIC or stored_hash != h or size != self.block_bytes or \
+                hashlib.blake2b(payload, digest_size=16).digest() != digest:  # fmt: skip
+            logger.warning("KV disk tier: %s fails its checks (corrupt); it is computed", path.name)
+            return None
+        block = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+        return block.pin_memory() if self.pin else block
+
+    def _unlink(self, h: int) -> None:
+        self._path(h).unlink(missing_ok=True)
+
+
+def build_kv_tiers(runner: Any) -> KVTiers | None:
+    """The tiers of a ModelRunner whose config asks for them (``kv_offloading_bytes``), else None."""
+    config = runner.config
+    if not config.kv_offloading_bytes:
+        return None
+    disk_dir = None
+    if config.kv_disk_path is not None:
+        files = [*runner.model_folder.glob("*.safetensors"), runner.model_folder / "config.json"]
+        key = tier_key([f for f in files if f.exists()], runner.dtype, runner.block_size, config.rank,
+                       config.tensor_parallel_size, config.kv_offloading_dtype)
+        disk_dir = Path(config.kv_disk_path) / key
+    shape = (runner.num_layers, 2, runner.block_size, runner.num_kv_heads, runner.head_dim)
+    dtype = torch.bfloat16 if config.kv_offloading_dtype == "bfloat16" else runner.dtype
+    tiers = KVTiers(config.kv_offloading_bytes, disk_dir, config.kv_disk_bytes, shape, dtype,
+                    pin=runner.device.type == "cuda")
+    logger.info("KV tiers: RAM %d blocks (%.1f MiB)%s", tiers.config.ram_blocks,
+                tiers.config.ram_blocks * tiers.block_bytes / 2**20,
+                "" if disk_dir is None else f", disk {tiers.config.disk_blocks} blocks in {disk_dir}")
+    return tiers

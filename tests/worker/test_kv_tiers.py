@@ -1,0 +1,129 @@
+"""The KV tiers below the pool (scheduler/kv/offload.py, worker/runner/kv_tiers.py) on the real runner: the offline
+``LLM`` over a tiny random Llama whose pool holds fewer blocks than the conversations need, so that their second
+turns find their first turns' blocks evicted from the pool. Every figure is checked against an engine without
+tiers: the tokens are the same, token for token (the tiers keep the cache's dtype: lossless), while the tiers
+served the prefixes: from the RAM tier, then, in a new engine over the same disk folder (a restart), from disk;
+corrupt, truncated and missing files are detected by their checks, never served, and recomputed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tiny_llama import make_tiny_llama
+
+from cbserve import LLM, SamplingParams
+from cbserve.scheduler.kv.offload import DISK_SUFFIX
+
+ARGS: dict[str, Any] = dict(dtype="float32", device="cpu", max_model_len=64, max_num_seqs=8, block_size=4,
+                            kv_cache_memory_bytes=48 * 1024, max_num_batched_tokens=64, progress=False)  # fmt: skip
+MIB = 1 / 1024  # GiB
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+TURN1 = [[1] + [100 + 37 * c + i for i in range(36)] for c in range(8)]  # 8 conversations of 9 full blocks
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def _turn2(replies: list[list[int]]) -> list[list[int]]:
+    return [t + r + [7, 8, 9, 10, 11] for t, r in zip(TURN1, replies, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiers") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """Both turns without tiers: the second turns' prefixes were evicted from the pool and are recomputed."""
+    llm = LLM(str(model), **ARGS)
+    assert llm.engine.scheduler.kv.num_blocks * 4 < len(TURN1) * 36  # the conversations do not fit the pool
+    first = _generate(llm, TURN1)
+    return first, _generate(llm, _turn2(first))
+
+
+def test_the_ram_tier_serves_evicted_prefixes_with_the_same_tokens(model: Path, reference: Any) -> None:
+    llm = LLM(str(model), kv_offloading_size=MIB, **ARGS)
+    first = _generate(llm, TURN1)
+    second = _generate(llm, _turn2(first))
+    assert (first, second) == reference
+    s = llm.engine.scheduler.offload.stats
+    assert s.hit_tokens_ram >= 8 * 4 * 4 and s.hit_tokens_disk == 0  # most conversations' turn 1 came back
+    assert s.blocks_stored >= 8 * 9 and s.bytes_loaded == s.blocks_loaded * 2048
+    kv = llm.engine.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_restarted_engine_warms_from_the_disk_tier(model: Path, reference: Any, tmp_path: Path) -> None:
+    tiers = dict(kv_offloading_size=MIB, kv_disk_path=str(tmp_path / "kv"), kv_disk_size=MIB)
+    first_engine = LLM(str(model), **tiers, **ARGS)
+    assert _generate(first_engine, TURN1) == reference[0]
+    first_engine.shutdown()  # waits for the disk writes
+    files = list((tmp_path / "kv").glob(f"*/*{DISK_SUFFIX}"))
+    assert len(files) >= 8 * 9
+    restarted = LLM(str(model), **tiers, **ARGS)
+    assert _generate(restarted, _turn2(reference[0])) == reference[1]
+    s = restarted.engine.scheduler.offload.stats
+    assert s.hit_tokens_disk >= 8 * 9 * 4 and s.prefetch_failures == 0 and s.bytes_from_disk > 0
+
+
+def test_corrupt_truncated_and_missing_files_are_recomputed_never_served(
+    model: Path, reference: Any, tmp_path: Path
+) -> None:
+    tiers = dict(kv_offloading_size=MIB, kv_disk_path=str(tmp_path / "kv"), kv_disk_size=MIB)
+    writer = LLM(str(model), **tiers, **ARGS)
+    _generate(writer, TURN1)
+    writer.shutdown()
+    files = sorted((tmp_path / "kv").glob(f"*/*{DISK_SUFFIX}"))
+    corrupt, truncated, missing = files[0], files[1], files[2]
+    good = corrupt.read_bytes()
+    data = bytearray(good)
+    data[-5] ^= 0xFF  # one flipped byte in the payload: the digest catches it
+    corrupt.write_bytes(bytes(data))
+    truncated.write_bytes(truncated.read_bytes()[:-100])
+    restarted = LLM(str(model), **tiers, **ARGS)
+    missing.unlink()  # gone after the engine listed the folder
+    assert _generate(restarted, _turn2(reference[0])) == reference[1]
+    s = restarted.engine.scheduler.offload.stats
+    assert s.prefetch_failures >= 3 and s.hit_tokens_disk > 0
+    restarted.shutdown()  # the bad files were deleted, and the recomputed blocks written again
+    assert corrupt.read_bytes() == good and len(truncated.read_bytes()) == len(good)
+
+
+@pytest.mark.parametrize(("fields", "error"), [
+    (dict(kv_disk_path="/tmp/x", kv_disk_size=1.0), "set kv_offloading_size too"),
+    (dict(kv_offloading_size=1.0, kv_disk_path="/tmp/x"), "kv_disk_path needs kv_disk_size"),
+    (dict(kv_offloading_size=1.0, kv_disk_size=1.0), "kv_disk_size needs kv_disk_path"),
+    (dict(kv_offloading_size=1.0, enable_prefix_caching=False), "enable_prefix_caching off"),
+    (dict(kv_offloading_size=1.0, kv_cache_dtype="fp8"), "kv_cache_dtype fp8"),
+    (dict(kv_offloading_size=1.0, tensor_parallel_size=2), "tensor_parallel_size > 1"),
+])  # fmt: skip
+def test_what_the_tiers_cannot_do_is_refused(fields: dict[str, Any], error: str) -> None:
+    from cbserve.config import CBServeConfig
+
+    with pytest.raises(ValueError, match=error):
+        CBServeConfig(device="cpu", **fields)
+
+
+def test_a_bfloat16_tier_holds_twice_the_blocks_and_restores_them_rounded(model: Path, reference: Any) -> None:
+    """``kv_offloading_dtype: bfloat16`` for a float32 cache: twice the blocks in the same GiB, each restored as its
+    bfloat16 rounding (lossy: the tokens are compared with the lossless run's, not asserted equal)."""
+    import torch
+
+    lossless = LLM(str(model), kv_offloading_size=MIB, **ARGS)
+    compressed = LLM(str(model), kv_offloading_size=MIB, kv_offloading_dtype="bfloat16", **ARGS)
+    tiers, half = lossless.executor.runner.kv_tiers, compressed.executor.runner.kv_tiers
+    assert half.config.ram_blocks == 2 * tiers.config.ram_blocks and half.block_bytes * 2 == tiers.block_bytes
+    first = _generate(compressed, TURN1)
+    assert first == reference[0]  # nothing restored yet
+    pool, k_cache = compressed.engine.scheduler.kv.pool, compressed.executor.runner.kv_caches[0][0]
+    h = next(h for h in half.ram if h in pool.cached)  # a stored block the pool still holds: compare with it
+    assert half.ram[h].dtype == torch.bfloat16
+    assert torch.equal(half.ram[h][0, 0], k_cache[pool.cached[h].block_id].to(torch.bfloat16))
+    second = _generate(compressed, _turn2(first))
+    agree = sum(a == b for x, y in zip(second, reference[1], strict=True) for a, b in zip(x, y, strict=True))
+    assert compressed.engine.scheduler.offload.stats.hit_tokens_ram > 0
+    assert agree >= len(second) * 4 // 2  # most greedy tokens agree with recomputing in float32
