@@ -118,3 +118,42 @@ def test_the_tiers_tell_a_router_which_blocks_they_hold(tmp_path) -> None:
     assert c.take_events() == KVCacheEvents(removed=[h[0]])
     assert sorted(c.tiered_hashes()) == sorted(h[1:3])
     assert c.take_events() is None
+
+
+def test_a_dropped_steps_prefetches_are_asked_again_and_a_stray_report_is_ignored(tmp_path) -> None:
+    c = _connector(ram=8, disk_dir=str(tmp_path), disk=16)
+    h = _hashes(PROMPT)
+    c.update_connector_output(KVTransferResult(on_disk=h[:2]))
+    c.ram.clear()
+    assert c.get_num_new_matched_tokens(PROMPT, (), None, 0) == ([], True)
+    t = c.build_connector_meta([])
+    assert t is not None and t.prefetch == h[:2]
+    c.steps_dropped([t])  # the step never ran at the worker: without asking again, the request would wait for good
+    assert c.build_connector_meta([]).prefetch == h[:2]  # type: ignore[union-attr]
+    c.update_connector_output(KVTransferResult(prefetched=h[:2] + h[:1]))  # the first one twice: both reads ran
+    assert c.get_num_new_matched_tokens(PROMPT, (), None, 0) == (h[:2], False)
+
+
+def test_prefetches_stay_within_half_the_ram_tier_and_a_waiting_prompts_blocks_are_kept(tmp_path) -> None:
+    c = _connector(ram=6, disk_dir=str(tmp_path), disk=16)
+    h = _hashes(PROMPT)
+    c.update_connector_output(KVTransferResult(on_disk=h))
+    c.ram.clear()
+    assert c.get_num_new_matched_tokens(PROMPT, (), None, 0) == ([], True)
+    assert c.build_connector_meta([]).prefetch == h[:3]  # type: ignore[union-attr]  # 3 of 6 slots, once
+    c.update_connector_output(KVTransferResult(prefetched=h[:2]))  # h[2] still on its way
+    other = _hashes(list(range(500, 541)))
+    c.build_connector_meta([(9, other[0]), (10, other[1])])
+    assert c.get_num_new_matched_tokens(PROMPT, (), None, 0) == (h[:2], True)  # ready ones kept: it waits for h[2]
+    c.build_connector_meta([(11, other[2]), (12, other[3])])  # full: the oldest entry it does not want goes
+    assert h[0] in c.ram and h[1] in c.ram and other[0] not in c.ram and c.ram[h[2]] is False
+
+
+def test_a_router_learns_what_the_disk_tier_held_at_start(tmp_path) -> None:
+    h = _hashes(PROMPT)
+    for x in h[:3]:
+        (tmp_path / f"{x:016x}.kv").write_bytes(b"x")
+    c = _connector(ram=8, disk_dir=str(tmp_path), disk=16)
+    c.record_events()
+    events = c.take_events()
+    assert events is not None and sorted(events.stored) == sorted(h[:3])

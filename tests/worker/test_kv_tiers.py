@@ -121,8 +121,8 @@ def test_a_bfloat16_tier_holds_twice_the_blocks_and_restores_them_rounded(model:
     assert first == reference[0]  # nothing restored yet
     pool, k_cache = compressed.engine.scheduler.kv.pool, compressed.executor.runner.kv_caches[0][0]
     h = next(h for h in half.ram if h in pool.cached)  # a stored block the pool still holds: compare with it
-    assert half.ram[h].dtype == torch.bfloat16
-    assert torch.equal(half.ram[h][0, 0], k_cache[pool.cached[h].block_id].to(torch.bfloat16))
+    assert half.slots.dtype == torch.bfloat16
+    assert torch.equal(half.slots[half.ram[h]][0, 0], k_cache[pool.cached[h].block_id].to(torch.bfloat16))
     second = _generate(compressed, _turn2(first))
     agree = sum(a == b for x, y in zip(second, reference[1], strict=True) for a, b in zip(x, y, strict=True))
     assert compressed.engine.scheduler.offload.stats.hit_tokens_ram > 0

@@ -12,6 +12,7 @@ that. The caller's thread stays free (a WorkerActor's for pings, the SchedulerAc
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -30,6 +31,7 @@ from cbserve.worker.runner.step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+RELEASE_TIMEOUT_S = 60.0
 
 
 class Rank:
@@ -117,15 +119,23 @@ class Rank:
                 "cpu": self.runner.cpu_report if self.runner is not None else None}  # fmt: skip
 
     def shutdown(self) -> None:
+        """Release the model, its KV cache and tiers (on the model thread, after the steps queued there), so that a
+        replica rebuilt in this process finds the memory free."""
         try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # best effort while tearing down
-            logger.exception("destroy_process_group failed")
+            self.submit(self._release).result(timeout=RELEASE_TIMEOUT_S)
+        except Exception:  # best effort while tearing down (a step stuck in the model)
+            logger.exception("releasing the rank's model failed")
         self.runner = self.guard = None
         self.model_thread.shutdown(wait=False)
+        gc.collect()  # what the engine's frozen generation (tune_gc_for_serving) kept of it goes too
+
+    def _release(self) -> None:
+        if self.runner is not None:
+            self.runner.shutdown()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class LocalSteps:

@@ -77,6 +77,3 @@ class WorkerActor:
     # ---- introspection (tests, health) --------------------------------------------------------
     def ping(self) -> dict[str, Any]:
         return {**self.rank.info(), "node_id": ray.get_runtime_context().get_node_id()}
-
-    def shutdown(self) -> None:
-        self.rank.shutdown()

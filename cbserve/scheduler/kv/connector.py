@@ -17,10 +17,11 @@ from typing import Any, Protocol
 @dataclass(slots=True)
 class KVTransfer:
     """What a step asks of the KV tiers below the pool (scheduler/kv/offload.py), carried out by the worker before the
-    forward pass, in this order: ``stores`` (pool block -> the RAM tier, then the disk tier in the background),
-    ``loads`` (the RAM tier -> a pool block the step's requests then read), ``evict`` (RAM tier entries dropped),
-    ``disk_evict`` (disk files deleted, in the background). ``prefetch``: disk -> RAM tier in the background,
-    reported done in a later step's ``KVTransferResult``; ``poll``: a step sent only to collect those reports."""
+    forward pass, in this order: ``evict`` (RAM tier entries dropped: never one this step loads), ``stores`` (pool
+    block -> the RAM tier, then the disk tier in the background), ``loads`` (the RAM tier -> a pool block the step's
+    requests then read); ``disk_evict`` (disk files deleted) in the background. ``prefetch``: disk -> RAM tier in
+    the background, reported done in a later step's ``KVTransferResult``; ``poll``: a step sent only to collect those
+    reports."""
 
     stores: list[tuple[int, int]] = field(default_factory=list)  # (block id, block hash)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (block id, block hash)

@@ -103,19 +103,21 @@ class OffloadConnector:
         bs = self.block_size
         ready: list[int] = []
         wait = False
-        for i in range(num_cached_blocks, (len(token_ids) - 1) // bs):  # the last token is always computed
+        last = min((len(token_ids) - 1) // bs, num_cached_blocks + max(1, self.config.ram_blocks // 2))
+        for i in range(num_cached_blocks, last):  # the last token is always computed; half the tier at most
             key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra_keys if parent is None else ())
             h = self.key_hash(key)
             state = self.ram.get(h)
-            if state is None and h in self.disk:
-                self._prefetch(h)
+            if state is None and h in self.disk and self._prefetch(h):
                 state = False
             if state is None:
                 break
             if not state:
                 wait = True  # on its way from disk: prefetch what follows too, load nothing yet
-            elif not wait:
-                ready.append(h)
+            else:
+                self.ram.move_to_end(h)  # wanted: not evicted while the rest of the prompt arrives
+                if not wait:
+                    ready.append(h)
             parent = h
         return ready, wait
 
@@ -133,7 +135,8 @@ class OffloadConnector:
             if h in self.ram:
                 self.ram.move_to_end(h)
                 continue
-            self._make_room()
+            if not self._make_room():
+                continue  # every entry is on its way from disk or loaded this step: this block is not kept
             self._tier_in(h)
             self.ram[h] = True  # stored before any later step's load (the worker runs the steps in order)
             self._next.stores.append((block_id, h))
@@ -150,11 +153,12 @@ class OffloadConnector:
             self.disk.move_to_end(h)
         self._trim_disk()
         for h in result.prefetched:
-            if h in self.ram:
+            if self.ram.get(h) is False:
                 self.ram[h] = True
                 self.from_disk.add(h)
         for h in result.failed:  # never served: dropped (the worker deleted its file), its tokens computed
-            self.ram.pop(h, None)
+            if self.ram.pop(h, None) is not None:
+                self._next.evict.append(h)  # the worker frees the slot it held for it
             self.disk.pop(h, None)
             self._tier_out(h)
         s = self.stats
@@ -168,7 +172,7 @@ class OffloadConnector:
 
     def steps_dropped(self, transfers: list[KVTransfer]) -> None:
         """A dropped step's stores may not have happened: forget them (and drop whatever the worker holds of them);
-        its evictions are asked again; its loads went to requests that are recomputed."""
+        its evictions and prefetches are asked again; its loads went to requests that are recomputed."""
         for t in transfers:
             for _, h in t.stores:
                 if self.ram.pop(h, None) is not None:
@@ -176,6 +180,8 @@ class OffloadConnector:
                     self._tier_out(h)
             self._next.evict.extend(t.evict)
             self._next.disk_evict.extend(t.disk_evict)
+            # asked again (a second read of one that did start is harmless); else its request would wait for good
+            self._next.prefetch.extend(h for h in t.prefetch if self.ram.get(h) is False)
 
     def request_finished(self, seq_id: str, block_ids: list[int]) -> bool:
         return False  # the tiers hold copies: the pool's blocks are free at once
@@ -183,6 +189,8 @@ class OffloadConnector:
     # ---- events: which blocks the tiers hold (kv_events.py's tier fields) --------------------------
     def record_events(self) -> None:
         self.events = KVEventRecorder()
+        for h in self.tiered_hashes():  # what the disk tier held at start: a router scores it at once
+            self.events.store(h)
 
     def tiered_hashes(self) -> list[int]:
         return list(self.ram.keys() | self.disk.keys())
@@ -201,22 +209,32 @@ class OffloadConnector:
             self.events.remove(h)
 
     # ---- capacity -----------------------------------------------------------------------------------
-    def _prefetch(self, h: int) -> None:
-        self._make_room()
+    def _prefetch(self, h: int) -> bool:
+        """Ask for ``h`` from disk; False when the RAM tier has no room for it now (half of it at most is on its way
+        from disk at once)."""
+        if sum(not ready for ready in self.ram.values()) >= max(1, self.config.ram_blocks // 2):
+            return False
+        if not self._make_room():
+            return False
         self.ram[h] = False
         self.disk.move_to_end(h)
         self._next.prefetch.append(h)
+        return True
 
-    def _make_room(self) -> None:
+    def _make_room(self) -> bool:
+        """Room for one more RAM tier entry, evicting the least recently used one that is neither on its way from
+        disk nor loaded by this step (the worker evicts before it stores and loads); False when there is none."""
+        loading = {h for _, h in self._next.loads} if len(self.ram) >= self.config.ram_blocks else set()
         while len(self.ram) >= self.config.ram_blocks:
-            victim = next((h for h, ready in self.ram.items() if ready), None)
+            victim = next((h for h, ready in self.ram.items() if ready and h not in loading), None)
             if victim is None:
-                return  # everything held is being prefetched: the tier runs over by a little until they land
+                return False
             del self.ram[victim]
             self.from_disk.discard(victim)
             self._next.evict.append(victim)
             self._tier_out(victim)
             self.stats.evictions_ram += 1
+        return True
 
     def _trim_disk(self) -> None:
         while len(self.disk) > self.config.disk_blocks:

@@ -66,8 +66,11 @@ class KVTiers:
         self.disk_dir = disk_dir
         if disk_dir is not None:
             disk_dir.mkdir(parents=True, exist_ok=True)
-        self.pin = pin
-        self.ram: dict[int, torch.Tensor] = {}
+        # The RAM tier: one tensor of ``ram_blocks`` slots, allocated once (exactly what the operator gave; pinned on
+        # CUDA, the pages touched as blocks come), a block in a slot, ``ram`` its hash's slot.
+        self.slots = torch.empty((self.config.ram_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+        self.free = list(range(self.config.ram_blocks - 1, -1, -1))
+        self.ram: dict[int, int] = {}
         self.kv_caches: list = []
         self._io = ThreadPoolExecutor(1, "cbserve-kv-disk")  # disk writes, reads and deletions, in order
         self._lock = threading.Lock()
@@ -80,6 +83,10 @@ class KVTiers:
         self.kv_caches = kv_caches
 
     def start_load_kv(self, t: KVTransfer) -> None:
+        """The step's moves, in this order: evictions (the scheduler never evicts a block this step loads), stores,
+        loads; then the disk's work, queued for the background thread."""
+        for h in t.evict:
+            self._release(h)
         start = time.perf_counter()
         if t.stores:
             self._store(t.stores)
@@ -92,12 +99,11 @@ class KVTiers:
             r.bytes_loaded += len(t.loads) * self.block_bytes
             r.store_s += stored - start
             r.load_s += time.perf_counter() - stored
-        for h in t.evict:
-            self.ram.pop(h, None)
         for h in t.prefetch:
+            slot = self._slot(h)
             with self._lock:
                 self._prefetching += 1
-            self._io.submit(self._read, h)
+            self._io.submit(self._read, h, slot)
         for h in t.disk_evict:
             self._io.submit(self._unlink, h)
 
@@ -108,32 +114,45 @@ class KVTiers:
 
     def wait_for_prefetch(self, timeout_s: float = POLL_WAIT_S) -> None:
         """Until a prefetch lands or fails, or ``timeout_s`` (a poll step's wait: no busy loop while one runs)."""
-        with self._arrived:
-            if self._prefetching and not (self._report.prefetched or self._report.failed):
+        with self._arrived:  # (waits even with none under way: a poll never spins)
+            if not (self._report.prefetched or self._report.failed):
                 self._arrived.wait(timeout_s)
 
     def shutdown(self) -> None:
         self._io.shutdown(wait=True)
 
     # ---- pool <-> RAM ---------------------------------------------------------------------------------
+    def _slot(self, h: int) -> int:
+        with self._lock:
+            slot = self.ram.get(h)
+            if slot is None:
+                slot = self.ram[h] = self.free.pop()  # the scheduler keeps the tier within its slots
+            return slot
+
+    def _release(self, h: int) -> None:
+        with self._lock:
+            slot = self.ram.pop(h, None)
+            if slot is not None:
+                self.free.append(slot)
+
     def _store(self, stores: list[tuple[int, int]]) -> None:
-        ids = torch.tensor([b for b, _ in stores], dtype=torch.long, device=self.kv_caches[0][0].device)
-        layers = [torch.stack((k.index_select(0, ids), v.index_select(0, ids))) for k, v in self.kv_caches]
-        blocks = torch.stack(layers).transpose(0, 2).to("cpu", self.dtype)  # [n, 2, layers, ...] -> per block
-        for i, (_, h) in enumerate(stores):
-            block = blocks[i].transpose(0, 1).contiguous()  # [layers, 2, block_size, heads, head_dim]
-            self.ram[h] = block.pin_memory() if self.pin else block
-            if self.disk_dir is not None:
-                self._io.submit(self._write, h, block)
+        device = self.kv_caches[0][0].device
+        ids = torch.tensor([b for b, _ in stores], dtype=torch.long, device=device)
+        slots = torch.tensor([self._slot(h) for _, h in stores], dtype=torch.long)
+        for layer, (k, v) in enumerate(self.kv_caches):  # one gather per layer and K/V, into the slots
+            self.slots[slots, layer, 0] = k.index_select(0, ids).to("cpu", self.dtype)
+            self.slots[slots, layer, 1] = v.index_select(0, ids).to("cpu", self.dtype)
+        if self.disk_dir is not None:
+            for (_, h), slot in zip(stores, slots.tolist(), strict=True):
+                self._io.submit(self._write, h, self.slots[slot].clone())  # the slot may be reused before it is written
 
     def _load(self, loads: list[tuple[int, int]]) -> None:
-        device = self.kv_caches[0][0].device
-        ids = torch.tensor([b for b, _ in loads], dtype=torch.long, device=device)
-        blocks = torch.stack([self.ram[h] for _, h in loads]).to(device, non_blocking=True)  # [n, layers, 2, ...]
-        blocks = blocks.to(self.kv_caches[0][0].dtype)
+        k0 = self.kv_caches[0][0]
+        ids = torch.tensor([b for b, _ in loads], dtype=torch.long, device=k0.device)
+        slots = torch.tensor([self.ram[h] for _, h in loads], dtype=torch.long)
         for layer, (k, v) in enumerate(self.kv_caches):
-            k.index_copy_(0, ids, blocks[:, layer, 0])
-            v.index_copy_(0, ids, blocks[:, layer, 1])
+            k.index_copy_(0, ids, self.slots[slots, layer, 0].to(k0.device, k0.dtype, non_blocking=True))
+            v.index_copy_(0, ids, self.slots[slots, layer, 1].to(k0.device, k0.dtype, non_blocking=True))
 
     # ---- disk (the background thread) ---------------------------------------------------------------
     def _path(self, h: int) -> Path:
@@ -157,16 +176,17 @@ class KVTiers:
         with self._lock:
             self._report.on_disk.append(h)
 
-    def _read(self, h: int) -> None:
+    def _read(self, h: int, slot: int) -> None:
         block, nbytes = self._read_checked(h), 0
         if block is None:
             self._unlink(h)  # a bad file is never read again (by this replica or another)
         with self._arrived:
+            if block is not None and self.ram.get(h) == slot:  # (a slot released meanwhile is another's now)
+                self.slots[slot].copy_(block)  # reserved: the scheduler offers it once the report is in
             self._prefetching -= 1
             if block is None:
-                self._report.failed.append(h)
+                self._report.failed.append(h)  # its slot is released by the scheduler's eviction of the entry
             else:
-                self.ram[h] = block
                 self._report.prefetched.append(h)
                 nbytes = self.block_bytes
             self._report.bytes_from_disk += nbytes
@@ -189,8 +209,7 @@ class KVTiers:
                 hashlib.blake2b(payload, digest_size=16).digest() != digest:  # fmt: skip
             logger.warning("KV disk tier: %s fails its checks (corrupt); it is computed", path.name)
             return None
-        block = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
-        return block.pin_memory() if self.pin else block
+        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
 
     def _unlink(self, h: int) -> None:
         self._path(h).unlink(missing_ok=True)
