@@ -104,7 +104,7 @@ class EngineCore:
         self.clock, self.timer = clock, timer  # request timestamps; step timing
         self.scheduler = Scheduler(config, clock)
         if kv_events:
-            self.scheduler.record_events()
+            self.scheduler.kv.record_events()
         self.groups: dict[str, SequenceGroup] = {}
         self.processor = SequenceUpdater(self.scheduler, self.groups)
         self._counter = 0
@@ -239,7 +239,7 @@ class EngineCore:
         stats.execute_time_s = execute_time
         stats.forward_time_s = out.forward_time_s
         self._updated_at = self.timer()
-        return StepResult(outputs, stats, it, self.scheduler.take_events())
+        return StepResult(outputs, stats, it, self.scheduler.kv.take_events())
 
     def step(self) -> StepResult:
         """One step on its own: schedule, run and apply it (never overlapped with another)."""

@@ -23,7 +23,6 @@ from cbserve.scheduler.config import EngineConfig
 from cbserve.scheduler.fault_isolation import not_held
 from cbserve.scheduler.integrity import check_scheduler
 from cbserve.scheduler.kv.kv_cache_manager import NO_HITS, KVCacheManager
-from cbserve.scheduler.kv.kv_events import KVCacheEvents
 from cbserve.scheduler.kv.offload import OffloadConnector
 from cbserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput, StepState
 from cbserve.scheduler.policies import make_policy
@@ -69,25 +68,7 @@ class Scheduler:
         self.proposer = make_proposer(spec)
         offload = config.cache.offload  # the KV tiers below the pool (kv/offload.py)
         self.offload = None if offload is None else OffloadConnector(offload, self.block_size, self.kv.pool.key_hash)
-
-    # ---- prefix-cache events (kv/kv_events.py): the pool's blocks and the tiers' --------------------
-    def record_events(self) -> None:
-        self.kv.record_events()
-        if self.offload is not None:
-            self.offload.record_events()
-
-    def take_events(self) -> KVCacheEvents | None:
-        events = self.kv.take_events()
-        tier = self.offload.take_events() if self.offload is not None else None
-        if tier is not None:
-            events = events or KVCacheEvents()
-            events.tier_stored, events.tier_removed = tier.stored, tier.removed
-        return events
-
-    def cache_snapshot(self) -> KVCacheEvents:
-        """Every block the pool and the tiers hold, as events for a new listener."""
-        tiered = self.offload.tiered_hashes() if self.offload is not None else []
-        return KVCacheEvents(self.kv.cached_event_hashes(), reset=True, tier_stored=tiered)
+        self.kv.tiers = self.offload  # their events come with the pool's
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:

@@ -98,7 +98,7 @@ def test_cbserve_serve_with_config_file_serves_times_out_and_stops_on_ctrl_c() -
         (stats,) = srv.get("/stats")["replicas"]  # on CPU by default: plain actor calls (the compiled graph:
         assert stats["compiled_graph"] is False and stats["dispatch_calls"] > 0  # openai_server/test_tp2)
         assert stats["worker_torch_threads"] == [len(os.sched_getaffinity(0))]  # every core, not Ray's one
-        _check_priority(srv, stats["engine_pids"], owner)
+        _check_priority(srv, stats["engine_pids"], _listener_pid(srv.port))  # by pid: Ray retitles it as it works
         _check_no_ray_dashboard_but_metrics_discovery(srv)
         _check_request_timeout(srv, client)
         _check_drain_on_sigterm(srv, client)
@@ -293,7 +293,7 @@ def test_cbserve_serve_stops_cleanly_on_sigterm_while_the_engine_loads() -> None
         srv.kill()
 
 
-def _check_priority(srv: Serve, engine_pids: list[int], ingress: str) -> None:
+def _check_priority(srv: Serve, engine_pids: list[int], ingress_pid: int | None) -> None:
     """The engine (its actor, which runs the model's one rank) first on the CPU, the HTTP edge (the ingress
     replica, Serve's proxy) at niceness 10 under SCHED_BATCH, the rest of the Ray instance cbserve started (its
     GCS...) at 19 under SCHED_BATCH, the raylet left as it was; Serve's controller started with the 0.5 s control
@@ -317,12 +317,12 @@ def _check_priority(srv: Serve, engine_pids: list[int], ingress: str) -> None:
 
     assert priority(engine) == (base, os.SCHED_OTHER)
     edge, rest = (10, os.SCHED_BATCH), (19, os.SCHED_BATCH)
-    assert [priority_of(ingress), priority_of("ray::ProxyActor"), priority_of("gcs_server")] == [edge, edge, rest]
+    assert ingress_pid is not None
+    assert [priority(ingress_pid), priority_of("ray::ProxyActor"), priority_of("gcs_server")] == [edge, edge, rest]
     (raylet,) = [p for p in below if os.path.basename(p.cmdline()[0]) == "raylet"]
     assert priority(raylet.pid) == (base, os.SCHED_OTHER) and priority(srv.proc.pid) == rest
     (controller,) = [pid for pid, title in titles.items() if "ray::ServeController" in title]
     assert psutil.Process(controller).environ().get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S") == "0.5"
-    (ingress_pid,) = [pid for pid, title in titles.items() if ingress in title]
     assert psutil.Process(ingress_pid).environ().get("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD") == "0"
 
 
@@ -341,12 +341,17 @@ def _check_untuned(srv: Serve) -> None:
 
 def _listener(port: int) -> str:
     """The command line of the process listening on ``port`` of this machine ("" when none)."""
+    pid = _listener_pid(port)
+    return "" if pid is None else " ".join(__import__("psutil").Process(pid).cmdline())
+
+
+def _listener_pid(port: int) -> int | None:
     import psutil
 
     for conn in psutil.net_connections(kind="tcp"):
         if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
-            return " ".join(psutil.Process(conn.pid).cmdline())
-    return ""
+            return int(conn.pid)
+    return None
 
 
 def test_cbserve_serve_model_sim_without_direct_ingress_serves_through_the_proxy() -> None:

@@ -128,7 +128,9 @@ class SchedulerActor:
         """The state, and what the engine's prefix cache and KV tiers hold (event hashes), for a channel that opens."""
         if not self.config.uses_kv_events:
             return self.status, None
-        return self.status, KVCacheEvents(reset=True) if self.engine is None else self.engine.scheduler.cache_snapshot()
+        if self.engine is None:
+            return self.status, KVCacheEvents(reset=True)
+        return self.status, self.engine.scheduler.kv.cache_snapshot()
 
     def _channel_closed(self, client: int) -> None:
         """Its reader went away (its ingress died or closed it): abort the requests it sent."""

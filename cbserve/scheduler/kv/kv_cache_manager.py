@@ -22,7 +22,7 @@ from typing import Any
 from cbserve.scheduler.config import CacheConfig
 from cbserve.scheduler.kv.block_pool import BlockPool, KVBlock
 from cbserve.scheduler.kv.kv_events import KVCacheEvents, stable_key_hasher
-from cbserve.scheduler.kv.offload import tier_ok
+from cbserve.scheduler.kv.offload import OffloadConnector, tier_ok
 from cbserve.scheduler.requests.request import RequestStatus
 
 ComputedBlocks = tuple[list[KVBlock], list[int]]  # prefix-cache hit blocks and their hashes
@@ -39,6 +39,7 @@ class KVCacheManager:
         self.block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write copies, drained per step
         # with KV tiers (offload.py): the blocks registered since the last step, (id, hash), and stable hashes
         self.completed: list[tuple[int, int]] | None = None
+        self.tiers: OffloadConnector | None = None  # the scheduler's KV tiers: their events come with the pool's
         if config.offload is not None:
             self.pool.key_hash = stable_key_hasher(self.block_size)
             self.completed = []
@@ -110,12 +111,26 @@ class KVCacheManager:
     # ---- prefix-cache events (kv_events.py) -------------------------------------------------------
     def record_events(self) -> None:
         """From now on, key the prefix cache by the blocks' stable hashes and report blocks registered in and
-        evicted from it (``take_events``). Only while no sequence holds blocks (``BlockPool.record_events``)."""
+        evicted from it (``take_events``), and the KV tiers' too. Only while no sequence holds blocks
+        (``BlockPool.record_events``)."""
         self.pool.record_events(stable_key_hasher(self.block_size))
+        if self.tiers is not None:
+            self.tiers.record_events()
 
     def take_events(self) -> KVCacheEvents | None:
-        """The prefix-cache events since the last call; None when there are none (or nobody records them)."""
-        return None if self.pool.events is None else self.pool.events.take()
+        """The prefix-cache events since the last call, the tiers' in their fields; None when there are none (or
+        nobody records them)."""
+        events = None if self.pool.events is None else self.pool.events.take()
+        tier = self.tiers.take_events() if self.tiers is not None else None
+        if tier is not None:
+            events = events or KVCacheEvents()
+            events.tier_stored, events.tier_removed = tier.stored, tier.removed
+        return events
+
+    def cache_snapshot(self) -> KVCacheEvents:
+        """Every block the pool and the tiers hold, as events for a new listener."""
+        tiered = self.tiers.tiered_hashes() if self.tiers is not None else []
+        return KVCacheEvents(self.cached_event_hashes(), reset=True, tier_stored=tiered)
 
     def cached_event_hashes(self) -> list[int]:
         """The event hashes of every block the prefix cache holds now (a snapshot for a new listener): with
