@@ -127,3 +127,22 @@ def test_a_bfloat16_tier_holds_twice_the_blocks_and_restores_them_rounded(model:
     agree = sum(a == b for x, y in zip(second, reference[1], strict=True) for a, b in zip(x, y, strict=True))
     assert compressed.engine.scheduler.offload.stats.hit_tokens_ram > 0
     assert agree >= len(second) * 4 // 2  # most greedy tokens agree with recomputing in float32
+
+
+def test_a_write_cut_by_a_killed_process_leaves_no_block_and_its_file_is_cleared(tmp_path: Path) -> None:
+    """A process killed mid-write leaves only its temporary file (the block is renamed into place whole, or not at
+    all): the next engine over the folder deletes it; a live process's is left to finish."""
+    import os
+    import subprocess
+
+    from cbserve.worker.runner.kv_tiers import remove_orphans
+
+    gone = subprocess.Popen(["true"])  # a pid that existed and is gone
+    gone.wait()
+    orphan = tmp_path / f".0123456789abcdef{DISK_SUFFIX}.{gone.pid}.tmp"
+    live = tmp_path / f".fedcba9876543210{DISK_SUFFIX}.{os.getpid()}.tmp"
+    block = tmp_path / f"00000000000000aa{DISK_SUFFIX}"
+    for f in (orphan, live, block):
+        f.write_bytes(b"partial")
+    assert remove_orphans(tmp_path) == 1
+    assert not orphan.exists() and live.exists() and block.exists()

@@ -66,6 +66,7 @@ class KVTiers:
         self.disk_dir = disk_dir
         if disk_dir is not None:
             disk_dir.mkdir(parents=True, exist_ok=True)
+            remove_orphans(disk_dir)
         # The RAM tier: one tensor of ``ram_blocks`` slots, allocated once (exactly what the operator gave; pinned on
         # CUDA, the pages touched as blocks come), a block in a slot, ``ram`` its hash's slot.
         self.slots = torch.empty((self.config.ram_blocks, *block_shape), dtype=dtype, pin_memory=pin)
@@ -213,6 +214,22 @@ class KVTiers:
 
     def _unlink(self, h: int) -> None:
         self._path(h).unlink(missing_ok=True)
+
+
+def remove_orphans(disk_dir: Path) -> int:
+    """Delete the temporary files of writes whose process is gone (killed mid-write: its block never became a file);
+    a live process's are left to finish. How many went."""
+    removed = 0
+    for tmp in disk_dir.glob(f".*{DISK_SUFFIX}.*.tmp"):
+        try:
+            pid = int(tmp.name.rsplit(".", 2)[-2])
+            os.kill(pid, 0)  # alive: a replica sharing the folder is writing it
+        except (ValueError, ProcessLookupError):
+            tmp.unlink(missing_ok=True)
+            removed += 1
+        except PermissionError:  # alive, another user's
+            continue
+    return removed
 
 
 def build_kv_tiers(runner: Any) -> KVTiers | None:
