@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from family_testlib import make_family_model, save_tokenizer
 from lora_testlib import ALL_SPLIT, make_adapter, peft_greedy, peft_model
 from test_tensor_parallel import BLOCK, NUM_BLOCKS, PROMPTS, _BroadcastExecutor
-from worker_testlib import free_port, make_tiny_model
+from worker_testlib import free_port, leave_group, make_tiny_model
 
 from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, LoRARequest, SchedulerConfig
 from cbserve.scheduler.requests.sampling_params import SamplingParams
@@ -49,6 +49,7 @@ def _rank0(runner: ModelRunner, loras: list[LoRARequest | None]) -> dict[str, li
 def _worker(rank: int, folder: str, port: int, loras: list[LoRARequest | None], result_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    finished = False
     try:
         cfg = ModelConfig(model=folder, tensor_parallel_size=2, rank=rank, enable_lora=True, max_loras=2,
                           max_lora_rank=8, max_model_len=128, device="cpu")
@@ -56,15 +57,16 @@ def _worker(rank: int, folder: str, port: int, loras: list[LoRARequest | None], 
         runner.init_kv_cache(NUM_BLOCKS)
         if rank == 0:
             torch.save(_rank0(runner, loras), result_file)
-            return
-        while True:
-            box: list = [None]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] is None:
-                break
-            runner.execute_model(box[0])
+        else:
+            while True:
+                box: list = [None]
+                dist.broadcast_object_list(box, src=0)
+                if box[0] is None:
+                    break
+                runner.execute_model(box[0])
+        finished = True
     finally:
-        dist.destroy_process_group()
+        leave_group(finished)
 
 
 @pytest.mark.timeout(300)

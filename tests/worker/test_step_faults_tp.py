@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tiny_llama import TRIGGER, make_fault_model
-from worker_testlib import free_port, run_engine
+from worker_testlib import free_port, leave_group, run_engine
 
 from cbserve.scheduler.errors import StepFailedError
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -51,6 +51,7 @@ class _GuardedBroadcastExecutor:
 def _worker(rank: int, folder: str, port: int, result_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    finished = False
     try:
         runner = ModelRunner(ModelConfig(model=folder, tensor_parallel_size=2, rank=rank, device="cpu",
                                          block_size=BLOCK), progress=False)  # fmt: skip
@@ -60,20 +61,21 @@ def _worker(rank: int, folder: str, port: int, result_file: str) -> None:
             run = run_engine(executor, REQUESTS, block_size=BLOCK, num_blocks=NUM_BLOCKS, max_num_seqs=4)
             executor.shutdown()
             torch.save((dict(run.finish), {k: v[0] for k, v in run.tokens.items()}), result_file)
-            return
-        guard, failures = StepGuard(runner), []
-        while True:
-            box: list = [None]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] is None:
-                break
-            try:
-                guard(box[0])
-            except StepFailedError as e:
-                failures.append(str(e))
-        torch.save(failures, result_file + ".rank1")
+        else:
+            guard, failures = StepGuard(runner), []
+            while True:
+                box: list = [None]
+                dist.broadcast_object_list(box, src=0)
+                if box[0] is None:
+                    break
+                try:
+                    guard(box[0])
+                except StepFailedError as e:
+                    failures.append(str(e))
+            torch.save(failures, result_file + ".rank1")
+        finished = True
     finally:
-        dist.destroy_process_group()
+        leave_group(finished)
 
 
 @pytest.mark.timeout(180)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from worker_testlib import free_port, make_tiny_model, run_engine
+from worker_testlib import free_port, leave_group, make_tiny_model, run_engine
 
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, done_future
 from cbserve.scheduler.requests.sampling_params import SamplingParams
@@ -50,6 +50,7 @@ def _prompt_lps(run: object) -> list[float]:
 def _worker(rank: int, folder: str, port: int, result_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    finished = False
     try:
         cfg = ModelConfig(model=folder, tensor_parallel_size=2, rank=rank, device="cpu")
         runner = ModelRunner(dataclasses.replace(cfg, block_size=BLOCK), progress=False)
@@ -68,8 +69,9 @@ def _worker(rank: int, folder: str, port: int, result_file: str) -> None:
                     break
                 out = runner.execute_model(box[0])
                 assert out.req_ids == []  # only rank 0 samples
+        finished = True
     finally:
-        dist.destroy_process_group()
+        leave_group(finished)
 
 
 @pytest.mark.timeout(180)
