@@ -32,6 +32,7 @@ def check_sim_keys(config: Any) -> None:
         "speculative_config": config.speculative_config is not None,
         "enable_lora": config.enable_lora,
         "device 'cuda'": config.device == "cuda",
+        "the KV tiers (kv_offloading_size)": config.kv_offloading_size is not None,
     }
     bad = [what for what, hit in checks.items() if hit]
     if bad:

@@ -71,7 +71,7 @@ class LLM:
         manager = getattr(runner, "lora", None)
         if manager is not None:
             manager.source = self._adapters
-        tiers = getattr(runner, "kv_tiers", None)  # the KV tiers' sizes come from the worker that holds them
+        tiers = runner.kv_tiers  # the KV tiers' sizes come from the worker that holds them
         self.engine_config = config.engine_config(self.executor.num_blocks, tiers.config if tiers else None)
         self.engine = EngineCore(self.engine_config, self.executor)
         self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self._finish_on_stop)

@@ -23,7 +23,6 @@ from cbserve.scheduler.config import EngineConfig
 from cbserve.scheduler.fault_isolation import not_held
 from cbserve.scheduler.integrity import check_scheduler
 from cbserve.scheduler.kv.kv_cache_manager import NO_HITS, KVCacheManager
-from cbserve.scheduler.kv.offload import OffloadConnector
 from cbserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput, StepState
 from cbserve.scheduler.policies import make_policy
 from cbserve.scheduler.requests.lora import lora_admission
@@ -66,9 +65,7 @@ class Scheduler:
         self.epoch = 0
         spec = config.speculative
         self.proposer = make_proposer(spec)
-        offload = config.cache.offload  # the KV tiers below the pool (kv/offload.py)
-        self.offload = None if offload is None else OffloadConnector(offload, self.block_size, self.kv.pool.key_hash)
-        self.kv.tiers = self.offload  # their events come with the pool's
+        self.offload = self.kv.tiers  # the KV tiers below the pool (kv/offload.py)
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:

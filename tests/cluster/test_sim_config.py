@@ -26,6 +26,7 @@ def test_sim_config_is_servable_with_the_simulated_kv_cache() -> None:
     ("enable_lora", True, "enable_lora"),
     ("runner", "pooling", "pooling"),
     ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}, "speculative_config"),
+    ("kv_offloading_size", 1.0, "kv_offloading_size"),  # the sim holds no KV to keep
 ])  # fmt: skip
 def test_sim_refuses_keys_it_cannot_honour(key: str, value: object, match: str) -> None:
     with pytest.raises(ValidationError, match=match):

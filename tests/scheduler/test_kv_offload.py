@@ -23,7 +23,10 @@ def _hashes(tokens: list[int], extra: tuple = ()) -> list[int]:
 
 
 def _connector(ram: int = 8, disk_dir: str | None = None, disk: int = 0) -> OffloadConnector:
-    return OffloadConnector(OffloadConfig(ram, disk_dir, disk), BS, HASH)
+    """The tiers' index as the KV manager builds it (its stable block hash)."""
+    tiers = KVCacheManager(CacheConfig(block_size=BS, num_blocks=16, offload=OffloadConfig(ram, disk_dir, disk))).tiers
+    assert tiers is not None
+    return tiers
 
 
 def test_completed_blocks_are_stored_once_and_offered_after_the_pools_hits() -> None:

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from family_testlib import make_family_model, save_tokenizer
 from lora_testlib import ALL_SPLIT, make_adapter, peft_greedy, peft_model
 from test_tensor_parallel import BLOCK, NUM_BLOCKS, PROMPTS, _BroadcastExecutor
-from worker_testlib import free_port, leave_group, make_tiny_model
+from worker_testlib import follow_rank0, free_port, leave_group, make_tiny_model
 
 from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, LoRARequest, SchedulerConfig
 from cbserve.scheduler.requests.sampling_params import SamplingParams
@@ -58,12 +58,7 @@ def _worker(rank: int, folder: str, port: int, loras: list[LoRARequest | None], 
         if rank == 0:
             torch.save(_rank0(runner, loras), result_file)
         else:
-            while True:
-                box: list = [None]
-                dist.broadcast_object_list(box, src=0)
-                if box[0] is None:
-                    break
-                runner.execute_model(box[0])
+            follow_rank0(runner.execute_model)
         finished = True
     finally:
         leave_group(finished)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tiny_llama import TRIGGER, make_fault_model
-from worker_testlib import free_port, leave_group, run_engine
+from worker_testlib import follow_rank0, free_port, leave_group, run_engine
 
 from cbserve.scheduler.errors import StepFailedError
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -63,15 +63,14 @@ def _worker(rank: int, folder: str, port: int, result_file: str) -> None:
             torch.save((dict(run.finish), {k: v[0] for k, v in run.tokens.items()}), result_file)
         else:
             guard, failures = StepGuard(runner), []
-            while True:
-                box: list = [None]
-                dist.broadcast_object_list(box, src=0)
-                if box[0] is None:
-                    break
+
+            def step(so: SchedulerOutput) -> None:
                 try:
-                    guard(box[0])
+                    guard(so)
                 except StepFailedError as e:
                     failures.append(str(e))
+
+            follow_rank0(step)
             torch.save(failures, result_file + ".rank1")
         finished = True
     finally:

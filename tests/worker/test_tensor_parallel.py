@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from worker_testlib import free_port, leave_group, make_tiny_model, run_engine
+from worker_testlib import follow_rank0, free_port, leave_group, make_tiny_model, run_engine
 
 from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput, done_future
 from cbserve.scheduler.requests.sampling_params import SamplingParams
@@ -62,13 +62,11 @@ def _worker(rank: int, folder: str, port: int, result_file: str) -> None:
             executor.shutdown()
             torch.save(({k: v[0] for k, v in run.tokens.items()}, _prompt_lps(run)), result_file)
         else:
-            while True:
-                box: list = [None]
-                dist.broadcast_object_list(box, src=0)
-                if box[0] is None:
-                    break
-                out = runner.execute_model(box[0])
-                assert out.req_ids == []  # only rank 0 samples
+
+            def step(so: SchedulerOutput) -> None:
+                assert runner.execute_model(so).req_ids == []  # only rank 0 samples
+
+            follow_rank0(step)
         finished = True
     finally:
         leave_group(finished)

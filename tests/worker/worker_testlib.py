@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import socket
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -215,3 +217,15 @@ def leave_group(finished: bool) -> None:
     if finished:
         dist.barrier()
     dist.destroy_process_group()
+
+
+def follow_rank0(run_step: Callable[[Any], None]) -> None:
+    """Rank 1 of a test's group: ``run_step`` each step rank 0 broadcasts, until it broadcasts None."""
+    import torch.distributed as dist
+
+    while True:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return
+        run_step(box[0])

@@ -129,7 +129,7 @@ class RayExecutor:
 
     def kv_tiers(self) -> OffloadConfig | None:
         """The KV tiers' sizes in blocks, from the rank that holds them (tiers run at tensor-parallel size 1)."""
-        tiers = getattr(self.local.runner, "kv_tiers", None) if self.local is not None else None
+        tiers = self.local.runner.kv_tiers if self.local is not None else None
         return None if tiers is None else tiers.config
 
     @classmethod

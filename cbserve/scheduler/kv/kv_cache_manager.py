@@ -37,12 +37,13 @@ class KVCacheManager:
         self.tables: dict[str, list[KVBlock]] = {}
         self.hashes: dict[str, list[int]] = {}  # chain hashes (pool keys) of each sequence's full computed blocks
         self.block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write copies, drained per step
-        # with KV tiers (offload.py): the blocks registered since the last step, (id, hash), and stable hashes
-        self.completed: list[tuple[int, int]] | None = None
-        self.tiers: OffloadConnector | None = None  # the scheduler's KV tiers: their events come with the pool's
+        # the KV tiers below the pool (offload.py), keyed by stable hashes; the blocks registered since the last step,
+        # (id, hash), which they may store; their events come with the pool's
+        self.tiers: OffloadConnector | None = None
+        self.completed: list[tuple[int, int]] = []
         if config.offload is not None:
             self.pool.key_hash = stable_key_hasher(self.block_size)
-            self.completed = []
+            self.tiers = OffloadConnector(config.offload, self.block_size, self.block_hash)
 
     @property
     def num_blocks(self) -> int:
@@ -65,6 +66,10 @@ class KVCacheManager:
     # ---- prefix cache -----------------------------------------------------------------------------
     def block_key(self, parent_hash: int | None, tokens: Seq[int], extra_keys: tuple) -> tuple:
         return (parent_hash, tuple(tokens), extra_keys if parent_hash is None else ())
+
+    def block_hash(self, parent_hash: int | None, tokens: Seq[int], extra_keys: tuple) -> int:
+        """The pool's key hash of a full block (chained from its parent's)."""
+        return self.pool.key_hash(self.block_key(parent_hash, tokens, extra_keys))
 
     def get_computed_blocks(self, token_ids: list[int], extra_keys: tuple = ()) -> ComputedBlocks:
         """Longest cached prefix of full blocks. The last token is never served from the cache, so at
@@ -95,7 +100,7 @@ class KVCacheManager:
         table = self.tables[seq_id]
         bs = self.block_size
         key_hash = self.pool.key_hash
-        completed = self.completed if self.completed is not None and tier_ok(extra_keys) else None
+        completed = self.completed if self.tiers is not None and tier_ok(extra_keys) else None
         for i in range(len(hashes), min(num_computed // bs, len(table))):
             key = self.block_key(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], extra_keys)
             block_hash = key_hash(key)
@@ -105,7 +110,7 @@ class KVCacheManager:
 
     def take_completed(self) -> list[tuple[int, int]]:
         """The blocks registered since the last call (with KV tiers): what the tiers may store."""
-        done, self.completed = self.completed or [], [] if self.completed is not None else None
+        done, self.completed = self.completed, []
         return done
 
     # ---- prefix-cache events (kv_events.py) -------------------------------------------------------

@@ -80,11 +80,14 @@ class _Pending:
 
 
 class OffloadConnector:
-    def __init__(self, config: OffloadConfig, block_size: int, key_hash: Callable[[tuple], int]) -> None:
+    def __init__(self, config: OffloadConfig, block_size: int,
+                 block_hash: Callable[[int | None, Sequence[int], tuple], int]) -> None:
+        """``block_hash(parent, tokens, extra_keys)``: the pool's (stable) hash of a full block."""
         self.config = config
         self.block_size = block_size
-        self.key_hash = key_hash  # the pool's (stable) key hash
+        self.block_hash = block_hash
         self.ram: OrderedDict[int, bool] = OrderedDict()  # hash -> ready (False: prefetch from disk under way)
+        self.prefetching = 0  # entries of ``ram`` not ready
         self.disk: OrderedDict[int, None] = OrderedDict()  # hashes on disk, least recently used first
         self.from_disk: set[int] = set()  # RAM tier entries that came from disk (for the hit counters)
         self.stats = OffloadStats()
@@ -105,8 +108,7 @@ class OffloadConnector:
         wait = False
         last = min((len(token_ids) - 1) // bs, num_cached_blocks + max(1, self.config.ram_blocks // 2))
         for i in range(num_cached_blocks, last):  # the last token is always computed; half the tier at most
-            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]), extra_keys if parent is None else ())
-            h = self.key_hash(key)
+            h = self.block_hash(parent, token_ids[i * bs : (i + 1) * bs], extra_keys)
             state = self.ram.get(h)
             if state is None and h in self.disk and self._prefetch(h):
                 state = False
@@ -142,8 +144,7 @@ class OffloadConnector:
             self._next.stores.append((block_id, h))
             self.stats.blocks_stored += 1
         p, self._next = self._next, _Pending()
-        poll = any(not ready for ready in self.ram.values())
-        transfer = KVTransfer(p.stores, p.loads, p.evict, p.prefetch, p.disk_evict, poll)
+        transfer = KVTransfer(p.stores, p.loads, p.evict, p.prefetch, p.disk_evict, self.prefetching > 0)
         return transfer if transfer else None
 
     def update_connector_output(self, result: KVTransferResult) -> None:
@@ -155,9 +156,13 @@ class OffloadConnector:
         for h in result.prefetched:
             if self.ram.get(h) is False:
                 self.ram[h] = True
+                self.prefetching -= 1
                 self.from_disk.add(h)
         for h in result.failed:  # never served: dropped (the worker deleted its file), its tokens computed
-            if self.ram.pop(h, None) is not None:
+            ready = self.ram.pop(h, None)
+            if ready is False:
+                self.prefetching -= 1
+            if ready is not None:
                 self._next.evict.append(h)  # the worker frees the slot it held for it
             self.disk.pop(h, None)
             self._tier_out(h)
@@ -212,11 +217,10 @@ class OffloadConnector:
     def _prefetch(self, h: int) -> bool:
         """Ask for ``h`` from disk; False when the RAM tier has no room for it now (half of it at most is on its way
         from disk at once)."""
-        if sum(not ready for ready in self.ram.values()) >= max(1, self.config.ram_blocks // 2):
-            return False
-        if not self._make_room():
+        if self.prefetching >= max(1, self.config.ram_blocks // 2) or not self._make_room():
             return False
         self.ram[h] = False
+        self.prefetching += 1
         self.disk.move_to_end(h)
         self._next.prefetch.append(h)
         return True

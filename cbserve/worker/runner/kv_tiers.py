@@ -77,7 +77,6 @@ class KVTiers:
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._report = KVTransferResult()
-        self._prefetching = 0
 
     # ---- WorkerConnector ----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list) -> None:
@@ -101,10 +100,7 @@ class KVTiers:
             r.store_s += stored - start
             r.load_s += time.perf_counter() - stored
         for h in t.prefetch:
-            slot = self._slot(h)
-            with self._lock:
-                self._prefetching += 1
-            self._io.submit(self._read, h, slot)
+            self._io.submit(self._read, h, self._slot(h))
         for h in t.disk_evict:
             self._io.submit(self._unlink, h)
 
@@ -184,7 +180,6 @@ class KVTiers:
         with self._arrived:
             if block is not None and self.ram.get(h) == slot:  # (a slot released meanwhile is another's now)
                 self.slots[slot].copy_(block)  # reserved: the scheduler offers it once the report is in
-            self._prefetching -= 1
             if block is None:
                 self._report.failed.append(h)  # its slot is released by the scheduler's eviction of the entry
             else:

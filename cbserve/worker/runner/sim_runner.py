@@ -82,6 +82,7 @@ class SimRunner:
         self.max_model_len = min(config.max_model_len or model_max, model_max)
         self.hf_config = _HFConfig(self.cost.hf_config(SIM_VOCAB_SIZE))
         self.cpu_report: dict[str, Any] | None = None
+        self.kv_tiers = None  # no KV to keep (refused: config/sim_config.py)
         self.num_blocks = 0
         self.requests: dict[str, _SimRequest] = {}
         self.busy_s = 0.0  # simulated GPU time so far (steps' costs)
