@@ -122,6 +122,9 @@ class CBServeConfig(BaseModel):
     # the adapters they load must lie under one of lora_allowed_dirs
     allow_runtime_lora_updating: bool = False
     lora_allowed_dirs: list[str] | None = None
+    # sleep / wake_up (an RL loop's, vLLM's --enable-sleep-mode): the KV cache (level 1) and the weights (level 2) go
+    # back to the system until wake_up; off: sleep is refused
+    enable_sleep_mode: bool = False
     # Ray placement and execution
     # CPUs per tensor-parallel rank: a worker actor's (one bundle per rank), or the engine actor's at TP=1
     worker_num_cpus: float = Field(1.0, gt=0.0)

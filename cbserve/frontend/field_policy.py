@@ -28,7 +28,6 @@ REFUSED: dict[str, tuple[str, Harmless]] = {
     "suffix": ("insertion (fill-in-the-middle) is not supported", _falsy),
     "spaces_between_special_tokens": ("only true is supported", lambda v: v is True),
     "return_tokens_as_token_ids": ("is not supported", _falsy),
-    "return_token_ids": ("is not supported", _falsy),
     "logits_processors": ("(custom logits processors) is not supported", _falsy),
     "kv_transfer_params": ("(disaggregated prefill) is not supported", _falsy),
     "vllm_xargs": ("is not supported", _falsy),
@@ -60,7 +59,8 @@ REFUSED: dict[str, tuple[str, Harmless]] = {
 
 
 # chat only (vLLM's chat ``echo`` repeats the last message; /v1/completions honours its own ``echo``)
-CHAT_REFUSED: dict[str, tuple[str, Harmless]] = {"echo": ("is only supported on /v1/completions", _falsy)}
+CHAT_REFUSED: dict[str, tuple[str, Harmless]] = {"echo": ("is only supported on /v1/completions", _falsy),
+                                                  "return_token_ids": ("is only supported on /v1/completions", _falsy)}
 
 
 class FieldPolicy:

@@ -80,9 +80,10 @@ class CompletionFormatter(_Base):
 
     def __init__(
         self, req_id: str, model: str, tokenizer: Any, n: int, prompts: list[list[int]], echo: bool,
-        logprobs: int | None, echo_only: bool = False, prompt_logprobs: bool = False,
+        logprobs: int | None, echo_only: bool = False, prompt_logprobs: bool = False, token_ids: bool = False,
     ) -> None:
         super().__init__(req_id, model, tokenizer)
+        self.token_ids = token_ids  # ``return_token_ids``: each choice's prompt and generated token ids
         self.n = n
         self.prompts = prompts
         self.echo = [tokenizer.decode(p) if echo else "" for p in prompts]
@@ -135,6 +136,8 @@ class CompletionFormatter(_Base):
             finish = "length" if self.echo_only else out.finish_reason
             choice = CompletionChoice(index=index, text=echo + text, logprobs=lp, finish_reason=finish,
                                       prompt_logprobs=self.vllm_prompt_logprobs(prompt_lps))
+            if self.token_ids:
+                choice.prompt_token_ids, choice.token_ids = self.prompts[index // self.n], list(gen_ids)
             body.append(choice)
         return self._envelope(body, self._usage(usage))
 

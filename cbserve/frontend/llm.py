@@ -150,6 +150,9 @@ class LLM:
 
     # ---- internals ----------------------------------------------------------------------------
     def _check_runner(self, runner: str, method: str) -> None:
+        if self.is_paused() or self.is_sleeping():
+            raise RuntimeError(f"{method}: the engine is {'asleep' if self.is_sleeping() else 'paused'} "
+                               "(wake_up() / resume() first)")
         if self.runner != runner:
             raise ValueError(f"LLM.{method} needs runner={runner!r}; this LLM was built with runner={self.runner!r}")
 
@@ -210,6 +213,49 @@ class LLM:
             states = [self.processor.pop(r) for r in req_ids]
             progress.close()
         return [s.result for s in states if s is not None]
+
+    # ---- an RL loop's controls (vLLM's LLM.sleep / wake_up / reset_prefix_cache; served: cluster/engine/rollout.py) --
+    def pause(self, mode: str = "keep") -> None:
+        """Hold the engine ("abort": end what it holds); ``generate`` is refused until ``resume``."""
+        self.engine.pause(mode)
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def is_paused(self) -> bool:
+        return self.engine.scheduler.pause_mode is not None
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Free the KV cache (level 1) and the weights (level 2) until ``wake_up`` (``enable_sleep_mode``)."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: build the LLM with enable_sleep_mode=True")
+        if not self.executor.runner.is_sleeping:
+            self.engine.drop_kv()
+        return dict(self.executor.runner.sleep(level))
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        return dict(self.executor.runner.wake_up(tags))
+
+    def is_sleeping(self) -> bool:
+        return bool(self.executor.runner.is_sleeping)
+
+    def reset_prefix_cache(self) -> int:
+        """No cached KV block is served again; returns how many the cache forgot."""
+        return self.engine.scheduler.kv.reset_prefix_cache()
+
+    def update_weights(self, weights: Any, version: int | None = None) -> dict[str, Any]:
+        """Load HF-named tensors (a ``state_dict()`` or pairs; all of the model's or some) in place; no block cached
+        before is served after. ``version`` (default: the current + 1) is each output's ``weights_version``."""
+        from cbserve.rl.weight_sync import named_tensors
+
+        report = dict(self.executor.runner.update_weights(named_tensors(weights)))
+        new = self.engine.weights_version + 1 if version is None else version
+        self.engine.set_weights_version(new)
+        return {**report, "version": new}
+
+    @property
+    def weights_version(self) -> int:
+        return self.engine.weights_version
 
     def _finish_on_stop(self, req_id: str, index: int) -> None:
         """A stop string ended a sequence: the engine stops generating it."""

@@ -35,6 +35,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     stop_reason: str | None = None  # the stop string that ended it, if any
     error: str | None = None  # finish reason "error": what failed (the request alone; scheduler/fault_isolation.py)
+    weights_version: int = 0  # the version of the weights that produced its last token (an RL loop's update_weights)
 
 
 @dataclass
@@ -124,6 +125,7 @@ class RequestState:
         seq = self.seqs[o.index]
         out, detok = seq.out, seq.detok
         out.token_ids.extend(o.new_token_ids)
+        out.weights_version = o.weights_version
         if out.logprobs is not None and o.new_logprobs is not None:
             out.logprobs.extend(o.new_logprobs)
         if o.cumulative_logprob is not None:

@@ -240,6 +240,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # with ``return_token_ids`` (vLLM's): an RL loop's rollout
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -249,6 +251,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # cbserve's: the version of the weights that produced the output (0: the model's files; an RL loop's updates)
+    weights_version: int | None = None
 
 
 class TopLogprob(BaseModel):
@@ -295,6 +299,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    weights_version: int | None = None  # cbserve's: the weights' version that produced the output (update_weights)
 
 
 class DeltaMessage(BaseModel):

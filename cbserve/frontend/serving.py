@@ -94,6 +94,8 @@ class OpenAIServing:
         echo_only = req.max_tokens == 0
         if echo_only and not req.echo:
             raise APIError(400, "max_tokens=0 needs echo=true (the prompt alone)", param="max_tokens")
+        if req.return_token_ids and req.stream:
+            raise APIError(400, "return_token_ids is not supported with stream", param="return_token_ids")
         spec, param = request_spec(req)
         spec = await self._check_grammar(spec, param, req)
         prompts = [v.truncated(p, req.truncate_prompt_tokens)
@@ -106,7 +108,7 @@ class OpenAIServing:
         req_id = _response_id("cmpl", request_id or req.request_id)
         fmt = CompletionFormatter(
             req_id, _model_name(self.served, lora), self.tokenizer, req.n, prompts, req.echo, req.logprobs,
-            echo_only, req.prompt_logprobs is not None,
+            echo_only, req.prompt_logprobs is not None, bool(req.return_token_ids),
         )
         return await self._run(req_id, prompts, params, req, fmt, lora)
 
@@ -233,7 +235,10 @@ class OpenAIServing:
             return self._sse(deltas, states, fmt, include_usage, gens)
         async for _ in deltas:
             pass
-        return fmt.response([c for s in states for c in s.choices()], _usage(states))
+        choices = [c for s in states for c in s.choices()]
+        response = fmt.response(choices, _usage(states))
+        response.weights_version = max((out.weights_version for _, out, _ in choices), default=None)  # an RL loop's
+        return response
 
     async def _start(
         self, req_id: str, prompt: list[int], sp: SamplingParams, choice_offset: int, priority: int = 0,

@@ -35,8 +35,10 @@ from dataclasses import dataclass
 from cbserve.scheduler.config import EngineConfig
 from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError, StepFailedError
 from cbserve.scheduler.fault_isolation import FaultIsolation, step_requests
+from cbserve.scheduler.integrity import check_engine
 from cbserve.scheduler.kv.kv_events import KVCacheEvents
-from cbserve.scheduler.outputs import Executor, ModelRunnerOutput, SchedulerOutput, TokenLogprob, done_future
+from cbserve.scheduler.outputs import Executor, ModelRunnerOutput, SchedulerOutput, done_future
+from cbserve.scheduler.policies import PAUSE_MODES, paused_may_run
 from cbserve.scheduler.requests.admission import id_in_use, validate_request
 from cbserve.scheduler.requests.request import EngineRequest, RequestFailure, RequestOutput, RequestStatus
 from cbserve.scheduler.requests.sequence import SequenceGroup
@@ -64,19 +66,6 @@ def tune_gc_for_serving(young_threshold: int = 50_000) -> None:
     its p99 more (benchmarks/bench_scheduler.py --default-gc compares)."""
     gc.freeze()
     gc.set_threshold(young_threshold, 50, 50)
-
-
-def _store_prompt_logprobs(seqs: dict, computed: dict[str, tuple[int, list[TokenLogprob]]]) -> None:
-    """Keep the prompt logprobs a step computed (the first computation of a position wins: a preempted
-    request recomputes its prompt)."""
-    for seq_id, (start, entries) in computed.items():
-        seq = seqs.get(seq_id)
-        store = None if seq is None else seq.group.prompt_logprobs
-        if store is None:
-            continue
-        for pos, entry in enumerate(entries, start):
-            if pos < len(store) and store[pos] is None:
-                store[pos] = entry
 
 
 @dataclass
@@ -120,6 +109,7 @@ class EngineCore:
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.isolation = FaultIsolation()  # the search for a failed step's culprit (fault_isolation.py)
         self.failed_in_a_row = 0
+        self.weights_version = 0  # the weights' version: 0 as loaded, then each update's (``set_weights_version``)
 
     # ---- requests in and out ----------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -203,7 +193,7 @@ class EngineCore:
             self.scheduler.offload.update_connector_output(out.kv_transfer)
         seqs = self.scheduler.seqs
         if out.prompt_logprobs:
-            _store_prompt_logprobs(seqs, out.prompt_logprobs)
+            self.processor.store_prompt_logprobs(out.prompt_logprobs)
         if out.pooled:
             self.processor.finish_pooled(out.pooled, now, outputs, it)
         running = RequestStatus.RUNNING
@@ -239,6 +229,8 @@ class EngineCore:
         stats.execute_time_s = execute_time
         stats.forward_time_s = out.forward_time_s
         self._updated_at = self.timer()
+        for output in outputs:  # which weights produced the rollout (update_weights)
+            output.weights_version = self.weights_version
         return StepResult(outputs, stats, it, self.scheduler.kv.take_events())
 
     def step(self) -> StepResult:
@@ -252,7 +244,7 @@ class EngineCore:
     def submit_steps(self) -> None:
         """Schedule and send steps until ``max_in_flight`` are in flight, there is nothing left to run, or a
         step schedules nothing (only aborts to report, or a batching window is open)."""
-        while len(self.batch_queue) < self.max_in_flight and self.has_unfinished_requests():
+        while len(self.batch_queue) < self.max_in_flight and self._runnable():
             so = self.schedule()
             future = done_future(ModelRunnerOutput()) if so.is_idle else self.executor.execute_model(so)
             self.batch_queue.append((so, future))
@@ -353,8 +345,42 @@ class EngineCore:
         self._in_flight.clear()
 
     def has_work(self) -> bool:
-        """Requests unfinished or steps in flight: the loop has something to do."""
-        return self.has_unfinished_requests() or bool(self.batch_queue)
+        return bool(self.batch_queue) or self._runnable()
+
+    def _runnable(self) -> bool:  # requests the scheduler may run now (not all held by a pause), or outputs to tell
+        mode = self.scheduler.pause_mode
+        if self._pending_outputs or mode is None:
+            return self.has_unfinished_requests()
+        return mode == "wait" and bool(paused_may_run("wait", None, self.scheduler.seqs))
+
+    # ---- pause, prefix cache, weights (an RL loop's rollouts) -------------------------------------
+    def pause(self, mode: str = "keep") -> None:
+        """Hold the engine until ``resume``: "keep" runs nothing (requests keep their KV), "abort" ends every request
+        (finish reason "abort"), "wait" runs the started ones to their end (``drained()``). New ones wait."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: expected one of {', '.join(PAUSE_MODES)}")
+        if mode == "abort":
+            for req_id in list(self.groups):
+                self.abort_request(req_id)
+        self.scheduler.pause_mode = "wait" if mode == "wait" else "keep"
+
+    def resume(self) -> None:
+        self.scheduler.pause_mode = None
+
+    def drained(self) -> bool:  # no started request left, no step in flight: a pause "wait" is done
+        return not self.batch_queue and not paused_may_run("wait", None, self.scheduler.seqs)
+
+    def drop_kv(self) -> None:
+        """The KV cache's contents go (sleep): the running sequences are preempted (recomputed after), no cached
+        block is served again. Only with no step in flight."""
+        if self.batch_queue:
+            raise RuntimeError("drop_kv with steps in flight")
+        self.scheduler.preempt_running(list(self.scheduler.running))
+        self.scheduler.kv.reset_prefix_cache()
+
+    def set_weights_version(self, version: int) -> None:  # new weights: no block computed before is served again
+        self.weights_version = version
+        self.scheduler.kv.reset_prefix_cache()
 
     def _stats(self, st: StepState | None) -> SchedulerStats:
         return SchedulerStats.of(self.scheduler, st, self.config.scheduler.max_loras, self.totals.num_steps)
@@ -371,12 +397,4 @@ class EngineCore:
         return len(self.groups)
 
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
-        seqs = self.scheduler.seqs
-        for seq_id, seq in seqs.items():
-            assert self.groups.get(seq.group.req_id) is seq.group, f"{seq_id} belongs to no live request"
-        for group in self.groups.values():
-            unfinished = [s for s in group.seqs if not s.is_finished]
-            assert len(unfinished) == group.num_unfinished > 0, f"{group.req_id}: unfinished count is off"
-            for seq in unfinished:
-                assert seqs.get(seq.seq_id) is seq, f"{seq} is unfinished but unknown to the scheduler"
+        check_engine(self)

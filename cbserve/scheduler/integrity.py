@@ -1,4 +1,5 @@
-"""The scheduler's invariants, checked by tests after every operation (``Scheduler.check_integrity``)."""
+"""The scheduler's and the engine's invariants, checked by tests after every operation (``Scheduler.check_integrity``,
+``EngineCore.check_integrity``)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,16 @@ def check_scheduler(sched: Any) -> None:
     assert set(sched._preempted_beams) == beams, "preempted beams are off"
     for seq in sched.waiting.ordered():
         assert seq.status in _WAITING_STATES and seq.num_computed_tokens == 0, f"{seq} in waiting"
+
+
+def check_engine(engine: Any) -> None:
+    """Every invariant of an ``EngineCore`` (typed Any: this module must not import it back)."""
+    engine.scheduler.check_integrity()
+    seqs = engine.scheduler.seqs
+    for seq_id, seq in seqs.items():
+        assert engine.groups.get(seq.group.req_id) is seq.group, f"{seq_id} belongs to no live request"
+    for group in engine.groups.values():
+        unfinished = [s for s in group.seqs if not s.is_finished]
+        assert len(unfinished) == group.num_unfinished > 0, f"{group.req_id}: unfinished count is off"
+        for seq in unfinished:
+            assert seqs.get(seq.seq_id) is seq, f"{seq} is unfinished but unknown to the scheduler"

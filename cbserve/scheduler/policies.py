@@ -107,3 +107,15 @@ def make_policy(config: SchedulerConfig, clock: Callable[[], float]) -> Scheduli
         formation = SizeOrWindow(config.dynamic_batch_size, config.dynamic_batch_window_s, clock)
         return BatchPolicy(config.max_num_seqs, formation)
     raise ValueError(f"unknown scheduling policy {config.policy!r}")
+
+
+PAUSE_MODES = ("keep", "abort", "wait")
+
+
+def paused_may_run(mode: str, allowed: frozenset[str] | None, unfinished: Mapping[str, Sequence]) -> frozenset[str]:
+    """What a paused engine may schedule (``Scheduler.pause_mode``): "keep" nothing (its requests keep their KV and
+    go on at resume); "wait" the requests already started (running, or preempted to be recomputed) and no other."""
+    if mode != "wait":
+        return frozenset()
+    started = frozenset(s.group.req_id for s in unfinished.values() if s.group.times.first_scheduled is not None)
+    return started if allowed is None else started & allowed

@@ -24,7 +24,7 @@ from cbserve.scheduler.fault_isolation import not_held
 from cbserve.scheduler.integrity import check_scheduler
 from cbserve.scheduler.kv.kv_cache_manager import NO_HITS, KVCacheManager
 from cbserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput, StepState
-from cbserve.scheduler.policies import make_policy
+from cbserve.scheduler.policies import make_policy, paused_may_run
 from cbserve.scheduler.requests.lora import lora_admission
 from cbserve.scheduler.requests.request import RequestStatus
 from cbserve.scheduler.requests.sequence import Sequence
@@ -63,6 +63,7 @@ class Scheduler:
         # steps (the worker runs no step of the epoch that failed after the failure).
         self.held: frozenset[str] = frozenset()
         self.epoch = 0
+        self.pause_mode: str | None = None  # "keep" or "wait" while paused (policies.paused_may_run)
         spec = config.speculative
         self.proposer = make_proposer(spec)
         self.offload = self.kv.tiers  # the KV tiers below the pool (kv/offload.py)
@@ -109,6 +110,8 @@ class Scheduler:
         requests may run, and whether prefill work goes first (decodes only in a step without any)."""
         st = StepState(budget=self.config.max_num_batched_tokens)
         allowed = self.policy.may_run(self.waiting, self.seqs)
+        if self.pause_mode is not None:  # paused (EngineCore.pause): nothing, or only what had started
+            allowed = paused_may_run(self.pause_mode, allowed, self.seqs)
         if allowed is None or allowed:
             select = None if allowed is None else (lambda seq: seq.group.req_id in allowed)
             admissible = select if not self.held else not_held(self.held, select)  # held ones are all waiting

@@ -21,6 +21,19 @@ class SequenceUpdater:
         self.scheduler = scheduler
         self.groups = groups
 
+    def store_prompt_logprobs(self, computed: dict[str, tuple[int, list[TokenLogprob]]]) -> None:
+        """Keep the prompt logprobs a step computed (the first computation of a position wins: a preempted
+        request recomputes its prompt)."""
+        seqs = self.scheduler.seqs
+        for seq_id, (start, entries) in computed.items():
+            seq = seqs.get(seq_id)
+            store = None if seq is None else seq.group.prompt_logprobs
+            if store is None:
+                continue
+            for pos, entry in enumerate(entries, start):
+                if pos < len(store) and store[pos] is None:
+                    store[pos] = entry
+
     # ---- sampled tokens ---------------------------------------------------------------------------
     def process_sampled(
         self,

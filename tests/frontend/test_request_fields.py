@@ -65,7 +65,7 @@ def test_every_refused_field_has_a_refused_value_here() -> None:
 def test_refused_fields_are_400s_naming_them(name: str) -> None:
     serving, engine = _serving()
     chat_only = name in ChatCompletionRequest.model_fields and name not in CompletionRequest.model_fields
-    for call in (_chat,) if chat_only or name == "echo" else (_chat, _completion):
+    for call in (_chat,) if chat_only or name in ("echo", "return_token_ids") else (_chat, _completion):
         with pytest.raises(APIError) as info:
             call(serving, **{name: REFUSED_VALUES[name]})
         assert info.value.status == 400 and info.value.param == name and name in info.value.message
@@ -179,3 +179,12 @@ def test_streamed_echo_with_logprobs_sends_the_prompt_with_the_first_delta() -> 
     assert first["logprobs"]["token_logprobs"] == [None, -1.0, -1.0, -0.5]
     assert first["logprobs"]["text_offset"] == [0, 1, 2, 3]
     assert second["text"] == "k" and second["logprobs"]["text_offset"] == [4]
+
+
+def test_return_token_ids_gives_each_choice_its_prompt_and_generated_ids() -> None:
+    serving, _ = _serving()
+    r = _completion(serving, return_token_ids=True)
+    assert r.choices[0].prompt_token_ids == [ord(c) for c in "abc"] and r.choices[0].token_ids
+    assert _completion(serving).choices[0].token_ids is None
+    with pytest.raises(APIError, match="not supported with stream"):
+        _completion(serving, return_token_ids=True, stream=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from cbserve.scheduler.errors import StepFailedError
 from cbserve.scheduler.kv.kv_events import KVCacheEvents
-from cbserve.scheduler.outputs import ModelRunnerOutput
+from cbserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from cbserve.scheduler.requests.request import EngineRequest, RequestOutput
 
 
@@ -105,12 +105,26 @@ class OutputFrame:
 
 # ---- engine -> worker rank -> engine (the step channel, cluster/channel/steps.py, or a compiled graph) ---------
 @dataclass(frozen=True)
+class RankCall:
+    """Sent to every rank in place of a step, in order with the steps (none runs beside it): ``method`` of the rank's
+    controls (cluster/engine/rank.py ``Rank.CONTROLS``: apply staged weights, sleep, wake up) with ``args``;
+    answered with a ``StepReply`` whose ``result`` is its return value, or the exception it raised."""
+
+    method: str
+    args: tuple = ()
+
+
+StepMessage = SchedulerOutput | RankCall  # what a rank is sent, in order: a step, or a control call
+
+
+@dataclass(frozen=True)
 class StepReply:
     """A worker rank's answer to one ``SchedulerOutput`` (the step itself is that dataclass, scheduler/outputs.py):
     rank 0's ``ModelRunnerOutput`` (None on the other ranks), or the ``StepFailedError`` of a step that raised on a
     live worker (worker/runner/step_guard.py: the engine fails its culprits alone), or ``error``: the worker's end
-    of the hop itself failed (a bug; the replica rebuilds its workers)."""
+    of the hop itself failed (a bug; the replica rebuilds its workers); to a ``RankCall``: its ``result``."""
 
     output: ModelRunnerOutput | None = None
     failure: StepFailedError | None = None
     error: str | None = None
+    result: object = None

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from cbserve.cluster.channel.messages import StepReply
+from cbserve.cluster.channel.messages import StepMessage, StepReply
 from cbserve.cluster.channel.transport import (
     StepAddress,
     accept_with_token,
@@ -43,7 +43,6 @@ from cbserve.cluster.channel.transport import (
     read_message,
     recv_frame,
 )
-from cbserve.scheduler.outputs import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class StepServer:
     """The worker end: ``serve()`` (blocking, on the thread the caller gives it) runs ``handler(step) -> StepReply``
     one step at a time for the one peer holding the token, until that peer closes the connection."""
 
-    def __init__(self, handler: Callable[[SchedulerOutput], StepReply], host: str) -> None:
+    def __init__(self, handler: Callable[[StepMessage], StepReply], host: str) -> None:
         self.handler = handler
         self.token = new_token()
         self._listener = listen(host)  # a node IP may be IPv6
@@ -147,7 +146,7 @@ class SocketSteps:
             clients.append(await StepClient.connect(address, lost))
         return cls(clients)
 
-    async def run(self, so: SchedulerOutput) -> list[StepReply]:
+    async def run(self, so: StepMessage) -> list[StepReply]:
         data = dumps(so)
         return list(await asyncio.gather(*[c.call(data) for c in self.clients]))
 

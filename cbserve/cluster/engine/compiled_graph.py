@@ -15,8 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from cbserve.cluster.channel.messages import StepReply
-from cbserve.scheduler.outputs import SchedulerOutput
+from cbserve.cluster.channel.messages import StepMessage, StepReply
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ class GraphSteps:
             await lifetime
         on_lost(f"worker rank {rank} is gone")
 
-    async def run(self, so: SchedulerOutput) -> list[StepReply]:
+    async def run(self, so: StepMessage) -> list[StepReply]:
         futures = await self.graph.execute_async(so)
         return [await f for f in futures]
 

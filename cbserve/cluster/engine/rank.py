@@ -18,16 +18,18 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from cbserve.cluster.channel.messages import StepReply
+from cbserve.cluster.channel.messages import RankCall, StepMessage, StepReply
 from cbserve.cluster.ops.metrics import WorkerMetrics
 from cbserve.cluster.ops.path_trace import PathTrace
 from cbserve.cluster.stores.lora_store import StoreAdapterSource
 from cbserve.config import CBServeConfig
 from cbserve.scheduler.errors import StepFailedError
-from cbserve.scheduler.outputs import SchedulerOutput
 from cbserve.worker.runner.step_guard import StepGuard
+
+if TYPE_CHECKING:  # torch is imported on the model thread only
+    from cbserve.rl.weight_sync import WeightGroup, WeightTransferInfo
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +49,8 @@ class Rank:
         self.model_thread = ThreadPoolExecutor(1, "cbserve-model", initializer=self._thread_init)
         self.metrics = WorkerMetrics(config.model_name, replica, rank)
         self.path = PathTrace()  # the model thread's: started and stopped at its next step (``sync``)
+        self.staged: list[tuple[str, Any]] | None = None  # weights taken in for the next "apply_weights"
+        self.weight_group: WeightGroup | None = None  # a trainer's weight group (rl/weight_sync.py)
 
     def _thread_init(self) -> None:
         if self.threads is not None:
@@ -92,9 +96,12 @@ class Rank:
         self.runner.init_kv_cache(num_blocks)
 
     # ---- the per-iteration call (on the model thread) ------------------------------------------
-    def execute(self, scheduler_output: SchedulerOutput) -> StepReply:
+    def execute(self, scheduler_output: StepMessage) -> StepReply:
         """One step's reply: rank 0's output (None on the other ranks), or the ``StepFailedError`` of a step that
-        raised (every transport carries it like any reply; the engine fails the requests to blame alone)."""
+        raised (every transport carries it like any reply; the engine fails the requests to blame alone). A
+        ``RankCall`` runs one of the rank's controls between two steps (``control``)."""
+        if isinstance(scheduler_output, RankCall):
+            return self.control(scheduler_output)
         self.path.sync()
         start = time.perf_counter()
         try:
@@ -108,6 +115,42 @@ class Rank:
             return StepReply()
         out.forward_time_s = out.forward_time_s or elapsed
         return StepReply(out)
+
+    # ---- an RL loop's controls: between two steps, on the model thread (``RankCall``) ------------
+    def control(self, call: RankCall) -> StepReply:
+        """Run ``call`` on the runner: "apply_weights" (what ``stage`` took in), "sleep" (level), "wake_up" (tags).
+        Its result, or the exception it raised (a refused update leaves the weights as they were), is the reply's."""
+        try:
+            if call.method == "apply_weights":
+                staged, self.staged = self.staged, None
+                if staged is None:
+                    raise RuntimeError("no weights staged on this rank")
+                return StepReply(result=self.runner.update_weights(staged))
+            if call.method in ("sleep", "wake_up"):
+                return StepReply(result=getattr(self.runner, call.method)(*call.args))
+            raise ValueError(f"unknown rank control {call.method!r}")
+        except Exception as e:  # noqa: BLE001 (the caller's to raise: the rank serves on)
+            logger.warning("rank %d: %s failed: %s: %s", self.rank, call.method, type(e).__name__, e)
+            return StepReply(result=e)
+
+    def stage(self, weights: Any) -> int:
+        """Take in new weights, HF-named (a mapping or (name, tensor) pairs), for the next "apply_weights" (off the
+        model thread: the steps go on meanwhile). Returns how many tensors."""
+        self.staged = list(weights.items() if isinstance(weights, dict) else weights)
+        return len(self.staged)
+
+    def join_weight_group(self, info: WeightTransferInfo) -> None:
+        """Join a trainer's weight group (rl/weight_sync.py) as rank ``info.rank_offset`` + this rank (blocks until
+        every member joined)."""
+        if self.weight_group is not None:
+            self.weight_group.close()
+        self.weight_group = info.open(self.rank)
+
+    def receive_weights(self) -> int:
+        """Stage the weights the trainer broadcasts on the weight group now."""
+        if self.weight_group is None:
+            raise RuntimeError("init_weight_transfer first: this rank is in no weight group")
+        return self.stage(self.weight_group.receive())
 
     # ---- introspection and the end ----------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -125,7 +168,10 @@ class Rank:
             self.submit(self._release).result(timeout=RELEASE_TIMEOUT_S)
         except Exception:  # best effort while tearing down (a step stuck in the model)
             logger.exception("releasing the rank's model failed")
-        self.runner = self.guard = None
+        self.runner = self.guard = self.staged = None
+        if self.weight_group is not None:
+            self.weight_group.close()
+            self.weight_group = None
         self.model_thread.shutdown(wait=False)
         gc.collect()  # what the engine's frozen generation (tune_gc_for_serving) kept of it goes too
 
@@ -146,7 +192,7 @@ class LocalSteps:
     def __init__(self, rank: Rank) -> None:
         self.rank = rank
 
-    async def run(self, so: SchedulerOutput) -> list[StepReply]:
+    async def run(self, so: StepMessage) -> list[StepReply]:
         return [await asyncio.wrap_future(self.rank.submit(self.rank.execute, so))]
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cbserve.cluster.channel.messages import StepReply
+from cbserve.cluster.channel.messages import RankCall, StepMessage, StepReply
 from cbserve.cluster.channel.steps import SocketSteps
 from cbserve.cluster.engine.compiled_graph import GraphSteps
 from cbserve.cluster.engine.rank import LocalSteps, Rank
@@ -51,7 +51,7 @@ class StepTransport(Protocol):
     """How a replica's steps reach its ranks: ``run`` sends one to every rank and returns their replies, in rank
     order; the transport tells its executor once when a rank is gone (the ``on_lost`` it was built with)."""
 
-    async def run(self, so: SchedulerOutput) -> list[StepReply]: ...
+    async def run(self, so: StepMessage) -> list[StepReply]: ...
 
     def close(self) -> None: ...
 
@@ -200,6 +200,45 @@ class RayExecutor:
         self.stats.observe(max(0.0, end - max(start, self._last_done) - out.forward_time_s))
         self._last_done = end
         return out
+
+    # ---- an RL loop's controls (cluster/engine/rollout.py) -------------------------------------------
+    async def call_ranks(self, method: str, *args: Any) -> Any:
+        """A rank control (rank.py ``Rank.control``) on every rank, sent like a step: it runs after the steps sent
+        before it and before any sent after. Rank 0's result; an exception a rank raised is raised here."""
+        if self.transport is None or self.rank_lost:
+            raise WorkerGroupError("the engine's worker group is gone")
+        try:
+            replies = await self.transport.run(RankCall(method, args))
+        except Exception as e:
+            raise WorkerGroupError(f"engine worker group failed: {type(e).__name__}: {e}") from e
+        errors = [r.error for r in replies if r.error is not None]
+        if errors:
+            raise WorkerGroupError(f"engine worker group failed: {errors[0]}")
+        raised = next((r.result for r in replies if isinstance(r.result, Exception)), None)
+        if raised is not None:
+            raise raised
+        return replies[0].result
+
+    async def stage_weights(self, ref: Any) -> None:
+        """Every rank fetches the weights a trainer put in the object store (``ref``), while the steps go on."""
+        if self.local is not None:
+            self.local.stage(await ref)
+        else:
+            await asyncio.gather(*[w.stage_weights.remote([ref]) for w in self.workers])
+
+    async def join_weight_group(self, info: Any) -> None:
+        """Every rank joins the trainer's weight group (rl/weight_sync.py ``WeightTransferInfo``)."""
+        if self.local is not None:
+            await asyncio.to_thread(self.local.join_weight_group, info)
+        else:
+            await asyncio.gather(*[w.join_weight_group.remote(info) for w in self.workers])
+
+    async def receive_weights(self) -> None:
+        """Every rank stages the weights the trainer broadcasts on the weight group."""
+        if self.local is not None:
+            await asyncio.to_thread(self.local.receive_weights)
+        else:
+            await asyncio.gather(*[w.receive_weights.remote() for w in self.workers])
 
     def shutdown(self) -> None:
         self._closing = True

@@ -45,6 +45,7 @@ from cbserve.cluster.channel.messages import (
 from cbserve.cluster.channel.server import ChannelServer
 from cbserve.cluster.channel.transport import StepAddress
 from cbserve.cluster.engine.ray_executor import RayExecutor, WorkerGroupError
+from cbserve.cluster.engine.rollout import Rollout
 from cbserve.cluster.ops.metrics import EngineMetrics
 from cbserve.cluster.ops.path_trace import PathTrace
 from cbserve.config import CBServeConfig, check_kv_capacity
@@ -88,6 +89,7 @@ class SchedulerActor:
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self.path = PathTrace()
+        self.rollout: Rollout | None = None  # the RL loop's controls over the built engine (rollout.py)
 
     def _ensure_started(self) -> None:
         if self._task is None:
@@ -204,6 +206,7 @@ class SchedulerActor:
         check_kv_capacity(self.config, self.executor.num_blocks, self.config.resolved_device)
         engine_config = self.config.engine_config(self.executor.num_blocks, self.executor.kv_tiers())
         self.engine = EngineCore(engine_config, self.executor, totals=self.totals, kv_events=self.config.uses_kv_events)
+        self.rollout = Rollout(self.engine, self.executor, self._wake)
         if self.config.uses_kv_events:  # a new engine's cache is empty: the routers forget the old one's
             self.outputs.put_cache_events(KVCacheEvents(reset=True))
         tune_gc_for_serving()
@@ -265,13 +268,58 @@ class SchedulerActor:
             self.outputs.put(group.client, group.req_id, EngineFailure("unavailable", message))
 
     def _teardown(self) -> None:
-        self.engine = None
+        self.engine = self.rollout = None
         if self.executor is not None:
             try:
                 self.executor.shutdown()
             except Exception:
                 logger.exception("worker group shutdown failed")
             self.executor = None
+
+    # ---- an RL loop's controls (rollout.py; rl/engines.py calls them on every replica) -----------------
+    def _controls(self) -> Rollout:
+        if self.rollout is None or self.status.state != "ready":
+            raise RuntimeError(f"engine replica {self.replica} is {self.status.state}: no control now")
+        return self.rollout
+
+    async def pause(self, mode: str = "keep") -> dict[str, Any]:
+        return await self._controls().pause(mode)
+
+    async def resume(self) -> dict[str, Any]:
+        return await self._controls().resume()
+
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: serve with enable_sleep_mode (--enable-sleep-mode)")
+        return await self._controls().sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return await self._controls().wake_up(tags)
+
+    async def reset_prefix_cache(self) -> dict[str, Any]:
+        return self._controls().reset_prefix_cache()
+
+    async def init_weight_transfer(self, info: Any) -> None:
+        """Join a trainer's weight group (rl/weight_sync.py): every rank, as ``info.rank_offset`` + its rank."""
+        self._controls()
+        assert self.executor is not None
+        await self.executor.join_weight_group(info)
+
+    async def update_weights(self, weights: list[Any] | None = None, version: int | None = None) -> dict[str, Any]:
+        """New weights: ``[ref]`` (an object-store reference to HF-named tensors, a mapping or pairs) or, when None,
+        what the trainer broadcasts on its weight group now."""
+        if self.config.kv_disk_path is not None:
+            raise ValueError("update_weights with a KV disk tier (kv_disk_path): its files outlive the process and "
+                             "would serve KV computed with other weights after a restart")
+        return await self._controls().update_weights(weights[0] if weights else None, version)
+
+    async def rollout_state(self) -> dict[str, Any]:
+        """The replica's tensor-parallel size and its controls' state, for a trainer."""
+        r = self.rollout
+        return {"replica": self.replica, "tensor_parallel_size": self.config.tensor_parallel_size,
+                "ready": r is not None and self.status.state == "ready", "paused": r is not None and r.is_paused(),
+                "sleeping": sorted(r.asleep) if r is not None else [],
+                "weights_version": self.engine.weights_version if self.engine is not None else 0}  # fmt: skip
 
     # ---- introspection ----------------------------------------------------------------------
     async def stats(self) -> dict[str, Any]:

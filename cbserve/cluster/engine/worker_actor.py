@@ -17,12 +17,11 @@ from typing import Any
 
 import ray
 
-from cbserve.cluster.channel.messages import StepReply
+from cbserve.cluster.channel.messages import StepMessage, StepReply
 from cbserve.cluster.channel.steps import StepServer
 from cbserve.cluster.channel.transport import StepAddress
 from cbserve.cluster.engine.rank import Rank
 from cbserve.config import CBServeConfig
-from cbserve.scheduler.outputs import SchedulerOutput
 
 
 @ray.remote(max_restarts=0, max_concurrency=1, concurrency_groups={"lifetime": 1})
@@ -50,7 +49,7 @@ class WorkerActor:
         self.rank.call(self.rank.init_kv_cache, num_blocks)
 
     # ---- the per-iteration call -----------------------------------------------------------
-    def execute_model(self, scheduler_output: SchedulerOutput) -> StepReply:
+    def execute_model(self, scheduler_output: StepMessage) -> StepReply:
         """One step (a compiled graph's call; the step channel runs ``Rank.execute`` on the model thread itself)."""
         return self.rank.call(self.rank.execute, scheduler_output)
 
@@ -62,6 +61,17 @@ class WorkerActor:
         self.step_server = StepServer(self.rank.execute, ray.util.get_node_ip_address())
         self.rank.submit(self.step_server.serve)
         return self.step_server.address
+
+    # ---- an RL loop's weights: taken in on this actor's thread while the steps go on (rank.py) -------
+    def stage_weights(self, weights: list[Any]) -> int:
+        """Fetch the weights a trainer put in the object store (``[ref]``: the reference, not resolved by Ray)."""
+        return self.rank.stage(ray.get(weights[0]))
+
+    def join_weight_group(self, info: Any) -> None:
+        self.rank.join_weight_group(info)
+
+    def receive_weights(self) -> int:
+        return self.rank.receive_weights()
 
     def path_trace(self, command: str) -> dict[str, list[str]]:
         """Record the files the model thread runs from its next step on ("start"), or stop and return them ("stop"):

@@ -5,9 +5,10 @@ it against the protocol model, so /openapi.json documents it) and hands it over.
 /v1/chat/completions (SSE when ``stream``), /v1/responses (and GET / DELETE /v1/responses/{id}:
 ``frontend/responses/api.py``), /v1/models, /v1/load_lora_adapter and /v1/unload_lora_adapter (with
 ``enable_lora``: ``frontend/lora_registry.py``, one set for every replica: ``lora_store.py``), /health, /tokenize,
-/detokenize, and /stats (engine replicas and router, for operators and tests). Auth, HTTP metrics and OpenAI's
-error shape are the HTTP edge's (``http_edge.py``); the engine client stops in the app's lifespan. Nothing here
-imports torch: the tokenizer and the model's numbers come from its files.
+/detokenize, /stats (engine replicas and router, for operators and tests), and an RL loop's controls (/pause,
+/resume, /is_paused, /sleep, /wake_up, /is_sleeping, /reset_prefix_cache: ``rollout_api.py``). Auth, HTTP metrics
+and OpenAI's error shape are the HTTP edge's (``http_edge.py``); the engine client stops in the app's lifespan.
+Nothing here imports torch: the tokenizer and the model's numbers come from its files.
 """
 
 import asyncio
@@ -18,13 +19,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from ray import serve
 
 from cbserve.cluster.ingress.engine_client import EngineClient
 from cbserve.cluster.ingress.http_edge import ClosingStreamingResponse, HttpEdge, install_error_handlers
+from cbserve.cluster.ingress.rollout_api import controls
 from cbserve.cluster.ops.metrics import IngressMetrics
 from cbserve.cluster.ops.node_tuning import node_tuning
 from cbserve.cluster.ops.path_trace import PathTrace
@@ -283,6 +285,56 @@ class OpenAIIngress:
         if self.shared_loras is None:
             return PlainTextResponse(self.serving.loras.unload(body))  # a 404: LoRA is off
         return PlainTextResponse(await self.shared_loras.unload(body))
+
+    # ---- an RL loop's controls, on every engine replica of the app (rollout_api.py); also Serve handle calls ----
+    async def pause(self, mode: str = "keep") -> dict[str, Any]:
+        return await controls(self.app_name, "pause", mode)
+
+    async def resume(self) -> dict[str, Any]:
+        return await controls(self.app_name, "resume")
+
+    async def is_paused(self) -> dict[str, Any]:
+        return await controls(self.app_name, "is_paused")
+
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        return await controls(self.app_name, "sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return await controls(self.app_name, "wake_up", tags)
+
+    async def is_sleeping(self) -> dict[str, Any]:
+        return await controls(self.app_name, "is_sleeping")
+
+    async def reset_prefix_cache(self) -> dict[str, Any]:
+        return await controls(self.app_name, "reset_prefix_cache")
+
+    @api.post("/pause")
+    async def pause_route(self, mode: str = "keep") -> Response:
+        return _response(await self.pause(mode))
+
+    @api.post("/resume")
+    async def resume_route(self) -> Response:
+        return _response(await self.resume())
+
+    @api.get("/is_paused")
+    async def is_paused_route(self) -> Response:
+        return _response(await self.is_paused())
+
+    @api.post("/sleep")
+    async def sleep_route(self, level: int = 1) -> Response:
+        return _response(await self.sleep(level))
+
+    @api.post("/wake_up")
+    async def wake_up_route(self, tags: list[str] | None = Query(None)) -> Response:  # noqa: B008 (FastAPI's way)
+        return _response(await self.wake_up(tags))
+
+    @api.get("/is_sleeping")
+    async def is_sleeping_route(self) -> Response:
+        return _response(await self.is_sleeping())
+
+    @api.post("/reset_prefix_cache")
+    async def reset_prefix_cache_route(self) -> Response:
+        return _response(await self.reset_prefix_cache())
 
     # ---- operations ---------------------------------------------------------------------------
     @api.get("/health")

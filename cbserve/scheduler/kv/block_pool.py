@@ -186,6 +186,15 @@ class BlockPool:
         self.cached.clear()
         return True
 
+    def forget_all(self) -> int:
+        """Forget every cached hash, of blocks in use too (their KV is never served again: the weights changed).
+        Returns how many."""
+        n = len(self.cached)
+        for block in self.cached.values():
+            self._forget(block)
+        self.cached.clear()
+        return n
+
     # ---- invariants -------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         in_queue = set()

@@ -41,6 +41,8 @@ class KVCacheManager:
         # (id, hash), which they may store; their events come with the pool's
         self.tiers: OffloadConnector | None = None
         self.completed: list[tuple[int, int]] = []
+        # sequences whose KV predates the last ``reset_prefix_cache``: their blocks are never registered
+        self.stale: set[str] = set()
         if config.offload is not None:
             self.pool.key_hash = stable_key_hasher(self.block_size)
             self.tiers = OffloadConnector(config.offload, self.block_size, self.block_hash)
@@ -96,6 +98,8 @@ class KVCacheManager:
         self, seq_id: str, token_ids: list[int], num_computed: int, extra_keys: tuple
     ) -> None:
         """Register the sequence's full blocks whose KV is computed (called after each step)."""
+        if seq_id in self.stale:
+            return
         hashes = self.hashes[seq_id]
         table = self.tables[seq_id]
         bs = self.block_size
@@ -107,6 +111,17 @@ class KVCacheManager:
             hashes.append(block_hash)
             if self.pool.cache_block(table[i], block_hash, key) and completed is not None:
                 completed.append((table[i].block_id, block_hash))
+
+    def reset_prefix_cache(self) -> int:
+        """No block computed so far is served again (the model's weights changed, or an operator asked): the pool
+        forgets every hash, of blocks in use too; the sequences holding blocks now never register theirs (their KV
+        is from before: a preempted one is recomputed and registers again); the KV tiers drop what they hold.
+        Returns how many blocks the pool forgot."""
+        self.stale.update(self.tables)
+        self.completed.clear()
+        if self.tiers is not None:
+            self.tiers.reset()
+        return self.pool.forget_all()
 
     def take_completed(self) -> list[tuple[int, int]]:
         """The blocks registered since the last call (with KV tiers): what the tiers may store."""
@@ -228,11 +243,14 @@ class KVCacheManager:
         self.pool.touch(table)
         self.tables[child_id] = list(table)
         self.hashes[child_id] = list(self.hashes[parent_id])
+        if parent_id in self.stale:
+            self.stale.add(child_id)
 
     def free(self, seq_id: str) -> None:
         """Drop the sequence's blocks, tail first (its later blocks get evicted before its earlier ones)."""
         table = self.tables.pop(seq_id, None)
         self.hashes.pop(seq_id, None)
+        self.stale.discard(seq_id)
         if table:
             self.pool.free(reversed(table))
 
@@ -262,3 +280,4 @@ class KVCacheManager:
                 f"{block}: ref count {block.ref_cnt} but {refs[block.block_id]} table entries"
             )
         assert set(self.hashes) == set(self.tables), "hash chains and tables disagree"
+        assert self.stale <= set(self.tables), "a stale sequence holds no blocks"

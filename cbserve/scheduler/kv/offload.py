@@ -188,6 +188,19 @@ class OffloadConnector:
             # asked again (a second read of one that did start is harmless); else its request would wait for good
             self._next.prefetch.extend(h for h in t.prefetch if self.ram.get(h) is False)
 
+    def reset(self) -> None:
+        """Drop every block the tiers hold (the worker frees their RAM slots and deletes their files); an entry on its
+        way from disk stays until it arrives (a prefetch cannot be called back)."""
+        for h in [h for h, ready in self.ram.items() if ready]:
+            del self.ram[h]
+            self.from_disk.discard(h)
+            self._next.evict.append(h)
+            self._tier_out(h)
+        self._next.disk_evict.extend(self.disk)
+        for h in list(self.disk):
+            del self.disk[h]
+            self._tier_out(h)
+
     def request_finished(self, seq_id: str, block_ids: list[int]) -> bool:
         return False  # the tiers hold copies: the pool's blocks are free at once
 

@@ -86,6 +86,7 @@ class RequestOutput:
     # Finish reason "error": what failed (the request alone: see fault_isolation.py).
     error: RequestFailure | None = None
     client: int = 0  # the request's ``EngineRequest.client``: where the host sends this output
+    weights_version: int = 0  # the version of the weights that ran its step (EngineCore.set_weights_version)
 
 
 def cache_extra_keys(cache_salt: str | None, lora: LoRARequest | None) -> tuple:

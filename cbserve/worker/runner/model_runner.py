@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +22,8 @@ from cbserve.worker.loading.model_build import build_model
 from cbserve.worker.loading.model_info import read_eos_token_ids
 from cbserve.worker.loading.model_loader import hide_triton_from_torch, load_hf_config, resolve_model
 from cbserve.worker.loading.pooling_config import read_pooling_config
+from cbserve.worker.loading.sleep_mode import SleepMode
+from cbserve.worker.loading.weight_update import update_model_weights
 from cbserve.worker.lora.files import LoRAAdapterError
 from cbserve.worker.lora.manager import LoRAManager
 from cbserve.worker.parallel import broadcast_token_ids, divide, tp_rank, tp_world_size
@@ -109,6 +112,7 @@ class ModelRunner:
         if config.enable_lora:
             self.lora = LoRAManager(self.model, self.hf_config, config.max_loras, config.max_lora_rank,
                                     config.lora_cache_size, self.dtype, self.device)
+        self.sleep_mode = SleepMode(reloadable=weights is None)  # sleep / wake_up (loading/sleep_mode.py)
 
     def _pooler(self) -> Pooler:
         pooling = read_pooling_config(self.model_folder)
@@ -180,6 +184,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One step: the KV tiers' moves first (worker/runner/kv_tiers.py), then the forward pass and sampling."""
+        self.sleep_mode.check_awake("execute_model()")
         tiers = self.kv_tiers
         if tiers is None:
             return self._execute(so)
@@ -343,6 +348,25 @@ class ModelRunner:
         """The one place a request's blocks shrink: its state's list and its row of the block table."""
         del state.block_ids[num_blocks:]
         self.block_table.truncate(state.req_id, num_blocks)
+
+    # ---- RL loops: weights updated in place, sleep and wake (loading/weight_update.py, loading/sleep_mode.py) ---
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """Load HF-named full tensors into the model in place (all checked first: ValueError, nothing changed) and
+        re-pack what they change; the report of ``WeightUpdateReport.as_dict``. The draft model is not updated."""
+        self.sleep_mode.check_weights("update_weights()")
+        return update_model_weights(self.model, weights, self.config.cpu_compact_weights).as_dict()
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Free the KV cache (level 1) and the weights (level 2); the requests held are dropped."""
+        return self.sleep_mode.sleep(self, level)
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> dict[str, Any]:
+        """Reload what ``sleep`` freed: ``tags`` within {"weights", "kv_cache"}, None for both."""
+        return self.sleep_mode.wake_up(self, tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_mode.is_sleeping
 
     def shutdown(self) -> None:
         if self.kv_tiers is not None:

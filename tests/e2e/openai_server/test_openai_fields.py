@@ -130,6 +130,8 @@ HONOURED: dict[str, tuple[dict[str, Any], Check]] = {
                           lambda s, r: set(r.choices[0].text.split()) <= {"yes", "no"} or pytest.fail()),
     "bad_words": ({"extra_body": {"bad_words": ["the", "The", "a"]}, "max_tokens": 12},
                   lambda s, r: not {" the", " a", "The"} & set(r.choices[0].text.split(" ")) or pytest.fail()),
+    "return_token_ids": ({"extra_body": {"return_token_ids": True}},
+                         lambda s, r: (r.choices[0].token_ids and r.choices[0].prompt_token_ids) or pytest.fail()),
     "request_id": ({"extra_body": {"request_id": "table-1"}}, lambda s, r: r.id == "cmpl-table-1" or pytest.fail()),
     "truncate_prompt_tokens": ({"extra_body": {"truncate_prompt_tokens": 2}, "max_tokens": 1},
                                lambda s, r: r.usage.prompt_tokens == 2 or pytest.fail()),
@@ -168,7 +170,7 @@ ELSEWHERE = {
 
 REFUSED: dict[str, Any] = {
     "suffix": "x", "priority": 1, "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True,
-    "return_token_ids": True, "logits_processors": ["x"], "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
+    "logits_processors": ["x"], "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
     "prompt_embeds": "AAAA", "store": True, "metadata": {"a": "b"}, "service_tier": "flex", "prompt_cache_key": "k",
     "prompt_cache_retention": "24h", "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
     "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " ",
@@ -177,7 +179,7 @@ CHAT_REFUSED: dict[str, Any] = {
     "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["audio"],
     "reasoning_effort": "low", "prediction": {"type": "content", "content": "x"}, "echo": True,
     "web_search_options": {}, "functions": [{"name": "f"}], "function_call": "auto", "verbosity": "low",
-    "documents": [{"a": "b"}], "mm_processor_kwargs": {"a": 1},
+    "documents": [{"a": "b"}], "mm_processor_kwargs": {"a": 1}, "return_token_ids": True,
 }
 
 
@@ -188,7 +190,7 @@ def test_the_table_covers_every_request_field() -> None:
     listed = [set(HONOURED), set(REFUSED), set(CHAT_REFUSED), set(ELSEWHERE)]
     assert set().union(*listed) == fields
     assert not HONOURED.keys() & (REFUSED.keys() | ELSEWHERE.keys())
-    assert HONOURED.keys() & CHAT_REFUSED.keys() == {"echo"}  # completions' echo; chat's is refused
+    assert HONOURED.keys() & CHAT_REFUSED.keys() == {"echo", "return_token_ids"}  # completions only; chat refuses them
 
 
 @pytest.mark.parametrize("field", sorted(HONOURED))
