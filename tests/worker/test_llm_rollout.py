@@ -34,7 +34,8 @@ def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 def test_pushed_weights_give_hf_greedy_tokens_and_no_stale_prefix_hit(tiny: Path, cpu_ops: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    llm = LLM(str(tiny), progress=False, device="cpu", dtype="float32", cpu_ops=cpu_ops, block_size=16, num_kv_blocks=64)
+    llm = LLM(str(tiny), progress=False, device="cpu", dtype="float32", cpu_ops=cpu_ops, block_size=16,
+              num_kv_blocks=64)
     hf = AutoModelForCausalLM.from_pretrained(tiny, torch_dtype=torch.float32).eval()
     before = llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]
     assert before.outputs[0].token_ids == _hf_greedy(hf, PROMPT, 8) and before.outputs[0].weights_version == 0
