@@ -229,7 +229,7 @@ class EngineCore:
         stats.execute_time_s = execute_time
         stats.forward_time_s = out.forward_time_s
         self._updated_at = self.timer()
-        for output in outputs:  # which weights produced the rollout (update_weights)
+        for output in outputs if self.weights_version else ():  # which weights ran it (an output's default: 0)
             output.weights_version = self.weights_version
         return StepResult(outputs, stats, it, self.scheduler.kv.take_events())
 

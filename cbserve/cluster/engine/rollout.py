@@ -49,8 +49,7 @@ class Rollout:
         engine.pause(mode)  # ValueError for a mode it does not know
         self.user_pause = engine.scheduler.pause_mode
         self.wake()
-        while engine.batch_queue or (mode == "wait" and not engine.drained()):
-            await asyncio.sleep(HOLD_POLL_S)
+        await self._land(mode == "wait")
         return {"paused": True, "mode": mode, "aborted": aborted, "waiting": len(engine.groups)}
 
     async def resume(self) -> dict[str, Any]:
@@ -63,10 +62,14 @@ class Rollout:
     def is_paused(self) -> bool:
         return self.user_pause is not None or bool(self.asleep)
 
+    async def _land(self, finished: bool = False) -> None:
+        """Until the steps in flight landed (``finished``: and the started requests finished)."""
+        while self.engine.batch_queue or (finished and not self.engine.drained()):
+            await asyncio.sleep(HOLD_POLL_S)
+
     async def _hold(self) -> None:
         self.engine.scheduler.pause_mode = "keep"
-        while self.engine.batch_queue:
-            await asyncio.sleep(HOLD_POLL_S)
+        await self._land()
 
     def _release(self) -> None:
         self.engine.scheduler.pause_mode = "keep" if self.asleep else self.user_pause

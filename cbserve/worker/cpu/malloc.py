@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import logging
 import sys
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -25,16 +26,30 @@ TRIM_THRESHOLD_BYTES = 1 << 30  # keep up to 1 GiB of freed heap instead of retu
 TOP_PAD_BYTES = 64 << 20  # grow the heap in 64 MiB steps
 
 
-def tune_malloc_for_cpu_inference() -> bool:
-    """Apply the settings to this process; returns True when glibc accepted all of them."""
+def _glibc(function: str) -> Any:
+    """glibc's ``function``, None where there is none (not Linux, or not glibc: musl has no mallopt)."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):  # not glibc (e.g. musl has no mallopt)
+        return getattr(ctypes.CDLL(name), function)
+    except (OSError, AttributeError):
+        return None
+
+
+def malloc_trim() -> bool:
+    """glibc's ``malloc_trim(0)``: freed heap pages back to the OS now (the settings below keep up to
+    ``TRIM_THRESHOLD_BYTES`` otherwise): a worker's sleep (worker/loading/sleep_mode.py). False without glibc."""
+    trim = _glibc("malloc_trim")
+    return trim is not None and bool(trim(0))
+
+
+def tune_malloc_for_cpu_inference() -> bool:
+    """Apply the settings to this process; returns True when glibc accepted all of them."""
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     ok = all(
         mallopt(param, value) == 1

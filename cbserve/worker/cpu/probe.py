@@ -271,13 +271,19 @@ def model_weights(folder: Path) -> tuple[str, int]:
         return "f32", 0
 
 
-def available_memory_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo, in bytes (None where there is no such file)."""
+def proc_bytes(path: str, field: str) -> int | None:
+    """A kB field of a /proc file (``MemAvailable`` of /proc/meminfo, ``VmRSS`` of /proc/self/status), in bytes;
+    None where there is no such file or field."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes (None where there is no such file)."""
+    return proc_bytes("/proc/meminfo", "MemAvailable")

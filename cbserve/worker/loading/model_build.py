@@ -70,14 +70,23 @@ def build_model(
     model_cls = model_class(hf_config)  # NotImplementedError naming what is supported
     with default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, backend_cls, max_model_len, ops)
-    model.load_weights(weights if weights is not None else iter_weights(folder, progress=progress))
+    place_weights(model, weights if weights is not None else iter_weights(folder, progress=progress), folder, config,
+                  device)
     model.eval()
+    return BuiltModel(model, ops.mode, backend_cls, dtype, ops.kernels, ops.report())
+
+
+def place_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]], folder: Path, config: ModelConfig,
+                  device: torch.device) -> None:
+    """Load HF-named ``weights`` into ``model``, then quantize them to FP8 (``quantization="fp8"``) or, on CPU, pack
+    them for the model's ops (with the folder's GGUF blocks when ``cpu_compact_weights``): a build, and a wake after
+    the weights slept (sleep_mode.py)."""
+    model.load_weights(weights)
     if config.quantization == "fp8":  # before the CPU packing below, which keeps what is already packed
         quantize_linear_weights(model)
     if device.type == "cpu":
-        compact = config.cpu_compact_weights and ops.native
+        compact = config.cpu_compact_weights and model.ops.native
         model.finish_loading(load_gguf_blocks(folder) if compact else None, compact)
-    return BuiltModel(model, ops.mode, backend_cls, dtype, ops.kernels, ops.report())
 
 
 def fp8_cpu_ops(config: ModelConfig, device: torch.device) -> str:

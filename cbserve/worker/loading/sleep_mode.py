@@ -22,10 +22,7 @@ memory (``VmRSS`` of /proc/self/status) before and after.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
-import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -33,10 +30,11 @@ from typing import Any
 
 import torch
 
-from cbserve.worker.cpu.gguf_blocks import QuantBlocks, load_gguf_blocks
 from cbserve.worker.cpu.linear import RegimeWeight
-from cbserve.worker.layers.fp8_linear import quantize_linear_weights
+from cbserve.worker.cpu.malloc import malloc_trim
+from cbserve.worker.cpu.probe import proc_bytes
 from cbserve.worker.layers.moe import SparseMoeBlock
+from cbserve.worker.loading.model_build import place_weights
 from cbserve.worker.loading.model_loader import iter_weights
 from cbserve.worker.loading.weight_update import dense_shape, owner_of
 
@@ -45,25 +43,7 @@ TAGS = ("weights", "kv_cache")
 
 def rss_bytes() -> int | None:
     """This process's resident memory (VmRSS), None where /proc is not there."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def malloc_trim() -> bool:
-    """glibc's ``malloc_trim(0)``: freed heap pages back to the OS (the allocator keeps up to 1 GiB otherwise, see
-    cpu/malloc.py). False where there is no glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return bool(ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0))
-    except (OSError, AttributeError, TypeError):
-        return False
+    return proc_bytes("/proc/self/status", "VmRSS")
 
 
 def release_memory(device: torch.device) -> None:
@@ -114,21 +94,14 @@ def release_model_weights(model: Any) -> tuple[dict[str, tuple[int, ...]], int]:
     return shapes, nbytes
 
 
-def reload_model_weights(
-    model: Any, folder: Path, shapes: Mapping[str, tuple[int, ...]], device: torch.device, fp8: bool, compact: bool
-) -> None:
-    """The weights ``release_model_weights`` freed, loaded again from ``folder`` as ``build_model`` loads them: the
-    checkpoint through ``load_weights``, FP8 quantization, then on CPU packed (with the GGUF blocks, ``compact``)."""
+def reload_model_weights(model: Any, folder: Path, shapes: Mapping[str, tuple[int, ...]], config: Any,
+                         device: torch.device) -> None:
+    """The weights ``release_model_weights`` freed, loaded again from ``folder`` as ``build_model`` places them."""
     with torch.no_grad():
         for name, shape in shapes.items():
             param = model.get_parameter(name)
             param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
-    model.load_weights(iter_weights(folder, progress=False))
-    if fp8:
-        quantize_linear_weights(model)
-    if device.type == "cpu":
-        blocks: Mapping[str, QuantBlocks] | None = load_gguf_blocks(folder) if compact else None
-        model.finish_loading(blocks, compact)
+    place_weights(model, iter_weights(folder, progress=False), folder, config, device)
 
 
 class SleepMode:
@@ -204,15 +177,7 @@ class SleepMode:
             )
         rss, t0 = rss_bytes(), time.perf_counter()
         if "weights" in todo:
-            cfg = runner.config
-            reload_model_weights(
-                runner.model,
-                runner.model_folder,
-                self.shapes,
-                runner.device,
-                cfg.quantization == "fp8",
-                cfg.cpu_compact_weights and runner.model.ops.native,
-            )
+            reload_model_weights(runner.model, runner.model_folder, self.shapes, runner.config, runner.device)
             self.asleep.discard("weights")
             self.shapes = {}
         if "kv_cache" in todo:
