@@ -290,7 +290,7 @@ def section(name: str, fn: Any, args: argparse.Namespace, doc: dict[str, Any]) -
 def print_tables(doc: dict[str, Any]) -> None:
     print(f"\nRL benchmark on {doc['cpu']}")
     sync = doc.get("served_sync", {})
-    if "error" not in sync:
+    if sync and "error" not in sync:
         print(f"\n{'served sync (SmolLM2-135M f32)':34s} {'sync_s':>8s} {'transfer':>9s} {'apply':>8s} "
               f"{'pack':>7s} {'GB/s':>6s} {'driver':>8s}")
         for ops, ways in sync.items():
@@ -301,7 +301,7 @@ def print_tables(doc: dict[str, Any]) -> None:
     for k, g in doc.get("goals", {}).items():
         print(f"  goal {k}: {g['value']:.3f} s < {g['goal']} s: {'met' if g['met'] else 'NOT met'}")
     sizes = doc.get("size_curve", {})
-    if "error" not in sizes:
+    if sizes and "error" not in sizes:
         print(f"\n{'offline update_weights':34s} {'params':>8s} {'GB':>6s} {'total_s':>8s} {'load_s':>7s} "
               f"{'pack_s':>7s} {'GB/s':>6s}")
         for name, r in sizes.items():
@@ -311,14 +311,14 @@ def print_tables(doc: dict[str, Any]) -> None:
             print(f"  {name:32s} {r['params'] / 1e6:7.0f}M {r['num_bytes'] / GB:6.2f} {r['sync_s']:8.3f} "
                   f"{r.get('load_s_median', 0):7.3f} {r.get('pack_s_median', 0):7.3f} {r['gb_per_s']:6.2f}")
     sl = doc.get("sleep", {})
-    if "error" not in sl:
+    if sl and "error" not in sl:
         s = sl["sleep"]
         print(f"\nsleep(1): RSS freed {s.get('rss_freed', 0) / MIB:.0f} MiB of a {s.get('kv_cache_bytes', 0) / MIB:.0f}"
               f" MiB KV cache ({sl['rss_freed_over_kv']:.2f}x), sleep {sl['sleep_s']:.3f} s, wake_up "
               f"{sl['wake_up_s']:.3f} s, first token {sl['first_token_before_s']:.3f} s before / "
               f"{sl['first_token_after_wake_s']:.3f} s after wake ({sl['first_token_after_wake_2nd_s']:.3f} s the 2nd)")
     ro = doc.get("rollout", {})
-    if "error" not in ro:
+    if ro and "error" not in ro:
         f, u = ro["fixed"], ro["updated"]
         print(f"\nrollout ({f['steps']} steps x {doc['args']['prompts']} prompts x {doc['args']['tokens']} tokens): "
               f"fixed {f['tok_s']:.1f} tok/s, with updates {u['tok_s']:.1f} tok/s "
@@ -334,7 +334,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     sync = doc.get("served_sync", {})
-    if "error" not in sync:
+    if sync and "error" not in sync:
         labels = [f"{ops}\n{way}" for ops, ways in sync.items() for way in ways]
         rows = [r for ways in sync.values() for r in ways.values()]
         transfer = [r.get("transfer_s_median", 0) for r in rows]
