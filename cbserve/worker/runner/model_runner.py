@@ -184,7 +184,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One step: the KV tiers' moves first (worker/runner/kv_tiers.py), then the forward pass and sampling."""
-        self.sleep_mode.check_awake("execute_model()")
+        if not self.kv_caches:  # never allocated, or released by sleep() (which the error then names)
+            self.sleep_mode.check_awake("execute_model()")
+            raise RuntimeError("init_kv_cache() must be called before execute_model()")
         tiers = self.kv_tiers
         if tiers is None:
             return self._execute(so)
@@ -199,8 +201,6 @@ class ModelRunner:
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         self._update_states(so)
-        if not self.kv_caches:
-            raise RuntimeError("init_kv_cache() must be called before execute_model()")
         copy_blocks(self.kv_caches, so.block_copies)
         if self.draft is not None:
             self.draft.copy_blocks(so.block_copies)
