@@ -45,6 +45,7 @@ NOT_ENABLED = "LoRA is not enabled on this server: start it with enable_lora (--
 _HOW_TO_RUNTIME = ("start the server with allow_runtime_lora_updating and lora_allowed_dirs "
                    "(--allow-runtime-lora-updating --lora-allowed-dirs DIR)")
 RUNTIME_OFF = f"Loading and unloading LoRA adapters at run time is off on this server: {_HOW_TO_RUNTIME}"
+PUSHED = "pushed:"  # the lora_path of an adapter given as bytes (its workers fetch them by digest, never a path)
 NOT_LOADABLE = "lora_path does not name a LoRA adapter this server may load (a PEFT folder under its lora_allowed_dirs)"
 
 
@@ -156,6 +157,18 @@ class LoRARegistry:
         except LoRAAdapterError as e:
             raise APIError(400, f"adapter {name!r} at {folder}: {e}", param="lora_path") from e
         return CheckedAdapter(str(folder), content)
+
+    def check_content(self, name: str, content: AdapterContent, replace: bool = False) -> CheckedAdapter:
+        """A trainer's adapter given as bytes (``rl/adapters.py``; a Serve handle's call, like ``lora_modules`` the
+        operator's: no ``lora_allowed_dirs``, no file read), checked whole; APIError 400 with the reason."""
+        if self.limits is None:
+            raise APIError(400, NOT_ENABLED)
+        self._check_name(name, replace)
+        try:
+            load_adapter(content, self.limits.info, self.limits.max_lora_rank)
+        except LoRAAdapterError as e:
+            raise APIError(400, f"adapter {name!r}: {e}", param="lora_name") from e
+        return CheckedAdapter(f"{PUSHED}{name}", content)
 
     def check_runtime(self) -> None:
         """The 404 of the load and unload routes where the server does not allow them (see the module)."""

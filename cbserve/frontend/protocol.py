@@ -329,6 +329,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    weights_version: int | None = None  # cbserve's, on a chunk that ends a choice (as ChatCompletionResponse's)
 
 
 class ModelCard(BaseModel):

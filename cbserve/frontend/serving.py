@@ -296,12 +296,22 @@ class OpenAIServing:
                     yield sse_event(chunk)
                 async for batch in deltas:
                     for chunk in fmt.chunks(batch):
-                        yield sse_event(chunk)
+                        yield sse_event(_stamp_version(chunk, states))
                 if include_usage:
                     yield sse_event(fmt.usage_chunk(_usage(states)))
             except APIError as e:
                 yield sse_event(e.body())
             yield "data: [DONE]\n\n"
+
+
+def _stamp_version(chunk: Any, states: list[RequestState]) -> Any:
+    """A chunk that ends a choice names the version of the weights that produced its last token (an RL loop's
+    ``weights_version``, as the whole response does unstreamed)."""
+    ended = {c.index for c in chunk.choices if c.finish_reason is not None}
+    if ended:
+        versions = [out.weights_version for s in states for i, out, _ in s.choices() if i in ended]
+        chunk.weights_version = max(versions, default=None)
+    return chunk
 
 
 def _model_name(served: ServedModel, lora: LoRARequest | None) -> str:

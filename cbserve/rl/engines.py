@@ -1,7 +1,7 @@
 """A trainer's handle on the engines of a served app: ``RolloutEngines(app_name)`` finds every engine replica of
 the app (those of all its ingress replicas, by their actor names: cluster/ops/names.py) and runs the RL loop's
 controls on all of them at once (cluster/engine/rollout.py): pause / resume, sleep / wake_up, reset_prefix_cache,
-and update_weights, through the Ray object store (``update_weights``) or through a weight group the trainer leads
+update_weights, through the Ray object store (``update_weights``) or through a weight group the trainer leads
 (``init_weight_transfer`` then ``update_weights_from_group``: rl/weight_sync.py). The trainer must be in the app's
 Ray cluster (a Ray actor or driver); the HTTP routes of the same controls are the ingress's (/pause, /sleep, ...).
 
@@ -126,6 +126,19 @@ class RolloutEngines:
         else:
             self.group.send(pairs, bucket_bytes)
         return list(ray.get(applied, timeout=self.timeout_s))
+
+    def load_lora_adapter(self, name: str, weights: Weights, config: Any, load_inplace: bool = True) -> dict[str, Any]:
+        """Serve a LoRA adapter the trainer holds (PEFT's names and tensors, ``get_peft_model_state_dict``, and its
+        ``LoraConfig``) as ``name`` on every replica of the app, replacing the one of that name (``load_inplace``):
+        requests sent after it run the new adapter, those in flight finish with the old (the app needs
+        ``enable_lora``). Returns its ``lora_name``, new ``lora_int_id`` and ``digest``."""
+        from ray import serve
+
+        from cbserve.rl.adapters import adapter_content
+
+        handle = serve.get_app_handle(self.engines.app_name)
+        content = adapter_content(weights, config)
+        return handle.load_lora_content.remote(name, content, load_inplace).result(timeout_s=self.timeout_s)
 
     def close(self) -> None:
         if self.group is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from e2e_lib import local_serve_apps
+from lora_lib import PROJECTIONS
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -43,7 +44,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     from tiny_llama import make_tiny_llama
 
     folder = make_tiny_llama(tmp_path_factory.mktemp("rl") / "tiny")
-    apps = {"tp1": dict(BASE, model=str(folder)), "tp2": dict(BASE, model=str(folder), tensor_parallel_size=2)}
+    apps = {"tp1": dict(BASE, model=str(folder), enable_lora=True, max_lora_rank=8),
+            "tp2": dict(BASE, model=str(folder), tensor_parallel_size=2)}
     with local_serve_apps(apps) as url:
         yield url, folder
 
@@ -82,11 +84,15 @@ def test_pause_keep_then_resume_loses_no_token_and_sleep_frees_then_wakes(served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     ask = {"model": "tiny", "max_tokens": 48, "temperature": 0, "extra_body": {"ignore_eos": True}}
     expected = [client.completions.create(prompt=p, **ask).choices[0].text for p in PROMPTS]
+    version = client.completions.create(prompt=PROMPTS[0], **ask).model_extra["weights_version"]
     got: dict[int, list[str]] = {i: [] for i in range(len(PROMPTS))}
+    versions: dict[int, Any] = {}
 
     def stream(i: int) -> None:
         for chunk in client.completions.create(prompt=PROMPTS[i], stream=True, **ask):
             got[i].append(chunk.choices[0].text)
+            if chunk.choices[0].finish_reason is not None:  # the chunk that ends the choice names the weights
+                versions[i] = chunk.model_extra.get("weights_version")
             time.sleep(0.01)
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(PROMPTS))]
@@ -103,6 +109,7 @@ def test_pause_keep_then_resume_loses_no_token_and_sleep_frees_then_wakes(served
     for t in threads:
         t.join(timeout=120)
     assert ["".join(got[i]) for i in range(len(PROMPTS))] == expected
+    assert versions == {i: version for i in range(len(PROMPTS))} and isinstance(version, int)
 
     assert _post(url, "/sleep?level=3")[0] == 400
     status, body = _post(url, "/sleep?level=1")
@@ -121,3 +128,51 @@ def test_pause_keep_then_resume_loses_no_token_and_sleep_frees_then_wakes(served
     assert late == [expected[0]]
     status, body = _post(url, "/reset_prefix_cache")
     assert status == 200 and body["replicas"][0]["forgotten_blocks"] > 0
+
+
+def _peft_greedy(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    import torch
+
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_lora_adapter_pushed_in_place_serves_the_trainers_weights(served: tuple[str, Path]) -> None:
+    """A trainer's adapter, pushed as tensors (no files) and pushed again under its name after a change: each time the
+    served greedy tokens equal HF + PEFT's with the adapter as pushed (a block cached with the old one would show:
+    the prompt is the same), and the new push has a new id."""
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from cbserve.rl.engines import RolloutEngines
+
+    url, folder = served
+    example = _example()
+    client = openai.OpenAI(base_url=f"{url}/tp1/v1", api_key="none", max_retries=0, timeout=120)
+    torch.manual_seed(3)
+    base = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    engines = RolloutEngines("tp1")
+    engines.update_weights(base.state_dict())  # the folder's weights again, whatever the loop test pushed
+    plain = example.greedy_tokens(client, "tiny", CHECK, 8)[0]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS, init_lora_weights=False)
+    policy = get_peft_model(base, config).eval()
+    answers, served_tokens = [], []
+    for _ in range(2):
+        answers.append(engines.load_lora_adapter("policy", get_peft_model_state_dict(policy), config))
+        served_tokens.append(example.greedy_tokens(client, "policy", CHECK, 8)[0])
+        assert served_tokens[-1] == _peft_greedy(policy, CHECK, 8)
+        with torch.no_grad():  # the trainer's step: the adapter changes
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-3.0)
+    assert served_tokens[0] != plain and served_tokens[1] != served_tokens[0], "the adapters changed nothing"
+    assert answers[1]["lora_int_id"] > answers[0]["lora_int_id"] and answers[1]["digest"] != answers[0]["digest"]
+    assert [m.id for m in client.models.list().data].count("policy") == 1
+    with pytest.raises(Exception, match="rank 16 is over max_lora_rank 8"):
+        big = LoraConfig(r=16, lora_alpha=16, target_modules=["q_proj"], init_lora_weights=False)
+        fresh = get_peft_model(AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32), big)
+        engines.load_lora_adapter("too-big", get_peft_model_state_dict(fresh), big)

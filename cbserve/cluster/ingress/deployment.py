@@ -34,6 +34,7 @@ from cbserve.cluster.stores.lora_store import SharedLoRAs
 from cbserve.cluster.stores.response_store import SharedResponses
 from cbserve.config import CBServeConfig
 from cbserve.frontend.lora_registry import (
+    NOT_ENABLED,
     AdapterLimits,
     AdapterSet,
     LoadLoRAAdapterRequest,
@@ -285,6 +286,14 @@ class OpenAIIngress:
         if self.shared_loras is None:
             return PlainTextResponse(self.serving.loras.unload(body))  # a 404: LoRA is off
         return PlainTextResponse(await self.shared_loras.unload(body))
+
+    async def load_lora_content(self, name: str, content: Any, load_inplace: bool = True) -> dict[str, Any]:
+        """A trainer's adapter as bytes (``rl/adapters.py``; a Serve handle's call, no route), checked and served
+        as ``name`` by every replica with a new id: requests in flight keep the adapter they started with."""
+        if self.shared_loras is None:
+            raise APIError(400, NOT_ENABLED)
+        lora = await self.shared_loras.load_content(name, content, load_inplace)
+        return {"lora_name": lora.lora_name, "lora_int_id": lora.lora_int_id, "digest": lora.digest}
 
     # ---- an RL loop's controls, on every engine replica of the app (rollout_api.py); also Serve handle calls ----
     async def pause(self, mode: str = "keep") -> dict[str, Any]:

@@ -130,6 +130,14 @@ class SharedLoRAs:
         logger.info("LoRA adapter %r loaded from %s (%s)", req.lora_name, checked.folder, checked.content.digest)
         return loaded_message(req.lora_name)
 
+    async def load_content(self, name: str, content: AdapterContent, replace: bool) -> LoRARequest:
+        """A trainer's adapter (bytes, ``rl/adapters.py``) served as ``name`` on every replica; its new id."""
+        checked = await asyncio.to_thread(self.registry.check_content, name, content, replace)
+        await self._change(self.store.register.remote(name, checked.folder, replace, checked.content))
+        lora = next(lora for lora in self.registry.adapters() if lora.lora_name == name)
+        logger.info("LoRA adapter %r pushed as id %d (%s)", name, lora.lora_int_id, content.digest)
+        return lora
+
     async def unload(self, req: UnloadLoRAAdapterRequest) -> str:
         self.registry.check_runtime()
         await self._change(self.store.unregister.remote(req.lora_name, req.lora_int_id))
