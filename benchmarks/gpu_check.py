@@ -3,8 +3,9 @@
 Part 1, correctness (``--part 1``): the ``cuda``-marked tests, compiled, in a pytest subprocess running beside
 greedy tokens of a tiny random model of every family against HF transformers on the same GPU (fp32 eager and
 fp32 with CUDA graphs must be equal; bf16 is reported), through chunked prefill, preemption and prefix hits;
-then, the GPU free, HF transformers' baselines for part 2's burst (``gpu_check_hf.py``: its best static and
-continuous batching, labelled).
+the RL loop's controls on the GPU (``gpu_check_rl.py``: sleep, wake, a weight update); then, the GPU free, HF
+transformers' baselines for part 2's burst (``gpu_check_hf.py``: its best static and continuous batching,
+labelled).
 Part 2, speed (``--part 2``, ``gpu_check_speed.py``): a Llama-3.1-8B-shaped model with random bf16 weights:
 decode, prefill and mixed steps against their rooflines (medians of interleaved repeats), the 256-request burst
 against its ideal schedule with a step timeline, the peer workloads (``gpu_check_peers.py``: published
@@ -91,6 +92,7 @@ def part1(check: Check, dry_run: bool, device: torch.device) -> None:
     transformers' baselines, on a GPU no test holds any more."""
     from gpu_check_correctness import finish_cuda_tests, greedy_all, start_cuda_tests
     from gpu_check_hf import hf_baselines
+    from gpu_check_rl import rl_controls
     from gpu_check_speed import workload
 
     tests = check.step(
@@ -99,6 +101,9 @@ def part1(check: Check, dry_run: bool, device: torch.device) -> None:
     if tests is not None and tests.proc is not None:
         check.children.append(tests.proc)
     check.step("greedy", greedy_all, check, device.type, dry_run)
+    rl = check.step("rl", rl_controls, device.type, dry_run, min_s=10 if dry_run else 30)
+    check.set("rl", rl or {"error": "see parts.1.errors"})
+    gc.collect()
     n = torch.cuda.device_count()
     check.set(
         "tensor_parallel",

@@ -304,6 +304,20 @@ def goals(rec: dict[str, Any]) -> dict[str, Any]:
         "fp8_decode_b1_at_most_0.6x_bf16": _fp8_goal(rec, "decode_b1", lambda r: r <= FP8_DECODE_B1_AT_MOST),
         "fp8_c250_window_at_least_1.4x_bf16": _fp8_goal(rec, "c250_window", lambda r: r >= FP8_C250_WINDOW_AT_LEAST),
         "fp8_accuracy_reported": _fp8_goal(rec, "accuracy", None),
+        **_rl_goals(rec.get("rl") or {}),
+    }
+
+
+def _rl_goals(rl: dict[str, Any]) -> dict[str, bool | None]:
+    """Issue 54's CUDA half (``gpu_check_rl.py``): sleep level 1 gives back >= 90% of the KV cache, wake_up under
+    2 s, greedy tokens equal HF's after every wake and after a weight update."""
+    one, update = rl.get("level1") or {}, rl.get("update") or {}
+    runs = [rl.get("greedy_equal_before"), one.get("greedy_equal_after_wake"),
+            (rl.get("level2") or {}).get("greedy_equal_after_wake"), update.get("greedy_equal")]  # fmt: skip
+    return {
+        "rl_sleep1_frees_90pct_of_kv": rl["level1_freed_over_kv"] >= 0.9 if "level1_freed_over_kv" in rl else None,
+        "rl_wake_up_under_2s": one["wake_up_s"] < 2.0 if "wake_up_s" in one else None,
+        "rl_greedy_equal_after_wake_and_update": all(runs) if None not in runs else None,
     }
 
 

@@ -53,6 +53,11 @@ def test_part1_correctness_and_hf_baselines(check: tuple[dict, Path, float]) -> 
     assert hf["static"]["label"]["attn_implementation"] == "sdpa" and not hf["static"]["partial"]
     assert hf["static"]["batch"] == hf["static_sweep"]["best_batch"] and len(hf["static_sweep"]["rows"]) == 2
     assert hf["continuous_batching"]["label"]["attn_implementation"] and hf["continuous_batching"]["label"]["config"]
+    rl = rec["rl"]  # the RL controls (gpu_check_rl.py): sleep, wake, a weight update, each checked against HF
+    assert rl["level1"]["kv_cache_bytes"] > 0 and rl["level2"]["weight_bytes"] > 0 and rl["update"]["repacked"] > 0
+    assert rl["update"]["weights_changed_tokens"] is True, rl
+    assert {k: v for k, v in rec["goals"].items() if k.startswith("rl_")} == {
+        "rl_sleep1_frees_90pct_of_kv": True, "rl_wake_up_under_2s": True, "rl_greedy_equal_after_wake_and_update": True}
     assert wall < 120, f"the dry run took {wall:.0f} s"  # ~25 s on two shared cores
 
 
