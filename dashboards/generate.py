@@ -130,7 +130,11 @@ def batch_panels(b: Board) -> None:
 
 
 def kv_tier_panels(b: Board) -> None:
-    b.row("KV tiers (kv_offloading_size)")
+    b.row("KV tiers (kv_offloading_size) and retention hints")
+    b.panel("Pool evictions / s and blocks kept by hints",
+            [(rate(C + "kv_cache_evictions_total", by="reason"), "evicted: {{reason}}"),
+             (f"sum({C}kv_cache_retained_blocks)", "free blocks kept by retention hints")], "short",
+            desc="retention_overridden: a block a retention hint kept was evicted (nothing else was free).")
     hits = rate(C + "kv_tier_hit_tokens_total", by="medium")
     b.panel("Prompt tokens from the tiers / s", [(hits, "{{medium}}"),
             (rate(C + "prefix_cache_queries_total"), "looked up (pool and tiers)")], "short",

@@ -19,7 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from cbserve.config.autoscaling import from_serve_deployments, parse_autoscaling
 from cbserve.config.lora_config import check_lora_keys, parse_allowed_dirs, parse_lora_modules
 from cbserve.config.sim_config import check_sim_keys
-from cbserve.scheduler.config import CacheConfig, EngineConfig, OffloadConfig, SchedulerConfig, SpeculativeConfig
+from cbserve.scheduler.config import (
+    CacheConfig,
+    EngineConfig,
+    OffloadConfig,
+    RetentionLimits,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from cbserve.worker.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     AttentionBackendName,
@@ -59,7 +66,6 @@ class CBServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    # model
     model: str | None = None  # HF folder or GGUF path; None = the bundled SmolLM2 GGUF; "sim": config/sim_config.py
     served_model_name: str | None = None  # name clients use in "model"; default from the model
     dtype: Dtype = "auto"  # float32 on CPU, bfloat16 on CUDA
@@ -81,7 +87,6 @@ class CBServeConfig(BaseModel):
     # "pooling": the model embeds (/v1/embeddings) instead of generating; pooling from its sentence-transformers
     # files (worker/loading/pooling_config.py); no prefix caching (a hit would skip tokens the pooling needs)
     runner: Literal["generate", "pooling"] = "generate"
-    # engine
     block_size: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_num_seqs: int = Field(128, ge=1)
@@ -92,16 +97,18 @@ class CBServeConfig(BaseModel):
     policy: Literal["continuous", "prefill_first", "static", "dynamic"] = "continuous"
     ordering: Literal["fcfs", "priority"] = "fcfs"  # "priority": requests' ``priority`` orders them (lower first)
     enable_prefix_caching: bool = True
-    # KV tiers below the pool, keyed by the prefix cache's block hashes (scheduler/kv/offload.py): a RAM tier of this
-    # many GiB (vLLM's --kv-offloading-size; "native" its one backend here), and a disk tier in a folder of this
-    # many GiB that survives restarts and is shared by the replicas of a node
+    # KV tiers below the pool (scheduler/kv/offload.py): a RAM tier of this many GiB (vLLM's --kv-offloading-size;
+    # "native" its one backend), a disk tier of this many GiB in a folder the replicas of a node share
     kv_offloading_size: float | None = Field(None, gt=0)
     kv_offloading_backend: Literal["native"] = "native"
-    # the tiers' dtype: "auto" keeps the cache's (lossless); "bfloat16" halves a float32 cache's blocks in the tiers
-    # (twice the blocks for the same GiB, restored blocks rounded to bfloat16: tokens may differ from recomputing)
-    kv_offloading_dtype: Literal["auto", "bfloat16"] = "auto"
+    kv_offloading_dtype: Literal["auto", "bfloat16"] = "auto"  # "bfloat16": half a float32 cache's bytes, lossy
     kv_disk_path: str | None = None
     kv_disk_size: float | None = Field(None, gt=0)
+    # retention hints (scheduler/kv/retention.py): the longest a request may ask, the share of the pool and tiers
+    # hinted free blocks may hold (0: hints refused), the priority of cache_control and prompt_cache_retention
+    kv_retention_max_duration_s: float = Field(3600.0, gt=0)
+    kv_retention_max_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    kv_retention_cache_control_priority: int = Field(50, ge=1, le=100)
     enable_chunked_prefill: bool = True  # off: a prompt longer than the step's token budget waits for a step of its own
     dynamic_batch_window_s: float = Field(0.05, ge=0.0)  # policy "dynamic": collect requests for this long...
     dynamic_batch_size: int = Field(32, ge=1)  # ...or until this many wait, then run them as a static batch
@@ -338,6 +345,8 @@ class CBServeConfig(BaseModel):
                 num_blocks=num_blocks,
                 enable_prefix_caching=self.enable_prefix_caching and not pooling,
                 offload=offload,
+                retention=RetentionLimits(self.kv_retention_max_duration_s, self.kv_retention_max_fraction,
+                                          self.kv_retention_cache_control_priority),
             ),
             speculative=self.speculative,
             runner=self.runner,

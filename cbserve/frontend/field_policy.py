@@ -36,7 +36,6 @@ REFUSED: dict[str, tuple[str, Harmless]] = {
     "metadata": ("(for stored completions) is not supported", _falsy),
     "service_tier": ("only 'auto' and 'default' are supported", lambda v: v in (None, "auto", "default")),
     "prompt_cache_key": ("is not supported (the router keeps a prompt prefix on one replica itself)", _falsy),
-    "prompt_cache_retention": ("is not supported", _falsy),
     "documents": ("is not supported", _falsy),
     "mm_processor_kwargs": ("is not supported (text-only models)", _falsy),
     "audio": ("is not supported (text-only models)", _falsy),

@@ -20,6 +20,7 @@ from cbserve.frontend.tokenizer import IncrementalDetokenizer
 from cbserve.scheduler.outputs import TokenLogprob
 from cbserve.scheduler.requests.lora import LoRARequest
 from cbserve.scheduler.requests.request import EngineRequest, RequestOutput
+from cbserve.scheduler.requests.retention import Retention
 from cbserve.scheduler.requests.sampling_params import SamplingParams
 
 
@@ -181,11 +182,13 @@ class OutputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         lora: LoRARequest | None = None,
+        retention: tuple[Retention, ...] = (),
     ) -> EngineRequest:
-        """Track a new request and return what to send to the engine (``lora``: the adapter it runs with)."""
+        """Track a new request and return what to send to the engine (``lora``: the adapter it runs with;
+        ``retention``: the ranges of its prompt to keep cached)."""
         ids = list(prompt_token_ids)
         request = EngineRequest(req_id, ids, self.engine_params(params), eos_token_id=self.eos_token_id,
-                                priority=priority, cache_salt=cache_salt, lora=lora)  # fmt: skip
+                                priority=priority, cache_salt=cache_salt, lora=lora, retention=retention)  # fmt: skip
         self.requests[req_id] = RequestState(self, GenerateOutput(req_id, prompt, ids), params, choice_offset, request)
         return request
 

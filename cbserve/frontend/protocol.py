@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 from cbserve.frontend.protocol_tools import (
     DeltaToolCall,
     ResponseFormat,
+    RetentionDirective,
     StructuredOutputsParams,
     Tool,
     ToolCall,
@@ -90,7 +91,6 @@ class SamplingFields(BaseModel):
     best_of: int | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    # token constraints, prompt logprobs and routing (issue 18)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -111,7 +111,8 @@ class SamplingFields(BaseModel):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
+    prompt_cache_retention: str | None = None  # OpenAI's: "24h" keeps the whole prompt (retention hints)
+    retention_directives: list[RetentionDirective] | None = None  # ranges of the prompt to keep cached
     safety_identifier: str | None = None
     # structured output (frontend/tools/structured.py)
     response_format: ResponseFormat | None = None
@@ -210,10 +211,15 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache or its tiers
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -251,8 +257,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
-    # cbserve's: the version of the weights that produced the output (0: the model's files; an RL loop's updates)
-    weights_version: int | None = None
+    weights_version: int | None = None  # cbserve's: the weights' version that produced it (0: the model's files)
 
 
 class TopLogprob(BaseModel):

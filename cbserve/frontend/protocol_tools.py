@@ -1,6 +1,6 @@
 """Protocol models of structured output and tool calling (OpenAI's ``response_format``, ``tools``,
-``tool_choice``, ``tool_calls``; vLLM's ``structured_outputs``), used by ``protocol.py``'s request and
-response models."""
+``tool_choice``, ``tool_calls``; vLLM's ``structured_outputs``), and of retention hints (``retention_directives``),
+used by ``protocol.py``'s request and response models."""
 
 from __future__ import annotations
 
@@ -108,3 +108,15 @@ class DeltaToolCall(_DropNone):
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall | None = None
+
+
+class RetentionDirective(BaseModel):
+    """A range of the prompt's tokens to keep cached at a priority for a while (vLLM's proposed
+    ``retention_directives``; scheduler/kv/retention.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    start: int = Field(0, ge=0)
+    end: int | None = Field(None, ge=1)  # one past its last token (None: the prompt's end)
+    priority: int = Field(ge=1, le=100)
+    duration: float | None = Field(None, gt=0)  # seconds after its last use (None: 300, a prompt cache's usual)

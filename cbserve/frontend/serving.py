@@ -27,6 +27,7 @@ from cbserve.frontend.protocol import (
     EmbeddingResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     SamplingFields,
     TokenizeRequest,
     TokenizeResponse,
@@ -44,6 +45,7 @@ from cbserve.frontend.tools.structured import (
 from cbserve.frontend.validation import RequestValidator, ServedModel
 from cbserve.scheduler.requests.lora import LoRARequest
 from cbserve.scheduler.requests.request import RequestOutput
+from cbserve.scheduler.requests.retention import Retention
 from cbserve.scheduler.requests.sampling_params import SamplingParams, StructuredSpec
 
 T = TypeVar("T")
@@ -105,12 +107,13 @@ class OpenAIServing:
             prompt_lp = max(prompt_lp or 0, req.logprobs)
         max_tokens = 1 if echo_only else req.max_tokens
         params = [v.sampling_params(req, len(p), max_tokens, req.logprobs, prompt_lp, spec) for p in prompts]
+        hints = [v.retention(req, len(p)) for p in prompts] if _asks_retention(req) else []
         req_id = _response_id("cmpl", request_id or req.request_id)
         fmt = CompletionFormatter(
             req_id, _model_name(self.served, lora), self.tokenizer, req.n, prompts, req.echo, req.logprobs,
             echo_only, req.prompt_logprobs is not None, bool(req.return_token_ids),
         )
-        return await self._run(req_id, prompts, params, req, fmt, lora)
+        return await self._run(req_id, prompts, params, req, fmt, lora, hints)
 
     async def chat(self, req: ChatCompletionRequest, request_id: str | None = None) -> Answer:
         self._check_runner("generate", "/v1/chat/completions")
@@ -130,12 +133,14 @@ class OpenAIServing:
         reasoning, spec = self._reasoning(req, prompt, spec)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = v.sampling_params(req, len(prompt), max_tokens, logprobs, req.prompt_logprobs, spec)
+        hints = [v.retention(req, len(prompt), v.cache_control_marks(req, tools, prompt))] if _asks_retention(req) \
+            else []
         req_id = _response_id("chatcmpl", request_id or req.request_id)
         fmt = ChatFormatter(
             req_id, _model_name(self.served, lora), self.tokenizer, req.n, logprobs is not None,
             req.prompt_logprobs is not None, tool_mode, reasoning,
         )
-        return await self._run(req_id, [prompt], [params], req, fmt, lora)
+        return await self._run(req_id, [prompt], [params], req, fmt, lora, hints)
 
     async def embeddings(self, req: EmbeddingRequest, request_id: str | None = None) -> EmbeddingResponse:
         """``/v1/embeddings`` (runner "pooling"): one vector per input (``embeddings.py``); the response id is
@@ -216,14 +221,15 @@ class OpenAIServing:
     # ---- one request: n choices per prompt ----------------------------------------------------
     async def _run(
         self, req_id: str, prompts: list[list[int]], params: list[SamplingParams], req: SamplingFields,
-        fmt: Formatter, lora: LoRARequest | None = None,
+        fmt: Formatter, lora: LoRARequest | None = None, hints: Sequence[tuple[Retention, ...]] = (),
     ) -> Answer:
         stream, include_usage = req.stream, req.include_usage
         gens: list[tuple[RequestState, AsyncIterator[list[RequestOutput]]]] = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 rid = req_id if len(prompts) == 1 else f"{req_id}-{i}"
-                gens.append(await self._start(rid, prompt, sp, i * sp.n, req.priority, req.cache_salt, lora))
+                keep = hints[i] if hints else ()
+                gens.append(await self._start(rid, prompt, sp, i * sp.n, req, lora, keep))
         except BaseException:
             for state, outputs in gens:
                 self.processor.pop(state.req_id)
@@ -241,15 +247,16 @@ class OpenAIServing:
         return response
 
     async def _start(
-        self, req_id: str, prompt: list[int], sp: SamplingParams, choice_offset: int, priority: int = 0,
-        cache_salt: str | None = None, lora: LoRARequest | None = None,
+        self, req_id: str, prompt: list[int], sp: SamplingParams, choice_offset: int, req: SamplingFields,
+        lora: LoRARequest | None = None, retention: tuple[Retention, ...] = (),
     ) -> tuple[RequestState, AsyncIterator[list[RequestOutput]]]:
-        """Send the request (with its adapter, if any) and wait until the engine admitted it (errors surface
-        here, before any response is committed)."""
+        """Send the request (with its adapter, if any, its priority, cache salt and retention hints) and wait until
+        the engine admitted it (errors surface here, before any response is committed)."""
         if req_id in self.processor.requests:
             raise APIError(400, f"request id {req_id!r} is already in use", param="request_id")
         self.processor.add_request(
-            req_id, prompt, sp, choice_offset=choice_offset, priority=priority, cache_salt=cache_salt, lora=lora
+            req_id, prompt, sp, choice_offset=choice_offset, priority=req.priority, cache_salt=req.cache_salt,
+            lora=lora, retention=retention,
         )
         state = self.processor.requests[req_id]
         try:
@@ -314,6 +321,18 @@ def _stamp_version(chunk: Any, states: list[RequestState]) -> Any:
     return chunk
 
 
+def _asks_retention(req: SamplingFields) -> bool:
+    """Whether a request carries retention hints (``retention_directives``, ``prompt_cache_retention``, a chat
+    message's ``cache_control``): only then are they resolved (validation.py)."""
+    if req.retention_directives or req.prompt_cache_retention:
+        return True
+    for m in getattr(req, "messages", ()):
+        parts = m.content if isinstance(m.content, list) else ()
+        if "cache_control" in (m.model_extra or {}) or any(isinstance(p, dict) and "cache_control" in p for p in parts):
+            return True
+    return False
+
+
 def _model_name(served: ServedModel, lora: LoRARequest | None) -> str:
     return served.name if lora is None else lora.lora_name
 
@@ -330,7 +349,9 @@ def _check_prompt_logprobs(prompt_logprobs: int | None, stream: bool) -> None:
 def _usage(states: list[RequestState]) -> UsageInfo:
     prompt = sum(s.num_prompt_tokens for s in states)
     completion = sum(s.num_completion_tokens for s in states)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = PromptTokensDetails(cached_tokens=sum(s.result.num_cached_tokens for s in states))
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=cached)
 
 
 def sse_event(obj: BaseModel | dict[str, Any]) -> str:

@@ -19,6 +19,7 @@ from cbserve.frontend.tokenizer import apply_chat_template
 from cbserve.scheduler.errors import RequestRejectedError
 from cbserve.scheduler.requests.limits import resolve_max_tokens
 from cbserve.scheduler.requests.lora import LoRARequest
+from cbserve.scheduler.requests.retention import Retention
 from cbserve.scheduler.requests.sampling_params import SamplingParams, StructuredSpec
 from cbserve.worker.loading.pooling_config import PoolingConfig
 
@@ -43,6 +44,8 @@ class ServedModel:
     disable_any_whitespace: bool = True
     runner: str = "generate"
     pooling: PoolingConfig | None = None
+    retention_priority: int = 50  # of cache_control and prompt_cache_retention (kv_retention_cache_control_priority)
+    retention_max_s: float = 3600.0  # the longest a hint may ask (kv_retention_max_duration_s)
 
 
 def invalid_body_error(errors: Sequence[Any], strip: tuple[str, ...] = ()) -> APIError:
@@ -138,13 +141,54 @@ class RequestValidator:
             if "tools" in kwargs:
                 raise APIError(400, "give tools, not chat_template_kwargs.tools", param="chat_template_kwargs")
             kwargs["tools"] = tools
-        msgs = [template_message(m) for m in req.messages]  # a malformed tool call: a 400 of its own
+        ids = self._render(req.messages, req.add_generation_prompt, req.add_special_tokens, kwargs)
+        return self.truncated(ids, req.truncate_prompt_tokens)
+
+    def _render(self, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool,
+                kwargs: dict[str, Any]) -> list[int]:
+        msgs = [template_message(m) for m in messages]  # a malformed tool call: a 400 of its own
         try:
-            ids = apply_chat_template(self.tokenizer, msgs, req.add_generation_prompt, req.add_special_tokens,
-                                      **kwargs)
+            return apply_chat_template(self.tokenizer, msgs, add_generation_prompt, add_special_tokens, **kwargs)
         except Exception as e:  # the template's own errors (jinja, a missing variable, a bad message)
             raise APIError(400, f"the chat template failed: {e}", param="messages") from e
-        return self.truncated(ids, req.truncate_prompt_tokens)
+
+    # ---- retention hints (scheduler/kv/retention.py) -------------------------------------------
+    def retention(self, req: SamplingFields, prompt_len: int, marks: Sequence[tuple[int, float]] = ()
+                  ) -> tuple[Retention, ...]:
+        """The ranges of a prompt its request asks to keep cached: ``retention_directives``, the chat messages'
+        ``cache_control`` (``marks``: where each marked message ends, and its TTL) and ``prompt_cache_retention``
+        ("24h": the whole prompt, for 24 hours or the server's longest, whichever is shorter). The engine checks
+        them against the prompt and the server's limits (a 400 naming what is wrong)."""
+        prio = self.served.retention_priority
+        out = [Retention(d.start, prompt_len if d.end is None else d.end, d.priority, d.duration or DEFAULT_RETAIN_S)
+               for d in req.retention_directives or ()]
+        out += [Retention(0, end, prio, ttl) for end, ttl in marks]
+        keep = req.prompt_cache_retention
+        if keep == "24h":
+            out.append(Retention(0, prompt_len, prio, min(86400.0, self.served.retention_max_s)))
+        elif keep not in (None, "in_memory", "in-memory"):
+            raise APIError(400, f"prompt_cache_retention must be 'in_memory' or '24h', got {keep!r}",
+                           param="prompt_cache_retention")
+        return tuple(out)
+
+    def cache_control_marks(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                            prompt: list[int]) -> list[tuple[int, float]]:
+        """(end, TTL) of every message marked with ``cache_control`` (on the message or one of its content parts):
+        the conversation up to its end, rendered as the template renders it, is the prefix to keep."""
+        marks = [(i, ttl) for i, m in enumerate(req.messages) if (ttl := cache_control_ttl(m)) is not None]
+        if not marks:
+            return []
+        if req.truncate_prompt_tokens is not None:
+            raise APIError(400, "cache_control does not combine with truncate_prompt_tokens", param="messages")
+        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs |= {"chat_template": req.chat_template} if req.chat_template is not None else {}
+        kwargs |= {"tools": tools} if tools is not None else {}
+        out = []
+        for i, ttl in marks:
+            end = _common_prefix(self._render(req.messages[: i + 1], False, req.add_special_tokens, kwargs), prompt)
+            if end:  # a template that renders a conversation's start otherwise than its whole: what they share
+                out.append((end, ttl))
+        return out
 
     def truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """``truncate_prompt_tokens``: the last ``keep`` tokens (-1: max_model_len) of a prompt."""
@@ -268,3 +312,29 @@ def _template_call(call: Any) -> dict[str, Any]:
     if call.get("id") is not None:
         out["id"] = call["id"]
     return out
+
+
+DEFAULT_RETAIN_S = 300.0  # a retention directive without a duration: a prompt cache's usual five minutes
+CACHE_CONTROL_TTL = {"5m": 300.0, "1h": 3600.0}  # Anthropic's ephemeral cache_control TTLs
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def cache_control_ttl(m: ChatMessage) -> float | None:
+    """The TTL a message's ``cache_control`` asks (on the message, or on one of its content parts), else None."""
+    marks = [(m.model_extra or {}).get("cache_control")]
+    if isinstance(m.content, list):
+        marks += [p.get("cache_control") for p in m.content if isinstance(p, dict)]
+    ttl = None
+    for mark in marks:
+        if mark is None:
+            continue
+        if not isinstance(mark, dict) or mark.get("type") != "ephemeral" or \
+                mark.get("ttl", "5m") not in CACHE_CONTROL_TTL or set(mark) - {"type", "ttl"}:
+            raise APIError(400, f"cache_control must be {{'type': 'ephemeral'}} with an optional ttl of "
+                           f"{sorted(CACHE_CONTROL_TTL)}, got {mark!r}", param="messages")
+        ttl = max(ttl or 0.0, CACHE_CONTROL_TTL[mark.get("ttl", "5m")])
+    return ttl

@@ -30,12 +30,35 @@ class OffloadConfig:
             raise ValueError("the disk tier must hold at least one block (raise kv_disk_size)")
 
 
+MAX_RETENTION_PRIORITY = 100
+
+
+@dataclass(frozen=True)
+class RetentionLimits:
+    max_duration_s: float = 3600.0  # the longest a request may ask
+    max_fraction: float = 0.5  # of the pool's blocks retained blocks may hold while free (0: hints are refused)
+    cache_control_priority: int = 50  # the priority of a chat message's ``cache_control``
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_fraction <= 1.0:
+            raise ValueError(f"kv_retention_max_fraction must be within [0, 1], got {self.max_fraction}")
+        if self.max_duration_s <= 0:
+            raise ValueError(f"kv_retention_max_duration_s must be positive, got {self.max_duration_s}")
+        if not 1 <= self.cache_control_priority <= MAX_RETENTION_PRIORITY:
+            raise ValueError(f"kv_retention_cache_control_priority must be within 1..{MAX_RETENTION_PRIORITY}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_fraction > 0
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     num_blocks: int = 1024  # set from the worker's memory profile before the engine starts
     enable_prefix_caching: bool = True
     offload: OffloadConfig | None = None  # KV tiers below the pool (kv/offload.py)
+    retention: RetentionLimits = RetentionLimits()  # what retention hints may ask (kv/retention.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 1:

@@ -49,7 +49,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config.scheduler
         self.block_size = config.cache.block_size
-        self.kv = KVCacheManager(config.cache)
+        self.kv = KVCacheManager(config.cache, clock)
         self.waiting = make_waiting_queue(config.scheduler.ordering)
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence, by seq id
@@ -91,7 +91,7 @@ class Scheduler:
             if seq.status is RequestStatus.PREEMPTED:
                 self.num_preempted_waiting -= 1
                 self._preempted_beams.pop(seq.seq_id, None)
-        self.kv.free(seq.seq_id)
+        self.kv.free(seq.seq_id, seq.group.retention)
         if seq.sent:
             self._finished_ids.add(seq.seq_id)
             seq.sent = False
@@ -324,7 +324,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, st: StepState) -> None:
         self._remove_running(seq)
-        self.kv.free(seq.seq_id)
+        self.kv.free(seq.seq_id, seq.group.retention)
         seq.num_computed_tokens = seq.num_pending = 0  # an in-flight sample of it is dropped: recomputed
         seq.status = RequestStatus.PREEMPTED
         if seq.sent:

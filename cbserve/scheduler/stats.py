@@ -119,6 +119,9 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
     num_kv_blocks: int = 0
     num_free_kv_blocks: int = 0
+    num_retained_kv_blocks: int = 0  # free cached blocks a retention hint keeps (kv/retention.py)
+    kv_evictions: int = 0  # cached blocks the pool evicted, in all (totals since the engine started)
+    kv_hint_evictions: int = 0  # of which with a live retention hint (nothing else was free)
     # counters for this iteration (the metrics layer adds them up)
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # of which found in cache
@@ -140,7 +143,9 @@ class SchedulerStats:
         kv = sched.kv
         stats = cls(num_running=len(sched.running), num_waiting=len(sched.waiting),
                     num_preempted_waiting=sched.num_preempted_waiting, kv_cache_usage=kv.usage,
-                    num_kv_blocks=kv.num_blocks, num_free_kv_blocks=kv.num_free_blocks, step_counter=step_counter)
+                    num_kv_blocks=kv.num_blocks, num_free_kv_blocks=kv.num_free_blocks, step_counter=step_counter,
+                    num_retained_kv_blocks=kv.pool.retained.num, kv_evictions=kv.pool.num_evictions,
+                    kv_hint_evictions=kv.pool.num_retained_evictions)
         if max_loras:
             stats.lora = LoRAStats.of(sched.running, sched.waiting.ordered(), max_loras)
         if st is not None:

@@ -30,3 +30,15 @@ def test_engine_metrics_export_the_kv_tiers_counters_as_increments(log: list) ->
     assert moved == [(100.0, "stored"), (50.0, "loaded"), (30.0, "loaded")]
     assert _values(log, "kv_tier_evictions") == [2.0] and _values(log, "kv_tier_prefetch_failures") == [1.0]
     assert _values(log, "kv_tier_transfer_seconds") == [0.5]
+
+
+def test_the_pools_evictions_by_reason_and_the_blocks_hints_keep(log: list) -> None:
+    from cbserve.scheduler.stats import SchedulerStats
+
+    em = cm.EngineMetrics("m", "0")
+    log.clear()
+    em.observe_idle(SchedulerStats(num_retained_kv_blocks=5, kv_evictions=7, kv_hint_evictions=2))
+    em.observe_idle(SchedulerStats(num_retained_kv_blocks=3, kv_evictions=10, kv_hint_evictions=2))
+    evicted = [(v, t["reason"]) for n, v, t in log if n == "cbserve_kv_cache_evictions"]
+    assert evicted == [(5.0, "lru"), (2.0, "retention_overridden"), (3.0, "lru")]
+    assert _values(log, "kv_cache_retained_blocks") == [5.0, 3.0]

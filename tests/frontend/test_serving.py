@@ -55,7 +55,8 @@ def test_completion_of_two_prompts_with_n_echo_and_logprobs() -> None:
     assert lp["top_logprobs"][:2] == [None, {"z": -0.5, "d": -1.5}]  # top 1 + the prompt token itself
     assert lp["top_logprobs"][3] == {"o": -0.1}
     assert all(q.sampling_params.prompt_logprobs == 1 for q in engine.requests)
-    assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+    assert r["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     assert r["object"] == "text_completion" and r["model"] == "m"
     assert [q.sampling_params.stop_token_ids for q in engine.requests] == [(5,), (5,)]  # the extra EOS id
     assert sorted(engine.closed) == sorted(q.req_id for q in engine.requests) and not serving.processor.requests

@@ -184,6 +184,8 @@ class OpenAIIngress:
         served = ServedModel(
             cfg.model_name, cfg.max_model_len, cfg.max_n, vocab, cfg.ordering == "priority", cfg.tool_call_parser,
             cfg.reasoning_parser, cfg.disable_any_whitespace, runner=cfg.runner, pooling=pooling,
+            retention_priority=cfg.kv_retention_cache_control_priority,
+            retention_max_s=cfg.kv_retention_max_duration_s,
         )
         self.serving = OpenAIServing(served, tokenizer, self.client, files.eos_token_ids, _lora_registry(cfg),
                                      requests)

@@ -125,6 +125,12 @@ ENGINE_SPECS: tuple[MetricSpec, ...] = (
                (*ENGINE_LABELS, "lora_name"), initial=NO_ADAPTER),
     MetricSpec(PREFIX + "lora_num_requests_waiting", "gauge", "Waiting requests by LoRA adapter.",
                (*ENGINE_LABELS, "lora_name"), initial=NO_ADAPTER),
+    # the pool's evictions and the blocks retention hints keep (scheduler/kv/retention.py)
+    _c("kv_cache_evictions", "Cached blocks the KV pool evicted: least recently freed (lru), or kept by a retention "
+       "hint that had to give way (retention_overridden: nothing else was free).", (*ENGINE_LABELS, "reason"),
+       _each("reason", ("lru", "retention_overridden"))),
+    _g("kv_cache_retained_blocks", "Free cached blocks a retention hint keeps (evicted only once nothing else is "
+       "free)."),
     # KV tiers below the pool (kv_offloading_size; 0 on an engine without them)
     _c("kv_tier_hit_tokens", "Prompt tokens loaded from the KV tiers, by the tier they were found in (disk: "
        "prefetched from disk into RAM first).", (*ENGINE_LABELS, "medium"), _each("medium", ("ram", "disk"))),

@@ -94,6 +94,7 @@ class EngineMetrics:
         self._m = _Metrics(ENGINE_SPECS, {"model": model, "replica": str(replica)})
         self._adapters: set[str] = set()  # adapters with requests at the last observation
         self._tiers: dict[str, float] = {}  # the KV tiers' totals at the last observation
+        self._evicted = (0, 0)  # the pool's evictions at the last observation: with a live hint, without
 
     def observe_step(self, result: Any, dispatch_overhead_s: float) -> None:
         """``result`` is a scheduler StepResult (scheduler_stats, iteration_stats, outputs)."""
@@ -136,6 +137,11 @@ class EngineMetrics:
         m.set("kv_cache_usage_ratio", s.kv_cache_usage)
         m.set("kv_cache_blocks", s.num_kv_blocks)
         m.set("kv_cache_free_blocks", s.num_free_kv_blocks)
+        m.set("kv_cache_retained_blocks", s.num_retained_kv_blocks)
+        hinted, lru = s.kv_hint_evictions - self._evicted[0], s.kv_evictions - s.kv_hint_evictions - self._evicted[1]
+        m.inc("kv_cache_evictions", lru, {"reason": "lru"})
+        m.inc("kv_cache_evictions", hinted, {"reason": "retention_overridden"})
+        self._evicted = (s.kv_hint_evictions, s.kv_evictions - s.kv_hint_evictions)
         m.inc("prefix_cache_queries", s.prefix_cache_queries)
         m.inc("prefix_cache_hits", s.prefix_cache_hits)
         m.inc("num_preemptions", s.num_preemptions)

@@ -6,6 +6,9 @@ block may still carry a ``block_hash``: its KV stays valid and a prefix-cache hi
 unlinked from the middle of the queue) until an allocation takes it from the head and evicts its hash.
 Freed blocks are appended at the tail, so the least recently freed cached block is evicted first.
 
+A freed cached block with a live retention hint (``retain``: retention.py) waits in ``retained`` instead, evicted
+only once the queue is empty, lowest priority first; its time passed, it rejoins the queue at its head.
+
 Blocks are keyed by ``key_hash(block_key)``: Python's ``hash`` (fast, but salted per process), or, once
 ``record_events`` was called, a stable hash (kv_events.py's ``stable_key_hasher``: blake2b, the same in every
 process). Then the pool reports each block registered as stored and each one evicted as removed (``events``, a
@@ -15,9 +18,12 @@ process). Then the pool reports each block registered as stored and each one evi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 
+from cbserve.scheduler.config import RetentionLimits
 from cbserve.scheduler.kv.kv_events import KVEventRecorder
+from cbserve.scheduler.kv.retention import RetainedBlocks
 
 BlockKey = tuple  # (parent block hash | None, token ids of the full block, extra keys)
 
@@ -25,10 +31,13 @@ BlockKey = tuple  # (parent block hash | None, token ids of the full block, extr
 class KVBlock:
     """One logical KV block. ``prev_free``/``next_free`` link it into the free queue."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "block_key", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "block_key", "prev_free", "next_free", "retain_priority",
+                 "retain_until")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
+        self.retain_priority = 0  # a retention hint's (retention.py): 0 none
+        self.retain_until = 0.0
         self.ref_cnt = 0
         self.block_hash: int | None = None
         self.block_key: BlockKey | None = None  # what the hash was computed from: confirms a hit
@@ -60,6 +69,15 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free += 1
 
+    def appendleft(self, block: KVBlock) -> None:
+        first = self._head.next_free
+        assert first is not None
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self._head.next_free = block
+        self.num_free += 1
+
     def popleft(self) -> KVBlock:
         block = self._head.next_free
         if block is None or block is self._tail:
@@ -86,13 +104,18 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, retention: RetentionLimits | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if num_blocks < 1:
             raise ValueError("num_blocks must be positive")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.clock = clock
+        share = retention.max_fraction if retention is not None and enable_caching else 0.0
+        self.retained = RetainedBlocks(int(num_blocks * share), clock)  # free cached blocks with live hints
+        self.num_retained_evictions = 0  # retained blocks evicted before their time (nothing else was free)
         self.cached: dict[int, KVBlock] = {}  # block_hash -> block (used or free)
         self.num_evictions = 0
         self.events: KVEventRecorder | None = None  # prefix-cache events, when someone listens
@@ -100,20 +123,27 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return self.free_queue.num_free + self.retained.num
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.free_queue.num_free / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     # ---- allocation -----------------------------------------------------------------------------
     def allocate(self, num: int) -> list[KVBlock]:
         """Take ``num`` blocks from the head of the free queue (evicting their cached hashes)."""
-        if num > self.free_queue.num_free:
-            raise ValueError(f"cannot allocate {num} blocks, only {self.free_queue.num_free} free")
+        if num > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {num} blocks, only {self.num_free_blocks} free")
+        if self.retained.num:
+            for expired in self.retained.expired():
+                self.free_queue.appendleft(expired)
         out = []
         for _ in range(num):
-            block = self.free_queue.popleft()
+            if self.free_queue.num_free:
+                block = self.free_queue.popleft()
+            else:  # only retained blocks are free: the lowest priority goes (a hint is soft)
+                block = self.retained.pop_lowest()  # type: ignore[assignment]
+                self.num_retained_evictions += 1
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
@@ -124,7 +154,10 @@ class BlockPool:
         """Take a reference on blocks (prefix-cache hit or fork); a free one is revived from the queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                if self.retained.num and self.retained.holds(block):
+                    self.retained.remove(block)
+                else:
+                    self.free_queue.remove(block)
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -133,7 +166,25 @@ class BlockPool:
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                self._release(block)
+
+    def _release(self, block: KVBlock) -> None:
+        if block.retain_priority and block.block_hash is not None and block.retain_until > self.clock():
+            pushed = self.retained.add(block)  # past the operator's share: the lowest one loses its hint
+            if pushed is not None:
+                self.free_queue.append(pushed)  # type: ignore[arg-type]
+            return
+        block.retain_priority, block.retain_until = 0, 0.0
+        self.free_queue.append(block)
+
+    def retain(self, block: KVBlock, priority: int, duration_s: float) -> None:
+        """A retention hint for a cached block in use, from now on for ``duration_s`` once freed; the higher and
+        longer of it and the block's live one (``free`` applies it)."""
+        now = self.clock()
+        if block.retain_until <= now:
+            block.retain_priority, block.retain_until = 0, 0.0
+        block.retain_priority = max(block.retain_priority, priority)
+        block.retain_until = max(block.retain_until, now + duration_s)
 
     # ---- prefix cache -----------------------------------------------------------------------------
     def get_cached_block(self, block_hash: int, block_key: BlockKey) -> KVBlock | None:
@@ -176,11 +227,19 @@ class BlockPool:
         if self.events is not None:
             self.events.remove(block.block_hash)  # type: ignore[arg-type]
         block.block_hash = block.block_key = None
+        block.retain_priority, block.retain_until = 0, 0.0
+
+    def _release_retained(self) -> None:
+        """Every retained block back to the queue (their hashes are about to be forgotten)."""
+        for block in list(self.retained):
+            self.retained.remove(block)
+            self.free_queue.append(block)  # type: ignore[arg-type]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no block is in use."""
-        if self.free_queue.num_free != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             return False
+        self._release_retained()
         for block in self.cached.values():
             self._forget(block)
         self.cached.clear()
@@ -190,6 +249,7 @@ class BlockPool:
         """Forget every cached hash, of blocks in use too (their KV is never served again: the weights changed).
         Returns how many."""
         n = len(self.cached)
+        self._release_retained()
         for block in self.cached.values():
             self._forget(block)
         self.cached.clear()
@@ -198,11 +258,14 @@ class BlockPool:
     # ---- invariants -------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         in_queue = set()
-        for block in self.free_queue:
+        for block in (*self.free_queue, *self.retained):
             assert block.ref_cnt == 0, f"{block} is in the free queue with references"
             assert block.block_id not in in_queue, f"{block} is twice in the free queue"
             in_queue.add(block.block_id)
-        assert len(in_queue) == self.free_queue.num_free, "free queue length is off"
+        assert len(in_queue) == self.num_free_blocks, "free queue length is off"
+        for block in self.retained:
+            assert block.retain_priority > 0 and block.block_hash is not None, f"{block} is retained without a hint"
+        assert self.retained.num <= self.retained.capacity, "more retained blocks than the operator's share"
         num_used = 0
         for block in self.blocks:
             assert block.ref_cnt >= 0, f"{block} has a negative ref count"

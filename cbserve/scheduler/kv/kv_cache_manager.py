@@ -16,6 +16,8 @@ kernels read only the blocks inside each layer's window (see ``cbserve.worker.at
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -24,16 +26,17 @@ from cbserve.scheduler.kv.block_pool import BlockPool, KVBlock
 from cbserve.scheduler.kv.kv_events import KVCacheEvents, stable_key_hasher
 from cbserve.scheduler.kv.offload import OffloadConnector, tier_ok
 from cbserve.scheduler.requests.request import RequestStatus
+from cbserve.scheduler.requests.retention import Retention, block_retention
 
 ComputedBlocks = tuple[list[KVBlock], list[int]]  # prefix-cache hit blocks and their hashes
 NO_HITS: ComputedBlocks = ([], [])
 
 
 class KVCacheManager:
-    def __init__(self, config: CacheConfig) -> None:
+    def __init__(self, config: CacheConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = config.block_size
         self.enable_caching = config.enable_prefix_caching
-        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching, config.retention, clock)
         self.tables: dict[str, list[KVBlock]] = {}
         self.hashes: dict[str, list[int]] = {}  # chain hashes (pool keys) of each sequence's full computed blocks
         self.block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write copies, drained per step
@@ -45,7 +48,7 @@ class KVCacheManager:
         self.stale: set[str] = set()
         if config.offload is not None:
             self.pool.key_hash = stable_key_hasher(self.block_size)
-            self.tiers = OffloadConnector(config.offload, self.block_size, self.block_hash)
+            self.tiers = OffloadConnector(config.offload, self.block_size, self.block_hash, config.retention, clock)
 
     @property
     def num_blocks(self) -> int:
@@ -246,13 +249,24 @@ class KVCacheManager:
         if parent_id in self.stale:
             self.stale.add(child_id)
 
-    def free(self, seq_id: str) -> None:
-        """Drop the sequence's blocks, tail first (its later blocks get evicted before its earlier ones)."""
+    def free(self, seq_id: str, retention: Seq[Retention] = ()) -> None:
+        """Drop the sequence's blocks, tail first (its later blocks get evicted before its earlier ones); its cached
+        blocks that ``retention`` covers are kept as it asks (retention.py), in the pool and in the tiers."""
         table = self.tables.pop(seq_id, None)
-        self.hashes.pop(seq_id, None)
+        hashes = self.hashes.pop(seq_id, None) or []
         self.stale.discard(seq_id)
+        if table and retention:
+            self._retain(table, hashes, retention)
         if table:
             self.pool.free(reversed(table))
+
+    def _retain(self, table: list[KVBlock], hashes: list[int], retention: Seq[Retention]) -> None:
+        for i, block in enumerate(table[: len(hashes)]):
+            priority, duration = block_retention(retention, i, self.block_size)
+            if priority and block.block_hash is not None:
+                self.pool.retain(block, priority, duration)
+            if priority and self.tiers is not None:
+                self.tiers.retain(hashes[i], priority, duration)
 
     def truncate(self, seq_id: str, num_blocks: int) -> None:
         """Free the sequence's blocks past its first ``num_blocks`` (rejected drafts' slots)."""

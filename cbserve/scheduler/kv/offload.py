@@ -12,7 +12,11 @@ scheduler offers a block only when the RAM tier holds it, and it evicts from the
 - Disk: a block only on disk is prefetched into the RAM tier in the background; the request waits (it is not
   admitted) until its blocks arrive or fail (a missing or corrupt file: dropped from the index, the tokens computed).
   The engine loop never waits on disk.
-- Eviction: least recently used in each tier; a RAM tier entry evicted stays on disk.
+- Eviction: least recently used in each tier; a RAM tier entry evicted stays on disk. Retention hints (retention.py:
+  ``retain``, from the pool's manager when a request that asks for them frees its blocks) hold as in the pool: an entry
+  with a live hint is passed over while an entry without one can go, and among hinted ones the lowest priority goes
+  first; hints cover at most the operator's share of each tier (``RetentionLimits.max_fraction``) and do not survive
+  a restart (the disk tier's files do).
 
 Blocks whose request runs a LoRA adapter are not kept in the tiers (an adapter's id is not stable across restarts).
 """
@@ -20,11 +24,12 @@ Blocks whose request runs a LoRA adapter are not kept in the tiers (an adapter's
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from cbserve.scheduler.config import OffloadConfig
+from cbserve.scheduler.config import OffloadConfig, RetentionLimits
 from cbserve.scheduler.kv.connector import KVTransfer, KVTransferResult
 from cbserve.scheduler.kv.kv_events import KVCacheEvents, KVEventRecorder
 
@@ -81,9 +86,13 @@ class _Pending:
 
 class OffloadConnector:
     def __init__(self, config: OffloadConfig, block_size: int,
-                 block_hash: Callable[[int | None, Sequence[int], tuple], int]) -> None:
+                 block_hash: Callable[[int | None, Sequence[int], tuple], int],
+                 retention: RetentionLimits | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """``block_hash(parent, tokens, extra_keys)``: the pool's (stable) hash of a full block."""
         self.config = config
+        self.clock = clock
+        self.retained: dict[int, tuple[int, float]] = {}  # hash -> (priority, until): hints the tiers honour
+        self.retain_share = retention.max_fraction if retention is not None else 0.0
         self.block_size = block_size
         self.block_hash = block_hash
         self.ram: OrderedDict[int, bool] = OrderedDict()  # hash -> ready (False: prefetch from disk under way)
@@ -223,8 +232,10 @@ class OffloadConnector:
             self.events.store(h)
 
     def _tier_out(self, h: int) -> None:
-        if self.events is not None and h not in self.ram and h not in self.disk:
-            self.events.remove(h)
+        if h not in self.ram and h not in self.disk:
+            self.retained.pop(h, None)
+            if self.events is not None:
+                self.events.remove(h)
 
     # ---- capacity -----------------------------------------------------------------------------------
     def _prefetch(self, h: int) -> bool:
@@ -238,12 +249,39 @@ class OffloadConnector:
         self._next.prefetch.append(h)
         return True
 
+    def retain(self, h: int, priority: int, duration_s: float) -> None:
+        """A retention hint for block ``h`` from now on (the higher and longer of it and a live one)."""
+        now = self.clock()
+        old = self.retained.get(h)
+        if old is None or old[1] <= now:
+            self.retained[h] = (priority, now + duration_s)
+        else:
+            self.retained[h] = (max(old[0], priority), max(old[1], now + duration_s))
+        if len(self.retained) > 2 * (self.config.ram_blocks + self.config.disk_blocks) + 64:
+            self.retained = {k: v for k, v in self.retained.items() if v[1] > now and (k in self.ram or k in self.disk)}
+
+    def _victim(self, entries: Iterable[int], capacity: int) -> int | None:
+        """The entry to evict: the least recently used one without a live hint; past the hints' share of the tier
+        (or with none left unhinted), the lowest priority among the hinted ones passed over."""
+        now, passed, limit = self.clock(), None, int(capacity * self.retain_share)
+        for skipped, h in enumerate(entries):
+            hint = self.retained.get(h)
+            if hint is None or hint[1] <= now:
+                return h
+            if passed is None or hint[0] < passed[0]:
+                passed = (hint[0], h)
+            if skipped >= limit:
+                break
+        return None if passed is None else passed[1]
+
     def _make_room(self) -> bool:
         """Room for one more RAM tier entry, evicting the least recently used one that is neither on its way from
-        disk nor loaded by this step (the worker evicts before it stores and loads); False when there is none."""
+        disk nor loaded by this step (the worker evicts before it stores and loads), hints honoured (``_victim``);
+        False when there is none."""
         loading = {h for _, h in self._next.loads} if len(self.ram) >= self.config.ram_blocks else set()
         while len(self.ram) >= self.config.ram_blocks:
-            victim = next((h for h, ready in self.ram.items() if ready and h not in loading), None)
+            candidates = (h for h, ready in self.ram.items() if ready and h not in loading)
+            victim = self._victim(candidates, self.config.ram_blocks)
             if victim is None:
                 return False
             del self.ram[victim]
@@ -255,7 +293,9 @@ class OffloadConnector:
 
     def _trim_disk(self) -> None:
         while len(self.disk) > self.config.disk_blocks:
-            h, _ = self.disk.popitem(last=False)
+            h = self._victim(self.disk, self.config.disk_blocks)
+            assert h is not None  # the disk tier is not empty
+            del self.disk[h]
             self._next.disk_evict.append(h)
             self._tier_out(h)
             self.stats.evictions_disk += 1

@@ -1,6 +1,7 @@
 """What ``EngineCore.add_request`` refuses before a request enters the engine: an id already in use (sequence ids
 share one namespace at the worker) and a request that could never run (``validate_request``: LoRA off, the length
-rule of limits.py, more KV blocks than the whole cache, beam search beside speculative decoding)."""
+rule of limits.py, more KV blocks than the whole cache, beam search beside speculative decoding, retention hints
+the operator's limits do not allow)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from cbserve.scheduler.config import EngineConfig
 from cbserve.scheduler.errors import RequestRejectedError
 from cbserve.scheduler.requests.limits import check_pooling_prompt, resolve_max_tokens
 from cbserve.scheduler.requests.request import EngineRequest
+from cbserve.scheduler.requests.retention import check_retention
 from cbserve.scheduler.requests.sequence import SequenceGroup, child_seq_id
 
 
@@ -35,6 +37,8 @@ def validate_request(cfg: EngineConfig, request: EngineRequest) -> int:
     if cfg.runner == "pooling":
         return check_pooling_prompt(num_prompt, cfg.scheduler.max_model_len, request.sampling_params)
     max_tokens = resolve_max_tokens(num_prompt, request.sampling_params.max_tokens, cfg.scheduler.max_model_len)
+    if request.retention:
+        _check_retention(cfg, request, num_prompt)
     # The last generated token is never computed, so its KV needs no slot.
     blocks = math.ceil((num_prompt + max_tokens - 1) / cfg.cache.block_size)
     if blocks > cfg.cache.num_blocks:
@@ -60,3 +64,12 @@ def validate_request(cfg: EngineConfig, request: EngineRequest) -> int:
                 f"but the whole cache has only {cfg.cache.num_blocks} blocks"
             )
     return max_tokens
+
+
+def _check_retention(cfg: EngineConfig, request: EngineRequest, num_prompt: int) -> None:
+    if not cfg.cache.enable_prefix_caching:
+        raise RequestRejectedError("retention hints keep prefix-cache blocks: this engine runs without prefix caching")
+    try:
+        check_retention(request.retention, num_prompt, cfg.cache.retention)
+    except ValueError as e:
+        raise RequestRejectedError(str(e)) from e

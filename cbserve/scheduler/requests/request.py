@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from cbserve.scheduler.requests.lora import LoRARequest, adapter_keys
+from cbserve.scheduler.requests.retention import Retention
 from cbserve.scheduler.requests.sampling_params import SamplingParams
 
 
@@ -49,6 +50,7 @@ class EngineRequest:
     cache_salt: str | None = None
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     client: int = 0  # which of the host's clients sent it (an engine replica: the ingress channel); its outputs say
+    retention: tuple[Retention, ...] = ()  # ranges of its prompt to keep cached (kv/retention.py)
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,7 @@ class SequenceGroup:
         self.stream_logprobs = sp.logprobs is not None
         self.worker_params = _worker_params(sp, self.mode)
         self.lora = request.lora
+        self.retention = request.retention  # its prompt's ranges to keep cached (kv/retention.py)
         self.extra_keys: tuple = cache_extra_keys(request.cache_salt, request.lora)  # its first block's cache keys
         # Prompt logprobs, filled by position as prefill chunks come back (the first token has none); the
         # prompt is then computed, never taken from the prefix cache (a hit has no logits).

@@ -166,13 +166,15 @@ ELSEWHERE = {
     "tools": "tests/e2e/test_structured_output.py (named, required and auto tool calls, LangChain bind_tools)",
     "tool_choice": "tests/e2e/test_structured_output.py::test_named_and_required_tool_calls",
     "parallel_tool_calls": "tests/e2e/test_structured_output.py::test_named_and_required_tool_calls",
+    "retention_directives": "tests/e2e/test_kv_retention_served.py (a flood does not evict the hinted prefix)",
+    "prompt_cache_retention": "tests/e2e/test_kv_retention_served.py (a flood does not evict the hinted prefix)",
 }
 
 REFUSED: dict[str, Any] = {
     "suffix": "x", "priority": 1, "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True,
     "logits_processors": ["x"], "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
     "prompt_embeds": "AAAA", "store": True, "metadata": {"a": "b"}, "service_tier": "flex", "prompt_cache_key": "k",
-    "prompt_cache_retention": "24h", "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
+    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"],
     "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "outlines", "guided_whitespace_pattern": " ",
 }
 CHAT_REFUSED: dict[str, Any] = {
