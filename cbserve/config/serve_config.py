@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cbserve.config.autoscaling import from_serve_deployments, parse_autoscaling
+from cbserve.config.kv_config import check_tier_keys, merge_kv_transfer
 from cbserve.config.lora_config import check_lora_keys, parse_allowed_dirs, parse_lora_modules
 from cbserve.config.sim_config import check_sim_keys
 from cbserve.scheduler.config import (
@@ -39,7 +40,6 @@ from cbserve.worker.config import (
     ModelConfig,
     QuantizationName,
     fp8_conflict,
-    tier_conflict,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class CBServeConfig(BaseModel):
     kv_offloading_dtype: Literal["auto", "bfloat16"] = "auto"  # "bfloat16": half a float32 cache's bytes, lossy
     kv_disk_path: str | None = None
     kv_disk_size: float | None = Field(None, gt=0)
+    kv_transfer_config: dict[str, Any] | None = None  # vLLM's JSON of the same (config/kv_config.py)
     # retention hints (scheduler/kv/retention.py): the longest a request may ask, the share of the pool and tiers
     # hinted free blocks may hold (0: hints refused), the priority of cache_control and prompt_cache_retention
     kv_retention_max_duration_s: float = Field(3600.0, gt=0)
@@ -193,6 +194,11 @@ class CBServeConfig(BaseModel):
         SpeculativeConfig.from_dict(value)  # unknown method, keys or bad values raise here
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _kv_transfer(cls, values: Any) -> Any:
+        return merge_kv_transfer(values)
+
     @field_validator("autoscaling", mode="before")
     @classmethod
     def _parse_autoscaling(cls, value: Any) -> dict[str, Any] | None:
@@ -224,16 +230,7 @@ class CBServeConfig(BaseModel):
         if self.use_compiled_graph is True and self.tensor_parallel_size == 1:
             raise ValueError("use_compiled_graph applies to tensor_parallel_size > 1: a replica of one rank runs it in "
                              "its engine actor (cluster/engine/rank.py), with no step hop to compile")
-        draft_model = self.speculative_config is not None and self.speculative_config.get("method") == "draft_model"
-        tiers = tier_conflict(self.kv_offloading_size, self.kv_disk_path, self.kv_disk_size,
-                              {"enable_prefix_caching off": not self.enable_prefix_caching,
-                               "runner 'pooling'": self.runner == "pooling", "kv_cache_dtype fp8": "fp8" in
-                               self.kv_cache_dtype, "a draft model": draft_model,
-                               "tensor_parallel_size > 1": self.tensor_parallel_size > 1})  # fmt: skip
-        if tiers is not None:
-            raise ValueError(tiers)
-        if self.kv_offloading_dtype != "auto" and not self.kv_offloading_size:
-            raise ValueError("kv_offloading_dtype applies to the KV tiers: set kv_offloading_size too")
+        check_tier_keys(self)
         fp8 = fp8_conflict(self.quantization, self.kv_cache_dtype, self.attention_backend, self.device, self.cpu_ops)
         if fp8 is not None:
             raise ValueError(fp8)

@@ -159,13 +159,13 @@ class RequestValidator:
         ``cache_control`` (``marks``: where each marked message ends, and its TTL) and ``prompt_cache_retention``
         ("24h": the whole prompt, for 24 hours or the server's longest, whichever is shorter). The engine checks
         them against the prompt and the server's limits (a 400 naming what is wrong)."""
-        prio = self.served.retention_priority
-        out = [Retention(d.start, prompt_len if d.end is None else d.end, d.priority, d.duration or DEFAULT_RETAIN_S)
-               for d in req.retention_directives or ()]
-        out += [Retention(0, end, prio, ttl) for end, ttl in marks]
+        prio, longest = self.served.retention_priority, self.served.retention_max_s
+        out = [Retention(d.start, prompt_len if d.end is None else d.end, d.priority,
+                         d.duration or min(DEFAULT_RETAIN_S, longest)) for d in req.retention_directives or ()]
+        out += [Retention(0, end, prio, min(ttl, longest)) for end, ttl in marks]  # "up to" the TTL asked
         keep = req.prompt_cache_retention
         if keep == "24h":
-            out.append(Retention(0, prompt_len, prio, min(86400.0, self.served.retention_max_s)))
+            out.append(Retention(0, prompt_len, prio, min(86400.0, longest)))
         elif keep not in (None, "in_memory", "in-memory"):
             raise APIError(400, f"prompt_cache_retention must be 'in_memory' or '24h', got {keep!r}",
                            param="prompt_cache_retention")
@@ -173,8 +173,10 @@ class RequestValidator:
 
     def cache_control_marks(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
                             prompt: list[int]) -> list[tuple[int, float]]:
-        """(end, TTL) of every message marked with ``cache_control`` (on the message or one of its content parts):
-        the conversation up to its end, rendered as the template renders it, is the prefix to keep."""
+        """The prefix ``cache_control`` marks (on a message or one of its content parts) ask to keep: the
+        conversation up to the last marked message, rendered as the template renders it, for the longest TTL asked
+        (a range keeps every block before its end: the earlier marks' prefixes come with it). One render; a template
+        that cannot render that part of the conversation alone keeps nothing (the request runs all the same)."""
         marks = [(i, ttl) for i, m in enumerate(req.messages) if (ttl := cache_control_ttl(m)) is not None]
         if not marks:
             return []
@@ -183,12 +185,12 @@ class RequestValidator:
         kwargs = dict(req.chat_template_kwargs or {})
         kwargs |= {"chat_template": req.chat_template} if req.chat_template is not None else {}
         kwargs |= {"tools": tools} if tools is not None else {}
-        out = []
-        for i, ttl in marks:
-            end = _common_prefix(self._render(req.messages[: i + 1], False, req.add_special_tokens, kwargs), prompt)
-            if end:  # a template that renders a conversation's start otherwise than its whole: what they share
-                out.append((end, ttl))
-        return out
+        try:
+            upto = self._render(req.messages[: marks[-1][0] + 1], False, req.add_special_tokens, kwargs)
+        except APIError:
+            return []
+        end = _common_prefix(upto, prompt)  # (a template that renders a conversation's start otherwise: what is shared)
+        return [(end, max(ttl for _, ttl in marks))] if end else []
 
     def truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """``truncate_prompt_tokens``: the last ``keep`` tokens (-1: max_model_len) of a prompt."""

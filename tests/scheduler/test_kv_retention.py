@@ -70,8 +70,8 @@ def test_a_hit_keeps_the_hint_and_the_operators_share_bounds_the_hinted_blocks()
 
 
 def test_block_ranges_and_checks() -> None:
-    ranges = [Retention(0, 20, 50, 60.0), Retention(16, 40, 90, 5.0)]
-    assert [block_retention(ranges, i, 16) for i in range(4)] == [(50, 60.0), (90, 5.0), (90, 5.0), (0, 0.0)]
+    ranges = [Retention(0, 20, 50, 60.0), Retention(24, 40, 90, 5.0)]  # a range keeps the blocks before it too
+    assert [block_retention(ranges, i, 16) for i in range(4)] == [(90, 60.0), (90, 60.0), (90, 5.0), (0, 0.0)]
     limits = RetentionLimits(max_duration_s=60.0)
     check_retention(ranges, 40, limits)
     for bad, why in (([Retention(0, 41, 50, 1.0)], "not within the prompt's 40"),
@@ -90,10 +90,12 @@ def test_the_tiers_pass_over_hinted_entries() -> None:
     tiers.retain(1, 70, 50.0)
     tiers.build_connector_meta([(i, i) for i in range(1, 5)])  # 4 entries: the tier is full, 1 is the oldest
     tiers.build_connector_meta([(5, 5)])
-    assert 1 in tiers.ram and 2 not in tiers.ram  # the unhinted oldest went instead
+    assert list(tiers.ram) == [3, 4, 1, 5]  # the unhinted oldest went instead; the hinted one, passed over, moved on
     clock.t += 51.0
-    tiers.build_connector_meta([(6, 6)])
-    assert 1 not in tiers.ram  # its time passed: the oldest goes again
+    tiers.build_connector_meta([(6, 6), (7, 7)])
+    assert list(tiers.ram) == [1, 5, 6, 7]
+    tiers.build_connector_meta([(8, 8)])
+    assert 1 not in tiers.ram  # its time passed: it goes in its turn
 
 
 def _engine(num_blocks: int, clock: Clock | None = None, **limits: float) -> EngineCore:
@@ -135,3 +137,25 @@ def test_the_engine_refuses_hints_past_its_limits() -> None:
         _run(engine, "b", list(range(1, 10)), (Retention(0, 30, 50, 6.0),))
     manager = KVCacheManager(CacheConfig(block_size=4, num_blocks=4, enable_prefix_caching=False))
     assert len(manager.pool.retained) == 0 and manager.pool.retained.capacity == 0
+
+
+def test_the_hint_reaches_the_block_the_cache_keeps_and_each_use_renews_it() -> None:
+    clock = Clock()
+    kv = KVCacheManager(CacheConfig(block_size=4, num_blocks=8), clock)
+    prompt = list(range(1, 10))  # 2 full blocks computed
+    for seq in ("a", "b"):  # both computed the same prefix at once: b's copies are not registered
+        assert kv.allocate_slots(seq, 0, len(prompt)) is not None
+        kv.cache_full_blocks(seq, prompt, len(prompt), ())
+    kept = kv.tables["a"][:2]
+    kv.free("b", (Retention(0, 8, 70, 10.0),))  # the hint goes to a's blocks, which the cache keeps
+    kv.free("a")
+    assert all(kv.pool.retained.holds(b) and b.retain_priority == 70 for b in kept)
+    clock.t += 8.0
+    hits = kv.get_computed_blocks(prompt)
+    assert kv.allocate_slots("c", 8, 1, hits) is not None  # a hit: in use again
+    clock.t += 5.0
+    kv.free("c")  # released at 113: the hint holds until 123, not 110
+    clock.t += 5.0
+    assert kv.allocate_slots("d", 0, 24) is not None  # 6 blocks: every free one but the 2 hinted
+    assert all(kv.pool.retained.holds(b) for b in kept)
+    kv.check_integrity()

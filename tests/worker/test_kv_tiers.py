@@ -146,3 +146,56 @@ def test_a_write_cut_by_a_killed_process_leaves_no_block_and_its_file_is_cleared
         f.write_bytes(b"partial")
     assert remove_orphans(tmp_path) == 1
     assert not orphan.exists() and live.exists() and block.exists()
+
+
+def test_vllms_kv_transfer_config_sets_the_tiers_or_is_refused_with_the_reason() -> None:
+    from cbserve.config import CBServeConfig
+
+    extra = {"cpu_bytes_to_use": 2**29, "block_size": 16, "disk_path": "/tmp/kv", "disk_bytes_to_use": 2**30}
+    json_flag = '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": %s}'
+    import json
+
+    cfg = CBServeConfig(device="cpu", kv_transfer_config=json_flag % json.dumps(extra))  # as the CLI flag gives it
+    assert (cfg.kv_offloading_size, cfg.kv_disk_path, cfg.kv_disk_size) == (0.5, "/tmp/kv", 1.0)
+    assert cfg.engine_config(64).cache.offload is None  # the worker sizes the tiers in blocks (KVTiers.config)
+    for bad, error in [
+        ({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, "'NixlConnector' is not supported"),
+        ({"kv_connector": "OffloadingConnector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"cpu_bytes_to_use": 1}}, "kv_role 'kv_producer'"),
+        ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 8}}, "takes"),
+        ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {}}, "needs cpu_bytes_to_use"),
+        ({"kv_connector": "OffloadingConnector",
+          "kv_connector_extra_config": {"cpu_bytes_to_use": 2**30, "block_size": 64}}, "engine's block_size"),
+        ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 2**30,
+          "spec_name": "TieringOffloadingSpec"}}, "spec_name"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=error):
+            CBServeConfig(device="cpu", kv_transfer_config=bad)
+    with pytest.raises(ValueError, match="both set the KV tiers"):
+        CBServeConfig(device="cpu", kv_offloading_size=2.0,
+                      kv_transfer_config={"kv_connector": "OffloadingConnector",
+                                          "kv_connector_extra_config": {"cpu_bytes_to_use": 2**30}})  # fmt: skip
+    with pytest.raises(ValueError, match="not valid JSON"):
+        CBServeConfig(device="cpu", kv_transfer_config="{nope")
+
+
+def test_replicas_sharing_a_disk_folder_see_each_others_blocks_while_running(
+    model: Path, reference: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from cbserve.worker.runner import kv_tiers
+
+    monkeypatch.setattr(kv_tiers, "RESCAN_S", 0.0)  # every step lists the folder (5 s when served)
+    tiers = dict(kv_offloading_size=MIB, kv_disk_path=str(tmp_path / "kv"), kv_disk_size=MIB)
+    other = LLM(str(model), **tiers, **ARGS)  # started first: its start-up listing found nothing
+    writer = LLM(str(model), **tiers, **ARGS)
+    assert _generate(writer, TURN1) == reference[0]
+    writer.shutdown()  # its files are written
+    for _ in range(2):  # steps that list the folder, then take the listing in
+        _generate(other, [[3, 4, 5]])
+        time.sleep(0.05)
+    assert _generate(other, _turn2(reference[0])) == reference[1]
+    s = other.engine.scheduler.offload.stats
+    assert s.hit_tokens_disk >= 8 * 9 * 4 and s.prefetch_failures == 0
+    other.shutdown()

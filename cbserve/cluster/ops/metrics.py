@@ -108,7 +108,7 @@ class EngineMetrics:
     def observe_tiers(self, stats: Any) -> None:
         """The KV tiers' counters (scheduler/kv/offload.py's ``OffloadStats``, totals): exported as increments."""
         last, self._tiers = self._tiers, dict(vars(stats))
-        d = {k: v - last.get(k, 0) for k, v in self._tiers.items()}
+        d = {k: _delta(v, last.get(k, 0)) for k, v in self._tiers.items()}
         m = self._m
         m.inc("kv_tier_hit_tokens", d["hit_tokens_ram"] - d["hit_tokens_disk"], {"medium": "ram"})
         m.inc("kv_tier_hit_tokens", d["hit_tokens_disk"], {"medium": "disk"})
@@ -138,10 +138,11 @@ class EngineMetrics:
         m.set("kv_cache_blocks", s.num_kv_blocks)
         m.set("kv_cache_free_blocks", s.num_free_kv_blocks)
         m.set("kv_cache_retained_blocks", s.num_retained_kv_blocks)
-        hinted, lru = s.kv_hint_evictions - self._evicted[0], s.kv_evictions - s.kv_hint_evictions - self._evicted[1]
+        now = (s.kv_hint_evictions, s.kv_evictions - s.kv_hint_evictions)
+        hinted, lru = (_delta(total, last) for total, last in zip(now, self._evicted, strict=True))
         m.inc("kv_cache_evictions", lru, {"reason": "lru"})
         m.inc("kv_cache_evictions", hinted, {"reason": "retention_overridden"})
-        self._evicted = (s.kv_hint_evictions, s.kv_evictions - s.kv_hint_evictions)
+        self._evicted = now
         m.inc("prefix_cache_queries", s.prefix_cache_queries)
         m.inc("prefix_cache_hits", s.prefix_cache_hits)
         m.inc("num_preemptions", s.num_preemptions)
@@ -260,3 +261,8 @@ def _reason(reason: str | None) -> str:
     """Bounded finish / reject reason label (free text would make the label unbounded)."""
     text = (reason or "unknown").strip().lower()
     return text if text.replace("_", "").isalnum() and len(text) <= 32 else "other"
+
+
+def _delta(total: float, last: float) -> float:
+    """An engine's counter since the last observation; a rebuilt engine's counters start again from 0."""
+    return total - last if total >= last else total

@@ -32,12 +32,13 @@ class KVBlock:
     """One logical KV block. ``prev_free``/``next_free`` link it into the free queue."""
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "block_key", "prev_free", "next_free", "retain_priority",
-                 "retain_until")
+                 "retain_duration", "retain_until")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.retain_priority = 0  # a retention hint's (retention.py): 0 none
-        self.retain_until = 0.0
+        self.retain_duration = 0.0  # how long it holds once the block is free (each release renews it)
+        self.retain_until = 0.0  # set at release: then + the duration
         self.ref_cnt = 0
         self.block_hash: int | None = None
         self.block_key: BlockKey | None = None  # what the hash was computed from: confirms a hit
@@ -135,8 +136,7 @@ class BlockPool:
         if num > self.num_free_blocks:
             raise ValueError(f"cannot allocate {num} blocks, only {self.num_free_blocks} free")
         if self.retained.num:
-            for expired in self.retained.expired():
-                self.free_queue.appendleft(expired)
+            self._demote_expired()
         out = []
         for _ in range(num):
             if self.free_queue.num_free:
@@ -154,11 +154,14 @@ class BlockPool:
         """Take a reference on blocks (prefix-cache hit or fork); a free one is revived from the queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                if self.retained.num and self.retained.holds(block):
-                    self.retained.remove(block)
-                else:
-                    self.free_queue.remove(block)
+                self._unfree(block)
             block.ref_cnt += 1
+
+    def _unfree(self, block: KVBlock) -> None:
+        if self.retained.num and self.retained.holds(block):
+            self.retained.remove(block)
+        else:
+            self.free_queue.remove(block)
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference per block, in the given order; blocks reaching 0 go to the queue's tail.
@@ -169,22 +172,32 @@ class BlockPool:
                 self._release(block)
 
     def _release(self, block: KVBlock) -> None:
-        if block.retain_priority and block.block_hash is not None and block.retain_until > self.clock():
+        if block.retain_priority and block.block_hash is not None:
+            block.retain_until = max(block.retain_until, self.clock() + block.retain_duration)  # each use renews it
+            if self.retained.num:
+                self._demote_expired()  # before the share is counted
             pushed = self.retained.add(block)  # past the operator's share: the lowest one loses its hint
             if pushed is not None:
-                self.free_queue.append(pushed)  # type: ignore[arg-type]
+                self.free_queue.appendleft(pushed)  # type: ignore[arg-type]  # (the least recently freed)
             return
-        block.retain_priority, block.retain_until = 0, 0.0
+        block.retain_priority, block.retain_duration, block.retain_until = 0, 0.0, 0.0
         self.free_queue.append(block)
 
+    def _demote_expired(self) -> None:
+        """Blocks whose hint ran out rejoin the LRU queue at its head (the longest expired first to go)."""
+        for block in reversed(self.retained.expired()):
+            self.free_queue.appendleft(block)  # type: ignore[arg-type]
+
     def retain(self, block: KVBlock, priority: int, duration_s: float) -> None:
-        """A retention hint for a cached block in use, from now on for ``duration_s`` once freed; the higher and
-        longer of it and the block's live one (``free`` applies it)."""
-        now = self.clock()
-        if block.retain_until <= now:
-            block.retain_priority, block.retain_until = 0, 0.0
+        """A retention hint for a cached block: the higher priority and the longer duration of it and the block's
+        own, counted from the block's release (a free block's from now)."""
+        free = block.ref_cnt == 0
+        if free:
+            self._unfree(block)
         block.retain_priority = max(block.retain_priority, priority)
-        block.retain_until = max(block.retain_until, now + duration_s)
+        block.retain_duration = max(block.retain_duration, duration_s)
+        if free:
+            self._release(block)
 
     # ---- prefix cache -----------------------------------------------------------------------------
     def get_cached_block(self, block_hash: int, block_key: BlockKey) -> KVBlock | None:
@@ -227,7 +240,7 @@ class BlockPool:
         if self.events is not None:
             self.events.remove(block.block_hash)  # type: ignore[arg-type]
         block.block_hash = block.block_key = None
-        block.retain_priority, block.retain_until = 0, 0.0
+        block.retain_priority, block.retain_duration, block.retain_until = 0, 0.0, 0.0
 
     def _release_retained(self) -> None:
         """Every retained block back to the queue (their hashes are about to be forgotten)."""

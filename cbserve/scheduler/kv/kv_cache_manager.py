@@ -254,19 +254,24 @@ class KVCacheManager:
         blocks that ``retention`` covers are kept as it asks (retention.py), in the pool and in the tiers."""
         table = self.tables.pop(seq_id, None)
         hashes = self.hashes.pop(seq_id, None) or []
-        self.stale.discard(seq_id)
-        if table and retention:
+        if table and retention and seq_id not in self.stale:
             self._retain(table, hashes, retention)
+        self.stale.discard(seq_id)
         if table:
             self.pool.free(reversed(table))
 
     def _retain(self, table: list[KVBlock], hashes: list[int], retention: Seq[Retention]) -> None:
-        for i, block in enumerate(table[: len(hashes)]):
+        """The hints of a sequence's computed blocks: on the block the pool keeps for each (its own, or the twin
+        another sequence registered first), and in the tiers."""
+        for i, h in enumerate(hashes):
             priority, duration = block_retention(retention, i, self.block_size)
-            if priority and block.block_hash is not None:
+            if not priority:
+                break  # the ranges end before this block
+            block = table[i] if table[i].block_hash == h else self.pool.cached.get(h)
+            if block is not None:
                 self.pool.retain(block, priority, duration)
-            if priority and self.tiers is not None:
-                self.tiers.retain(hashes[i], priority, duration)
+            if self.tiers is not None:
+                self.tiers.retain(h, priority, duration)
 
     def truncate(self, seq_id: str, num_blocks: int) -> None:
         """Free the sequence's blocks past its first ``num_blocks`` (rejected drafts' slots)."""

@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from cbserve.scheduler.config import OffloadConfig, RetentionLimits
 from cbserve.scheduler.kv.connector import KVTransfer, KVTransferResult
@@ -209,6 +210,7 @@ class OffloadConnector:
         for h in list(self.disk):
             del self.disk[h]
             self._tier_out(h)
+        self.retained.clear()
 
     def request_finished(self, seq_id: str, block_ids: list[int]) -> bool:
         return False  # the tiers hold copies: the pool's blocks are free at once
@@ -260,19 +262,26 @@ class OffloadConnector:
         if len(self.retained) > 2 * (self.config.ram_blocks + self.config.disk_blocks) + 64:
             self.retained = {k: v for k, v in self.retained.items() if v[1] > now and (k in self.ram or k in self.disk)}
 
-    def _victim(self, entries: Iterable[int], capacity: int) -> int | None:
-        """The entry to evict: the least recently used one without a live hint; past the hints' share of the tier
-        (or with none left unhinted), the lowest priority among the hinted ones passed over."""
-        now, passed, limit = self.clock(), None, int(capacity * self.retain_share)
-        for skipped, h in enumerate(entries):
+    def _victim(self, tier: OrderedDict[int, Any], entries: Iterable[int], capacity: int) -> int | None:
+        """The entry of ``tier`` to evict: the least recently used one without a live hint; past the hints' share of
+        the tier (or with none left unhinted), the lowest priority among the hinted ones passed over. Those passed
+        over move to the tier's tail, so the next eviction does not walk them again."""
+        now, passed, limit = self.clock(), [], int(capacity * self.retain_share)
+        victim = None
+        for h in entries:
             hint = self.retained.get(h)
             if hint is None or hint[1] <= now:
-                return h
-            if passed is None or hint[0] < passed[0]:
-                passed = (hint[0], h)
-            if skipped >= limit:
+                victim = h
                 break
-        return None if passed is None else passed[1]
+            passed.append((hint[0], h))
+            if len(passed) > limit:
+                break
+        if victim is None and passed:
+            victim = min(passed)[1]
+        for _, h in passed:
+            if h != victim:
+                tier.move_to_end(h)
+        return victim
 
     def _make_room(self) -> bool:
         """Room for one more RAM tier entry, evicting the least recently used one that is neither on its way from
@@ -281,7 +290,7 @@ class OffloadConnector:
         loading = {h for _, h in self._next.loads} if len(self.ram) >= self.config.ram_blocks else set()
         while len(self.ram) >= self.config.ram_blocks:
             candidates = (h for h, ready in self.ram.items() if ready and h not in loading)
-            victim = self._victim(candidates, self.config.ram_blocks)
+            victim = self._victim(self.ram, candidates, self.config.ram_blocks)
             if victim is None:
                 return False
             del self.ram[victim]
@@ -293,7 +302,7 @@ class OffloadConnector:
 
     def _trim_disk(self) -> None:
         while len(self.disk) > self.config.disk_blocks:
-            h = self._victim(self.disk, self.config.disk_blocks)
+            h = self._victim(self.disk, iter(self.disk), self.config.disk_blocks)
             assert h is not None  # the disk tier is not empty
             del self.disk[h]
             self._next.disk_evict.append(h)

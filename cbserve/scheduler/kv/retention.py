@@ -3,8 +3,9 @@ priority (its ranges: requests/retention.py; ``retention_directives``, as vLLM's
 TensorRT-LLM's token-range retention; ``cache_control`` on a chat message, as Anthropic's API, is one such range:
 the conversation up to that message).
 
-A block gets the highest priority among the ranges that cover any of its tokens, for that range's ``duration_s``
-from the moment its last holder frees it (each use renews it, as a prompt cache's TTL). A free cached block with a
+A block gets the highest priority and the longest duration among the ranges that end after its first token (a range's
+earlier blocks too: a prefix cache hits a block only with every block before it), for that duration from the moment
+its last holder frees it (each use renews it, as a prompt cache's TTL). A free cached block with a
 live retention waits in ``RetainedBlocks`` instead of the pool's LRU queue: an allocation takes every ordinary free
 block first, then retained ones, lowest priority first (least recently freed first within a priority), so a flood of
 conversations without hints (or with lower ones) never evicts a retained prefix while it can evict anything else.
@@ -26,6 +27,7 @@ from typing import Protocol
 class Retainable(Protocol):
     block_id: int
     retain_priority: int  # 0: none
+    retain_duration: float
     retain_until: float  # the clock's time it ends
 
 
@@ -73,7 +75,7 @@ class RetainedBlocks:
         p = min(self.by_priority)
         block = next(iter(self.by_priority[p].values()))
         self.remove(block)
-        block.retain_priority, block.retain_until = 0, 0.0
+        block.retain_priority, block.retain_duration, block.retain_until = 0, 0.0, 0.0
         return block
 
     def expired(self) -> list[Retainable]:
@@ -83,7 +85,7 @@ class RetainedBlocks:
             until, _, _, block = heapq.heappop(self.expiry)
             if block.retain_until == until and self.holds(block):
                 self.remove(block)
-                block.retain_priority, block.retain_until = 0, 0.0
+                block.retain_priority, block.retain_duration, block.retain_until = 0, 0.0, 0.0
                 out.append(block)
         return out
 

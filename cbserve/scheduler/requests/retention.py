@@ -38,12 +38,12 @@ def check_retention(ranges: Sequence[Retention], num_prompt_tokens: int, limits:
 
 
 def block_retention(ranges: Sequence[Retention], index: int, block_size: int) -> tuple[int, float]:
-    """(priority, duration) of block ``index``: the highest priority among the ranges covering any of its tokens."""
-    lo, hi = index * block_size, (index + 1) * block_size
-    best = (0, 0.0)
+    """(priority, duration) of block ``index``: the highest priority and the longest duration among the ranges that
+    end after its first token. A range keeps its earlier blocks too: a prefix cache hits a block only with every
+    block before it (its ``start`` says which tokens it asks for; those before it come with them)."""
+    lo = index * block_size
+    priority, duration = 0, 0.0
     for r in ranges:
-        if r.start < hi and lo < r.end and (r.priority, r.duration_s) > best:
-            best = (r.priority, r.duration_s)
-    return best
-
-
+        if lo < r.end:
+            priority, duration = max(priority, r.priority), max(duration, r.duration_s)
+    return priority, duration

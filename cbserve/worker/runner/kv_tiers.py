@@ -9,7 +9,11 @@ half, which decides every move, is scheduler/kv/offload.py).
   written atomically (a temporary file, then a rename) by a background thread; a header with the block's hash,
   shape and dtype, and a blake2b digest of the payload, checked on every read: a truncated or corrupt file is
   reported failed (the scheduler drops it, the tokens are computed), never served. Replicas of one node share the
-  folder; a restarted replica finds what is there.
+  folder: a restarted replica finds what is there, and every ``RESCAN_S`` the background thread lists the folder
+  and reports the files other replicas wrote since (as its own writes are reported: ``on_disk``), so that a prefix
+  one replica computed is a disk hit for the others. Each replica then keeps its index within its own
+  ``kv_disk_size`` (deleting the least recently used files, whoever wrote them): the folder stays within the
+  smallest of the replicas' sizes.
 
 Each step's ``KVTransfer`` is carried out before its forward pass: stores (pool -> RAM, and queued for disk),
 loads (RAM -> pool), evictions; prefetches (disk -> RAM) and deletions run in the background thread and are
@@ -33,13 +37,14 @@ import torch
 
 from cbserve.scheduler.config import OffloadConfig
 from cbserve.scheduler.kv.connector import KVTransfer, KVTransferResult
-from cbserve.scheduler.kv.offload import DISK_SUFFIX
+from cbserve.scheduler.kv.offload import DISK_SUFFIX, scan_disk
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"CBKV\x01"
 _HEADER = struct.Struct("<5sQ16sQ")  # magic, block hash, payload digest, payload bytes
 POLL_WAIT_S = 0.01  # a step sent only to collect prefetch reports waits this long for one
+RESCAN_S = 5.0  # how often the disk tier's folder is listed for other replicas' files
 
 
 def tier_key(model_files: list[Path], dtype: torch.dtype, block_size: int, rank: int, world: int,
@@ -64,9 +69,13 @@ class KVTiers:
         self.config = OffloadConfig(ram_bytes // self.block_bytes, None if disk_dir is None else str(disk_dir),
                                     disk_bytes // self.block_bytes if disk_dir is not None else 0)
         self.disk_dir = disk_dir
+        self.known: set[int] = set()  # the disk files this replica wrote, or reported, and did not delete
+        self._scanned_at = time.monotonic()
+        self._scanning = False
         if disk_dir is not None:
             disk_dir.mkdir(parents=True, exist_ok=True)
             remove_orphans(disk_dir)
+            self.known.update(scan_disk(str(disk_dir)))  # the scheduler's index starts from the same listing
         # The RAM tier: one tensor of ``ram_blocks`` slots, allocated once (exactly what the operator gave; pinned on
         # CUDA, the pages touched as blocks come), a block in a slot, ``ram`` its hash's slot.
         self.slots = torch.empty((self.config.ram_blocks, *block_shape), dtype=dtype, pin_memory=pin)
@@ -105,9 +114,24 @@ class KVTiers:
             self._io.submit(self._unlink, h)
 
     def get_finished(self) -> KVTransferResult | None:
+        if self.disk_dir is not None and not self._scanning and time.monotonic() - self._scanned_at >= RESCAN_S:
+            self._scanning = True  # (the background thread lists the folder, in order with its writes)
+            self._io.submit(self._rescan)
         with self._lock:
             r, self._report = self._report, KVTransferResult()
         return r if (r.on_disk or r.prefetched or r.failed or r.bytes_stored or r.bytes_loaded) else None
+
+    def _rescan(self) -> None:
+        """Report the files other replicas wrote into the folder since the last listing."""
+        assert self.disk_dir is not None
+        try:
+            found = scan_disk(str(self.disk_dir))
+            with self._lock:
+                new = [h for h in found if h not in self.known]
+                self.known.update(new)
+                self._report.on_disk.extend(new)
+        finally:
+            self._scanned_at, self._scanning = time.monotonic(), False
 
     def wait_for_prefetch(self, timeout_s: float = POLL_WAIT_S) -> None:
         """Until a prefetch lands or fails, or ``timeout_s`` (a poll step's wait: no busy loop while one runs)."""
@@ -172,6 +196,7 @@ class KVTiers:
             return
         with self._lock:
             self._report.on_disk.append(h)
+            self.known.add(h)
 
     def _read(self, h: int, slot: int) -> None:
         block, nbytes = self._read_checked(h), 0
@@ -209,6 +234,8 @@ class KVTiers:
 
     def _unlink(self, h: int) -> None:
         self._path(h).unlink(missing_ok=True)
+        with self._lock:
+            self.known.discard(h)
 
 
 def remove_orphans(disk_dir: Path) -> int:
