@@ -3,7 +3,8 @@
 Part 1, correctness (``--part 1``): the ``cuda``-marked tests, compiled, in a pytest subprocess running beside
 greedy tokens of a tiny random model of every family against HF transformers on the same GPU (fp32 eager and
 fp32 with CUDA graphs must be equal; bf16 is reported), through chunked prefill, preemption and prefix hits;
-the RL loop's controls on the GPU (``gpu_check_rl.py``: sleep, wake, a weight update); then, the GPU free, HF
+the RL loop's controls on the GPU (``gpu_check_rl.py``: sleep, wake, a weight update) and the KV tiers' RAM tier in
+pinned memory (``gpu_check_tiers.py``); then, the GPU free, HF
 transformers' baselines for part 2's burst (``gpu_check_hf.py``: its best static and continuous batching,
 labelled).
 Part 2, speed (``--part 2``, ``gpu_check_speed.py``): a Llama-3.1-8B-shaped model with random bf16 weights:
@@ -94,6 +95,7 @@ def part1(check: Check, dry_run: bool, device: torch.device) -> None:
     from gpu_check_hf import hf_baselines
     from gpu_check_rl import rl_controls
     from gpu_check_speed import workload
+    from gpu_check_tiers import kv_tiers_on_device
 
     tests = check.step(
         "kernel_tests.start", start_cuda_tests, check.out, dry_run, check.log, min_s=20 if dry_run else 60
@@ -103,6 +105,8 @@ def part1(check: Check, dry_run: bool, device: torch.device) -> None:
     check.step("greedy", greedy_all, check, device.type, dry_run)
     rl = check.step("rl", rl_controls, device.type, dry_run, min_s=10 if dry_run else 30)
     check.set("rl", rl or {"error": "see parts.1.errors"})
+    tiers = check.step("kv_tiers", kv_tiers_on_device, device.type, dry_run, min_s=10 if dry_run else 30)
+    check.set("kv_tiers", tiers or {"error": "see parts.1.errors"})
     gc.collect()
     n = torch.cuda.device_count()
     check.set(

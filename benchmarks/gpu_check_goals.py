@@ -305,7 +305,17 @@ def goals(rec: dict[str, Any]) -> dict[str, Any]:
         "fp8_c250_window_at_least_1.4x_bf16": _fp8_goal(rec, "c250_window", lambda r: r >= FP8_C250_WINDOW_AT_LEAST),
         "fp8_accuracy_reported": _fp8_goal(rec, "accuracy", None),
         **_rl_goals(rec.get("rl") or {}),
+        "kv_tiers_pinned_tokens_equal": _tiers_goal(rec.get("kv_tiers") or {}),
     }
+
+
+def _tiers_goal(tiers: dict[str, Any]) -> bool | None:
+    """Issue 52's CUDA tier (``gpu_check_tiers.py``): the greedy tokens with the RAM tier equal those without, and
+    real-size blocks come back from pinned memory as stored (on a GPU the tier must be pinned)."""
+    real = tiers.get("real_size_blocks") or {}
+    if "tokens_equal" not in tiers or "loaded_equal_stored" not in real:
+        return None
+    return bool(tiers["tokens_equal"] and real["loaded_equal_stored"] and (tiers["device"] != "cuda" or real["pinned"]))
 
 
 def _rl_goals(rl: dict[str, Any]) -> dict[str, bool | None]:

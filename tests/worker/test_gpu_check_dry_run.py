@@ -58,6 +58,9 @@ def test_part1_correctness_and_hf_baselines(check: tuple[dict, Path, float]) -> 
     assert rl["update"]["weights_changed_tokens"] is True, rl
     assert {k: v for k, v in rec["goals"].items() if k.startswith("rl_")} == {
         "rl_sleep1_frees_90pct_of_kv": True, "rl_wake_up_under_2s": True, "rl_greedy_equal_after_wake_and_update": True}
+    tiers = rec["kv_tiers"]  # the RAM tier on the device (gpu_check_tiers.py): tokens and real-size blocks
+    assert tiers["hit_tokens_ram"] > 0 and tiers["real_size_blocks"]["blocks"] > 0, tiers
+    assert rec["goals"]["kv_tiers_pinned_tokens_equal"] is True
     assert wall < 120, f"the dry run took {wall:.0f} s"  # ~25 s on two shared cores
 
 
