@@ -1,8 +1,9 @@
 """KV tiers on an agent-like workload: conversations of several turns (a shared system prompt and tool list, a long
 context of each conversation's own such as a retrieved document or a tool's output, a growing history: the reply of
 each turn and the next message appended), whose working set is several times the KV pool, run by the offline engine
-over the bundled model on this CPU, four ways: without tiers, with a RAM tier, with a bfloat16 RAM tier (lossy: its
-greedy tokens' agreement with the others' is reported), with a RAM and a disk tier; then the
+over the bundled model on this CPU, five ways: without tiers, with a RAM tier, with a bfloat16 and an int8 RAM tier
+(lossy: their greedy tokens' agreement with the others' is reported, and the KL divergence of the first reply token's
+distribution from the lossless one's, over its 20 likeliest tokens), with a RAM and a disk tier; then the
 disk tier's engine is restarted (a new engine over the same folder, an empty pool and RAM tier) and every
 conversation runs one more turn.
 
@@ -159,18 +160,47 @@ def main() -> int:
                 "RAM tier": run_way("RAM tier", dict(base, kv_offloading_size=args.ram_gib), args),
                 "RAM bf16": run_way("RAM bf16", dict(base, kv_offloading_size=args.ram_gib,
                                                      kv_offloading_dtype="bfloat16"), args),
+                "RAM int8": run_way("RAM int8", dict(base, kv_offloading_size=args.ram_gib,
+                                                     kv_offloading_dtype="int8"), args),
                 "RAM+disk": run_way("RAM+disk", dict(base, kv_offloading_size=args.ram_gib, kv_disk_path=str(disk),
                                                      kv_disk_size=args.disk_gib), args, restart=True)}  # fmt: skip
         nohit = {"no tiers": no_hit_burst(base, args),
                  "RAM tier": no_hit_burst(dict(base, kv_offloading_size=args.ram_gib), args)}
+        kl = {dtype: first_token_kl(dict(base, kv_offloading_size=args.ram_gib), dtype, args)
+              for dtype in ("bfloat16", "int8")}
     finally:
         shutil.rmtree(disk, ignore_errors=True)
-    doc = report(ways, nohit, args, cpu, working_set)
+    doc = report(ways, nohit, args, cpu, working_set) | {"first_token_kl": kl}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "kv_tiers.json").write_text(json.dumps(doc, indent=2))
     plot(doc, args.out_dir / "kv_tiers.png")
     print(f"wrote {args.out_dir / 'kv_tiers.json'} and kv_tiers.png")
     return 0
+
+
+def first_token_kl(fields: dict[str, Any], dtype: str, args: argparse.Namespace) -> dict[str, float]:
+    """KL(lossless || compressed) of the first reply token's distribution, over the lossless run's 20 likeliest tokens
+    (renormalized; a token the compressed run's top 20 lacks gets its 20th logprob), for each conversation's second
+    turn restored from the RAM tier: the mean and the largest."""
+    import math
+
+    first, later = conversations(args)
+    prompts = [p + later[c][1] for c, p in enumerate(first)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
+    tops = []
+    for tier_dtype in ("auto", dtype):
+        llm = LLM(args.model, progress=False, **fields, kv_offloading_dtype=tier_dtype)
+        run_turn(llm, first, 1, f"kl-{tier_dtype}", 1)  # turn 1 fills the tier; the pool evicts it
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        tops.append([dict(o.outputs[0].logprobs[0].top) for o in outs])
+        llm.shutdown()
+    kls = []
+    for ref, got in zip(*tops, strict=True):
+        floor = min(got.values())
+        q = {t: got.get(t, floor) for t in ref}  # both renormalized over the lossless run's top 20
+        zp, zq = (math.log(sum(math.exp(v) for v in d.values())) for d in (ref, q))
+        kls.append(sum(math.exp(v - zp) * ((v - zp) - (q[t] - zq)) for t, v in ref.items()))
+    return {"mean": statistics.fmean(kls), "max": max(kls)}
 
 
 def agreement(ways: dict[str, Any], way: str) -> float:
@@ -192,6 +222,7 @@ def report(ways: dict[str, Any], nohit: dict[str, Any], args: argparse.Namespace
     ratios = {"ttft_p50_turn2plus_none_over_ram": later_p50("no tiers") / later_p50("RAM tier"),
               "ttft_p50_turn2plus_none_over_disk": later_p50("no tiers") / later_p50("RAM+disk"),
               "ttft_p50_turn2plus_none_over_ram_bf16": later_p50("no tiers") / later_p50("RAM bf16"),
+              "ttft_p50_turn2plus_none_over_ram_int8": later_p50("no tiers") / later_p50("RAM int8"),
               "restart_ttft_p50_none_over_disk": later_p50("no tiers") / ways["RAM+disk"]["restart"]["ttft_p50_ms"],
               "nohit_throughput_tiers_over_none": nohit["RAM tier"]["out_tok_s"] / nohit["no tiers"]["out_tok_s"]}
     ratios |= {f"greedy_agreement_{way.replace(' ', '_').replace('+', '_').lower()}": a for way, a in agree.items()}

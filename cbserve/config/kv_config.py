@@ -9,8 +9,8 @@ below the pool and optionally a disk tier. Its JSON, as vLLM's:
 
 ``cpu_bytes_to_use`` is ``kv_offloading_size`` in bytes; ``block_size``, when given, must be the engine's (the tiers
 hold the pool's blocks); cbserve's own ``disk_path`` and ``disk_bytes_to_use`` give the disk tier, and ``dtype``
-("auto" or "bfloat16") is ``kv_offloading_dtype``. Any other connector (a P/D or LMCache connector), role or key is
-refused with a ValueError naming it; so is a key set both here and on its own to another value.
+("auto", "bfloat16" or "int8") is ``kv_offloading_dtype``. Any other connector (a P/D or LMCache connector), role or
+key is refused with a ValueError naming it; so is a key set both here and on its own to another value.
 """
 
 from __future__ import annotations
@@ -61,8 +61,15 @@ def kv_transfer_fields(raw: Any) -> dict[str, Any]:
     for key, value in extra.items():
         field = _EXTRA[key]
         if field is not None:
-            out[field] = float(value) / 2**30 if key in _GIB else value
+            out[field] = _number(key, value) / 2**30 if key in _GIB else value
     return out
+
+
+def _number(key: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"kv_transfer_config: {key} must be a number, got {value!r}") from e
 
 
 def merge_kv_transfer(values: Any) -> Any:
@@ -71,7 +78,8 @@ def merge_kv_transfer(values: Any) -> Any:
     if not isinstance(values, dict) or values.get("kv_transfer_config") in (None, "", "null", "none"):
         return values
     fields = kv_transfer_fields(values["kv_transfer_config"])
-    clash = [k for k, v in fields.items() if values.get(k) is not None and values[k] != v and k != "block_size"]
+    clash = [k for k, v in fields.items()
+             if values.get(k) is not None and k != "block_size" and not _same(values[k], v)]  # fmt: skip
     if clash:
         raise ValueError(f"kv_transfer_config and {clash} both set the KV tiers: give one")
     size = fields.pop("block_size", None)
@@ -79,6 +87,16 @@ def merge_kv_transfer(values: Any) -> Any:
         raise ValueError(f"kv_transfer_config: block_size {size} must be the engine's block_size "
                          f"({values.get('block_size') or 16}): the tiers hold the pool's blocks")
     return {**values, **fields, "kv_transfer_config": None}
+
+
+def _same(given: Any, value: Any) -> bool:
+    """A key set on its own (a CLI flag or Serve arg gives a string) equal to what the JSON says."""
+    if isinstance(value, float):
+        try:
+            return float(given) == value
+        except (TypeError, ValueError):
+            return False
+    return str(given) == str(value)
 
 
 def check_tier_keys(config: Any) -> None:

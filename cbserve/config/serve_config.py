@@ -101,7 +101,7 @@ class CBServeConfig(BaseModel):
     # "native" its one backend), a disk tier of this many GiB in a folder the replicas of a node share
     kv_offloading_size: float | None = Field(None, gt=0)
     kv_offloading_backend: Literal["native"] = "native"
-    kv_offloading_dtype: Literal["auto", "bfloat16"] = "auto"  # "bfloat16": half a float32 cache's bytes, lossy
+    kv_offloading_dtype: Literal["auto", "bfloat16", "int8"] = "auto"  # half / a quarter a float32 cache's bytes, lossy
     kv_disk_path: str | None = None
     kv_disk_size: float | None = Field(None, gt=0)
     kv_transfer_config: dict[str, Any] | None = None  # vLLM's JSON of the same (config/kv_config.py)

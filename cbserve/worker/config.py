@@ -97,7 +97,7 @@ class ModelConfig:
     # KV tiers below the pool (worker/runner/kv_tiers.py): the RAM tier's bytes (0: no tiers), the disk tier's
     # folder and bytes
     kv_offloading_bytes: int = 0
-    kv_offloading_dtype: str = "auto"  # "auto": the cache's dtype; "bfloat16": compressed (lossy for float32)
+    kv_offloading_dtype: str = "auto"  # "auto": the cache's dtype; "bfloat16", "int8": compressed (lossy)
     kv_disk_path: str | None = None
     kv_disk_bytes: int = 0
 
@@ -171,8 +171,9 @@ class ModelConfig:
             raise ValueError(conflict)
 
     def _check_tiers(self) -> None:
-        if self.kv_offloading_dtype not in ("auto", "bfloat16"):
-            raise ValueError(f"kv_offloading_dtype must be 'auto' or 'bfloat16', got {self.kv_offloading_dtype!r}")
+        if self.kv_offloading_dtype not in ("auto", "bfloat16", "int8"):
+            raise ValueError(f"kv_offloading_dtype must be 'auto', 'bfloat16' or 'int8', got "
+                             f"{self.kv_offloading_dtype!r}")
         conflict = tier_conflict(self.kv_offloading_bytes, self.kv_disk_path, self.kv_disk_bytes,
                                  {"kv_cache_dtype fp8": self.kv_fp8, "runner 'pooling'": self.runner == "pooling",
                                   "a draft model": self.draft_model is not None,

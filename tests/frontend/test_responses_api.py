@@ -329,6 +329,15 @@ def test_harmless_values_of_refused_fields_are_accepted() -> None:
     assert isinstance(r, ResponseObject) and r.output[0].content[0].text == "x"
 
 
+def test_prompt_cache_retention_keeps_the_whole_prompt() -> None:
+    api, engine = _api(["x"])
+    asyncio.run(api.create(ResponsesRequest(input="hi there", prompt_cache_retention="24h")))
+    (req,) = engine.requests
+    assert [(r.start, r.end, r.duration_s) for r in req.retention] == [(0, len(req.prompt_token_ids), 3600.0)]
+    with pytest.raises(APIError, match="prompt_cache_retention must be"):
+        asyncio.run(api.create(ResponsesRequest(input="hi", prompt_cache_retention="forever")))
+
+
 # ---- failures and disconnects -----------------------------------------------------------------------------
 def _failing(api: ResponsesAPI, engine: Any) -> Callable[[EngineRequest], Any]:
     def script(req: EngineRequest) -> Any:

@@ -129,6 +129,37 @@ def test_a_bfloat16_tier_holds_twice_the_blocks_and_restores_them_rounded(model:
     assert agree >= len(second) * 4 // 2  # most greedy tokens agree with recomputing in float32
 
 
+def test_an_int8_tier_holds_three_times_the_blocks_and_restores_them_within_half_a_step(
+    model: Path, reference: Any, tmp_path: Path
+) -> None:
+    """``kv_offloading_dtype: int8``: each token's head vector as int8 with a float32 scale (a quarter of float32's
+    bytes plus the scales: 1.25 bytes a value at head_dim 16); restored within half a quantization step of the
+    cache's values, from RAM and from disk after a restart (lossy: tokens compared, not asserted equal)."""
+    import torch
+
+    tiers = dict(kv_offloading_size=MIB, kv_offloading_dtype="int8", kv_disk_path=str(tmp_path / "kv"),
+                 kv_disk_size=MIB)  # fmt: skip
+    lossless = LLM(str(model), kv_offloading_size=MIB, **ARGS).executor.runner.kv_tiers
+    compressed = LLM(str(model), **tiers, **ARGS)
+    q = compressed.executor.runner.kv_tiers
+    assert q.slots.dtype == torch.int8 and q.config.ram_blocks >= 3 * lossless.config.ram_blocks
+    first = _generate(compressed, TURN1)
+    assert first == reference[0]  # nothing restored yet
+    pool, k_cache = compressed.engine.scheduler.kv.pool, compressed.executor.runner.kv_caches[0][0]
+    h = next(h for h in q.ram if h in pool.cached)  # a stored block the pool still holds
+    slot, exact = q.ram[h], k_cache[pool.cached[h].block_id]
+    restored = q.slots[slot][0, 0].float() * q.scales[slot][0, 0].unsqueeze(-1)
+    assert bool(((restored - exact).abs() <= q.scales[slot][0, 0].unsqueeze(-1) * 0.5 + 1e-6).all())
+    compressed.shutdown()  # its files written
+    restarted = LLM(str(model), **tiers, **ARGS)
+    second = _generate(restarted, _turn2(first))
+    s = restarted.engine.scheduler.offload.stats
+    assert s.hit_tokens_disk > 0 and s.prefetch_failures == 0
+    agree = sum(a == b for x, y in zip(second, reference[1], strict=True) for a, b in zip(x, y, strict=True))
+    assert agree >= len(second) * 4 // 2  # most greedy tokens agree with recomputing in float32
+    restarted.shutdown()
+
+
 def test_a_write_cut_by_a_killed_process_leaves_no_block_and_its_file_is_cleared(tmp_path: Path) -> None:
     """A process killed mid-write leaves only its temporary file (the block is renamed into place whole, or not at
     all): the next engine over the folder deletes it; a live process's is left to finish."""
@@ -199,3 +230,32 @@ def test_replicas_sharing_a_disk_folder_see_each_others_blocks_while_running(
     s = other.engine.scheduler.offload.stats
     assert s.hit_tokens_disk >= 8 * 9 * 4 and s.prefetch_failures == 0
     other.shutdown()
+
+
+def test_a_rescan_reports_the_files_others_wrote_and_deleted(tmp_path: Path) -> None:
+    """The worker's listing of a shared folder (``KVTiers._rescan``, run by its disk thread every ``RESCAN_S``):
+    another replica's new files come as ``on_disk``, its deletions as ``off_disk``, and the scheduler's index follows
+    without deleting anything itself."""
+    import torch
+
+    from cbserve.scheduler.config import OffloadConfig
+    from cbserve.scheduler.kv.offload import OffloadConnector
+    from cbserve.worker.runner.kv_tiers import KVTiers
+
+    folder, shape = tmp_path / "kv", (1, 2, 4, 1, 8)
+    mine, theirs = (KVTiers(2**16, folder, 2**20, shape, torch.float32) for _ in range(2))
+    for h in (5, 6):
+        theirs._write(h, torch.ones(shape))
+    mine._rescan()
+    report = mine.get_finished()  # (the next listing is RESCAN_S away)
+    assert report is not None and sorted(report.on_disk) == [5, 6] and report.off_disk == []
+    index = OffloadConnector(OffloadConfig(ram_blocks=4, disk_dir=str(folder), disk_blocks=8), 4, lambda *a: 0)
+    assert sorted(index.disk) == [5, 6]  # a new index lists the folder itself
+    theirs._unlink(5)
+    mine._rescan()
+    gone = mine.get_finished()
+    assert gone is not None and gone.off_disk == [5] and gone.on_disk == []
+    index.update_connector_output(gone)
+    assert list(index.disk) == [6] and index._next.disk_evict == []  # forgotten, not deleted again
+    mine.shutdown()
+    theirs.shutdown()

@@ -133,8 +133,8 @@ class SharedLoRAs:
     async def load_content(self, name: str, content: AdapterContent, replace: bool) -> LoRARequest:
         """A trainer's adapter (bytes, ``rl/adapters.py``) served as ``name`` on every replica; its new id."""
         checked = await asyncio.to_thread(self.registry.check_content, name, content, replace)
-        await self._change(self.store.register.remote(name, checked.folder, replace, checked.content))
-        lora = next(lora for lora in self.registry.adapters() if lora.lora_name == name)
+        answer = await self._change(self.store.register.remote(name, checked.folder, replace, checked.content))
+        lora = next(lora for lora in answer.adapters if lora.lora_name == name and lora.digest == content.digest)
         logger.info("LoRA adapter %r pushed as id %d (%s)", name, lora.lora_int_id, content.digest)
         return lora
 
@@ -144,7 +144,8 @@ class SharedLoRAs:
         logger.info("LoRA adapter %r unloaded", req.lora_name)
         return unloaded_message(req.lora_name)
 
-    async def _change(self, reply: Any) -> None:
+    async def _change(self, reply: Any) -> AdapterSet:
+        """The store's answer to a change (the adapters it serves now), mirrored here and broadcast."""
         answer = await reply
         if isinstance(answer, APIError):
             await self.pull()  # this replica's mirror was behind (another replica changed the name)
@@ -154,6 +155,7 @@ class SharedLoRAs:
             await self.broadcast(answer)
         except Exception as e:  # a replica going away; the others pull the store within PULL_PERIOD_S
             logger.warning("LoRA adapters not broadcast to every replica (%s: %s)", type(e).__name__, e)
+        return answer
 
     async def pull(self) -> None:
         self.registry.apply(await self.store.snapshot.remote())

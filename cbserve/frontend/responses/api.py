@@ -69,11 +69,10 @@ REFUSED: dict[str, tuple[str, Harmless]] = {
     "conversation": ("(conversations) is not supported; chain responses with previous_response_id", _falsy),
     "stream_options": ("is not supported", lambda v: not v or set(v) <= {"include_obfuscation"}),
     "prompt_cache_key": ("is not supported (the router keeps a prompt prefix on one replica itself)", _falsy),
-    "prompt_cache_retention": ("is not supported", _falsy),
 }
 # fields of the chat request a Responses request sets as they are
 _PASSED = ("model", "temperature", "top_p", "user", "top_k", "min_p", "repetition_penalty", "seed", "stop",
-           "priority", "cache_salt", "chat_template_kwargs")  # fmt: skip
+           "priority", "cache_salt", "chat_template_kwargs", "prompt_cache_retention")  # fmt: skip
 # a chat error's param, in the Responses request's words
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
            "response_format": "text.format", "stream_options": "stream"}  # fmt: skip

@@ -41,6 +41,7 @@ class KVTransferResult:
     moves cost."""
 
     on_disk: list[int] = field(default_factory=list)
+    off_disk: list[int] = field(default_factory=list)  # files another replica sharing the folder deleted
     prefetched: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
     bytes_stored: int = 0

@@ -61,19 +61,37 @@ def tier_ok(extra_keys: tuple) -> bool:
     return not any(isinstance(k, tuple) and k[:1] == ("lora",) for k in extra_keys)
 
 
+def disk_names(disk_dir: str) -> dict[int, os.DirEntry[str]]:
+    """The block files in ``disk_dir`` by hash (none when the folder is missing)."""
+    out = {}
+    try:
+        with os.scandir(disk_dir) as it:
+            for e in it:
+                if e.name.endswith(DISK_SUFFIX):
+                    try:
+                        out[int(e.name[: -len(DISK_SUFFIX)], 16)] = e
+                    except ValueError:
+                        continue
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def oldest_first(entries: dict[int, os.DirEntry[str]]) -> list[int]:
+    """The hashes of ``entries`` by their files' age, oldest first; a file deleted meanwhile (by a replica sharing
+    the folder) is left out."""
+    times = {}
+    for h, e in entries.items():
+        try:
+            times[h] = e.stat().st_mtime_ns
+        except OSError:
+            continue
+    return sorted(times, key=times.__getitem__)
+
+
 def scan_disk(disk_dir: str) -> list[int]:
     """The block hashes of the files in ``disk_dir``, oldest first."""
-    try:
-        entries = [e for e in os.scandir(disk_dir) if e.name.endswith(DISK_SUFFIX)]
-    except FileNotFoundError:
-        return []
-    out = []
-    for e in sorted(entries, key=lambda e: e.stat().st_mtime_ns):
-        try:
-            out.append(int(e.name[: -len(DISK_SUFFIX)], 16))
-        except ValueError:
-            continue
-    return out
+    return oldest_first(disk_names(disk_dir))
 
 
 @dataclass
@@ -162,6 +180,9 @@ class OffloadConnector:
             self._tier_in(h)
             self.disk[h] = None
             self.disk.move_to_end(h)
+        for h in result.off_disk:  # another replica deleted it: forgotten here, nothing to delete
+            if self.disk.pop(h, None) is not None:
+                self._tier_out(h)
         self._trim_disk()
         for h in result.prefetched:
             if self.ram.get(h) is False:

@@ -3,7 +3,8 @@ half, which decides every move, is scheduler/kv/offload.py).
 
 - The RAM tier: one tensor per block, ``[layers, 2 (K, V), block_size, kv_heads, head_dim]``, in the cache's dtype
   (lossless: a restored block gives the tokens a recomputed one gives; ``kv_offloading_dtype: bfloat16`` halves a
-  float32 cache's blocks instead, rounding them), on the CPU (pinned on CUDA).
+  float32 cache's blocks instead, rounding them; ``int8`` quarters them: each token's head vector as int8 with one
+  float32 scale, its largest magnitude / 127, kept beside in ``scales``), on the CPU (pinned on CUDA).
 - The disk tier: one file per block in this model's folder (``<kv_disk_path>/<model key>/<hash>.kv``, the key
   naming the model's files, dtype, block size and tensor-parallel rank, so that two models never share blocks),
   written atomically (a temporary file, then a rename) by a background thread; a header with the block's hash,
@@ -37,7 +38,7 @@ import torch
 
 from cbserve.scheduler.config import OffloadConfig
 from cbserve.scheduler.kv.connector import KVTransfer, KVTransferResult
-from cbserve.scheduler.kv.offload import DISK_SUFFIX, scan_disk
+from cbserve.scheduler.kv.offload import DISK_SUFFIX, disk_names, oldest_first, scan_disk
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,13 @@ def tier_key(model_files: list[Path], dtype: torch.dtype, block_size: int, rank:
 class KVTiers:
     def __init__(self, ram_bytes: int, disk_dir: Path | None, disk_bytes: int, block_shape: tuple[int, ...],
                  dtype: torch.dtype, pin: bool = False) -> None:
-        """``dtype``: the tiers' (the cache's, or bfloat16 for a float32 cache: rounded on store, widened on load)."""
+        """``dtype``: the tiers' (the cache's; bfloat16 for a float32 cache: rounded on store, widened on load; int8:
+        quantized per token and head with a float32 scale)."""
         self.block_shape = block_shape  # [layers, 2, block_size, kv_heads, head_dim]
         self.dtype = dtype
-        self.block_bytes = torch.Size(block_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.scale_shape = block_shape[:-1] if dtype == torch.int8 else None  # a scale per token and head
+        scale_bytes = torch.Size(self.scale_shape).numel() * 4 if self.scale_shape else 0
+        self.block_bytes = torch.Size(block_shape).numel() * torch.empty((), dtype=dtype).element_size() + scale_bytes
         self.config = OffloadConfig(ram_bytes // self.block_bytes, None if disk_dir is None else str(disk_dir),
                                     disk_bytes // self.block_bytes if disk_dir is not None else 0)
         self.disk_dir = disk_dir
@@ -79,6 +83,8 @@ class KVTiers:
         # The RAM tier: one tensor of ``ram_blocks`` slots, allocated once (exactly what the operator gave; pinned on
         # CUDA, the pages touched as blocks come), a block in a slot, ``ram`` its hash's slot.
         self.slots = torch.empty((self.config.ram_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+        self.scales = None if self.scale_shape is None else \
+            torch.empty((self.config.ram_blocks, *self.scale_shape), dtype=torch.float32, pin_memory=pin)
         self.free = list(range(self.config.ram_blocks - 1, -1, -1))
         self.ram: dict[int, int] = {}
         self.kv_caches: list = []
@@ -119,17 +125,25 @@ class KVTiers:
             self._io.submit(self._rescan)
         with self._lock:
             r, self._report = self._report, KVTransferResult()
-        return r if (r.on_disk or r.prefetched or r.failed or r.bytes_stored or r.bytes_loaded) else None
+        return r if (r.on_disk or r.off_disk or r.prefetched or r.failed or r.bytes_stored or r.bytes_loaded) else None
 
     def _rescan(self) -> None:
-        """Report the files other replicas wrote into the folder since the last listing."""
+        """Report the files other replicas wrote into the folder since the last listing (oldest first), and those they
+        deleted (this thread's own writes and deletions run in order with it: ``known`` is exact here)."""
         assert self.disk_dir is not None
         try:
-            found = scan_disk(str(self.disk_dir))
+            found = disk_names(str(self.disk_dir))
             with self._lock:
-                new = [h for h in found if h not in self.known]
+                fresh = {h: e for h, e in found.items() if h not in self.known}
+                gone = [h for h in self.known if h not in found]
+            new = oldest_first(fresh)  # only the new files are looked at
+            with self._lock:
                 self.known.update(new)
+                self.known.difference_update(gone)
                 self._report.on_disk.extend(new)
+                self._report.off_disk.extend(gone)
+        except OSError as e:
+            logger.warning("KV disk tier: listing %s failed (%s); tried again in %.0f s", self.disk_dir, e, RESCAN_S)
         finally:
             self._scanned_at, self._scanning = time.monotonic(), False
 
@@ -160,29 +174,40 @@ class KVTiers:
         device = self.kv_caches[0][0].device
         ids = torch.tensor([b for b, _ in stores], dtype=torch.long, device=device)
         slots = torch.tensor([self._slot(h) for _, h in stores], dtype=torch.long)
-        for layer, (k, v) in enumerate(self.kv_caches):  # one gather per layer and K/V, into the slots
-            self.slots[slots, layer, 0] = k.index_select(0, ids).to("cpu", self.dtype)
-            self.slots[slots, layer, 1] = v.index_select(0, ids).to("cpu", self.dtype)
+        for layer, kv in enumerate(self.kv_caches):  # one gather per layer and K/V, into the slots
+            for i in (0, 1):
+                x = kv[i].index_select(0, ids)
+                if self.scales is None:
+                    self.slots[slots, layer, i] = x.to("cpu", self.dtype)
+                else:
+                    q, scale = quantize_int8(x)
+                    self.slots[slots, layer, i], self.scales[slots, layer, i] = q.to("cpu"), scale.to("cpu")
         if self.disk_dir is not None:
-            for (_, h), slot in zip(stores, slots.tolist(), strict=True):
-                self._io.submit(self._write, h, self.slots[slot].clone())  # the slot may be reused before it is written
+            for (_, h), slot in zip(stores, slots.tolist(), strict=True):  # the slot may be reused before it is written
+                scale = None if self.scales is None else self.scales[slot].clone()
+                self._io.submit(self._write, h, self.slots[slot].clone(), scale)
 
     def _load(self, loads: list[tuple[int, int]]) -> None:
         k0 = self.kv_caches[0][0]
         ids = torch.tensor([b for b, _ in loads], dtype=torch.long, device=k0.device)
         slots = torch.tensor([self.ram[h] for _, h in loads], dtype=torch.long)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k.index_copy_(0, ids, self.slots[slots, layer, 0].to(k0.device, k0.dtype, non_blocking=True))
-            v.index_copy_(0, ids, self.slots[slots, layer, 1].to(k0.device, k0.dtype, non_blocking=True))
+        for layer, kv in enumerate(self.kv_caches):
+            for i in (0, 1):
+                x = self.slots[slots, layer, i].to(k0.device, non_blocking=True)
+                if self.scales is not None:
+                    x = x.float() * self.scales[slots, layer, i].to(k0.device, non_blocking=True).unsqueeze(-1)
+                kv[i].index_copy_(0, ids, x.to(k0.dtype))
 
     # ---- disk (the background thread) ---------------------------------------------------------------
     def _path(self, h: int) -> Path:
         assert self.disk_dir is not None
         return self.disk_dir / f"{h:016x}{DISK_SUFFIX}"
 
-    def _write(self, h: int, block: torch.Tensor) -> None:
+    def _write(self, h: int, block: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         path = self._path(h)
         payload = block.contiguous().view(torch.uint8).numpy().tobytes()
+        if scale is not None:
+            payload += scale.contiguous().view(torch.uint8).numpy().tobytes()
         header = _HEADER.pack(MAGIC, h, hashlib.blake2b(payload, digest_size=16).digest(), len(payload))
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
@@ -204,7 +229,9 @@ class KVTiers:
             self._unlink(h)  # a bad file is never read again (by this replica or another)
         with self._arrived:
             if block is not None and self.ram.get(h) == slot:  # (a slot released meanwhile is another's now)
-                self.slots[slot].copy_(block)  # reserved: the scheduler offers it once the report is in
+                self.slots[slot].copy_(block[0])  # reserved: the scheduler offers it once the report is in
+                if self.scales is not None:
+                    self.scales[slot].copy_(block[1])
             if block is None:
                 self._report.failed.append(h)  # its slot is released by the scheduler's eviction of the entry
             else:
@@ -213,7 +240,7 @@ class KVTiers:
             self._report.bytes_from_disk += nbytes
             self._arrived.notify_all()
 
-    def _read_checked(self, h: int) -> torch.Tensor | None:
+    def _read_checked(self, h: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         path = self._path(h)
         try:
             data = path.read_bytes()
@@ -230,12 +257,25 @@ class KVTiers:
                 hashlib.blake2b(payload, digest_size=16).digest() != digest:  # fmt: skip
             logger.warning("KV disk tier: %s fails its checks (corrupt); it is computed", path.name)
             return None
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.block_shape)
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        cut = self.block_bytes - (0 if self.scale_shape is None else torch.Size(self.scale_shape).numel() * 4)
+        block = raw[:cut].view(self.dtype).view(self.block_shape)
+        scale = None if self.scale_shape is None else raw[cut:].view(torch.float32).view(self.scale_shape)
+        return block, scale
 
     def _unlink(self, h: int) -> None:
         self._path(h).unlink(missing_ok=True)
         with self._lock:
             self.known.discard(h)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [..., head_dim] as int8 values and a float32 scale per vector (its largest magnitude / 127; 1 for a
+    vector of zeros): x ~= q * scale."""
+    scale = x.float().abs().amax(-1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(x.float() / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
 
 
 def remove_orphans(disk_dir: Path) -> int:
@@ -266,7 +306,7 @@ def build_kv_tiers(runner: Any) -> KVTiers | None:
                        config.tensor_parallel_size, config.kv_offloading_dtype)
         disk_dir = Path(config.kv_disk_path) / key
     shape = (runner.num_layers, 2, runner.block_size, runner.num_kv_heads, runner.head_dim)
-    dtype = torch.bfloat16 if config.kv_offloading_dtype == "bfloat16" else runner.dtype
+    dtype = {"bfloat16": torch.bfloat16, "int8": torch.int8}.get(config.kv_offloading_dtype, runner.dtype)
     tiers = KVTiers(config.kv_offloading_bytes, disk_dir, config.kv_disk_bytes, shape, dtype,
                     pin=runner.device.type == "cuda")
     logger.info("KV tiers: RAM %d blocks (%.1f MiB)%s", tiers.config.ram_blocks,
