@@ -39,6 +39,8 @@ def _engine_turns(folder: Path, device: str, ram_bytes: int) -> tuple[list[list[
     executor = LocalExecutor(cfg, num_blocks=POOL_BLOCKS, progress=False)
     try:
         tiers = executor.runner.kv_tiers
+        if tiers is not None:
+            tiers.whole_blocks = True  # the CUDA path's moves, in a dry run too
         engine = EngineCore(EngineConfig(
             scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, max_model_len=256),
             cache=CacheConfig(block_size=BLOCK, num_blocks=POOL_BLOCKS, offload=tiers.config if tiers else None),
@@ -92,6 +94,7 @@ def tier_copy_bandwidth(device: str, dry_run: bool) -> dict[str, Any]:
     shape, dtype = (layers, 2, BLOCK, heads, dim), torch.bfloat16
     block_bytes = layers * 2 * BLOCK * heads * dim * 2
     tiers = KVTiers(n * block_bytes, None, 0, shape, dtype, pin=device == "cuda")
+    tiers.whole_blocks = True  # the CUDA path's moves, in a dry run too
     caches = [tuple(torch.randn(2 * n, BLOCK, heads, dim, device=device).to(dtype) for _ in range(2))
               for _ in range(layers)]  # fmt: skip
     tiers.register_kv_caches(caches)

@@ -259,3 +259,34 @@ def test_a_rescan_reports_the_files_others_wrote_and_deleted(tmp_path: Path) -> 
     assert list(index.disk) == [6] and index._next.disk_evict == []  # forgotten, not deleted again
     mine.shutdown()
     theirs.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_whole_block_moves_equal_the_per_layer_ones(dtype: str) -> None:
+    """The CUDA path (whole blocks: gathered on the device, one copy per block into its pinned slot and back), run
+    here on the CPU: the same slots and the same restored cache as the per-layer path's."""
+    import torch
+
+    from cbserve.scheduler.kv.connector import KVTransfer
+    from cbserve.worker.runner.kv_tiers import KVTiers
+
+    shape, tier_dtype = (3, 2, 4, 2, 8), getattr(torch, dtype)
+    torch.manual_seed(0)
+    source = [tuple(torch.randn(10, 4, 2, 8) for _ in range(2)) for _ in range(3)]
+    restored = []
+    for whole in (False, True):
+        tiers = KVTiers(2**16, None, 0, shape, tier_dtype)
+        tiers.whole_blocks = whole
+        caches = [tuple(t.clone() for t in kv) for kv in source]
+        tiers.register_kv_caches(caches)
+        tiers.start_load_kv(KVTransfer(stores=[(1, 11), (4, 14), (7, 17)]))
+        tiers.start_load_kv(KVTransfer(loads=[(8, 11), (9, 14), (0, 17)]))
+        restored.append(caches)
+        tiers.shutdown()
+    for a, b in zip(*restored, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    exact = dtype == "float32"
+    for layer in range(3):
+        for i in (0, 1):
+            got, want = restored[1][layer][i][[8, 9, 0]], source[layer][i][[1, 4, 7]]
+            assert torch.equal(got, want) if exact else torch.allclose(got, want, atol=want.abs().max().item() / 127)

@@ -16,6 +16,10 @@ half, which decides every move, is scheduler/kv/offload.py).
   ``kv_disk_size`` (deleting the least recently used files, whoever wrote them): the folder stays within the
   smallest of the replicas' sizes.
 
+On CUDA blocks move whole: a step's blocks are gathered on the device (every layer's K and V of a block stacked), then
+copied one block at a time straight into its pinned slot, and back the same way (no staging through pageable memory);
+on the CPU each layer's K and V are gathered into the slots directly.
+
 Each step's ``KVTransfer`` is carried out before its forward pass: stores (pool -> RAM, and queued for disk),
 loads (RAM -> pool), evictions; prefetches (disk -> RAM) and deletions run in the background thread and are
 reported in a later step's ``KVTransferResult``.
@@ -83,6 +87,7 @@ class KVTiers:
         # The RAM tier: one tensor of ``ram_blocks`` slots, allocated once (exactly what the operator gave; pinned on
         # CUDA, the pages touched as blocks come), a block in a slot, ``ram`` its hash's slot.
         self.slots = torch.empty((self.config.ram_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+        self.whole_blocks = False  # move whole blocks (always on CUDA; tests set it to run that path on a CPU)
         self.scales = None if self.scale_shape is None else \
             torch.empty((self.config.ram_blocks, *self.scale_shape), dtype=torch.float32, pin_memory=pin)
         self.free = list(range(self.config.ram_blocks - 1, -1, -1))
@@ -173,29 +178,67 @@ class KVTiers:
     def _store(self, stores: list[tuple[int, int]]) -> None:
         device = self.kv_caches[0][0].device
         ids = torch.tensor([b for b, _ in stores], dtype=torch.long, device=device)
-        slots = torch.tensor([self._slot(h) for _, h in stores], dtype=torch.long)
-        for layer, kv in enumerate(self.kv_caches):  # one gather per layer and K/V, into the slots
-            for i in (0, 1):
-                x = kv[i].index_select(0, ids)
-                if self.scales is None:
-                    self.slots[slots, layer, i] = x.to("cpu", self.dtype)
-                else:
-                    q, scale = quantize_int8(x)
-                    self.slots[slots, layer, i], self.scales[slots, layer, i] = q.to("cpu"), scale.to("cpu")
+        slot_list = [self._slot(h) for _, h in stores]
+        if self.whole_blocks or device.type == "cuda":
+            self._store_whole(ids, slot_list)
+        else:
+            slots = torch.tensor(slot_list, dtype=torch.long)
+            for layer, kv in enumerate(self.kv_caches):  # one gather per layer and K/V, into the slots
+                for i in (0, 1):
+                    q, scale = self._encode(kv[i].index_select(0, ids))
+                    self.slots[slots, layer, i] = q
+                    if scale is not None:
+                        self.scales[slots, layer, i] = scale  # type: ignore[index]
         if self.disk_dir is not None:
-            for (_, h), slot in zip(stores, slots.tolist(), strict=True):  # the slot may be reused before it is written
+            for (_, h), slot in zip(stores, slot_list, strict=True):  # the slot may be reused before it is written
                 scale = None if self.scales is None else self.scales[slot].clone()
                 self._io.submit(self._write, h, self.slots[slot].clone(), scale)
+
+    def _store_whole(self, ids: torch.Tensor, slots: list[int]) -> None:
+        """The blocks gathered on the device, every layer's K and V stacked, then one copy per block straight into its
+        slot (pinned on CUDA: a DMA, no staging through pageable memory)."""
+        blocks = torch.stack([torch.stack([kv[0].index_select(0, ids), kv[1].index_select(0, ids)], 1)
+                              for kv in self.kv_caches], 1)  # [n, layers, 2, block_size, heads, head_dim]
+        q, scale = self._encode(blocks, on_device=True)
+        for j, slot in enumerate(slots):
+            self.slots[slot].copy_(q[j], non_blocking=True)
+            if scale is not None:
+                self.scales[slot].copy_(scale[j], non_blocking=True)  # type: ignore[index]
+        if q.is_cuda:
+            torch.cuda.current_stream(q.device).synchronize()  # the slots are read (disk writes, loads) after this
+
+    def _encode(self, x: torch.Tensor, on_device: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``x`` in the tier's format (on the CPU unless ``on_device``): values, and the int8 tier's scales."""
+        if self.scales is None:
+            return (x.to(self.dtype) if on_device else x.to("cpu", self.dtype)), None
+        q, scale = quantize_int8(x)
+        return (q, scale) if on_device else (q.to("cpu"), scale.to("cpu"))
 
     def _load(self, loads: list[tuple[int, int]]) -> None:
         k0 = self.kv_caches[0][0]
         ids = torch.tensor([b for b, _ in loads], dtype=torch.long, device=k0.device)
-        slots = torch.tensor([self.ram[h] for _, h in loads], dtype=torch.long)
+        slot_list = [self.ram[h] for _, h in loads]
+        if self.whole_blocks or k0.is_cuda:  # one copy per block from its (pinned) slot, then per layer on the device
+            blocks = torch.empty((len(loads), *self.block_shape), dtype=self.dtype, device=k0.device)
+            scales = None if self.scales is None else \
+                torch.empty((len(loads), *self.scales.shape[1:]), dtype=torch.float32, device=k0.device)
+            for j, slot in enumerate(slot_list):
+                blocks[j].copy_(self.slots[slot], non_blocking=True)
+                if scales is not None:
+                    scales[j].copy_(self.scales[slot], non_blocking=True)  # type: ignore[index]
+            for layer, kv in enumerate(self.kv_caches):
+                for i in (0, 1):
+                    x = blocks[:, layer, i]
+                    if scales is not None:
+                        x = x.float() * scales[:, layer, i].unsqueeze(-1)
+                    kv[i].index_copy_(0, ids, x.to(k0.dtype))
+            return
+        slots = torch.tensor(slot_list, dtype=torch.long)
         for layer, kv in enumerate(self.kv_caches):
             for i in (0, 1):
-                x = self.slots[slots, layer, i].to(k0.device, non_blocking=True)
+                x = self.slots[slots, layer, i]
                 if self.scales is not None:
-                    x = x.float() * self.scales[slots, layer, i].to(k0.device, non_blocking=True).unsqueeze(-1)
+                    x = x.float() * self.scales[slots, layer, i].unsqueeze(-1)
                 kv[i].index_copy_(0, ids, x.to(k0.dtype))
 
     # ---- disk (the background thread) ---------------------------------------------------------------
