@@ -105,7 +105,7 @@ def server_process(cmd: list[str], base_url: str, timeout_s: float = 600.0,
     with contextlib.ExitStack() as stack:
         log = stack.enter_context(open(log_path, "ab")) if log_path else subprocess.DEVNULL
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+                                env=env, start_new_session=True, preexec_fn=_default_sigint)
         try:
             wait_healthy(base_url, timeout_s, proc, health_path)
             yield proc
@@ -121,6 +121,12 @@ def serve_command(config_file: str | os.PathLike[str], port: int, ready_timeout_
         "--config", str(config_file), "--host", HOST, "--port", str(port),
         "--ready-timeout", str(ready_timeout_s),
     ]  # fmt: skip
+
+
+def _default_sigint() -> None:
+    """In the child before it runs: Ctrl-C stops it even when this process ignores SIGINT (a shell's background job
+    does: its children would inherit that, and a Python server would then wait out SIGTERM's grace)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def stop_process(proc: subprocess.Popen) -> None:
