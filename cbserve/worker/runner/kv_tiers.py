@@ -104,9 +104,12 @@ class KVTiers:
 
     def start_load_kv(self, t: KVTransfer) -> None:
         """The step's moves, in this order: evictions (the scheduler never evicts a block this step loads), stores,
-        loads; then the disk's work, queued for the background thread."""
+        loads; the disk's work is queued for the background thread: its deletions before its writes (a block the
+        scheduler evicts from disk and stores again in one step ends on disk, as its index says), prefetches last."""
         for h in t.evict:
             self._release(h)
+        for h in t.disk_evict:
+            self._io.submit(self._unlink, h)
         start = time.perf_counter()
         if t.stores:
             self._store(t.stores)
@@ -121,8 +124,6 @@ class KVTiers:
             r.load_s += time.perf_counter() - stored
         for h in t.prefetch:
             self._io.submit(self._read, h, self._slot(h))
-        for h in t.disk_evict:
-            self._io.submit(self._unlink, h)
 
     def get_finished(self) -> KVTransferResult | None:
         if self.disk_dir is not None and not self._scanning and time.monotonic() - self._scanned_at >= RESCAN_S:
