@@ -6,7 +6,7 @@ hinted prefix through the real engine, which refuses hints past the server's lim
 from __future__ import annotations
 
 import pytest
-from sched_fakes import FakeExecutor
+from sched_fakes import FakeClock, FakeExecutor
 
 from cbserve.scheduler import CacheConfig, EngineConfig, EngineCore, EngineRequest, KVCacheManager, SamplingParams
 from cbserve.scheduler.config import OffloadConfig, RetentionLimits, SchedulerConfig
@@ -14,14 +14,6 @@ from cbserve.scheduler.errors import RequestRejectedError
 from cbserve.scheduler.kv.block_pool import BlockPool
 from cbserve.scheduler.kv.offload import OffloadConnector
 from cbserve.scheduler.requests.retention import Retention, block_retention, check_retention
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _cached(pool: BlockPool, n: int, start: int = 0) -> list:
@@ -33,7 +25,7 @@ def _cached(pool: BlockPool, n: int, start: int = 0) -> list:
 
 
 def test_hinted_blocks_go_last_lowest_priority_first_and_age_when_their_time_passes() -> None:
-    clock = Clock()
+    clock = FakeClock()
     pool = BlockPool(8, retention=RetentionLimits(max_fraction=0.5), clock=clock)
     blocks = _cached(pool, 4)
     pool.retain(blocks[0], 80, 10.0)
@@ -46,14 +38,14 @@ def test_hinted_blocks_go_last_lowest_priority_first_and_age_when_their_time_pas
     (low,) = pool.allocate(1)  # only hinted ones left: the lowest priority goes first (a hint is soft)
     assert low is blocks[1] and pool.num_retained_evictions == 1 and blocks[0].block_hash is not None
     pool.free([*taken, low])
-    clock.t += 11.0  # block 0's time passed: it rejoins the LRU queue at its head, the first to go
+    clock.advance(11.0)  # block 0's time passed: it rejoins the LRU queue at its head, the first to go
     (first,) = pool.allocate(1)
     assert first is blocks[0] and len(pool.retained) == 0 and pool.num_retained_evictions == 1
     pool.check_integrity()
 
 
 def test_a_hit_keeps_the_hint_and_the_operators_share_bounds_the_hinted_blocks() -> None:
-    clock = Clock()
+    clock = FakeClock()
     pool = BlockPool(8, retention=RetentionLimits(max_fraction=0.25), clock=clock)  # 2 blocks at most
     blocks = _cached(pool, 3)
     for b, prio in zip(blocks, (30, 60, 90), strict=True):
@@ -84,26 +76,26 @@ def test_block_ranges_and_checks() -> None:
 
 
 def test_the_tiers_pass_over_hinted_entries() -> None:
-    clock = Clock()
+    clock = FakeClock()
     tiers = OffloadConnector(OffloadConfig(ram_blocks=4), 4, lambda p, t, e: hash((p, tuple(t), e)),
                              RetentionLimits(max_fraction=0.5), clock)  # fmt: skip
     tiers.retain(1, 70, 50.0)
     tiers.build_connector_meta([(i, i) for i in range(1, 5)])  # 4 entries: the tier is full, 1 is the oldest
     tiers.build_connector_meta([(5, 5)])
     assert list(tiers.ram) == [3, 4, 1, 5]  # the unhinted oldest went instead; the hinted one, passed over, moved on
-    clock.t += 51.0
+    clock.advance(51.0)
     tiers.build_connector_meta([(6, 6), (7, 7)])
     assert list(tiers.ram) == [1, 5, 6, 7]
     tiers.build_connector_meta([(8, 8)])
     assert 1 not in tiers.ram  # its time passed: it goes in its turn
 
 
-def _engine(num_blocks: int, clock: Clock | None = None, **limits: float) -> EngineCore:
+def _engine(num_blocks: int, clock: FakeClock | None = None, **limits: float) -> EngineCore:
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128),
         cache=CacheConfig(block_size=4, num_blocks=num_blocks, retention=RetentionLimits(**limits)),
     )
-    return EngineCore(config, FakeExecutor(4, num_blocks), clock=clock or Clock())
+    return EngineCore(config, FakeExecutor(4, num_blocks), clock=clock or FakeClock())
 
 
 def _run(engine: EngineCore, req_id: str, prompt: list[int], keep: tuple[Retention, ...] = ()) -> int:
@@ -140,7 +132,7 @@ def test_the_engine_refuses_hints_past_its_limits() -> None:
 
 
 def test_the_hint_reaches_the_block_the_cache_keeps_and_each_use_renews_it() -> None:
-    clock = Clock()
+    clock = FakeClock()
     kv = KVCacheManager(CacheConfig(block_size=4, num_blocks=8), clock)
     prompt = list(range(1, 10))  # 2 full blocks computed
     for seq in ("a", "b"):  # both computed the same prefix at once: b's copies are not registered
@@ -150,12 +142,12 @@ def test_the_hint_reaches_the_block_the_cache_keeps_and_each_use_renews_it() -> 
     kv.free("b", (Retention(0, 8, 70, 10.0),))  # the hint goes to a's blocks, which the cache keeps
     kv.free("a")
     assert all(kv.pool.retained.holds(b) and b.retain_priority == 70 for b in kept)
-    clock.t += 8.0
+    clock.advance(8.0)
     hits = kv.get_computed_blocks(prompt)
     assert kv.allocate_slots("c", 8, 1, hits) is not None  # a hit: in use again
-    clock.t += 5.0
+    clock.advance(5.0)
     kv.free("c")  # released at 113: the hint holds until 123, not 110
-    clock.t += 5.0
+    clock.advance(5.0)
     assert kv.allocate_slots("d", 0, 24) is not None  # 6 blocks: every free one but the 2 hinted
     assert all(kv.pool.retained.holds(b) for b in kept)
     kv.check_integrity()

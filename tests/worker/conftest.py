@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -18,6 +19,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with grouped-query attention (worker_testlib.make_tiny_model)."""
+    from worker_testlib import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("gqa"), "llama_gqa")
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama 3 with tied embeddings."""
+    from worker_testlib import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tied"), "llama3_tied")
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from test_weight_update import greedy, make_q8_folder, make_runner, needs_cc, random_hf
-from worker_testlib import make_tiny_model
 
 from cbserve.scheduler.outputs import NewRequestData, SchedulerOutput
 from cbserve.scheduler.requests.sampling_params import SamplingParams
@@ -18,16 +17,6 @@ from cbserve.worker.cpu.linear import native_weight
 from cbserve.worker.loading.sleep_mode import rss_bytes
 
 KV_BYTES = 256 << 20  # dominates the process's other allocations between two VmRSS readings
-
-
-@pytest.fixture(scope="module")
-def gqa(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("gqa"), "llama_gqa")
-
-
-@pytest.fixture(scope="module")
-def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tied"), "llama3_tied")
 
 
 @pytest.fixture(scope="module")

@@ -73,16 +73,6 @@ def checkpoint(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-@pytest.fixture(scope="module")
-def gqa(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("gqa"), "llama_gqa")
-
-
-@pytest.fixture(scope="module")
-def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tied"), "llama3_tied")
-
-
 def make_q8_folder(folder: Path) -> Path:
     """The tiny Llama with its linear weights rounded to GGUF Q8_0 (by gguf-py) and the blocks kept beside them,
     as a converted GGUF folder has them: the C kernels read the blocks (compact weights)."""
