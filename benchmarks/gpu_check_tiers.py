@@ -1,5 +1,5 @@
 """``make gpu-check`` part 1's KV-tiers sub-step (``kv_tiers``): the RAM tier below the pool on the GPU, in pinned host
-memory (worker/runner/kv_tiers.py: the same code as on CPU), on a tiny random Llama
+memory (worker/kv/tiers.py: the same code as on CPU), on a tiny random Llama
 (``worker_testlib.make_tiny_model``) whose pool holds fewer blocks than its conversations: turn 1 of every
 conversation, then turn 2 (turn 1 + more tokens), whose prefixes the pool evicted. Recorded: the greedy tokens of
 both turns against the same engine without tiers (equal: the tier keeps the cache's dtype), the tier's hit tokens,
@@ -88,7 +88,7 @@ def tier_copy_bandwidth(device: str, dry_run: bool) -> dict[str, Any]:
     import torch
 
     from cbserve.scheduler.kv.connector import KVTransfer
-    from cbserve.worker.runner.kv_tiers import KVTiers
+    from cbserve.worker.kv.tiers import KVTiers
 
     layers, heads, dim, n = (2, 2, 16, 8) if dry_run else (32, 8, 128, 64)
     shape, dtype = (layers, 2, BLOCK, heads, dim), torch.bfloat16

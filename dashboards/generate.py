@@ -143,6 +143,7 @@ def kv_tier_panels(b: Board) -> None:
     b.panel("Tier evictions and failed prefetches / s",
             [(rate(C + "kv_tier_evictions_total", by="medium"), "evicted from {{medium}}"),
              (rate(C + "kv_tier_prefetch_failures_total"), "failed prefetches (recomputed)"),
+             (rate(C + "kv_tier_pull_failures_total"), "failed pulls from a prefill engine (recomputed)"),
              (rate(C + "kv_tier_transfer_seconds_total", by="direction"), "{{direction}} seconds / s")],
             desc="Block moves between pool and RAM cost the worker the seconds shown (per second of wall time).")
 
@@ -198,6 +199,9 @@ def replica_panels(b: Board) -> None:
             "prefix or adapter affinity, load alone, or its turn (round_robin).")  # fmt: skip
     b.panel("Cached prefix of the chosen replica (tokens)", quantiles(C + "routing_matched_prefix_tokens", M),
             desc="Cache-aware routing: prompt tokens the chosen replica's prefix cache held (0: no hit).")
+    b.panel("P:D prefills / s by where", [(rate(C + "pd_prefills_total", M, "decision"), "{{decision}}")], "reqps",
+            stack=True, desc="A P:D app (--pd): prompts prefilled on a prefill replica (remote) or on their decode "
+            "replica, and why (short uncached prompt, prefill replicas busy, the prefill leg failed, unfit).")
 
 
 def http_panels(b: Board) -> None:

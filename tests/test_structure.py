@@ -155,7 +155,7 @@ LAYERS: dict[str, list[set[str]]] = {
                   {"outputs", "waiting_queue", "policies", "integrity", "fault_isolation", "spec_decode", "beam_search",
                    "scheduler", "sequence_updater", "engine_core"}],
     "worker": [{"config", "parallel", "faults", "shapes", "sim_cost", "fp8"}, {"cpu/"}, {"attention/"}, {"cuda/"},
-               {"layers/"}, {"models/"}, {"loading/"}, {"sampling/"}, {"lora/"}, {"runner/"}],
+               {"layers/"}, {"models/"}, {"loading/"}, {"sampling/"}, {"lora/"}, {"kv/"}, {"runner/"}],
     "frontend": [{"model_files", "tokenizer", "protocol", "protocol_tools", "field_policy", "validation",
                   "lora_registry", "lora_contents", "output"}, {"tools/"},
                  {"formatters", "serving", "embeddings", "llm"}, {"responses/"}],

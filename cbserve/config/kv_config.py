@@ -9,8 +9,10 @@ below the pool and optionally a disk tier. Its JSON, as vLLM's:
 
 ``cpu_bytes_to_use`` is ``kv_offloading_size`` in bytes; ``block_size``, when given, must be the engine's (the tiers
 hold the pool's blocks); cbserve's own ``disk_path`` and ``disk_bytes_to_use`` give the disk tier, and ``dtype``
-("auto", "bfloat16" or "int8") is ``kv_offloading_dtype``. Any other connector (a P/D or LMCache connector), role or
-key is refused with a ValueError naming it; so is a key set both here and on its own to another value.
+("auto", "bfloat16" or "int8") is ``kv_offloading_dtype``. ``kv_role`` "kv_producer" or "kv_consumer" makes this
+server one side of prefill/decode disaggregation driven by a proxy (``disaggregation.kv_role``: pd_config.py; the
+RAM tier is then the shared-memory hand-off); "kv_both" is the tiers alone. Any other connector (NIXL, LMCache),
+role or key is refused with a ValueError naming it; so is a key set both here and on its own to another value.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from cbserve.worker.config import tier_conflict
 
 CONNECTOR = "OffloadingConnector"
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
 _EXTRA = {"cpu_bytes_to_use": "kv_offloading_size", "disk_bytes_to_use": "kv_disk_size", "disk_path": "kv_disk_path",
           "dtype": "kv_offloading_dtype", "block_size": "block_size", "spec_name": None}  # fmt: skip
 _GIB = {"cpu_bytes_to_use", "disk_bytes_to_use"}
@@ -46,9 +49,9 @@ def kv_transfer_fields(raw: Any) -> dict[str, Any]:
     if cfg.get("kv_connector") != CONNECTOR:
         raise ValueError(f"kv_transfer_config: kv_connector {cfg.get('kv_connector')!r} is not supported; cbserve's "
                          f"one connector is {CONNECTOR!r} (KV tiers below the pool)")
-    if cfg.get("kv_role", "kv_both") != "kv_both":
-        raise ValueError(f"kv_transfer_config: kv_role {cfg['kv_role']!r} is not supported with {CONNECTOR} "
-                         "(it stores and loads: 'kv_both')")
+    role = cfg.get("kv_role", "kv_both")
+    if role not in ROLES:
+        raise ValueError(f"kv_transfer_config: kv_role {role!r} is not one of {list(ROLES)}")
     extra = cfg.get("kv_connector_extra_config") or {}
     if not isinstance(extra, dict) or set(extra) - set(_EXTRA):
         raise ValueError(f"kv_transfer_config: kv_connector_extra_config takes {sorted(_EXTRA)}, got {extra!r}")
@@ -57,7 +60,7 @@ def kv_transfer_fields(raw: Any) -> dict[str, Any]:
                          "tier is disk_path and disk_bytes_to_use)")
     if "cpu_bytes_to_use" not in extra:
         raise ValueError("kv_transfer_config: kv_connector_extra_config needs cpu_bytes_to_use (the RAM tier)")
-    out = {}
+    out: dict[str, Any] = {} if role == "kv_both" else {"disaggregation": {"kv_role": role}}
     for key, value in extra.items():
         field = _EXTRA[key]
         if field is not None:
@@ -78,8 +81,10 @@ def merge_kv_transfer(values: Any) -> Any:
     if not isinstance(values, dict) or values.get("kv_transfer_config") in (None, "", "null", "none"):
         return values
     fields = kv_transfer_fields(values["kv_transfer_config"])
-    clash = [k for k, v in fields.items()
-             if values.get(k) is not None and k != "block_size" and not _same(values[k], v)]  # fmt: skip
+    clash = [k for k, v in fields.items() if values.get(k) is not None and k not in ("block_size", "disaggregation")
+             and not _same(values[k], v)]  # fmt: skip
+    if "disaggregation" in fields and values.get("disaggregation") not in (None, "", "none", "null"):
+        clash.append("disaggregation")
     if clash:
         raise ValueError(f"kv_transfer_config and {clash} both set the KV tiers: give one")
     size = fields.pop("block_size", None)

@@ -13,13 +13,14 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cbserve.config.autoscaling import from_serve_deployments, parse_autoscaling
+from cbserve.config.autoscaling import parse_autoscaling
 from cbserve.config.kv_config import check_tier_keys, merge_kv_transfer
 from cbserve.config.lora_config import check_lora_keys, parse_allowed_dirs, parse_lora_modules
+from cbserve.config.pd_config import PDConfig, apply_layout, check_pd_keys, worker_fields
 from cbserve.config.sim_config import check_sim_keys
+from cbserve.config.sources import read_yaml
 from cbserve.scheduler.config import (
     CacheConfig,
     EngineConfig,
@@ -105,6 +106,8 @@ class CBServeConfig(BaseModel):
     kv_disk_path: str | None = None
     kv_disk_size: float | None = Field(None, gt=0)
     kv_transfer_config: dict[str, Any] | None = None  # vLLM's JSON of the same (config/kv_config.py)
+    # prefill/decode disaggregation (config/pd_config.py): a P:D app (--pd P:D) or this server's kv_role
+    disaggregation: PDConfig | None = None
     # retention hints (scheduler/kv/retention.py): the longest a request may ask, the share of the pool and tiers
     # hinted free blocks may hold (0: hints refused), the priority of cache_control and prompt_cache_retention
     kv_retention_max_duration_s: float = Field(3600.0, gt=0)
@@ -197,7 +200,7 @@ class CBServeConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _kv_transfer(cls, values: Any) -> Any:
-        return merge_kv_transfer(values)
+        return apply_layout(merge_kv_transfer(values))
 
     @field_validator("autoscaling", mode="before")
     @classmethod
@@ -231,6 +234,7 @@ class CBServeConfig(BaseModel):
             raise ValueError("use_compiled_graph applies to tensor_parallel_size > 1: a replica of one rank runs it in "
                              "its engine actor (cluster/engine/rank.py), with no step hop to compile")
         check_tier_keys(self)
+        check_pd_keys(self)
         fp8 = fp8_conflict(self.quantization, self.kv_cache_dtype, self.attention_backend, self.device, self.cpu_ops)
         if fp8 is not None:
             raise ValueError(fp8)
@@ -240,15 +244,7 @@ class CBServeConfig(BaseModel):
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str], **overrides: Any) -> CBServeConfig:
         """Read a YAML mapping of the fields above (or a Serve config whose first app has ``args``)."""
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a YAML mapping, got {type(data).__name__}")
-        if "applications" in data:  # a Serve config file: take the first application's args
-            apps = data["applications"] or [{}]
-            data = dict(apps[0].get("args") or {}) | from_serve_deployments(apps[0])
-        data.pop("config", None)
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.model_validate(data)
+        return cls.model_validate(read_yaml(path, overrides))
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> CBServeConfig:
@@ -382,6 +378,7 @@ class CBServeConfig(BaseModel):
             kv_disk_path=self.kv_disk_path,
             kv_disk_bytes=int((self.kv_disk_size or 0) * 2**30),
             **self._draft_fields(),
+            **worker_fields(self.disaggregation),
         )
 
     def _draft_fields(self) -> dict[str, Any]:

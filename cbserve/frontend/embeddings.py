@@ -18,20 +18,52 @@ import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from cbserve.frontend.protocol import (
-    APIError,
-    EmbeddingData,
-    EmbeddingRequest,
-    EmbeddingResponse,
-    EmbeddingUsage,
-    new_id,
-)
+from pydantic import BaseModel, ConfigDict, Field
+
+from cbserve.frontend.protocol import APIError, new_id, now
 from cbserve.scheduler.errors import RequestRejectedError
 from cbserve.scheduler.requests.limits import check_pooling_prompt
 from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.loading.pooling_config import PoolingConfig
+
+
+# ---- the API's models --------------------------------------------------------------------------------
+class EmbeddingRequest(BaseModel):
+    """OpenAI's ``/v1/embeddings`` body, with vLLM's extras. ``input``: a text, texts, token ids or lists of them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32, as OpenAI
+    dimensions: int | None = None  # Matryoshka models only: the first k dimensions, renormalized
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k input tokens (-1: max_model_len)
+    add_special_tokens: bool = True
+    priority: int = 0  # lower runs first (needs the "priority" ordering)
+    request_id: str | None = None  # echoed in the response id and the X-Request-Id header
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=now)
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
 
 
 def pooling_params() -> SamplingParams:

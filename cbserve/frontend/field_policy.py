@@ -29,7 +29,6 @@ REFUSED: dict[str, tuple[str, Harmless]] = {
     "spaces_between_special_tokens": ("only true is supported", lambda v: v is True),
     "return_tokens_as_token_ids": ("is not supported", _falsy),
     "logits_processors": ("(custom logits processors) is not supported", _falsy),
-    "kv_transfer_params": ("(disaggregated prefill) is not supported", _falsy),
     "vllm_xargs": ("is not supported", _falsy),
     "prompt_embeds": ("is not supported", _falsy),
     "store": ("(stored completions) is not supported", _falsy),

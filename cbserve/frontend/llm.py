@@ -24,6 +24,7 @@ from cbserve.frontend.model_files import read_model_files
 from cbserve.frontend.output import CompletionOutput, GenerateOutput, OutputProcessor
 from cbserve.frontend.tokenizer import apply_chat_template, load_tokenizer
 from cbserve.scheduler import EngineCore, tune_gc_for_serving
+from cbserve.scheduler.requests.kv_transfer import KVTransferParams
 from cbserve.scheduler.requests.lora import LoRARequest
 from cbserve.scheduler.requests.request import EngineRequest
 from cbserve.scheduler.requests.sampling_params import SamplingParams
@@ -88,16 +89,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> list[GenerateOutput]:
         """Generate for one prompt or a list of prompts; returns one GenerateOutput per prompt, in order.
         ``lora_request``: the adapter every prompt runs with, or one per prompt (None: the base model); the LLM
-        must be built with ``enable_lora=True``."""
+        must be built with ``enable_lora=True``. ``kv_transfer_params``: vLLM's prefill/decode handshake for every
+        prompt (scheduler/requests/kv_transfer.py; an LLM built with ``disaggregation``); a prefill's answer is the
+        output's ``kv_transfer_params``."""
         self._check_runner("generate", "generate")
         plist = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(plist))
         loras = self._loras(lora_request, len(plist))
         encoded = [self._encode(p) for p in plist]
-        return self._run(encoded, params, use_tqdm, loras)
+        return self._run(encoded, params, use_tqdm, loras, KVTransferParams.from_json(kv_transfer_params))
 
     def chat(
         self,
@@ -189,7 +193,7 @@ class LLM:
 
     def _run(
         self, encoded: list[tuple[str | None, list[int]]], params: list[SamplingParams], use_tqdm: bool,
-        loras: list[LoRARequest | None],
+        loras: list[LoRARequest | None], kv: KVTransferParams | None = None,
     ) -> list[GenerateOutput]:
         grammars = self.executor.runner.structured.compilers if any(p.structured for p in params) else None
         for sp in params:  # a spec that does not compile: ValueError here, not in the engine
@@ -199,7 +203,8 @@ class LLM:
         progress = _Progress(len(encoded), use_tqdm)
         try:
             for req_id, (text, ids), sp, lora in zip(req_ids, encoded, params, loras, strict=True):
-                self.engine.add_request(self.processor.add_request(req_id, ids, sp, prompt=text, lora=lora))
+                self.engine.add_request(self.processor.add_request(req_id, ids, sp, prompt=text, lora=lora,
+                                                                   kv_transfer=kv))
             while self.engine.has_work():
                 result = self.engine.step_with_batch_queue()
                 for out in [] if result is None else result.outputs:

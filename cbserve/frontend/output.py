@@ -18,6 +18,7 @@ from typing import Any
 
 from cbserve.frontend.tokenizer import IncrementalDetokenizer
 from cbserve.scheduler.outputs import TokenLogprob
+from cbserve.scheduler.requests.kv_transfer import KVTransferParams
 from cbserve.scheduler.requests.lora import LoRARequest
 from cbserve.scheduler.requests.request import EngineRequest, RequestOutput
 from cbserve.scheduler.requests.retention import Retention
@@ -50,6 +51,7 @@ class GenerateOutput:
     num_cached_tokens: int = 0
     # With ``prompt_logprobs``: one entry per prompt token, the first None.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    kv_transfer_params: dict | None = None  # a prefill engine's answer (scheduler/requests/kv_transfer.py)
 
     @property
     def finished(self) -> bool:
@@ -118,6 +120,8 @@ class RequestState:
         """Apply one engine output; None when it changes nothing (an ended sequence, an unknown index)."""
         if o.prompt_logprobs is not None and self.result.prompt_logprobs is None:
             self.result.prompt_logprobs = list(o.prompt_logprobs)
+        if o.kv_transfer_params is not None:
+            self.result.kv_transfer_params = o.kv_transfer_params
         if not 0 <= o.index < len(self.seqs) or self.seqs[o.index].out.finish_reason is not None:
             return None
         if o.final_token_ids is not None:  # best_of / beam search: the whole output at once
@@ -183,12 +187,14 @@ class OutputProcessor:
         cache_salt: str | None = None,
         lora: LoRARequest | None = None,
         retention: tuple[Retention, ...] = (),
+        kv_transfer: KVTransferParams | None = None,
     ) -> EngineRequest:
         """Track a new request and return what to send to the engine (``lora``: the adapter it runs with;
         ``retention``: the ranges of its prompt to keep cached)."""
         ids = list(prompt_token_ids)
         request = EngineRequest(req_id, ids, self.engine_params(params), eos_token_id=self.eos_token_id,
-                                priority=priority, cache_salt=cache_salt, lora=lora, retention=retention)  # fmt: skip
+                                priority=priority, cache_salt=cache_salt, lora=lora, retention=retention,
+                                kv_transfer=kv_transfer)  # fmt: skip
         self.requests[req_id] = RequestState(self, GenerateOutput(req_id, prompt, ids), params, choice_offset, request)
         return request
 

@@ -258,6 +258,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     weights_version: int | None = None  # cbserve's: the weights' version that produced it (0: the model's files)
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's answer to do_remote_decode (vLLM's)
 
 
 class TopLogprob(BaseModel):
@@ -305,6 +306,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
     weights_version: int | None = None  # cbserve's: the weights' version that produced the output (update_weights)
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's answer to do_remote_decode (vLLM's)
 
 
 class DeltaMessage(BaseModel):
@@ -360,40 +362,3 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
-
-
-# ---- embeddings (a server with runner "pooling"; frontend/embeddings.py) ---------------------------------
-class EmbeddingRequest(BaseModel):
-    """OpenAI's ``/v1/embeddings`` body, with vLLM's extras. ``input``: a text, texts, token ids or lists of them."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32, as OpenAI
-    dimensions: int | None = None  # Matryoshka models only: the first k dimensions, renormalized
-    user: str | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k input tokens (-1: max_model_len)
-    add_special_tokens: bool = True
-    priority: int = 0  # lower runs first (needs the "priority" ordering)
-    request_id: str | None = None  # echoed in the response id and the X-Request-Id header
-
-
-class EmbeddingData(BaseModel):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: list[float] | str  # str: base64
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int = 0
-    total_tokens: int = 0
-
-
-class EmbeddingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=now)
-    model: str
-    data: list[EmbeddingData]
-    usage: EmbeddingUsage

@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel
 
-from cbserve.frontend.embeddings import Embedder, runner_error
+from cbserve.frontend.embeddings import Embedder, EmbeddingRequest, EmbeddingResponse, runner_error
 from cbserve.frontend.formatters import ChatFormatter, CompletionFormatter, Formatter
 from cbserve.frontend.lora_registry import LoRARegistry
 from cbserve.frontend.output import OutputProcessor, RequestState, SeqDelta
@@ -23,8 +23,6 @@ from cbserve.frontend.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    EmbeddingRequest,
-    EmbeddingResponse,
     ModelCard,
     ModelList,
     PromptTokensDetails,
@@ -43,6 +41,7 @@ from cbserve.frontend.tools.structured import (
     tool_setup,
 )
 from cbserve.frontend.validation import RequestValidator, ServedModel
+from cbserve.scheduler.requests.kv_transfer import KVTransferParams
 from cbserve.scheduler.requests.lora import LoRARequest
 from cbserve.scheduler.requests.request import RequestOutput
 from cbserve.scheduler.requests.retention import Retention
@@ -225,11 +224,12 @@ class OpenAIServing:
     ) -> Answer:
         stream, include_usage = req.stream, req.include_usage
         gens: list[tuple[RequestState, AsyncIterator[list[RequestOutput]]]] = []
+        kv = None if req.kv_transfer_params is None else self.validator.kv_transfer(req, len(prompts))
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 rid = req_id if len(prompts) == 1 else f"{req_id}-{i}"
                 keep = hints[i] if hints else ()
-                gens.append(await self._start(rid, prompt, sp, i * sp.n, req, lora, keep))
+                gens.append(await self._start(rid, prompt, sp, i * sp.n, req, lora, keep, kv))
         except BaseException:
             for state, outputs in gens:
                 self.processor.pop(state.req_id)
@@ -244,11 +244,12 @@ class OpenAIServing:
         choices = [c for s in states for c in s.choices()]
         response = fmt.response(choices, _usage(states))
         response.weights_version = max((out.weights_version for _, out, _ in choices), default=None)  # an RL loop's
+        response.kv_transfer_params = states[0].result.kv_transfer_params  # a prefill engine's answer (disaggregation)
         return response
 
     async def _start(
         self, req_id: str, prompt: list[int], sp: SamplingParams, choice_offset: int, req: SamplingFields,
-        lora: LoRARequest | None = None, retention: tuple[Retention, ...] = (),
+        lora: LoRARequest | None = None, retention: tuple[Retention, ...] = (), kv: KVTransferParams | None = None,
     ) -> tuple[RequestState, AsyncIterator[list[RequestOutput]]]:
         """Send the request (with its adapter, if any, its priority, cache salt and retention hints) and wait until
         the engine admitted it (errors surface here, before any response is committed)."""
@@ -256,7 +257,7 @@ class OpenAIServing:
             raise APIError(400, f"request id {req_id!r} is already in use", param="request_id")
         self.processor.add_request(
             req_id, prompt, sp, choice_offset=choice_offset, priority=req.priority, cache_salt=req.cache_salt,
-            lora=lora, retention=retention,
+            lora=lora, retention=retention, kv_transfer=kv,
         )
         state = self.processor.requests[req_id]
         try:

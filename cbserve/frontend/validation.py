@@ -17,6 +17,7 @@ from cbserve.frontend.lora_registry import LoRARegistry
 from cbserve.frontend.protocol import APIError, ChatCompletionRequest, ChatMessage, SamplingFields
 from cbserve.frontend.tokenizer import apply_chat_template
 from cbserve.scheduler.errors import RequestRejectedError
+from cbserve.scheduler.requests.kv_transfer import KVTransferParams
 from cbserve.scheduler.requests.limits import resolve_max_tokens
 from cbserve.scheduler.requests.lora import LoRARequest
 from cbserve.scheduler.requests.retention import Retention
@@ -83,6 +84,20 @@ class RequestValidator:
         if req.priority != 0 and not self.served.priority_ordering:
             raise APIError(400, "priority needs a server started with ordering='priority'", param="priority")
         return lora
+
+    def kv_transfer(self, req: SamplingFields, num_prompts: int) -> KVTransferParams | None:
+        """The request's part in prefill/decode disaggregation (vLLM's ``kv_transfer_params``; a 400 naming what is
+        wrong): one prompt, and the prefill side's answer comes in a response, not a stream."""
+        try:
+            kt = KVTransferParams.from_json(req.kv_transfer_params)
+        except ValueError as e:
+            raise APIError(400, str(e), param="kv_transfer_params") from e
+        if kt is not None and num_prompts != 1:
+            raise APIError(400, "kv_transfer_params applies to a request of one prompt", param="kv_transfer_params")
+        if kt is not None and kt.remote_decode and req.stream:
+            raise APIError(400, "kv_transfer_params do_remote_decode answers in a response: set stream to false",
+                           param="kv_transfer_params")
+        return kt
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter ``model`` names (None: the served model); a 404 naming an unknown one."""

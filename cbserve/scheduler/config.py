@@ -22,6 +22,12 @@ class OffloadConfig:
     ram_blocks: int
     disk_dir: str | None = None  # this model's folder in the disk tier (the worker names it by the model)
     disk_blocks: int = 0
+    # prefill/decode disaggregation (requests/kv_transfer.py): this engine's part ("kv_producer" publishes its RAM
+    # tier in shared memory under ``shm_name``, "kv_consumer" pulls from producers', "kv_both" both; None: neither)
+    # and how long a producer keeps a request's published blocks for its consumer
+    role: str | None = None
+    shm_name: str | None = None
+    transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.ram_blocks < 1:

@@ -11,8 +11,7 @@ worker fails its culprits alone (fault_isolation.py). Times: request timestamps 
 (``EngineRequest.arrival_time``, ``time.monotonic`` seconds, is honoured only when the clock is
 ``time.monotonic``; otherwise arrival is stamped at ``add_request``); step timing the injected ``timer``.
 
-An empty SchedulerOutput (nothing scheduled) need not be executed: ``step()`` skips the executor, and
-finished/preempted ids wait for the next non-empty output.
+An idle SchedulerOutput is not executed (``step()`` skips the executor); finished/preempted ids wait for the next one.
 
 Step timing is the engine's own, so that every host reports the same stats: ``schedule_time_s`` is the time spent
 in ``schedule()`` plus ``update_from_output()``, ``execute_time_s`` the time from the end of ``schedule()`` to the
@@ -39,7 +38,7 @@ from cbserve.scheduler.integrity import check_engine
 from cbserve.scheduler.kv.kv_events import KVCacheEvents
 from cbserve.scheduler.outputs import Executor, ModelRunnerOutput, SchedulerOutput, done_future
 from cbserve.scheduler.policies import PAUSE_MODES, paused_may_run
-from cbserve.scheduler.requests.admission import id_in_use, validate_request
+from cbserve.scheduler.requests.admission import id_in_use, kv_transfer_request, validate_request
 from cbserve.scheduler.requests.request import EngineRequest, RequestFailure, RequestOutput, RequestStatus
 from cbserve.scheduler.requests.sequence import SequenceGroup
 from cbserve.scheduler.scheduler import Scheduler, StepState
@@ -48,8 +47,8 @@ from cbserve.scheduler.stats import EngineTotals, IterationStats, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
-# Failed steps in a row after which the workers, not a request, are taken to be broken: the error goes to the
-# host, which rebuilds them (a request's fault is isolated in fewer: fault_isolation.py).
+# Failed steps in a row after which the workers, not a request, are taken to be broken: the error goes to the host,
+# which rebuilds them (a request's fault is isolated in fewer: fault_isolation.py).
 MAX_FAILED_STEPS_IN_A_ROW = 8
 _REASON_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
                   "abort": RequestStatus.FINISHED_ABORTED, "error": RequestStatus.FINISHED_ERROR}  # fmt: skip
@@ -118,6 +117,7 @@ class EngineCore:
             raise DuplicateRequestError(f"request id {request.req_id!r} is already in the engine")
         try:
             max_tokens = validate_request(self.config, request)
+            request = request if request.kv_transfer is None else kv_transfer_request(self.config, request)
         except RequestRejectedError as e:
             self._pending_iter.rejected_reasons.append(str(e))
             self.totals.num_rejected += 1
@@ -347,10 +347,10 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.batch_queue) or self._runnable()
 
-    def _runnable(self) -> bool:  # requests the scheduler may run now (not all held by a pause), or outputs to tell
-        mode = self.scheduler.pause_mode
+    def _runnable(self) -> bool:  # requests the scheduler may run now (not all held by a pause), outputs to tell, or
+        mode = self.scheduler.pause_mode  # blocks to store in the KV tiers (a producer publishes a prompt's there)
         if self._pending_outputs or mode is None:
-            return self.has_unfinished_requests()
+            return self.has_unfinished_requests() or bool(self.scheduler.kv.completed)
         return mode == "wait" and bool(paused_may_run("wait", None, self.scheduler.seqs))
 
     # ---- pause, prefix cache, weights (an RL loop's rollouts) -------------------------------------

@@ -241,6 +241,8 @@ class SequenceUpdater:
         times.finished = now
         if self.groups.get(group.req_id) is group:
             del self.groups[group.req_id]
+        if group.kv_answer is not None:
+            _answer_kv_transfer(group, outputs)
         if group.mode != "stream":
             finals = final_outputs(group)
             it.finished.append(
@@ -306,3 +308,13 @@ def final_outputs(group: SequenceGroup) -> list[RequestOutput]:
             )
         )
     return outs
+
+
+def _answer_kv_transfer(group: SequenceGroup, outputs: list[RequestOutput]) -> None:
+    """A producer's answer (requests/kv_transfer.py) on the request's last output, unless it ended without one (an
+    abort or a failure: nothing was published for it)."""
+    for out in reversed(outputs):
+        if out.req_id == group.req_id:
+            if out.finish_reason in ("stop", "length"):
+                out.kv_transfer_params = group.kv_answer
+            return

@@ -94,12 +94,18 @@ class ModelConfig:
     max_num_seqs: int = 128
     quantization: QuantizationName | None = None
     kv_cache_dtype: KvCacheDtype = "auto"
-    # KV tiers below the pool (worker/runner/kv_tiers.py): the RAM tier's bytes (0: no tiers), the disk tier's
+    # KV tiers below the pool (worker/kv/tiers.py): the RAM tier's bytes (0: no tiers), the disk tier's
     # folder and bytes
     kv_offloading_bytes: int = 0
     kv_offloading_dtype: str = "auto"  # "auto": the cache's dtype; "bfloat16", "int8": compressed (lossy)
     kv_disk_path: str | None = None
     kv_disk_bytes: int = 0
+    # prefill/decode disaggregation (worker/kv/shared.py): this engine's role (None: none), the shared folder its RAM
+    # tier is published in / pulled from, how long a producer keeps a request's blocks, a consumer waits for them
+    kv_role: str | None = None
+    kv_shm_path: str = "/dev/shm/cbserve-kv"
+    kv_transfer_timeout_s: float = 30.0
+    kv_pull_wait_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -180,6 +186,11 @@ class ModelConfig:
                                   "tensor_parallel_size > 1": self.tensor_parallel_size > 1})  # fmt: skip
         if conflict is not None:
             raise ValueError(conflict)
+        if self.kv_role not in (None, "kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError(f"kv_role must be 'kv_producer', 'kv_consumer', 'kv_both' or None, got {self.kv_role!r}")
+        if self.kv_role is not None and (not self.kv_offloading_bytes or self.kv_offloading_dtype == "int8"):
+            raise ValueError("prefill/decode disaggregation hands blocks over through the RAM tier: it needs "
+                             "kv_offloading_size, and kv_offloading_dtype 'auto' or 'bfloat16'")
 
     @property
     def kv_fp8(self) -> bool:

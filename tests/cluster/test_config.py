@@ -215,8 +215,9 @@ def test_the_worker_config_is_derived_from_every_matching_field() -> None:
     # the draft model's fields come from speculative_config (see the speculative_config test below)
     # the KV tiers' sizes are GiB in the user's config and bytes in the worker's (see the next test)
     tiers = {"kv_offloading_bytes", "kv_offloading_dtype", "kv_disk_path", "kv_disk_bytes"}
-    assert {f.name for f in dataclasses.fields(ModelConfig)} == set(values) | {"rank", "draft_model",
-                                                                                "num_speculative_tokens"} | tiers
+    handoff = {"kv_role", "kv_shm_path", "kv_transfer_timeout_s", "kv_pull_wait_s"}  # disaggregation's (pd_config.py)
+    derived = {"rank", "draft_model", "num_speculative_tokens"} | tiers | handoff
+    assert {f.name for f in dataclasses.fields(ModelConfig)} == set(values) | derived
     assert {k: getattr(mc, k) for k in values} == values and mc.rank == 2
 
 

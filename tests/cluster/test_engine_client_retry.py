@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -61,6 +62,7 @@ class FakeEngine:
         self.calls = 0
         self.aborted: list[str] = []
         self.finished: list[tuple[str, int]] = []
+        self.requests: list[EngineRequest] = []
         self.channel = FakeChannelServer(self._channel)
         self.output_address = _Remote(self.channel.address)
 
@@ -74,6 +76,7 @@ class FakeEngine:
                 self.finished.append((msg.req_id, msg.index))
             elif isinstance(msg, AddRequest):
                 self.calls += 1
+                self.requests.append(msg.request)
                 req_id = msg.request.req_id
                 if self.items[0] == DROP:
                     self.state = "restarting"  # its actor is being restarted: it says so when it comes back
@@ -104,7 +107,7 @@ def _client(*engines: FakeEngine, request_timeout_s: float | None = None) -> Eng
     client = object.__new__(EngineClient)  # no Ray: the fakes stand in for the SchedulerActors
     client.config = CBServeConfig(request_timeout_s=request_timeout_s, device="cpu")
     client.router = Router(len(engines), block_size=4)
-    client.engines, client.requests = list(engines), {}
+    client.engines, client.requests, client.pd = list(engines), {}, None
     client.readers = [ChannelReader(e, i, "owner", client) for i, e in enumerate(engines)]
     client.health = [{"replica": str(i), "state": "starting"} for i in range(len(engines))]
     client._changed, client._ticker = None, None
@@ -359,3 +362,41 @@ def test_the_engines_and_the_router_are_built_from_the_config(monkeypatch: pytes
     assert not CBServeConfig(routing="affinity", device="cpu").uses_kv_events
     with pytest.raises(ValueError, match="routing"):
         CBServeConfig(routing="random", device="cpu")
+
+
+# ---- a P:D app (cluster/ingress/disaggregation.py): replica 0 prefills, replica 1 decodes ----------------------------
+ANSWER = {"do_remote_prefill": True, "remote_engine_id": "key-1-abc", "remote_block_ids": [0]}
+
+
+def _pd(prefill: FakeEngine, decode: FakeEngine) -> EngineClient:
+    from cbserve.cluster.ingress.disaggregation import Disaggregation
+    from cbserve.config.pd_config import PDConfig
+
+    client = _client(prefill, decode)
+    client.pd = Disaggregation(PDConfig(prefill_replicas=1, decode_replicas=1, min_remote_prefill_tokens=0),
+                               client.router)  # fmt: skip
+    return client
+
+
+def test_pd_the_prefill_legs_answer_goes_with_the_request_to_the_decode_replica() -> None:
+    first = RequestOutput("r1", 0, [5], None, finished=True, finish_reason="length", kv_transfer_params=ANSWER)
+    prefill, decode = FakeEngine(["ok", first]), FakeEngine(["ok", _out(7, finished=True)])
+    client = _pd(prefill, decode)
+    got = _run(client)
+    assert [o.new_token_ids for o in got] == [[7]]  # the prefill leg's token is never the client's
+    p, d = prefill.requests[0], decode.requests[0]
+    assert p.sampling_params.max_tokens == 1 and p.kv_transfer is not None and p.kv_transfer.remote_decode
+    assert d.kv_transfer is not None and (d.kv_transfer.remote_engine, d.kv_transfer.remote_blocks) == ("key-1-abc", 1)
+    assert d.sampling_params.max_tokens == 4 and not prefill.aborted and not decode.aborted
+    assert client.router.take_stats().disaggregation == {"remote": 1}
+
+
+@pytest.mark.parametrize("prefill_items", [[DROP], [FULL], ["ok", EngineFailure("failed", "its step failed")]])
+def test_pd_a_prefill_leg_that_fails_leaves_the_prompt_to_the_decode_replica(prefill_items: list[Any]) -> None:
+    prefill, decode = FakeEngine(prefill_items), FakeEngine(["ok", _out(7, finished=True)])
+    client = _pd(prefill, decode)
+    t0 = time.monotonic()
+    got = _run(client)
+    assert [o.new_token_ids for o in got] == [[7]] and decode.requests[0].kv_transfer is None
+    assert time.monotonic() - t0 < failover.FAILOVER_WAIT_S / 2  # no waiting for a prefill replica to come back
+    assert client.router.take_stats().disaggregation == {"local_failed": 1}

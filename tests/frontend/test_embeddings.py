@@ -13,13 +13,8 @@ from typing import Any
 import pytest
 from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, parse_body
 
-from cbserve.frontend.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    EmbeddingResponse,
-)
+from cbserve.frontend.embeddings import EmbeddingRequest, EmbeddingResponse
+from cbserve.frontend.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from cbserve.frontend.serving import OpenAIServing
 from cbserve.frontend.validation import ServedModel
 from cbserve.scheduler.requests.request import EngineRequest, RequestOutput

@@ -24,7 +24,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 # a value each refused field is refused with
 REFUSED_VALUES: dict[str, Any] = {
     "suffix": "x", "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True,
-    "return_token_ids": True, "logits_processors": ["a.b"], "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
+    "return_token_ids": True, "logits_processors": ["a.b"], "vllm_xargs": {"a": 1},
     "prompt_embeds": "AAAA", "store": True, "metadata": {"a": "b"}, "service_tier": "flex",
     "prompt_cache_key": "k", "documents": [{"a": "b"}],
     "mm_processor_kwargs": {"a": 1}, "audio": {"voice": "x"}, "modalities": ["text", "audio"],

@@ -160,3 +160,22 @@ def test_a_router_learns_what_the_disk_tier_held_at_start(tmp_path) -> None:
     c.record_events()
     events = c.take_events()
     assert events is not None and sorted(events.stored) == sorted(h[:3])
+
+
+def test_a_remote_prompt_is_pulled_while_it_waits_and_a_failed_pull_is_computed() -> None:
+    from cbserve.scheduler.requests.kv_transfer import KVTransferParams
+
+    c = _connector(ram=8)
+    h = _hashes(PROMPT)
+    remote = KVTransferParams(remote_engine="model-1-abc", remote_blocks=3)  # the producer published 3 blocks
+    assert c.get_num_new_matched_tokens(PROMPT, (), None, 0, remote) == ([], True)
+    t = c.build_connector_meta([])
+    assert t is not None and t.pulls == [(x, "model-1-abc") for x in h[:3]] and t.poll and not t.prefetch
+    c.update_connector_output(KVTransferResult(prefetched=h[:2], pulled=h[:2], failed=[h[2]], bytes_pulled=99))
+    assert c.get_num_new_matched_tokens(PROMPT, (), None, 0, remote) == (h[:2], False)  # h[2] is not asked again
+    assert ("model-1-abc", h[2]) in c.unpullable and c.build_connector_meta([]).evict == [h[2]]  # type: ignore[union-attr]
+    c.update_state_after_alloc([(7, h[0]), (8, h[1])])
+    s = c.stats
+    assert (s.blocks_pulled, s.pull_failures, s.prefetch_failures, s.hit_tokens_remote, s.bytes_pulled) == \
+        (2, 1, 0, 2 * BS, 99)  # fmt: skip
+    assert c.get_num_new_matched_tokens(PROMPT, (), None, 0) == (h[:2], False)  # now RAM-tier hits for anyone

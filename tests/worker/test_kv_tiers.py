@@ -1,4 +1,4 @@
-"""The KV tiers below the pool (scheduler/kv/offload.py, worker/runner/kv_tiers.py) on the real runner: the offline
+"""The KV tiers below the pool (scheduler/kv/offload.py, worker/kv/tiers.py) on the real runner: the offline
 ``LLM`` over a tiny random Llama whose pool holds fewer blocks than the conversations need, so that their second
 turns find their first turns' blocks evicted from the pool. Every figure is checked against an engine without
 tiers: the tokens are the same, token for token (the tiers keep the cache's dtype: lossless), while the tiers
@@ -166,7 +166,7 @@ def test_a_write_cut_by_a_killed_process_leaves_no_block_and_its_file_is_cleared
     import os
     import subprocess
 
-    from cbserve.worker.runner.kv_tiers import remove_orphans
+    from cbserve.worker.kv.disk import remove_orphans
 
     gone = subprocess.Popen(["true"])  # a pid that existed and is gone
     gone.wait()
@@ -191,8 +191,8 @@ def test_vllms_kv_transfer_config_sets_the_tiers_or_is_refused_with_the_reason()
     assert cfg.engine_config(64).cache.offload is None  # the worker sizes the tiers in blocks (KVTiers.config)
     for bad, error in [
         ({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, "'NixlConnector' is not supported"),
-        ({"kv_connector": "OffloadingConnector", "kv_role": "kv_producer",
-          "kv_connector_extra_config": {"cpu_bytes_to_use": 1}}, "kv_role 'kv_producer'"),
+        ({"kv_connector": "OffloadingConnector", "kv_role": "kv_lender",
+          "kv_connector_extra_config": {"cpu_bytes_to_use": 1}}, "kv_role 'kv_lender'"),
         ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 8}}, "takes"),
         ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {}}, "needs cpu_bytes_to_use"),
         ({"kv_connector": "OffloadingConnector",
@@ -208,6 +208,10 @@ def test_vllms_kv_transfer_config_sets_the_tiers_or_is_refused_with_the_reason()
                                           "kv_connector_extra_config": {"cpu_bytes_to_use": 2**30}})  # fmt: skip
     with pytest.raises(ValueError, match="not valid JSON"):
         CBServeConfig(device="cpu", kv_transfer_config="{nope")
+    producer = CBServeConfig(device="cpu", kv_transfer_config={  # a P/D side (tests/worker/test_disaggregation.py)
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 2**28}})
+    assert producer.disaggregation.kv_role == "kv_producer" and producer.worker_model_config().kv_role == "kv_producer"
 
 
 def test_replicas_sharing_a_disk_folder_see_each_others_blocks_while_running(
@@ -215,7 +219,7 @@ def test_replicas_sharing_a_disk_folder_see_each_others_blocks_while_running(
 ) -> None:
     import time
 
-    from cbserve.worker.runner import kv_tiers
+    from cbserve.worker.kv import tiers as kv_tiers
 
     monkeypatch.setattr(kv_tiers, "RESCAN_S", 0.0)  # every step lists the folder (5 s when served)
     tiers = dict(kv_offloading_size=MIB, kv_disk_path=str(tmp_path / "kv"), kv_disk_size=MIB)
@@ -240,7 +244,7 @@ def test_a_rescan_reports_the_files_others_wrote_and_deleted(tmp_path: Path) -> 
 
     from cbserve.scheduler.config import OffloadConfig
     from cbserve.scheduler.kv.offload import OffloadConnector
-    from cbserve.worker.runner.kv_tiers import KVTiers
+    from cbserve.worker.kv.tiers import KVTiers
 
     folder, shape = tmp_path / "kv", (1, 2, 4, 1, 8)
     mine, theirs = (KVTiers(2**16, folder, 2**20, shape, torch.float32) for _ in range(2))
@@ -268,7 +272,7 @@ def test_whole_block_moves_equal_the_per_layer_ones(dtype: str) -> None:
     import torch
 
     from cbserve.scheduler.kv.connector import KVTransfer
-    from cbserve.worker.runner.kv_tiers import KVTiers
+    from cbserve.worker.kv.tiers import KVTiers
 
     shape, tier_dtype = (3, 2, 4, 2, 8), getattr(torch, dtype)
     torch.manual_seed(0)

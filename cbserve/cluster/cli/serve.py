@@ -41,7 +41,10 @@ _FLAG_FORMS: dict[str, dict[str, Any]] = {
     "lora_allowed_dirs": {"nargs": "+", "metavar": "DIR",
                           "help": "folders /v1/load_lora_adapter may read adapters from (needs "
                                   "--allow-runtime-lora-updating)"},
+    "disaggregation": {"metavar": "P:D|JSON", "help": "prefill/decode disaggregation: P prefill and D decode engine "
+                       "replicas (P:D), or a JSON object of config/pd_config.py's keys"},
 }
+_ALIASES = {"disaggregation": ("--pd",)}  # --pd 1:1: a P:D app (config/pd_config.py)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if field.annotation is bool:  # `--enable-lora` alone means true (as vLLM's flags); a value still works
             kwargs |= {"nargs": "?", "const": "true"}
         kwargs |= _FLAG_FORMS.get(name, {})
-        parser.add_argument("--" + name.replace("_", "-"), **kwargs)
+        parser.add_argument("--" + name.replace("_", "-"), *_ALIASES.get(name, ()), **kwargs)
 
 
 def config_from_args(args: argparse.Namespace) -> CBServeConfig:

@@ -33,6 +33,7 @@ from cbserve.cluster.ops.path_trace import PathTrace
 from cbserve.cluster.stores.lora_store import SharedLoRAs
 from cbserve.cluster.stores.response_store import SharedResponses
 from cbserve.config import CBServeConfig
+from cbserve.frontend.embeddings import EmbeddingRequest, EmbeddingResponse
 from cbserve.frontend.lora_registry import (
     NOT_ENABLED,
     AdapterLimits,
@@ -52,8 +53,6 @@ from cbserve.frontend.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    EmbeddingRequest,
-    EmbeddingResponse,
     ErrorResponse,
     ModelCard,
     ModelList,

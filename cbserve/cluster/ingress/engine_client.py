@@ -24,10 +24,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cbserve.cluster.channel.messages import AbortRequest, EngineFailure, EngineState, FinishSequence, OutputFrame
 from cbserve.cluster.channel.reader import ChannelReader
 from cbserve.cluster.engine.scheduler_actor import SchedulerActor
+from cbserve.cluster.ingress.disaggregation import Disaggregation
 from cbserve.cluster.ingress.failover import RoutedRequest
 from cbserve.cluster.ingress.router import Router
 from cbserve.cluster.ops.names import NAMESPACE, engine_actor_name
 from cbserve.config import CBServeConfig
+from cbserve.config.pd_config import config_for_replica
 from cbserve.frontend.output import RequestState
 from cbserve.scheduler.kv.kv_events import KVCacheEvents
 from cbserve.scheduler.requests.request import RequestOutput
@@ -49,11 +51,13 @@ class EngineClient:
             config.num_replicas, config.block_size, config.prefix_affinity_tokens,
             config.affinity_max_imbalance_tokens, config.max_cpu_loras or config.max_loras, config.routing,
         )
+        pd = config.disaggregation
+        self.pd = Disaggregation(pd, self.router) if pd is not None and pd.layout else None  # a P:D app's policy
         names = [engine_actor_name(app_name, owner, i) for i in range(config.num_replicas)]
         self.engines = [
             SchedulerActor.options(name=name, namespace=NAMESPACE, max_restarts=config.max_restarts,
                                    max_task_retries=0, max_concurrency=100_000, **engine_placement(config))
-            .remote(config.model_dump(), str(i), name)
+            .remote(config_for_replica(config, i).model_dump(), str(i), name)
             for i, name in enumerate(names)
         ]  # fmt: skip
         self.readers = [ChannelReader(engine, i, owner, self) for i, engine in enumerate(self.engines)]

@@ -12,6 +12,11 @@ streamed (a retry would repeat them). A request whose own step failed ("failed",
 and one that was on ``MAX_REPLICA_LOSSES`` replicas as they were lost is failed as the suspect it is (a request
 that kills its worker would otherwise take one replica down after another).
 
+In a P:D app (disaggregation.py) a request whose prompt is prefilled remotely runs on a prefill replica first
+(``_remote_prefill``: its outputs are the prefill's, never the client's) and then, with the prefill's answer, on a
+decode replica; failover applies to each leg among the replicas of its kind, and a prefill leg that fails leaves
+the prompt to the decode replica.
+
 ``request_timeout_s``: a request still running that long after it came is aborted in its engine (its KV blocks are
 freed) and ends with APIError 504 (type "timeout"). Leaving ``outputs`` early (client gone, stop string, timeout)
 aborts the request in its engine.
@@ -26,6 +31,7 @@ from typing import Any, Protocol
 
 from cbserve.cluster.channel.messages import AbortRequest, AddRequest, Admitted, EngineFailure
 from cbserve.cluster.channel.reader import ChannelReader
+from cbserve.cluster.ingress.disaggregation import Disaggregation, decode_leg, prefill_leg
 from cbserve.cluster.ingress.router import NoHealthyReplicaError, Router
 from cbserve.frontend.output import RequestState
 from cbserve.frontend.protocol import APIError
@@ -65,6 +71,7 @@ def routed_cost(request: EngineRequest) -> int:
 class Replicas(Protocol):
     router: Router
     readers: list[ChannelReader]
+    pd: Disaggregation | None  # a P:D app's policy (None: every replica serves whole requests)
 
     def recoverable(self) -> bool:
         """Whether some replica may still become ready (not all failed for good)."""
@@ -81,21 +88,23 @@ class RoutedRequest:
         self.full: set[int] = set()  # replicas whose waiting queue turned it away
         self.losses = 0  # replicas lost while they held it
         self.admitted_here = self.streamed = False
+        self.others: frozenset[int] = frozenset()  # replicas of the other kind in a P:D app (never this leg's)
         lora = self.request.lora
         self.lora_id = None if lora is None else lora.lora_int_id
         self.extra_keys = cache_extra_keys(self.request.cache_salt, lora)
         state.queue = asyncio.Queue()
 
     async def admit(self) -> None:
-        """Route and send the request until a replica admits it (APIError when none will)."""
-        while True:
-            await self._send()
-            item = await self._next()
-            if isinstance(item, Admitted):
-                self.admitted_here = True
-                return
-            if isinstance(item, EngineFailure):
-                self._retry_or_raise(item)
+        """Route and send the request until a replica admits it (APIError when none will); in a P:D app, after its
+        prefill leg when its prompt is prefilled remotely."""
+        pd, kt = self.replicas.pd, self.request.kv_transfer
+        if pd is not None and kt is not None and kt.remote_decode:
+            self.others = pd.decode  # a proxy's prefill leg (vLLM's handshake): a prefill replica answers it
+        elif pd is not None:
+            if kt is None and pd.remote(self.request, self.extra_keys):
+                await self._remote_prefill(pd)
+            self.others = pd.prefill
+        await self.admit_here()
 
     async def outputs(self) -> AsyncIterator[list[RequestOutput]]:
         """The request's outputs in batches, as its replica sends them; the consumer stops when the request is
@@ -114,7 +123,7 @@ class RoutedRequest:
                 failure = next((item for item in batch if isinstance(item, EngineFailure)), None)
                 if failure is not None:
                     self._retry_or_raise(failure)
-                    await self.admit()
+                    await self.admit_here()
         finally:
             self._release(abort=not self.state.finished)
 
@@ -135,7 +144,8 @@ class RoutedRequest:
         router, loop = self.replicas.router, asyncio.get_running_loop()
         while True:
             try:
-                route = router.route(self.request.prompt_token_ids, self.full, self.lora_id, self.extra_keys)
+                route = router.route(self.request.prompt_token_ids, self.full | self.others, self.lora_id,
+                                     self.extra_keys)
                 break
             except NoHealthyReplicaError as e:
                 if self.full or not self.replicas.recoverable() or loop.time() >= self.failover_until:
@@ -147,6 +157,41 @@ class RoutedRequest:
         self.admitted_here = False
         if not self.replicas.readers[route.replica].send(AddRequest(self.request)):
             state.queue.put_nowait(EngineFailure("unavailable", f"engine replica {route.replica} is not connected"))
+
+    async def _remote_prefill(self, pd: Disaggregation) -> None:
+        """The prefill leg on a prefill replica, then the request itself carries its answer to a decode replica (none
+        when the leg failed: the decode replica prefills the prompt)."""
+        whole, self.request, self.others = self.request, prefill_leg(self.request), pd.decode
+        answer, until = None, self.failover_until
+        self.failover_until = asyncio.get_running_loop().time()  # no waiting for a prefill replica: decode does it
+        try:
+            await self.admit_here()
+            while answer is None:
+                item = await self._next()
+                if isinstance(item, EngineFailure):
+                    break
+                if isinstance(item, RequestOutput) and item.finished:
+                    answer = item.kv_transfer_params or {}
+        except APIError as e:
+            logger.warning("request %s: its prefill leg failed (%s); its decode replica prefills it",
+                           whole.req_id, e.message)
+        finally:
+            self._release(abort=answer is None)
+            self.request, self.full, self.losses, self.streamed = whole, set(), 0, False
+            self.failover_until = until
+        pd.count("remote" if answer else "local_failed")
+        self.request = decode_leg(whole, answer or None)
+
+    async def admit_here(self) -> None:
+        """``admit`` among this leg's replicas (no P:D policy)."""
+        while True:
+            await self._send()
+            item = await self._next()
+            if isinstance(item, Admitted):
+                self.admitted_here = True
+                return
+            if isinstance(item, EngineFailure):
+                self._retry_or_raise(item)
 
     def _retry_or_raise(self, failure: EngineFailure) -> None:
         """A failure from the request's replica: raise it to the client, or let the request run elsewhere."""
@@ -164,7 +209,7 @@ class RoutedRequest:
             self.replicas.router.set_healthy(idx, False)  # until its channel says it is ready again
         if failure.kind == "queue_full":
             self.full.add(idx)  # type: ignore[arg-type]
-            if not any(i not in self.full for i in self.replicas.router.healthy_replicas()):
+            if not any(i not in self.full | self.others for i in self.replicas.router.healthy_replicas()):
                 raise failure_to_api_error(failure)
         elif asyncio.get_running_loop().time() >= self.failover_until:  # replicas keep failing it
             raise failure_to_api_error(failure)

@@ -45,6 +45,7 @@ class RoutingStats:
 
     decisions: dict[str, int] = field(default_factory=dict)
     matched_tokens: dict[int, int] = field(default_factory=dict)
+    disaggregation: dict[str, int] = field(default_factory=dict)  # a P:D app's prefills by where (disaggregation.py)
 
 
 @dataclass(frozen=True)

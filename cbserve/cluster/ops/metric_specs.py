@@ -32,6 +32,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # what decided a request's replica (ingress/router.py): a prefix-cache hit, prefix (or adapter) affinity, load alone,
 # or its turn
 ROUTING_DECISIONS = ("cache_hit", "affinity", "least_loaded", "round_robin")
+PD_DECISIONS = ("remote", "local_short", "local_busy", "local_failed", "local_unfit")  # ingress/disaggregation.py
 # what SchedulerActor passes to EngineMetrics.observe_rejected (QueueFullError, RequestRejectedError)
 REJECT_REASONS = ("queue_full", "rejected")
 WORKER_LABELS = ("model", "replica", "rank")
@@ -133,11 +134,16 @@ ENGINE_SPECS: tuple[MetricSpec, ...] = (
        "free)."),
     # KV tiers below the pool (kv_offloading_size; 0 on an engine without them)
     _c("kv_tier_hit_tokens", "Prompt tokens loaded from the KV tiers, by the tier they were found in (disk: "
-       "prefetched from disk into RAM first).", (*ENGINE_LABELS, "medium"), _each("medium", ("ram", "disk"))),
+       "prefetched from disk into RAM first; remote: pulled from the prefill engine that computed them).",
+       (*ENGINE_LABELS, "medium"), _each("medium", ("ram", "disk", "remote"))),
     _c("kv_tier_bytes", "Bytes moved by the KV tiers: pool -> RAM (stored), RAM -> pool (loaded), disk -> RAM "
-       "(from_disk).", (*ENGINE_LABELS, "direction"), _each("direction", ("stored", "loaded", "from_disk"))),
-    _c("kv_tier_transfer_seconds", "Worker time spent moving KV blocks between the pool and the RAM tier.",
-       (*ENGINE_LABELS, "direction"), _each("direction", ("store", "load"))),
+       "(from_disk), a prefill engine's shared tier -> RAM (pulled).", (*ENGINE_LABELS, "direction"),
+       _each("direction", ("stored", "loaded", "from_disk", "pulled"))),
+    _c("kv_tier_transfer_seconds", "Time spent moving KV blocks: pool <-> RAM tier (store, load: the worker's), and "
+       "pulls from a prefill engine (pull: from the step that asked to the blocks in the RAM tier).",
+       (*ENGINE_LABELS, "direction"), _each("direction", ("store", "load", "pull"))),
+    _c("kv_tier_pull_failures", "Blocks a decode engine could not pull from its prefill engine (gone, overwritten, "
+       "not published in time): computed instead."),
     _c("kv_tier_evictions", "Blocks evicted from a KV tier (least recently used).", (*ENGINE_LABELS, "medium"),
        _each("medium", ("ram", "disk"))),
     _c("kv_tier_prefetch_failures", "Disk blocks that failed their checks or were missing (recomputed)."),
@@ -178,6 +184,10 @@ INGRESS_SPECS: tuple[MetricSpec, ...] = (
        ("model", "decision"), _each("decision", ROUTING_DECISIONS)),
     _h("routing_matched_prefix_tokens", "Cache-aware routing: prompt tokens the chosen replica's prefix cache "
        "held (0: no hit).", TOKEN_COUNT_BUCKETS, ("model",)),
+    _c("pd_prefills", "A P:D app's requests by where their prompt was prefilled (cluster/ingress/disaggregation.py): "
+       "on a prefill replica (remote) or on the decode replica (short uncached prompt, prefill replicas busy, the "
+       "prefill leg failed, or a request that does not qualify).", ("model", "decision"),
+       _each("decision", PD_DECISIONS)),
 )  # fmt: skip
 _LORA_SPECS = tuple(s for s in ENGINE_SPECS if s.name.startswith(PREFIX + "lora_"))
 ALL_SPECS: tuple[MetricSpec, ...] = ENGINE_SPECS + WORKER_SPECS + INGRESS_SPECS

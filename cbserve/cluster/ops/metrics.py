@@ -110,12 +110,16 @@ class EngineMetrics:
         last, self._tiers = self._tiers, dict(vars(stats))
         d = {k: _delta(v, last.get(k, 0)) for k, v in self._tiers.items()}
         m = self._m
-        m.inc("kv_tier_hit_tokens", d["hit_tokens_ram"] - d["hit_tokens_disk"], {"medium": "ram"})
+        m.inc("kv_tier_hit_tokens", d["hit_tokens_ram"] - d["hit_tokens_disk"] - d["hit_tokens_remote"],
+              {"medium": "ram"})
         m.inc("kv_tier_hit_tokens", d["hit_tokens_disk"], {"medium": "disk"})
-        for direction in ("stored", "loaded", "from_disk"):
+        m.inc("kv_tier_hit_tokens", d["hit_tokens_remote"], {"medium": "remote"})
+        for direction in ("stored", "loaded", "from_disk", "pulled"):
             m.inc("kv_tier_bytes", d[f"bytes_{direction}"], {"direction": direction})
         m.inc("kv_tier_transfer_seconds", d["store_s"], {"direction": "store"})
         m.inc("kv_tier_transfer_seconds", d["load_s"], {"direction": "load"})
+        m.inc("kv_tier_transfer_seconds", d["pull_s"], {"direction": "pull"})
+        m.inc("kv_tier_pull_failures", d["pull_failures"])
         m.inc("kv_tier_evictions", d["evictions_ram"], {"medium": "ram"})
         m.inc("kv_tier_evictions", d["evictions_disk"], {"medium": "disk"})
         m.inc("kv_tier_prefetch_failures", d["prefetch_failures"])
@@ -252,6 +256,8 @@ class IngressMetrics:
         """``stats``: the router's RoutingStats since the last call (decisions by kind, matched prefix lengths)."""
         for kind, count in stats.decisions.items():
             self._m.inc("routing_decisions", count, {"decision": kind})
+        for where, count in stats.disaggregation.items():
+            self._m.inc("pd_prefills", count, {"decision": where})
         for tokens, count in stats.matched_tokens.items():
             for _ in range(count):
                 self._m.observe("routing_matched_prefix_tokens", tokens)

@@ -20,8 +20,8 @@ class KVTransfer:
     forward pass, in this order: ``evict`` (RAM tier entries dropped: never one this step loads), ``stores`` (pool
     block -> the RAM tier, then the disk tier in the background), ``loads`` (the RAM tier -> a pool block the step's
     requests then read); ``disk_evict`` (disk files deleted) in the background. ``prefetch``: disk -> RAM tier in
-    the background, reported done in a later step's ``KVTransferResult``; ``poll``: a step sent only to collect those
-    reports."""
+    the background, reported done in a later step's ``KVTransferResult``; ``pulls`` the same from a producer's
+    shared-memory tier (prefill/decode disaggregation); ``poll``: a step sent only to collect those reports."""
 
     stores: list[tuple[int, int]] = field(default_factory=list)  # (block id, block hash)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (block id, block hash)
@@ -29,9 +29,11 @@ class KVTransfer:
     prefetch: list[int] = field(default_factory=list)
     disk_evict: list[int] = field(default_factory=list)
     poll: bool = False
+    pulls: list[tuple[int, str]] = field(default_factory=list)  # (block hash, producer): its shared tier -> RAM tier
 
     def __bool__(self) -> bool:
-        return bool(self.stores or self.loads or self.evict or self.prefetch or self.disk_evict or self.poll)
+        return bool(self.stores or self.loads or self.evict or self.prefetch or self.disk_evict or self.poll
+                    or self.pulls)
 
 
 @dataclass(slots=True)
@@ -49,14 +51,18 @@ class KVTransferResult:
     bytes_from_disk: int = 0
     store_s: float = 0.0
     load_s: float = 0.0
+    pulled: list[int] = field(default_factory=list)  # of ``prefetched``, those pulled from a producer
+    bytes_pulled: int = 0
+    pull_s: float = 0.0  # from a pull's start (the step that asked it) to its blocks in the RAM tier
 
 
 class SchedulerConnector(Protocol):
     def get_num_new_matched_tokens(self, token_ids: Sequence[int], extra_keys: tuple, parent: int | None,
-                                   num_cached_blocks: int) -> tuple[list[int], bool]:
+                                   num_cached_blocks: int, remote: Any = None) -> tuple[list[int], bool]:
         """The hashes of the blocks after the pool's ``num_cached_blocks`` hits (``parent``: the last hit's hash)
         that the connector can load into the pool in this step, and whether more would be ready later (the
-        request then waits: its blocks are on their way, e.g. from disk)."""
+        request then waits: its blocks are on their way, e.g. from disk or, ``remote``, from the producer that
+        prefilled it: its ``KVTransferParams``)."""
         ...
 
     def update_state_after_alloc(self, blocks: list[tuple[int, int]]) -> None:

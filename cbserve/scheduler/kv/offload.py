@@ -1,7 +1,7 @@
 """The KV tiers below the pool, the scheduler's half (connector.py's ``SchedulerConnector``): a RAM tier and a disk
 tier, keyed by the prefix cache's block hashes (stable ones: the same in every process and after a restart).
 
-The scheduler owns the index of what each tier holds; the worker's half (worker/runner/kv_tiers.py) holds the bytes
+The scheduler owns the index of what each tier holds; the worker's half (worker/kv/tiers.py) holds the bytes
 and does what each step's ``KVTransfer`` says, in order, before the forward pass. So a load never misses: the
 scheduler offers a block only when the RAM tier holds it, and it evicts from the RAM tier itself.
 
@@ -9,6 +9,9 @@ scheduler offers a block only when the RAM tier holds it, and it evicts from the
   and, with a disk tier, written to disk in the background (write-through). A block already held is only touched.
 - Load: a waiting request whose prompt continues past the pool's hits with blocks the RAM tier holds gets them
   copied into fresh pool blocks in the step that admits it; they count as computed, like pool hits.
+- Pull (prefill/decode disaggregation, ``remote``: the request's ``KVTransferParams``): a block a producer published
+  for the request is pulled from its shared-memory tier into the RAM tier in the background, as a disk block is
+  prefetched; a pull that fails marks the (producer, block) unpullable and its tokens are computed.
 - Disk: a block only on disk is prefetched into the RAM tier in the background; the request waits (it is not
   admitted) until its blocks arrive or fail (a missing or corrupt file: dropped from the index, the tokens computed).
   The engine loop never waits on disk.
@@ -54,6 +57,12 @@ class OffloadStats:
     bytes_from_disk: int = 0
     store_s: float = 0.0
     load_s: float = 0.0
+    # prefill/decode disaggregation: blocks pulled from producers' shared tiers, their prompt tokens loaded
+    blocks_pulled: int = 0
+    pull_failures: int = 0  # a producer gone, its block overwritten or never published in time: computed here
+    hit_tokens_remote: int = 0
+    bytes_pulled: int = 0
+    pull_s: float = 0.0
 
 
 def tier_ok(extra_keys: tuple) -> bool:
@@ -101,6 +110,7 @@ class _Pending:
     evict: list[int] = field(default_factory=list)
     prefetch: list[int] = field(default_factory=list)
     disk_evict: list[int] = field(default_factory=list)
+    pulls: list[tuple[int, str]] = field(default_factory=list)
 
 
 class OffloadConnector:
@@ -118,6 +128,9 @@ class OffloadConnector:
         self.prefetching = 0  # entries of ``ram`` not ready
         self.disk: OrderedDict[int, None] = OrderedDict()  # hashes on disk, least recently used first
         self.from_disk: set[int] = set()  # RAM tier entries that came from disk (for the hit counters)
+        self.pulling: dict[int, str] = {}  # RAM tier entries on their way from a producer: hash -> producer
+        self.from_remote: set[int] = set()  # pulled entries not loaded yet (for the hit counters)
+        self.unpullable: OrderedDict[tuple[str, int], None] = OrderedDict()  # (producer, hash) pulls that failed
         self.stats = OffloadStats()
         self.events: KVEventRecorder | None = None  # which blocks the tiers hold, for a router (``record_events``)
         self._next = _Pending()
@@ -128,7 +141,7 @@ class OffloadConnector:
 
     # ---- admission --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, token_ids: Sequence[int], extra_keys: tuple, parent: int | None,
-                                   num_cached_blocks: int) -> tuple[list[int], bool]:
+                                   num_cached_blocks: int, remote: Any = None) -> tuple[list[int], bool]:
         if not tier_ok(extra_keys):
             return [], False
         bs = self.block_size
@@ -138,8 +151,9 @@ class OffloadConnector:
         for i in range(num_cached_blocks, last):  # the last token is always computed; half the tier at most
             h = self.block_hash(parent, token_ids[i * bs : (i + 1) * bs], extra_keys)
             state = self.ram.get(h)
-            if state is None and h in self.disk and self._prefetch(h):
-                state = False
+            if state is None and (h in self.disk and self._prefetch(h)
+                                  or remote is not None and i < remote.remote_blocks and self._pull(h, remote)):
+                state = False  # on its way from disk, or from the producer that prefilled the request
             if state is None:
                 break
             if not state:
@@ -157,6 +171,9 @@ class OffloadConnector:
             self._next.loads.append((block_id, h))
             self.stats.hit_tokens_ram += self.block_size
             self.stats.hit_tokens_disk += self.block_size if h in self.from_disk else 0
+            if h in self.from_remote:
+                self.from_remote.discard(h)
+                self.stats.hit_tokens_remote += self.block_size
         self.stats.blocks_loaded += len(blocks)
 
     # ---- each step ----------------------------------------------------------------------------------
@@ -172,7 +189,7 @@ class OffloadConnector:
             self._next.stores.append((block_id, h))
             self.stats.blocks_stored += 1
         p, self._next = self._next, _Pending()
-        transfer = KVTransfer(p.stores, p.loads, p.evict, p.prefetch, p.disk_evict, self.prefetching > 0)
+        transfer = KVTransfer(p.stores, p.loads, p.evict, p.prefetch, p.disk_evict, self.prefetching > 0, p.pulls)
         return transfer if transfer else None
 
     def update_connector_output(self, result: KVTransferResult) -> None:
@@ -184,12 +201,18 @@ class OffloadConnector:
             if self.disk.pop(h, None) is not None:
                 self._tier_out(h)
         self._trim_disk()
+        pulled = {h for h in result.pulled if self.pulling.pop(h, None) is not None}
+        failures = self.stats.pull_failures
         for h in result.prefetched:
             if self.ram.get(h) is False:
                 self.ram[h] = True
                 self.prefetching -= 1
-                self.from_disk.add(h)
+                (self.from_remote if h in pulled else self.from_disk).add(h)
         for h in result.failed:  # never served: dropped (the worker deleted its file), its tokens computed
+            producer = self.pulling.pop(h, None)
+            if producer is not None:
+                self._unpullable(producer, h)
+                self.stats.pull_failures += 1
             ready = self.ram.pop(h, None)
             if ready is False:
                 self.prefetching -= 1
@@ -198,8 +221,11 @@ class OffloadConnector:
             self.disk.pop(h, None)
             self._tier_out(h)
         s = self.stats
-        s.blocks_prefetched += len(result.prefetched)
-        s.prefetch_failures += len(result.failed)
+        s.blocks_pulled += len(pulled)
+        s.blocks_prefetched += len(result.prefetched) - len(pulled)
+        s.prefetch_failures += len(result.failed) - (s.pull_failures - failures)
+        s.bytes_pulled += result.bytes_pulled
+        s.pull_s += result.pull_s
         s.bytes_stored += result.bytes_stored
         s.bytes_loaded += result.bytes_loaded
         s.bytes_from_disk += result.bytes_from_disk
@@ -218,6 +244,7 @@ class OffloadConnector:
             self._next.disk_evict.extend(t.disk_evict)
             # asked again (a second read of one that did start is harmless); else its request would wait for good
             self._next.prefetch.extend(h for h in t.prefetch if self.ram.get(h) is False)
+            self._next.pulls.extend((h, p) for h, p in t.pulls if self.ram.get(h) is False)
 
     def reset(self) -> None:
         """Drop every block the tiers hold (the worker frees their RAM slots and deletes their files); an entry on its
@@ -271,6 +298,24 @@ class OffloadConnector:
         self.disk.move_to_end(h)
         self._next.prefetch.append(h)
         return True
+
+    def _pull(self, h: int, remote: Any) -> bool:
+        """Ask for ``h`` from the producer ``remote`` names, as ``_prefetch`` asks the disk; False when it failed before
+        or the RAM tier has no room for it now."""
+        producer = remote.remote_engine
+        if (producer, h) in self.unpullable or self.prefetching >= max(1, self.config.ram_blocks // 2) or \
+                not self._make_room():  # fmt: skip
+            return False
+        self.ram[h] = False
+        self.prefetching += 1
+        self.pulling[h] = producer
+        self._next.pulls.append((h, producer))
+        return True
+
+    def _unpullable(self, producer: str, h: int) -> None:
+        self.unpullable[(producer, h)] = None
+        while len(self.unpullable) > 4 * self.config.ram_blocks + 64:
+            self.unpullable.popitem(last=False)
 
     def retain(self, h: int, priority: int, duration_s: float) -> None:
         """A retention hint for block ``h`` from now on (the higher and longer of it and a live one)."""

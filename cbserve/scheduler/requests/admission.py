@@ -1,18 +1,20 @@
 """What ``EngineCore.add_request`` refuses before a request enters the engine: an id already in use (sequence ids
 share one namespace at the worker) and a request that could never run (``validate_request``: LoRA off, the length
 rule of limits.py, more KV blocks than the whole cache, beam search beside speculative decoding, retention hints
-the operator's limits do not allow)."""
+the operator's limits do not allow) or a part in prefill/decode disaggregation this engine cannot play
+(``kv_transfer_request``)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 
-from cbserve.scheduler.config import EngineConfig
+from cbserve.scheduler.config import MAX_RETENTION_PRIORITY, EngineConfig
 from cbserve.scheduler.errors import RequestRejectedError
 from cbserve.scheduler.requests.limits import check_pooling_prompt, resolve_max_tokens
 from cbserve.scheduler.requests.request import EngineRequest
-from cbserve.scheduler.requests.retention import check_retention
+from cbserve.scheduler.requests.retention import Retention, check_retention
 from cbserve.scheduler.requests.sequence import SequenceGroup, child_seq_id
 
 
@@ -73,3 +75,30 @@ def _check_retention(cfg: EngineConfig, request: EngineRequest, num_prompt: int)
         check_retention(request.retention, num_prompt, cfg.cache.retention)
     except ValueError as e:
         raise RequestRejectedError(str(e)) from e
+
+
+def kv_transfer_request(cfg: EngineConfig, request: EngineRequest) -> EngineRequest:
+    """The request as this engine plays its part in prefill/decode disaggregation (kv_transfer.py): a
+    ``remote_decode`` one keeps its prompt's blocks for a decode engine (a retention hint of ``transfer_timeout_s``)
+    and carries the answer its last output gives. RequestRejectedError where this engine has no such part."""
+    kt = request.kv_transfer
+    if kt is None:
+        return request
+    offload = cfg.cache.offload
+    role = None if offload is None else offload.role
+    if not kt.remote_decode:
+        if role not in ("kv_consumer", "kv_both"):
+            raise RequestRejectedError("kv_transfer_params do_remote_prefill: this engine pulls no KV (start it "
+                                       "with kv_transfer_config kv_role 'kv_consumer' or 'kv_both')")
+        return request
+    if offload is None or offload.shm_name is None or role not in ("kv_producer", "kv_both"):
+        raise RequestRejectedError("kv_transfer_params do_remote_decode: this engine publishes no KV (start it with "
+                                   "kv_transfer_config kv_role 'kv_producer' or 'kv_both')")
+    sp = request.sampling_params
+    if request.lora is not None or sp.num_sequences > 1 or sp.use_beam_search or sp.prompt_logprobs is not None:
+        raise RequestRejectedError("kv_transfer_params do_remote_decode takes one sampled sequence of the base model "
+                                   "without prompt_logprobs (n=1, no best_of, beam search or LoRA adapter)")
+    n = len(request.prompt_token_ids)
+    keep = Retention(0, n, MAX_RETENTION_PRIORITY, offload.transfer_timeout_s)
+    answer = kt.published(offload.shm_name, n, cfg.cache.block_size)
+    return replace(request, retention=(*request.retention, keep), kv_transfer=replace(kt, answer=answer))

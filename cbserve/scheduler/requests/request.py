@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from cbserve.scheduler.requests.kv_transfer import KVTransferParams
 from cbserve.scheduler.requests.lora import LoRARequest, adapter_keys
 from cbserve.scheduler.requests.retention import Retention
 from cbserve.scheduler.requests.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class EngineRequest:
     lora: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     client: int = 0  # which of the host's clients sent it (an engine replica: the ingress channel); its outputs say
     retention: tuple[Retention, ...] = ()  # ranges of its prompt to keep cached (kv/retention.py)
+    kv_transfer: KVTransferParams | None = None  # its part in prefill/decode disaggregation (kv_transfer.py)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ class RequestOutput:
     error: RequestFailure | None = None
     client: int = 0  # the request's ``EngineRequest.client``: where the host sends this output
     weights_version: int = 0  # the version of the weights that ran its step (EngineCore.set_weights_version)
+    # A producer's answer to ``do_remote_decode`` on the request's last output (requests/kv_transfer.py)
+    kv_transfer_params: dict | None = None
 
 
 def cache_extra_keys(cache_salt: str | None, lora: LoRARequest | None) -> tuple:

@@ -18,6 +18,7 @@ from cbserve.worker.cpu.malloc import tune_malloc_for_cpu_inference
 from cbserve.worker.cuda.graphs import CaptureFn, DecodeCUDAGraphs, maybe_capture_decode_graphs
 from cbserve.worker.cuda.piecewise_graphs import PieceCaptureFn, PiecewiseCUDAGraphs, maybe_capture_piecewise_graphs
 from cbserve.worker.faults import FaultPlan
+from cbserve.worker.kv.tiers import build_kv_tiers
 from cbserve.worker.loading.model_build import build_model
 from cbserve.worker.loading.model_info import read_eos_token_ids
 from cbserve.worker.loading.model_loader import hide_triton_from_torch, load_hf_config, resolve_model
@@ -31,7 +32,6 @@ from cbserve.worker.runner.block_table import BlockTable
 from cbserve.worker.runner.draft_model import DraftModel
 from cbserve.worker.runner.input_batch import CachedRequestState, PreparedBatch, build_batch, order_decode_first
 from cbserve.worker.runner.kv_cache import allocate_kv_cache, bytes_per_block, copy_blocks, num_blocks_for_budget
-from cbserve.worker.runner.kv_tiers import build_kv_tiers
 from cbserve.worker.runner.pooler import Pooler
 from cbserve.worker.runner.profiling import profile_cuda_kv_budget
 from cbserve.worker.runner.prompt_logprobs import compute_prompt_logprobs
@@ -183,7 +183,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: the KV tiers' moves first (worker/runner/kv_tiers.py), then the forward pass and sampling."""
+        """One step: the KV tiers' moves first (worker/kv/tiers.py), then the forward pass and sampling."""
         if not self.kv_caches:  # never allocated, or released by sleep() (which the error then names)
             self.sleep_mode.check_awake("execute_model()")
             raise RuntimeError("init_kv_cache() must be called before execute_model()")

@@ -5,11 +5,10 @@ half, which decides every move, is scheduler/kv/offload.py).
   (lossless: a restored block gives the tokens a recomputed one gives; ``kv_offloading_dtype: bfloat16`` halves a
   float32 cache's blocks instead, rounding them; ``int8`` quarters them: each token's head vector as int8 with one
   float32 scale, its largest magnitude / 127, kept beside in ``scales``), on the CPU (pinned on CUDA).
-- The disk tier: one file per block in this model's folder (``<kv_disk_path>/<model key>/<hash>.kv``, the key
-  naming the model's files, dtype, block size and tensor-parallel rank, so that two models never share blocks),
-  written atomically (a temporary file, then a rename) by a background thread; a header with the block's hash,
-  shape and dtype, and a blake2b digest of the payload, checked on every read: a truncated or corrupt file is
-  reported failed (the scheduler drops it, the tokens are computed), never served. Replicas of one node share the
+- The disk tier: one checked file per block in this model's folder (disk.py; the folder's key names the model's
+  files, dtype, block size and tensor-parallel rank, so that two models never share blocks), written by a
+  background thread; a truncated or corrupt file is reported failed (the scheduler drops it, the tokens are
+  computed), never served. Replicas of one node share the
   folder: a restarted replica finds what is there, and every ``RESCAN_S`` the background thread lists the folder
   and reports the files other replicas wrote since (as its own writes are reported: ``on_disk``), so that a prefix
   one replica computed is a disk hit for the others. Each replica then keeps its index within its own
@@ -19,6 +18,11 @@ half, which decides every move, is scheduler/kv/offload.py).
 On CUDA blocks move whole: a step's blocks are gathered on the device (every layer's K and V of a block stacked), then
 copied one block at a time straight into its pinned slot, and back the same way (no staging through pageable memory);
 on the CPU each layer's K and V are gathered into the slots directly.
+
+Prefill/decode disaggregation (shared.py, ``HandOff``): a producer's RAM tier lives in a shared-memory file under
+its engine id, every slot tagged with the block it holds; a consumer's ``pulls`` copy published blocks from a
+producer's file into its own RAM tier in a background thread of their own, waiting up to ``pull_wait_s`` for a
+block the producer has not published yet (its store comes with its next step), then reporting it failed.
 
 Each step's ``KVTransfer`` is carried out before its forward pass: stores (pool -> RAM, and queued for disk),
 loads (RAM -> pool), evictions; prefetches (disk -> RAM) and deletions run in the background thread and are
@@ -30,11 +34,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +45,12 @@ import torch
 
 from cbserve.scheduler.config import OffloadConfig
 from cbserve.scheduler.kv.connector import KVTransfer, KVTransferResult
-from cbserve.scheduler.kv.offload import DISK_SUFFIX, disk_names, oldest_first, scan_disk
+from cbserve.scheduler.kv.offload import disk_names, oldest_first, scan_disk
+from cbserve.worker.kv.disk import BlockFiles, remove_orphans
+from cbserve.worker.kv.shared import SUFFIX, Producers, SharedSlots, as_tag, producer_name, remove_dead
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"CBKV\x01"
-_HEADER = struct.Struct("<5sQ16sQ")  # magic, block hash, payload digest, payload bytes
 POLL_WAIT_S = 0.01  # a step sent only to collect prefetch reports waits this long for one
 RESCAN_S = 5.0  # how often the disk tier's folder is listed for other replicas' files
 
@@ -64,9 +67,22 @@ def tier_key(model_files: list[Path], dtype: torch.dtype, block_size: int, rank:
     return h.hexdigest()
 
 
+@dataclass(frozen=True)
+class HandOff:
+    """This engine's part in prefill/decode disaggregation: its ``role``, the shared folder, the model's tier key
+    (producers' file names start with it), how long a producer keeps a request's blocks and a consumer waits for
+    them to be published."""
+
+    role: str
+    folder: Path
+    key: str
+    transfer_timeout_s: float = 30.0
+    pull_wait_s: float = 2.0
+
+
 class KVTiers:
     def __init__(self, ram_bytes: int, disk_dir: Path | None, disk_bytes: int, block_shape: tuple[int, ...],
-                 dtype: torch.dtype, pin: bool = False) -> None:
+                 dtype: torch.dtype, pin: bool = False, handoff: HandOff | None = None) -> None:
         """``dtype``: the tiers' (the cache's; bfloat16 for a float32 cache: rounded on store, widened on load; int8:
         quantized per token and head with a float32 scale)."""
         self.block_shape = block_shape  # [layers, 2, block_size, kv_heads, head_dim]
@@ -74,9 +90,15 @@ class KVTiers:
         self.scale_shape = block_shape[:-1] if dtype == torch.int8 else None  # a scale per token and head
         scale_bytes = torch.Size(self.scale_shape).numel() * 4 if self.scale_shape else 0
         self.block_bytes = torch.Size(block_shape).numel() * torch.empty((), dtype=dtype).element_size() + scale_bytes
+        publish = handoff is not None and handoff.role in ("kv_producer", "kv_both")
+        name = producer_name(handoff.key) if publish else None  # type: ignore[union-attr]
         self.config = OffloadConfig(ram_bytes // self.block_bytes, None if disk_dir is None else str(disk_dir),
-                                    disk_bytes // self.block_bytes if disk_dir is not None else 0)
+                                    disk_bytes // self.block_bytes if disk_dir is not None else 0,
+                                    None if handoff is None else handoff.role, name,
+                                    30.0 if handoff is None else handoff.transfer_timeout_s)
         self.disk_dir = disk_dir
+        self.files = None if disk_dir is None else BlockFiles(disk_dir, block_shape, dtype, self.scale_shape,
+                                                              self.block_bytes)
         self.known: set[int] = set()  # the disk files this replica wrote, or reported, and did not delete
         self._scanned_at = time.monotonic()
         self._scanning = False
@@ -86,7 +108,17 @@ class KVTiers:
             self.known.update(scan_disk(str(disk_dir)))  # the scheduler's index starts from the same listing
         # The RAM tier: one tensor of ``ram_blocks`` slots, allocated once (exactly what the operator gave; pinned on
         # CUDA, the pages touched as blocks come), a block in a slot, ``ram`` its hash's slot.
-        self.slots = torch.empty((self.config.ram_blocks, *block_shape), dtype=dtype, pin_memory=pin)
+        self.handoff, self.shared, self.producers = handoff, None, None
+        if handoff is not None:
+            handoff.folder.mkdir(parents=True, exist_ok=True)
+            remove_dead(handoff.folder)
+            if name is not None:  # the RAM tier is the shared file's slots
+                self.shared = SharedSlots(handoff.folder / f"{name}{SUFFIX}", self.config.ram_blocks, block_shape,
+                                          dtype, create=True)
+            if handoff.role in ("kv_consumer", "kv_both"):
+                self.producers = Producers(handoff.folder, handoff.key, block_shape, dtype)
+        self.slots = self.shared.slots if self.shared is not None else \
+            torch.empty((self.config.ram_blocks, *block_shape), dtype=dtype, pin_memory=pin)
         self.whole_blocks = False  # move whole blocks (always on CUDA; tests set it to run that path on a CPU)
         self.scales = None if self.scale_shape is None else \
             torch.empty((self.config.ram_blocks, *self.scale_shape), dtype=torch.float32, pin_memory=pin)
@@ -94,6 +126,7 @@ class KVTiers:
         self.ram: dict[int, int] = {}
         self.kv_caches: list = []
         self._io = ThreadPoolExecutor(1, "cbserve-kv-disk")  # disk writes, reads and deletions, in order
+        self._puller = ThreadPoolExecutor(1, "cbserve-kv-pull")  # pulls from producers (disaggregation)
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._report = KVTransferResult()
@@ -124,6 +157,11 @@ class KVTiers:
             r.load_s += time.perf_counter() - stored
         for h in t.prefetch:
             self._io.submit(self._read, h, self._slot(h))
+        by_producer: dict[str, list[tuple[int, int]]] = {}
+        for h, producer in t.pulls:
+            by_producer.setdefault(producer, []).append((h, self._slot(h)))
+        for producer, items in by_producer.items():
+            self._puller.submit(self._pull, producer, items, time.monotonic())
 
     def get_finished(self) -> KVTransferResult | None:
         if self.disk_dir is not None and not self._scanning and time.monotonic() - self._scanned_at >= RESCAN_S:
@@ -161,6 +199,9 @@ class KVTiers:
 
     def shutdown(self) -> None:
         self._io.shutdown(wait=True)
+        self._puller.shutdown(wait=True)
+        if self.shared is not None:  # a consumer that maps it keeps its pages until it lets go
+            self.shared.path.unlink(missing_ok=True)
 
     # ---- pool <-> RAM ---------------------------------------------------------------------------------
     def _slot(self, h: int) -> int:
@@ -180,6 +221,8 @@ class KVTiers:
         device = self.kv_caches[0][0].device
         ids = torch.tensor([b for b, _ in stores], dtype=torch.long, device=device)
         slot_list = [self._slot(h) for _, h in stores]
+        if self.shared is not None:  # a consumer never takes a slot while it is written
+            self.shared.tags[slot_list] = 0
         if self.whole_blocks or device.type == "cuda":
             self._store_whole(ids, slot_list)
         else:
@@ -187,9 +230,11 @@ class KVTiers:
             for layer, kv in enumerate(self.kv_caches):  # one gather per layer and K/V, into the slots
                 for i in (0, 1):
                     q, scale = self._encode(kv[i].index_select(0, ids))
-                    self.slots[slots, layer, i] = q
+                    self.slots[:, layer, i].index_copy_(0, slots, q)  # (a copy per block, no index_put_)
                     if scale is not None:
                         self.scales[slots, layer, i] = scale  # type: ignore[index]
+        if self.shared is not None:
+            self.shared.tags[slot_list] = torch.tensor([as_tag(h) for _, h in stores], dtype=torch.int64)
         if self.disk_dir is not None:
             for (_, h), slot in zip(stores, slot_list, strict=True):  # the slot may be reused before it is written
                 scale = None if self.scales is None else self.scales[slot].clone()
@@ -237,45 +282,26 @@ class KVTiers:
         slots = torch.tensor(slot_list, dtype=torch.long)
         for layer, kv in enumerate(self.kv_caches):
             for i in (0, 1):
-                x = self.slots[slots, layer, i]
+                x = self.slots[:, layer, i].index_select(0, slots)  # (1.4x a gather by advanced indexing)
                 if self.scales is not None:
                     x = x.float() * self.scales[slots, layer, i].unsqueeze(-1)
                 kv[i].index_copy_(0, ids, x.to(k0.dtype))
 
     # ---- disk (the background thread) ---------------------------------------------------------------
-    def _path(self, h: int) -> Path:
-        assert self.disk_dir is not None
-        return self.disk_dir / f"{h:016x}{DISK_SUFFIX}"
-
     def _write(self, h: int, block: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        path = self._path(h)
-        payload = block.contiguous().view(torch.uint8).numpy().tobytes()
-        if scale is not None:
-            payload += scale.contiguous().view(torch.uint8).numpy().tobytes()
-        header = _HEADER.pack(MAGIC, h, hashlib.blake2b(payload, digest_size=16).digest(), len(payload))
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(payload)
-            os.replace(tmp, path)
-        except OSError as e:
-            logger.warning("KV disk tier: writing %s failed: %s", path.name, e)
-            tmp.unlink(missing_ok=True)
-            return
-        with self._lock:
-            self._report.on_disk.append(h)
-            self.known.add(h)
+        if self.files is not None and self.files.write(h, block, scale):
+            with self._lock:
+                self._report.on_disk.append(h)
+                self.known.add(h)
 
     def _read(self, h: int, slot: int) -> None:
-        block, nbytes = self._read_checked(h), 0
+        assert self.files is not None
+        block, nbytes = self.files.read(h), 0
         if block is None:
             self._unlink(h)  # a bad file is never read again (by this replica or another)
         with self._arrived:
             if block is not None and self.ram.get(h) == slot:  # (a slot released meanwhile is another's now)
-                self.slots[slot].copy_(block[0])  # reserved: the scheduler offers it once the report is in
-                if self.scales is not None:
-                    self.scales[slot].copy_(block[1])
+                self._fill(slot, h, block[0], block[1])  # reserved: the scheduler offers it once the report is in
             if block is None:
                 self._report.failed.append(h)  # its slot is released by the scheduler's eviction of the entry
             else:
@@ -284,33 +310,55 @@ class KVTiers:
             self._report.bytes_from_disk += nbytes
             self._arrived.notify_all()
 
-    def _read_checked(self, h: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        path = self._path(h)
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            logger.warning("KV disk tier: block %016x unreadable (%s); it is computed", h, e)
-            return None
-        if len(data) != _HEADER.size + self.block_bytes:
-            logger.warning("KV disk tier: %s has %d bytes, not %d; it is computed", path.name, len(data),
-                           _HEADER.size + self.block_bytes)
-            return None
-        magic, stored_hash, digest, size = _HEADER.unpack_from(data)
-        payload = data[_HEADER.size :]
-        if magic != MAGIC or stored_hash != h or size != self.block_bytes or \
-                hashlib.blake2b(payload, digest_size=16).digest() != digest:  # fmt: skip
-            logger.warning("KV disk tier: %s fails its checks (corrupt); it is computed", path.name)
-            return None
-        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        cut = self.block_bytes - (0 if self.scale_shape is None else torch.Size(self.scale_shape).numel() * 4)
-        block = raw[:cut].view(self.dtype).view(self.block_shape)
-        scale = None if self.scale_shape is None else raw[cut:].view(torch.float32).view(self.scale_shape)
-        return block, scale
+    def _fill(self, slot: int, h: int, block: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """A slot's block from elsewhere (disk, a producer), its tag cleared while it is written."""
+        if self.shared is not None:
+            self.shared.tags[slot] = 0
+        self.slots[slot].copy_(block)
+        if self.scales is not None and scale is not None:
+            self.scales[slot].copy_(scale)
+        if self.shared is not None:
+            self.shared.tags[slot] = as_tag(h)
 
     def _unlink(self, h: int) -> None:
-        self._path(h).unlink(missing_ok=True)
+        if self.files is not None:
+            self.files.path(h).unlink(missing_ok=True)
         with self._lock:
             self.known.discard(h)
+
+    # ---- pulls from producers (their thread) --------------------------------------------------------
+    def _pull(self, producer: str, items: list[tuple[int, int]], asked_at: float) -> None:
+        """Copy the producer's published blocks into their slots here (a block counts when its tag holds its hash
+        before and after the copy); one not published within ``pull_wait_s`` of ``asked_at`` fails."""
+        assert self.handoff is not None and self.producers is not None
+        source = self.producers.get(producer)
+        deadline, pending, done = asked_at + self.handoff.pull_wait_s, list(items), []
+        while pending and source is not None:
+            index, rest = source.index(), []
+            for h, slot in pending:
+                tag = as_tag(h)
+                at = index.get(tag)
+                if at is None:
+                    rest.append((h, slot))
+                    continue
+                with self._lock:
+                    if self.ram.get(h) == slot:  # (a slot released meanwhile is another's now)
+                        self._fill(slot, h, source.slots[at], None)
+                if int(source.tags[at]) == tag:
+                    done.append(h)
+            pending = rest if time.monotonic() < deadline else []
+            if pending:
+                time.sleep(0.002)
+        landed = set(done)
+        failed = [h for h, _ in items if h not in landed]
+        with self._arrived:
+            r = self._report
+            r.prefetched.extend(done)
+            r.pulled.extend(done)
+            r.failed.extend(failed)
+            r.bytes_pulled += len(done) * self.block_bytes
+            r.pull_s += time.monotonic() - asked_at
+            self._arrived.notify_all()
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,38 +370,24 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def remove_orphans(disk_dir: Path) -> int:
-    """Delete the temporary files of writes whose process is gone (killed mid-write: its block never became a file);
-    a live process's are left to finish. How many went."""
-    removed = 0
-    for tmp in disk_dir.glob(f".*{DISK_SUFFIX}.*.tmp"):
-        try:
-            pid = int(tmp.name.rsplit(".", 2)[-2])
-            os.kill(pid, 0)  # alive: a replica sharing the folder is writing it
-        except (ValueError, ProcessLookupError):
-            tmp.unlink(missing_ok=True)
-            removed += 1
-        except PermissionError:  # alive, another user's
-            continue
-    return removed
-
-
 def build_kv_tiers(runner: Any) -> KVTiers | None:
     """The tiers of a ModelRunner whose config asks for them (``kv_offloading_bytes``), else None."""
     config = runner.config
     if not config.kv_offloading_bytes:
         return None
-    disk_dir = None
-    if config.kv_disk_path is not None:
-        files = [*runner.model_folder.glob("*.safetensors"), runner.model_folder / "config.json"]
-        key = tier_key([f for f in files if f.exists()], runner.dtype, runner.block_size, config.rank,
-                       config.tensor_parallel_size, config.kv_offloading_dtype)
-        disk_dir = Path(config.kv_disk_path) / key
+    files = [*runner.model_folder.glob("*.safetensors"), runner.model_folder / "config.json"]
+    key = tier_key([f for f in files if f.exists()], runner.dtype, runner.block_size, config.rank,
+                   config.tensor_parallel_size, config.kv_offloading_dtype)
+    disk_dir = None if config.kv_disk_path is None else Path(config.kv_disk_path) / key
+    handoff = None if config.kv_role is None else HandOff(config.kv_role, Path(config.kv_shm_path), key,
+                                                          config.kv_transfer_timeout_s, config.kv_pull_wait_s)
     shape = (runner.num_layers, 2, runner.block_size, runner.num_kv_heads, runner.head_dim)
     dtype = {"bfloat16": torch.bfloat16, "int8": torch.int8}.get(config.kv_offloading_dtype, runner.dtype)
     tiers = KVTiers(config.kv_offloading_bytes, disk_dir, config.kv_disk_bytes, shape, dtype,
-                    pin=runner.device.type == "cuda")
-    logger.info("KV tiers: RAM %d blocks (%.1f MiB)%s", tiers.config.ram_blocks,
+                    pin=runner.device.type == "cuda", handoff=handoff)
+    logger.info("KV tiers: RAM %d blocks (%.1f MiB)%s%s", tiers.config.ram_blocks,
                 tiers.config.ram_blocks * tiers.block_bytes / 2**20,
-                "" if disk_dir is None else f", disk {tiers.config.disk_blocks} blocks in {disk_dir}")
+                "" if disk_dir is None else f", disk {tiers.config.disk_blocks} blocks in {disk_dir}",
+                "" if handoff is None else f"; {handoff.role} in {handoff.folder}"
+                + ("" if tiers.config.shm_name is None else f" as {tiers.config.shm_name}"))
     return tiers
