@@ -108,16 +108,19 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     names = list(doc["ways"])
-    for ax, keys, title in ((axes[0], ("itl_p50_ms", "itl_p99_ms"), "steady streams' ITL (ms)"),
-                            (axes[1], ("ttft_p50_ms", "ttft_p90_ms"), "long prompts' TTFT (ms)")):  # fmt: skip
-        for j, key in enumerate(keys):  # (p99.9 and max are in the JSON)
-            ax.bar([i + 0.4 * j for i in range(len(names))], [doc["ways"][n][key] for n in names], 0.4,
-                   label=key.split("_")[1])
-        ax.set_xticks([i + 0.2 for i in range(len(names))], names)
+    panels = ((axes[0], ("itl_p50_ms", "itl_p99_ms", "itl_p999_ms", "itl_max_ms"), "steady streams' ITL (ms, log)"),
+              (axes[1], ("ttft_p50_ms", "ttft_p90_ms"), "long prompts' TTFT (ms)"))  # fmt: skip
+    for ax, keys, title in panels:
+        width = 0.8 / len(keys)
+        for j, key in enumerate(keys):
+            ax.bar([i + width * j for i in range(len(names))], [doc["ways"][n][key] for n in names], width,
+                   label=key.split("_")[1].replace("p999", "p99.9"))
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
+    axes[0].set_yscale("log")
     fig.suptitle(f"P:D vs colocated, same cores - {doc['cpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -128,13 +131,17 @@ def main() -> int:
     p.add_argument("--cores", type=int, default=2)
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--stream-tokens", type=int, default=64)
-    p.add_argument("--long-tokens", type=int, default=2000)
-    p.add_argument("--period", type=float, default=4.0)
+    p.add_argument("--long-tokens", type=int, default=1500)
+    p.add_argument("--period", type=float, default=3.0)
     p.add_argument("--duration", type=float, default=60.0)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="benchmarks/results/pd")
+    p.add_argument("--replot", action="store_true", help="plot --out-dir's pd_served.json again, run nothing")
     args = p.parse_args()
+    if args.replot:
+        plot(json.loads((Path(args.out_dir) / "pd_served.json").read_text()), Path(args.out_dir) / "pd_served.png")
+        return 0
     base = {"served_model_name": MODEL, "node_tuning": "off", "dtype": args.dtype, "device": "cpu",
             "max_model_len": 4096}  # fmt: skip
     half = max(1, args.cores // 2)

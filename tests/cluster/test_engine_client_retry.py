@@ -138,7 +138,7 @@ async def _collect(client: EngineClient, state: _State, stop: Any = None) -> lis
         client.requests.pop(state.request.req_id)  # type: ignore[attr-defined]
 
 
-def _run(client: EngineClient, setup: Any = None, stop: Any = None) -> list[Any]:
+def _run(client: EngineClient, setup: Any = None, stop: Any = None, state: _State | None = None) -> list[Any]:
     """The outputs the request got (the batches flattened: items that came together are handed over together)."""
 
     async def run() -> list[Any]:
@@ -146,7 +146,7 @@ def _run(client: EngineClient, setup: Any = None, stop: Any = None) -> list[Any]
         if setup is not None:
             setup(client)
         try:
-            return [out for batch in await _collect(client, _State(), stop) for out in batch]
+            return [out for batch in await _collect(client, state or _State(), stop) for out in batch]
         finally:
             await _close(client)
 
@@ -262,13 +262,27 @@ def test_a_stop_string_finish_reaches_the_engine_on_the_channel() -> None:
     assert engine.finished == [("r1", 0)] and engine.aborted == ["r1"]  # then the stream was left: aborted
 
 
-def test_failure_after_outputs_is_not_retried() -> None:
+def test_a_replica_lost_after_outputs_continues_the_stream_on_another() -> None:
+    lost = EngineFailure("unavailable", "lost")
+    dying, other = FakeEngine([[], [_out(1)], [_out(5)], lost]), FakeEngine([[], [_out(2)], [_out(3, True)]])
+    client = _client(dying, other)
+    got = _run(client, _load(client))
+    assert [o.new_token_ids for o in got] == [[1], [5], [2], [3]]  # the client's stream goes on, nothing repeated
+    go_on = other.requests[0]
+    assert go_on.prompt_token_ids == [1, 2, 3, 1, 5] and go_on.sampling_params.max_tokens == 2
+    assert all(o.num_prompt_tokens == 3 for o in got[2:])  # as the original request's outputs say
+
+
+@pytest.mark.parametrize("params", [dict(presence_penalty=0.5), dict(n=2), dict(frequency_penalty=-1.0)])
+def test_a_request_that_cannot_be_continued_ends_with_the_error(params: dict[str, Any]) -> None:
     dying, other = FakeEngine([[], [_out(1)], EngineFailure("unavailable", "lost")]), FakeEngine([[], [_out(2, True)]])
     client = _client(dying, other)
+    state = _State()
+    state.request = EngineRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4, **params))
     with pytest.raises(APIError) as info:
-        _run(client, _load(client))
+        _run(client, _load(client), state=state)
     assert info.value.status == 503
-    assert other.calls == 0  # outputs were already streamed: a retry would repeat them
+    assert other.calls == 0  # its outputs were streamed and a continuation would change what it samples
 
 
 @pytest.mark.parametrize(("kind", "status"), [("rejected", 400), ("failed", 500)])

@@ -2,14 +2,15 @@
 app of one prefill and one decode engine replica (``disaggregation: "1:1"``) over a shared-memory folder. A prompt
 long enough runs on the prefill replica first and its decode replica pulls the blocks: the greedy tokens (streamed
 and not, completions and chat) equal the offline engine's; a short prompt is prefilled on its decode replica; a
-vLLM-style proxy drives the handshake over HTTP itself (``kv_transfer_params``); and with the prefill replica's
-process killed under load, every request still ends with the offline tokens (its decode replica prefills it)."""
+vLLM-style proxy drives the handshake over HTTP itself (``kv_transfer_params``); and with both replicas' processes
+killed under load, every request still ends with the offline tokens (none lost, no stream cut)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import threading
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -95,14 +96,31 @@ def test_a_proxy_drives_the_handshake_over_http(served: str, offline: Any) -> No
         _complete(client, prompt, kv_transfer_params={**answer, "remote_engine_id": "../../etc"})
 
 
-def test_killing_the_prefill_replica_loses_no_request(served: str, offline: Any) -> None:
+def test_killing_both_replicas_under_load_loses_and_cuts_no_request(served: str, offline: Any) -> None:
+    """The chaos run: the prefill and the decode replica's processes killed while requests prefill and stream (as soon
+    as a stream has its second token). A prompt whose prefill leg is lost is prefilled on its decode replica; a stream
+    whose decode replica is lost goes on as a continuation once Ray restarted it (failover.py): every request ends
+    with the offline tokens, none repeated, none missing."""
     client = openai.OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0, timeout=180)
     prompts = [_prompt(f"{t}, take {k}") for k in range(3) for t in TOPICS]
-    pid = _stats(served)[0]["engine_pids"][0]
+    pids = [r["engine_pids"][0] for r in _stats(served)]
+    streaming = threading.Event()
+
+    def stream(prompt: str) -> str:
+        chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        text = []
+        for chunk in chunks:
+            text.append(chunk.choices[0].text)
+            if len(text) == 2:
+                streaming.set()
+        return "".join(text)
+
     with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(_complete, client, p, i % 2 == 0) for i, p in enumerate(prompts)]
-        os.kill(pid, signal.SIGKILL)
+        futures = [pool.submit(stream, p) for p in prompts]
+        assert streaming.wait(60)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
         texts = [f.result() for f in futures]
-    texts = [t if isinstance(t, str) else t.choices[0].text for t in texts]
     assert texts == [offline(p) for p in prompts]
-    wait_for("the prefill replica's restart", lambda: _stats(served)[0].get("state") == "ready", 180, 1.0)
+    wait_for("the replicas' restarts", lambda: all(r.get("state") == "ready" for r in _stats(served)), 180, 1.0)

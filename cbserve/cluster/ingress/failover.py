@@ -7,8 +7,10 @@ requests; engine_client.py hands each frame's items over).
 When it runs elsewhere: a replica that turns it away (waiting queue full, or gone), or that is lost after admitting
 it but before any of its outputs came back, is skipped for the next, unseen by the client. When no replica is
 ready (all failed at once, or are being rebuilt) it waits up to ``FAILOVER_WAIT_S`` for one. The client sees a
-429 when every ready replica is full, a 503 when none comes back in time, and an error after outputs were
-streamed (a retry would repeat them). A request whose own step failed ("failed", "rejected") is never retried,
+429 when every ready replica is full and a 503 when none comes back in time. A replica lost after outputs were
+streamed: the request goes on elsewhere as a continuation of what the client has (continuation.py), unless it is
+one that cannot be continued (several sequences, output-counting penalties, structured output), which ends with
+the error. A request whose own step failed ("failed", "rejected") is never retried,
 and one that was on ``MAX_REPLICA_LOSSES`` replicas as they were lost is failed as the suspect it is (a request
 that kills its worker would otherwise take one replica down after another).
 
@@ -27,10 +29,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any, Protocol
 
 from cbserve.cluster.channel.messages import AbortRequest, AddRequest, Admitted, EngineFailure
 from cbserve.cluster.channel.reader import ChannelReader
+from cbserve.cluster.ingress.continuation import continuation, why_not_continued
 from cbserve.cluster.ingress.disaggregation import Disaggregation, decode_leg, prefill_leg
 from cbserve.cluster.ingress.router import NoHealthyReplicaError, Router
 from cbserve.frontend.output import RequestState
@@ -89,6 +93,9 @@ class RoutedRequest:
         self.losses = 0  # replicas lost while they held it
         self.admitted_here = self.streamed = False
         self.others: frozenset[int] = frozenset()  # replicas of the other kind in a P:D app (never this leg's)
+        self.generated: list[int] = []  # the tokens streamed so far (a continuation's prompt goes on with them)
+        self.carried: tuple[int, float] | None = None  # a continuation's: the original prompt's length, its logprob
+        self.cumulative: float | None = None
         lora = self.request.lora
         self.lora_id = None if lora is None else lora.lora_int_id
         self.extra_keys = cache_extra_keys(self.request.cache_salt, lora)
@@ -119,6 +126,7 @@ class RoutedRequest:
                 outputs = [item for item in batch if isinstance(item, RequestOutput)]
                 if outputs:
                     self._first_output()
+                    self._follow(outputs)
                     yield outputs
                 failure = next((item for item in batch if isinstance(item, EngineFailure)), None)
                 if failure is not None:
@@ -193,10 +201,40 @@ class RoutedRequest:
             if isinstance(item, EngineFailure):
                 self._retry_or_raise(item)
 
+    def _follow(self, outputs: list[RequestOutput]) -> None:
+        """Keep what a continuation needs (the tokens streamed, the cumulative logprob); a continuation's outputs
+        say what the original request's would (its prompt, its cached tokens, its cumulative logprob)."""
+        for o in outputs:
+            if self.carried is not None:
+                num_prompt, logprob = self.carried
+                o.num_prompt_tokens, o.num_cached_tokens = num_prompt, min(o.num_cached_tokens, num_prompt)
+                if o.cumulative_logprob is not None:
+                    o.cumulative_logprob += logprob
+            if o.index == 0:
+                self.generated.extend(o.new_token_ids)
+                self.cumulative = o.cumulative_logprob if o.cumulative_logprob is not None else self.cumulative
+
+    def _continued(self, failure: EngineFailure) -> bool:
+        """Whether a request whose replica was lost after it streamed goes on elsewhere (as a continuation)."""
+        why = "the replica failed it" if failure.kind != "unavailable" else why_not_continued(self.request)
+        if why is not None:
+            logger.warning("request %s: its replica failed after it streamed (%s); not continued: %s",
+                           self.request.req_id, failure.message, why)
+            return False
+        if self.carried is None:
+            self.carried = (len(self.request.prompt_token_ids), 0.0)
+        self.carried = (self.carried[0], self.cumulative or 0.0)
+        whole = self.request.prompt_token_ids[: self.carried[0]]
+        self.request = continuation(replace(self.request, prompt_token_ids=whole), self.generated)
+        self.failover_until = asyncio.get_running_loop().time() + FAILOVER_WAIT_S
+        logger.warning("request %s: its replica was lost after %d tokens (%s); continuing it on another replica",
+                       self.request.req_id, len(self.generated), failure.message)
+        return True
+
     def _retry_or_raise(self, failure: EngineFailure) -> None:
         """A failure from the request's replica: raise it to the client, or let the request run elsewhere."""
         idx = self.state.replica
-        if self.streamed or failure.kind not in _TRY_ELSEWHERE:
+        if failure.kind not in _TRY_ELSEWHERE or (self.streamed and not self._continued(failure)):
             raise failure_to_api_error(failure)
         self.losses += self.admitted_here and failure.kind == "unavailable"
         self._release(abort=False)
@@ -213,7 +251,7 @@ class RoutedRequest:
                 raise failure_to_api_error(failure)
         elif asyncio.get_running_loop().time() >= self.failover_until:  # replicas keep failing it
             raise failure_to_api_error(failure)
-        elif self.admitted_here:
+        elif self.admitted_here and not self.streamed:
             logger.warning("engine replica %s failed before request %s's first output (%s); running it on another "
                            "replica", idx, self.request.req_id, failure.message)
 
