@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation served, against the colocated engine on the same cores: steady decoding streams
 (--streams of them, short prompts, --stream-tokens each, sent again as each ends) while a long prompt (--long-tokens
 of fresh token ids: no prefix hit) arrives every --period seconds, for --duration seconds per way, over HTTP
-(streamed completions through the real server). The two ways:
+(streamed completions through the real server), with the engines' step budget (a prefill chunk) at
+--max-num-batched-tokens. The two ways:
 
 - colocated: one engine replica with every worker core (``worker_num_cpus`` = ``worker_torch_threads`` = --cores);
 - P:D: ``--pd 1:1``, a prefill and a decode replica with half the cores each (the hand-off through shared memory).
@@ -121,7 +122,8 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
     axes[0].set_yscale("log")
-    fig.suptitle(f"P:D vs colocated, same cores - {doc['cpu']}", fontsize=9)
+    chunk = doc["args"].get("max_num_batched_tokens", 2048)
+    fig.suptitle(f"P:D vs colocated, same cores, prefill chunks of {chunk} tokens - {doc['cpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -135,22 +137,26 @@ def main() -> int:
     p.add_argument("--period", type=float, default=3.0)
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="the engines' step budget: a prompt's prefill chunk (both ways)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="benchmarks/results/pd")
-    p.add_argument("--replot", action="store_true", help="plot --out-dir's pd_served.json again, run nothing")
+    p.add_argument("--replot", action="store_true", help="plot --out-dir's JSON of this chunk size again, run nothing")
     args = p.parse_args()
+    out = Path(args.out_dir)
+    name = "pd_served" if args.max_num_batched_tokens == 2048 else f"pd_served_chunk{args.max_num_batched_tokens}"
     if args.replot:
-        plot(json.loads((Path(args.out_dir) / "pd_served.json").read_text()), Path(args.out_dir) / "pd_served.png")
+        plot(json.loads((out / f"{name}.json").read_text()), out / f"{name}.png")
         return 0
     base = {"served_model_name": MODEL, "node_tuning": "off", "dtype": args.dtype, "device": "cpu",
-            "max_model_len": 4096}  # fmt: skip
+            "max_model_len": 4096, "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
     half = max(1, args.cores // 2)
     ways = {"colocated": dict(base, num_replicas=1, worker_num_cpus=args.cores, worker_torch_threads=args.cores),
             "P:D 1:1": dict(base, worker_num_cpus=half, worker_torch_threads=half, kv_offloading_size=1.0,
                             disaggregation={"prefill_replicas": 1, "decode_replicas": 1})}  # fmt: skip
     doc: dict[str, Any] = {"cpu": cpu_model(), "args": vars(args), "ways": {}}
-    for name, app in ways.items():
-        doc["ways"][name] = run_way(name, app, args)
+    for way, app in ways.items():
+        doc["ways"][way] = run_way(way, app, args)
     c, d = doc["ways"]["colocated"], doc["ways"]["P:D 1:1"]
     doc["itl_p99_ratio"] = d["itl_p99_ms"] / c["itl_p99_ms"]
     doc["itl_p999_ratio"] = d["itl_p999_ms"] / c["itl_p999_ms"]
@@ -158,10 +164,9 @@ def main() -> int:
     print(f"P:D / colocated: ITL p99 {doc['itl_p99_ratio']:.2f}x (p99.9 {doc['itl_p999_ratio']:.2f}x), long-prompt "
           f"TTFT p50 {doc['ttft_p50_ratio']:.2f}x "
           f"({doc['cpu']}, {args.cores} cores)")  # fmt: skip
-    out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "pd_served.json").write_text(json.dumps(doc, indent=1))
-    plot(doc, out / "pd_served.png")
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    plot(doc, out / f"{name}.png")
     return 0
 
 

@@ -41,7 +41,7 @@ def test_gguf_cache_is_reused_without_reconverting(folder: Path, monkeypatch: py
     def boom(*a: object, **k: object) -> None:
         raise AssertionError("the GGUF was converted again")
 
-    monkeypatch.setattr(model_loader, "dequantized_state", boom)  # where the conversion reads the weights
+    monkeypatch.setattr(model_loader, "dequantized_tensors", boom)  # where the conversion reads the weights
     assert model_loader.resolve_model(default_model_path()).folder == folder
     assert model_loader.resolve_model(str(Path(default_model_path()).parent)).folder == folder
 

@@ -22,6 +22,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+CHUNK_ROWS = 8192  # rows dequantized at once (an embedding's intermediates stay small)
+
 BLOCKS_FILE = Path("cbserve-gguf-blocks") / "blocks.safetensors"
 BLOCK_K = 32
 # GGUF block layouts: bytes of one block of 32 values.
@@ -86,9 +88,23 @@ class QuantBlocks:
 
 def _dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
     from gguf import GGMLQuantizationType
+
+    return dequantize_rows(raw, GGMLQuantizationType[qtype])
+
+
+def dequantize_rows(data: np.ndarray, qtype: Any, rows: int = CHUNK_ROWS) -> np.ndarray:
+    """gguf's ``dequantize`` of a tensor's rows, ``rows`` at a time into one output: its intermediates (several times
+    the output for a block format) stay a chunk's size, not a whole embedding's."""
     from gguf.quants import dequantize
 
-    return dequantize(raw, GGMLQuantizationType[qtype])
+    if data.ndim < 2 or data.shape[0] <= rows:
+        return dequantize(data, qtype)
+    first = dequantize(data[:rows], qtype)
+    out = np.empty((data.shape[0], *first.shape[1:]), dtype=first.dtype)
+    out[:rows] = first
+    for i in range(rows, data.shape[0], rows):
+        out[i : i + rows] = dequantize(data[i : i + rows], qtype)
+    return out
 
 
 def _row_orders(gguf_name: str, n: int, cfg: Any) -> list[np.ndarray]:
@@ -115,44 +131,58 @@ def _name_mapper(reader: Any, cfg: Any) -> Callable[[str], str | None]:
     return lambda base: name_map.get_name(base)
 
 
+class BlockExtractor:
+    """The GGUF file's quantized tensors, to keep each dequantized weight's blocks as it comes (``take``)."""
+
+    def __init__(self, gguf_path: Path, cfg: Any) -> None:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(gguf_path))
+        self.cfg = cfg
+        self.to_gguf = _name_mapper(reader, cfg)
+        self.tensors = {t.name: t for t in reader.tensors}
+
+    def take(self, hf_name: str, ref: torch.Tensor) -> QuantBlocks | None:
+        """The blocks of weight ``hf_name`` (dequantized: ``ref``) when a GGUF tensor of a supported type holds it
+        exactly; None otherwise (it stays dense)."""
+        if ref.dim() != 2 or not hf_name.endswith(".weight") or ref.dtype != torch.float32:
+            return None
+        gguf_name = self.to_gguf(hf_name.removesuffix(".weight"))
+        tensor = self.tensors.get(f"{gguf_name}.weight") if gguf_name else None
+        if tensor is None or tensor.tensor_type.name not in BLOCK_BYTES:
+            return None
+        try:
+            blocks = _matching_blocks(tensor, ref, self.cfg)
+        except (ValueError, TypeError, NotImplementedError) as e:  # an unexpected layout: this weight stays dense
+            logger.info("GGUF tensor %s not kept as blocks (%s)", tensor.name, e)
+            return None
+        if blocks is None:
+            logger.info("GGUF tensor %s does not dequantize to %s exactly: kept dense", tensor.name, hf_name)
+        return blocks
+
+
 def extract_gguf_blocks(gguf_path: Path, cfg: Any, state: dict[str, torch.Tensor]) -> dict[str, QuantBlocks]:
     """The blocks of every 2-D weight of ``state`` (the dequantized checkpoint) that a GGUF tensor of a
     supported type holds exactly; weights that do not check out are left out (they stay dense)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    to_gguf = _name_mapper(reader, cfg)
-    tensors = {t.name: t for t in reader.tensors}
-    out: dict[str, QuantBlocks] = {}
-    for hf_name, ref in state.items():
-        if ref.dim() != 2 or not hf_name.endswith(".weight") or ref.dtype != torch.float32:
-            continue
-        gguf_name = to_gguf(hf_name.removesuffix(".weight"))
-        tensor = tensors.get(f"{gguf_name}.weight") if gguf_name else None
-        if tensor is None or tensor.tensor_type.name not in BLOCK_BYTES:
-            continue
-        try:
-            blocks = _matching_blocks(tensor, ref, cfg)
-        except (ValueError, TypeError, NotImplementedError) as e:  # an unexpected layout: this weight stays dense
-            logger.info("GGUF tensor %s not kept as blocks (%s)", tensor.name, e)
-            continue
-        if blocks is None:
-            logger.info("GGUF tensor %s does not dequantize to %s exactly: kept dense", tensor.name, hf_name)
-        else:
-            out[hf_name] = blocks
-    return out
+    extractor = BlockExtractor(gguf_path, cfg)
+    return {name: b for name, ref in state.items() if (b := extractor.take(name, ref)) is not None}
 
 
 def _matching_blocks(tensor: Any, ref: torch.Tensor, cfg: Any) -> QuantBlocks | None:
     """The tensor's blocks in the row order that dequantizes to ``ref`` exactly, or None."""
     raw = np.asarray(tensor.data).reshape(ref.shape[0], -1)
     want = ref.contiguous().numpy().view(np.uint32)
-    for order in _row_orders(tensor.name, ref.shape[0], cfg):
+    qtype, n = tensor.tensor_type.name, ref.shape[0]
+    for order in _row_orders(tensor.name, n, cfg):
         rows = raw[order]
-        got = _dequantize(rows, tensor.tensor_type.name)
-        if got.shape == want.shape and np.array_equal(got.astype(np.float32).view(np.uint32), want):
-            return QuantBlocks(tensor.tensor_type.name, torch.from_numpy(np.ascontiguousarray(rows)))
+        if all(_same(_dequantize(rows[i : i + CHUNK_ROWS], qtype), want[i : i + CHUNK_ROWS])
+               for i in range(0, n, CHUNK_ROWS)):  # fmt: skip  (a chunk at a time: no full float32 copy)
+            return QuantBlocks(qtype, torch.from_numpy(np.ascontiguousarray(rows)))
     return None
+
+
+def _same(got: np.ndarray, want: np.ndarray) -> bool:
+    return got.shape == want.shape and np.array_equal(got.astype(np.float32).view(np.uint32), want)
 
 
 def save_gguf_blocks(folder: Path, blocks: dict[str, QuantBlocks]) -> None:

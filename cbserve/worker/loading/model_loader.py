@@ -29,6 +29,8 @@ from cbserve.worker.loading.model_info import COMPLETE_MARKER, gguf_cache_folder
 
 logger = logging.getLogger(__name__)
 
+CONVERT_SHARD_BYTES = 256 << 20  # a converted GGUF's shards: small, so that a shard held while it fills stays small
+
 
 @dataclass(frozen=True)
 class ResolvedModel:
@@ -55,7 +57,7 @@ def convert_gguf(gguf: Path) -> Path:
     gguf_model_type(meta, gguf)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from cbserve.worker.cpu.gguf_blocks import extract_gguf_blocks, save_gguf_blocks
+    from cbserve.worker.cpu.gguf_blocks import save_gguf_blocks
 
     logger.info("converting %s to safetensors in %s (first load only)", gguf, target)
     folder, name = str(gguf.parent), gguf.name
@@ -67,20 +69,14 @@ def convert_gguf(gguf: Path) -> Path:
             for key, value in gguf_config_fixes(meta).items():  # values transformers' loader drops
                 setattr(config, key, value)
             AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
-            bar.update()
-            state = dequantized_state(gguf, config)  # a tied LM head left out
             config.save_pretrained(tmp)
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
             bar.update()
-            try:
-                blocks = extract_gguf_blocks(gguf, config, state)
-            except Exception as e:  # noqa: BLE001 (optional: a reader failure must not fail the conversion)
-                logger.warning("GGUF blocks of %s not kept (%s: %s); weights stay float32", gguf, type(e).__name__, e)
-                blocks = {}
-            save_gguf_blocks(tmp, blocks)
-            logger.info("kept the GGUF blocks of %d of %d weights", len(blocks), len(state))
+            blocks, num_weights = _write_weights(gguf, config, tmp)
             bar.update()
-            save_sharded(state, tmp)  # empties ``state`` shard by shard
+            save_gguf_blocks(tmp, blocks)
+            logger.info("kept the GGUF blocks of %d of %d weights", len(blocks), num_weights)
+            bar.update()
             (tmp / COMPLETE_MARKER).write_text(str(gguf.resolve()))
             bar.update()
         with contextlib.suppress(OSError):  # another process may have finished first: keep theirs
@@ -92,45 +88,144 @@ def convert_gguf(gguf: Path) -> Path:
     return target
 
 
-def dequantized_state(gguf: Path, config: Any) -> dict[str, torch.Tensor]:
-    """The float32 weights of ``gguf`` under the HF model's names, read by transformers' GGUF loader into one
-    dictionary (the model itself built on the meta device: no second copy). RuntimeError naming the tensors when
-    they are not exactly the model's own names and shapes."""
+def _write_weights(gguf: Path, config: Any, folder: Path) -> tuple[dict[str, Any], int]:
+    """Dequantize ``gguf`` into safetensors shards in ``folder`` one tensor at a time (at the peak: one tensor, a
+    shard being filled and the quantized blocks kept), checking each against the model's names and shapes; the
+    GGUF blocks of the weights that have them (an empty dict when the blocks cannot be read: they are optional)."""
+    from cbserve.worker.cpu.gguf_blocks import BlockExtractor
+
+    try:
+        extractor: BlockExtractor | None = BlockExtractor(gguf, config)
+    except Exception as e:  # noqa: BLE001 (optional: a reader failure must not fail the conversion)
+        logger.warning("GGUF blocks of %s not kept (%s: %s); weights stay float32", gguf, type(e).__name__, e)
+        extractor = None
+    want = _model_shapes(config)
+    blocks, got = {}, {}
+    with ShardWriter(folder, CONVERT_SHARD_BYTES) as writer:
+        for name, tensor in dequantized_tensors(gguf, config):
+            got[name] = tuple(tensor.shape)
+            if want.get(name) != got[name]:
+                break  # named below
+            found = extractor.take(name, tensor) if extractor is not None else None
+            if found is not None:
+                blocks[name] = found
+            writer.add(name, tensor)
+    _check_names(gguf, got, want)
+    return blocks, len(got)
+
+
+def _model_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """The HF model's weights' names and shapes (built on the meta device: no memory); a tied LM head left out."""
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     want = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
     if getattr(config, "tie_word_embeddings", False):
         want.pop("lm_head.weight", None)
-        tensors.pop("lm_head.weight", None)
-    got = {k: tuple(v.shape) for k, v in tensors.items()}
+    return want
+
+
+def _check_names(gguf: Path, got: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]]) -> None:
     if got != want:
         differ = sorted(k for k in got.keys() | want.keys() if got.get(k) != want.get(k))
         raise RuntimeError(f"{gguf}: transformers' GGUF tensors are not the model's; these differ: {differ[:8]}")
-    return {k: v.to(torch.float32).contiguous() for k, v in tensors.items()}
+
+
+def dequantized_tensors(gguf: Path, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The float32 weights of ``gguf`` under the HF model's names, one at a time: transformers' GGUF loader's own
+    loop (its dequantization, its per-architecture tensor processors and name map), each tensor given out as it is
+    made instead of gathered (a processor that assembles tensors, as a mixture of experts' merged experts, keeps
+    those until the end). A tied LM head is left out."""
+    import numpy as np
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+        read_field,
+    )
+
+    from cbserve.worker.cpu.gguf_blocks import dequantize_rows
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)  # the metadata its processors read
+    parsed["tensors"] = {}
+    reader = GGUFReader(str(gguf))
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
+    mapping = get_gguf_hf_weights_map(skeleton, processor)
+    tied = getattr(config, "tie_word_embeddings", False)
+    for tensor in reader.tensors:
+        result = processor.process(weights=dequantize_rows(tensor.data, tensor.tensor_type), name=tensor.name,
+                                   tensor_key_mapping=mapping, parsed_parameters=parsed)  # fmt: skip
+        if result.name in mapping and not (tied and mapping[result.name] == "lm_head.weight"):
+            weights = result.weights  # (an array of its own unless a processor gave a view of the file: copied then)
+            owned = isinstance(weights, np.ndarray) and weights.flags.writeable and weights.flags.owndata
+            tensor = torch.from_numpy(weights if owned else np.copy(weights))
+            yield mapping[result.name], tensor.to(torch.float32).contiguous()
+    for name, tensor in parsed.pop("tensors").items():  # assembled by a processor
+        if not (tied and name == "lm_head.weight"):
+            yield name, tensor.to(torch.float32).contiguous()
+
+
+def dequantized_state(gguf: Path, config: Any) -> dict[str, torch.Tensor]:
+    """``dequantized_tensors`` gathered and checked against the model's names and shapes (RuntimeError naming the
+    tensors that differ)."""
+    state = dict(dequantized_tensors(gguf, config))
+    _check_names(gguf, {k: tuple(v.shape) for k, v in state.items()}, _model_shapes(config))
+    return state
+
+
+class ShardWriter:
+    """Safetensors shards of about ``shard_bytes`` written as tensors are added, with their index on ``close``; a
+    shard's tensors are let go once it is written."""
+
+    def __init__(self, folder: Path, shard_bytes: int = 1 << 30) -> None:
+        self.folder, self.shard_bytes = folder, shard_bytes
+        self.shard: dict[str, torch.Tensor] = {}
+        self.size, self.files = 0, 0
+        self.weight_map: dict[str, str] = {}
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        self.shard[name] = tensor
+        self.size += tensor.nbytes
+        if self.size >= self.shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.shard:
+            return
+        self.files += 1
+        file = f"model-{self.files:05d}.safetensors"
+        save_file(self.shard, str(self.folder / file), metadata={"format": "pt"})
+        self.weight_map.update(dict.fromkeys(self.shard, file))
+        self.shard, self.size = {}, 0
+
+    def close(self) -> None:
+        self._flush()
+        index = {"metadata": {}, "weight_map": self.weight_map}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def save_sharded(state: dict[str, torch.Tensor], folder: Path, shard_bytes: int = 1 << 30) -> None:
     """Write ``state`` to ``folder`` as safetensors shards of about ``shard_bytes`` with their index, removing each
-    tensor from ``state`` once its shard is written (the memory of a written shard is freed)."""
-    from safetensors.torch import save_file
-
-    names, weight_map, files = list(state), {}, 0
-    shard: dict[str, torch.Tensor] = {}
-    size = 0
-    for i, name in enumerate(names):
-        shard[name] = state.pop(name)
-        size += shard[name].nbytes
-        if size >= shard_bytes or i == len(names) - 1:
-            files += 1
-            file = f"model-{files:05d}.safetensors"
-            save_file(shard, str(folder / file), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, file))
-            shard, size = {}, 0
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    tensor from ``state`` as it goes (the memory of a written shard is freed)."""
+    with ShardWriter(folder, shard_bytes) as writer:
+        for name in list(state):
+            writer.add(name, state.pop(name))
 
 
 def hide_triton_from_torch() -> None:
