@@ -67,6 +67,7 @@ class SharedSlots:
         if create:
             raw[self.tags_at :].zero_()  # every page touched now, none on a store's path
         self.tags = raw[self.tags_at : self.tags_at + 8 * num_slots].view(torch.int64)
+        self.tag_values = self.tags.numpy()  # the same memory: one tag read without a tensor's overhead
         self.slots = raw[self.slots_at :].view(dtype).view(num_slots, *block_shape)
 
     @classmethod
@@ -81,7 +82,7 @@ class SharedSlots:
 
     def index(self) -> dict[int, int]:
         """Tag -> slot of the slots that hold a block now."""
-        return {t: i for i, t in enumerate(self.tags.tolist()) if t}
+        return {t: i for i, t in enumerate(self.tag_values.tolist()) if t}
 
 
 def producer_name(key: str) -> str:

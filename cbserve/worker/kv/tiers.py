@@ -344,7 +344,7 @@ class KVTiers:
                 with self._lock:
                     if self.ram.get(h) == slot:  # (a slot released meanwhile is another's now)
                         self._fill(slot, h, source.slots[at], None)
-                if int(source.tags[at]) == tag:
+                if int(source.tag_values[at]) == tag:
                     done.append(h)
             pending = rest if time.monotonic() < deadline else []
             if pending:
