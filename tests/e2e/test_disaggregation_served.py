@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from e2e_lib import local_serve_app, wait_for
+from e2e_lib import local_serve_app
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -122,5 +122,4 @@ def test_killing_both_replicas_under_load_loses_and_cuts_no_request(served: str,
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         texts = [f.result() for f in futures]
-    assert texts == [offline(p) for p in prompts]
-    wait_for("the replicas' restarts", lambda: all(r.get("state") == "ready" for r in _stats(served)), 180, 1.0)
+    assert texts == [offline(p) for p in prompts]  # (the module's teardown stops the replicas Ray restarts)
