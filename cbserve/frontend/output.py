@@ -96,6 +96,12 @@ class RequestState:
         self.replica: int | None = None
         self.cost = self.prefill = 0
 
+    def streamed(self) -> tuple[list[int], float | None]:
+        """Sequence 0's tokens so far and their cumulative logprob (what a continuation on another replica goes on
+        from: cluster/ingress/continuation.py)."""
+        out = self.seqs[0].out
+        return out.token_ids, out.cumulative_logprob
+
     @property
     def req_id(self) -> str:
         return self.result.request_id

@@ -266,7 +266,7 @@ class Scheduler:
             if self.offload is not None:  # blocks past the pool's hits that the KV tiers hold
                 hits = computed[1]
                 tiered, wait = self.offload.get_num_new_matched_tokens(
-                    seq.token_ids, seq.group.extra_keys, hits[-1] if hits else None, len(hits), seq.group.remote_kv)
+                    seq.token_ids, seq.group.extra_keys, hits[-1] if hits else None, len(hits), seq.group.kv_transfer)
                 if wait:
                     return None  # admitted once they are in the RAM tier
         num_hit = len(computed[0]) * self.block_size

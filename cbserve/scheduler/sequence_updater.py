@@ -241,7 +241,7 @@ class SequenceUpdater:
         times.finished = now
         if self.groups.get(group.req_id) is group:
             del self.groups[group.req_id]
-        if group.kv_answer is not None:
+        if group.kv_transfer is not None and group.kv_transfer.answer is not None:
             _answer_kv_transfer(group, outputs)
         if group.mode != "stream":
             finals = final_outputs(group)
@@ -316,5 +316,5 @@ def _answer_kv_transfer(group: SequenceGroup, outputs: list[RequestOutput]) -> N
     for out in reversed(outputs):
         if out.req_id == group.req_id:
             if out.finish_reason in ("stop", "length"):
-                out.kv_transfer_params = group.kv_answer
+                out.kv_transfer_params = group.kv_transfer.answer  # type: ignore[union-attr]
             return

@@ -87,9 +87,14 @@ class State:
         self.replica: int | None = None
         self.cost = self.prefill = 0
         self.finished = False
+        self.tokens: list[int] = []
 
     def seen(self, batch: list[RequestOutput]) -> None:
         self.finished = self.finished or any(o.finished for o in batch)
+        self.tokens += [t for o in batch if o.index == 0 for t in o.new_token_ids]
+
+    def streamed(self) -> tuple[list[int], float | None]:
+        return self.tokens, None
 
 
 def client_over(*engines: FakeEngine, request_timeout_s: float | None = None) -> EngineClient:

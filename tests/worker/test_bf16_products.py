@@ -167,7 +167,9 @@ def test_bundled_model_in_bf16_tracks_hf_bf16() -> None:
     texts = ["The capital of France is", "def fibonacci(n):\n    ", "List three colors: red,",
              "Once upon a time, in a small village by the sea, there lived"]
     prompts = [tok(t)["input_ids"] for t in texts]
-    ex = LocalExecutor(ModelConfig(dtype="bfloat16", device="cpu", block_size=16), num_blocks=64, progress=False)
+    # the C kernels' path (cpu_ops "auto" may pick oneDNN where its probe times it faster, as on a Zen 4 EPYC)
+    ex = LocalExecutor(ModelConfig(dtype="bfloat16", device="cpu", block_size=16, cpu_ops="native"), num_blocks=64,
+                       progress=False)
     assert ex.runner.dtype == torch.float32 and ex.runner.kv_caches[0][0].dtype == torch.float32
     # the GGUF's Q4_1 / Q8_0 blocks stay compact, rounded to bfloat16 as the kernel decodes them
     assert native_weight(ex.runner.model.model.layers[0].mlp.down_proj.packed).panels.fmt == "q4_1_bf16"

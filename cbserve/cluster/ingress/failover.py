@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any, Protocol
 
 from cbserve.cluster.channel.messages import AbortRequest, AddRequest, Admitted, EngineFailure
@@ -93,9 +92,8 @@ class RoutedRequest:
         self.losses = 0  # replicas lost while they held it
         self.admitted_here = self.streamed = False
         self.others: frozenset[int] = frozenset()  # replicas of the other kind in a P:D app (never this leg's)
-        self.generated: list[int] = []  # the tokens streamed so far (a continuation's prompt goes on with them)
-        self.carried: tuple[int, float] | None = None  # a continuation's: the original prompt's length, its logprob
-        self.cumulative: float | None = None
+        self.original: EngineRequest | None = None  # once continued (continuation.py): the request it continues
+        self.carry = 0.0  # a continuation's: the cumulative logprob of the tokens streamed before it
         lora = self.request.lora
         self.lora_id = None if lora is None else lora.lora_int_id
         self.extra_keys = cache_extra_keys(self.request.cache_salt, lora)
@@ -126,7 +124,8 @@ class RoutedRequest:
                 outputs = [item for item in batch if isinstance(item, RequestOutput)]
                 if outputs:
                     self._first_output()
-                    self._follow(outputs)
+                    if self.original is not None:
+                        self._as_original(outputs)
                     yield outputs
                 failure = next((item for item in batch if isinstance(item, EngineFailure)), None)
                 if failure is not None:
@@ -201,18 +200,15 @@ class RoutedRequest:
             if isinstance(item, EngineFailure):
                 self._retry_or_raise(item)
 
-    def _follow(self, outputs: list[RequestOutput]) -> None:
-        """Keep what a continuation needs (the tokens streamed, the cumulative logprob); a continuation's outputs
-        say what the original request's would (its prompt, its cached tokens, its cumulative logprob)."""
+    def _as_original(self, outputs: list[RequestOutput]) -> None:
+        """A continuation's outputs as the original request's would say (its prompt, its cached tokens, its cumulative
+        logprob)."""
+        assert self.original is not None
+        num_prompt = len(self.original.prompt_token_ids)
         for o in outputs:
-            if self.carried is not None:
-                num_prompt, logprob = self.carried
-                o.num_prompt_tokens, o.num_cached_tokens = num_prompt, min(o.num_cached_tokens, num_prompt)
-                if o.cumulative_logprob is not None:
-                    o.cumulative_logprob += logprob
-            if o.index == 0:
-                self.generated.extend(o.new_token_ids)
-                self.cumulative = o.cumulative_logprob if o.cumulative_logprob is not None else self.cumulative
+            o.num_prompt_tokens, o.num_cached_tokens = num_prompt, min(o.num_cached_tokens, num_prompt)
+            if o.cumulative_logprob is not None:
+                o.cumulative_logprob += self.carry
 
     def _continued(self, failure: EngineFailure) -> bool:
         """Whether a request whose replica was lost after it streamed goes on elsewhere (as a continuation)."""
@@ -221,14 +217,13 @@ class RoutedRequest:
             logger.warning("request %s: its replica failed after it streamed (%s); not continued: %s",
                            self.request.req_id, failure.message, why)
             return False
-        if self.carried is None:
-            self.carried = (len(self.request.prompt_token_ids), 0.0)
-        self.carried = (self.carried[0], self.cumulative or 0.0)
-        whole = self.request.prompt_token_ids[: self.carried[0]]
-        self.request = continuation(replace(self.request, prompt_token_ids=whole), self.generated)
+        tokens, logprob = self.state.streamed()  # what the client has (the front end's state of the request)
+        self.original = self.original or self.request
+        self.carry = logprob or 0.0
+        self.request = continuation(self.original, tokens)
         self.failover_until = asyncio.get_running_loop().time() + FAILOVER_WAIT_S
         logger.warning("request %s: its replica was lost after %d tokens (%s); continuing it on another replica",
-                       self.request.req_id, len(self.generated), failure.message)
+                       self.request.req_id, len(tokens), failure.message)
         return True
 
     def _retry_or_raise(self, failure: EngineFailure) -> None:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from cbserve.scheduler.requests.kv_transfer import KVTransferParams
+
 
 @dataclass(slots=True)
 class KVTransfer:
@@ -58,7 +60,8 @@ class KVTransferResult:
 
 class SchedulerConnector(Protocol):
     def get_num_new_matched_tokens(self, token_ids: Sequence[int], extra_keys: tuple, parent: int | None,
-                                   num_cached_blocks: int, remote: Any = None) -> tuple[list[int], bool]:
+                                   num_cached_blocks: int, remote: KVTransferParams | None = None
+                                   ) -> tuple[list[int], bool]:
         """The hashes of the blocks after the pool's ``num_cached_blocks`` hits (``parent``: the last hit's hash)
         that the connector can load into the pool in this step, and whether more would be ready later (the
         request then waits: its blocks are on their way, e.g. from disk or, ``remote``, from the producer that

@@ -36,6 +36,7 @@ from typing import Any
 from cbserve.scheduler.config import OffloadConfig, RetentionLimits
 from cbserve.scheduler.kv.connector import KVTransfer, KVTransferResult
 from cbserve.scheduler.kv.kv_events import KVCacheEvents, KVEventRecorder
+from cbserve.scheduler.requests.kv_transfer import KVTransferParams
 
 DISK_SUFFIX = ".kv"
 
@@ -141,7 +142,8 @@ class OffloadConnector:
 
     # ---- admission --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, token_ids: Sequence[int], extra_keys: tuple, parent: int | None,
-                                   num_cached_blocks: int, remote: Any = None) -> tuple[list[int], bool]:
+                                   num_cached_blocks: int, remote: KVTransferParams | None = None
+                                   ) -> tuple[list[int], bool]:
         if not tier_ok(extra_keys):
             return [], False
         bs = self.block_size
@@ -202,7 +204,7 @@ class OffloadConnector:
                 self._tier_out(h)
         self._trim_disk()
         pulled = {h for h in result.pulled if self.pulling.pop(h, None) is not None}
-        failures = self.stats.pull_failures
+        pull_failures = 0
         for h in result.prefetched:
             if self.ram.get(h) is False:
                 self.ram[h] = True
@@ -212,7 +214,7 @@ class OffloadConnector:
             producer = self.pulling.pop(h, None)
             if producer is not None:
                 self._unpullable(producer, h)
-                self.stats.pull_failures += 1
+                pull_failures += 1
             ready = self.ram.pop(h, None)
             if ready is False:
                 self.prefetching -= 1
@@ -223,7 +225,8 @@ class OffloadConnector:
         s = self.stats
         s.blocks_pulled += len(pulled)
         s.blocks_prefetched += len(result.prefetched) - len(pulled)
-        s.prefetch_failures += len(result.failed) - (s.pull_failures - failures)
+        s.pull_failures += pull_failures
+        s.prefetch_failures += len(result.failed) - pull_failures
         s.bytes_pulled += result.bytes_pulled
         s.pull_s += result.pull_s
         s.bytes_stored += result.bytes_stored
@@ -299,7 +302,7 @@ class OffloadConnector:
         self._next.prefetch.append(h)
         return True
 
-    def _pull(self, h: int, remote: Any) -> bool:
+    def _pull(self, h: int, remote: KVTransferParams) -> bool:
         """Ask for ``h`` from the producer ``remote`` names, as ``_prefetch`` asks the disk; False when it failed before
         or the RAM tier has no room for it now."""
         producer = remote.remote_engine

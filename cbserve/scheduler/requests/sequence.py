@@ -117,9 +117,7 @@ class SequenceGroup:
         self.worker_params = _worker_params(sp, self.mode)
         self.lora = request.lora
         self.retention = request.retention  # its prompt's ranges to keep cached (kv/retention.py)
-        kt = request.kv_transfer  # prefill/decode disaggregation (kv_transfer.py): the blocks to pull; the answer
-        self.remote_kv = kt if kt is not None and kt.remote_engine is not None else None
-        self.kv_answer = None if kt is None else kt.answer
+        self.kv_transfer = request.kv_transfer  # prefill/decode disaggregation (kv_transfer.py): pulls, the answer
         self.extra_keys: tuple = cache_extra_keys(request.cache_salt, request.lora)  # its first block's cache keys
         # Prompt logprobs, filled by position as prefill chunks come back (the first token has none); the
         # prompt is then computed, never taken from the prefix cache (a hit has no logits).

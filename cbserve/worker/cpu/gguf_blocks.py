@@ -134,10 +134,8 @@ def _name_mapper(reader: Any, cfg: Any) -> Callable[[str], str | None]:
 class BlockExtractor:
     """The GGUF file's quantized tensors, to keep each dequantized weight's blocks as it comes (``take``)."""
 
-    def __init__(self, gguf_path: Path, cfg: Any) -> None:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(gguf_path))
+    def __init__(self, reader: Any, cfg: Any) -> None:
+        """``reader``: the file's ``GGUFReader``."""
         self.cfg = cfg
         self.to_gguf = _name_mapper(reader, cfg)
         self.tensors = {t.name: t for t in reader.tensors}
@@ -164,7 +162,9 @@ class BlockExtractor:
 def extract_gguf_blocks(gguf_path: Path, cfg: Any, state: dict[str, torch.Tensor]) -> dict[str, QuantBlocks]:
     """The blocks of every 2-D weight of ``state`` (the dequantized checkpoint) that a GGUF tensor of a
     supported type holds exactly; weights that do not check out are left out (they stay dense)."""
-    extractor = BlockExtractor(gguf_path, cfg)
+    from gguf import GGUFReader
+
+    extractor = BlockExtractor(GGUFReader(str(gguf_path)), cfg)
     return {name: b for name, ref in state.items() if (b := extractor.take(name, ref)) is not None}
 
 

@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -80,13 +81,18 @@ class BlockFiles:
 def remove_orphans(disk_dir: Path) -> int:
     """Delete the temporary files of writes whose process is gone (killed mid-write: its block never became a file);
     a live process's are left to finish. How many went."""
+    return remove_if_gone(disk_dir.glob(f".*{DISK_SUFFIX}.*.tmp"), lambda path: path.name.rsplit(".", 2)[-2])
+
+
+def remove_if_gone(paths: Iterable[Path], pid_of: Callable[[Path], str]) -> int:
+    """Delete the files of ``paths`` whose writer's process (the pid ``pid_of`` reads in its name) is gone, or whose
+    name holds no pid; a live process's (another user's too) are kept. How many went."""
     removed = 0
-    for tmp in disk_dir.glob(f".*{DISK_SUFFIX}.*.tmp"):
+    for path in paths:
         try:
-            pid = int(tmp.name.rsplit(".", 2)[-2])
-            os.kill(pid, 0)  # alive: a replica sharing the folder is writing it
-        except (ValueError, ProcessLookupError):
-            tmp.unlink(missing_ok=True)
+            os.kill(int(pid_of(path)), 0)  # alive: a replica sharing the folder still owns it
+        except (ValueError, IndexError, ProcessLookupError):
+            path.unlink(missing_ok=True)
             removed += 1
         except PermissionError:  # alive, another user's
             continue

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from cbserve.worker.kv.disk import remove_if_gone
+
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".kvshm"
@@ -91,16 +93,7 @@ def producer_name(key: str) -> str:
 
 def remove_dead(folder: Path) -> int:
     """Delete the tier files whose producer process is gone (the pid in the name); how many went."""
-    removed = 0
-    for path in folder.glob(f"*{SUFFIX}"):
-        try:
-            os.kill(int(path.stem.rsplit("-", 2)[-2]), 0)
-        except (ValueError, IndexError, ProcessLookupError):
-            path.unlink(missing_ok=True)
-            removed += 1
-        except PermissionError:  # alive, another user's
-            continue
-    return removed
+    return remove_if_gone(folder.glob(f"*{SUFFIX}"), lambda path: path.stem.rsplit("-", 2)[-2])
 
 
 class Producers:

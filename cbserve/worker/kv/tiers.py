@@ -76,8 +76,8 @@ class HandOff:
     role: str
     folder: Path
     key: str
-    transfer_timeout_s: float = 30.0
-    pull_wait_s: float = 2.0
+    transfer_timeout_s: float
+    pull_wait_s: float
 
 
 class KVTiers:
@@ -92,10 +92,10 @@ class KVTiers:
         self.block_bytes = torch.Size(block_shape).numel() * torch.empty((), dtype=dtype).element_size() + scale_bytes
         publish = handoff is not None and handoff.role in ("kv_producer", "kv_both")
         name = producer_name(handoff.key) if publish else None  # type: ignore[union-attr]
+        part = {} if handoff is None else {"role": handoff.role, "shm_name": name,
+                                           "transfer_timeout_s": handoff.transfer_timeout_s}  # fmt: skip
         self.config = OffloadConfig(ram_bytes // self.block_bytes, None if disk_dir is None else str(disk_dir),
-                                    disk_bytes // self.block_bytes if disk_dir is not None else 0,
-                                    None if handoff is None else handoff.role, name,
-                                    30.0 if handoff is None else handoff.transfer_timeout_s)
+                                    disk_bytes // self.block_bytes if disk_dir is not None else 0, **part)
         self.disk_dir = disk_dir
         self.files = None if disk_dir is None else BlockFiles(disk_dir, block_shape, dtype, self.scale_shape,
                                                               self.block_bytes)

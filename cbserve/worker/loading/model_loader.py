@@ -92,21 +92,29 @@ def _write_weights(gguf: Path, config: Any, folder: Path) -> tuple[dict[str, Any
     """Dequantize ``gguf`` into safetensors shards in ``folder`` one tensor at a time (at the peak: one tensor, a
     shard being filled and the quantized blocks kept), checking each against the model's names and shapes; the
     GGUF blocks of the weights that have them (an empty dict when the blocks cannot be read: they are optional)."""
+    from gguf import GGUFReader
+
     from cbserve.worker.cpu.gguf_blocks import BlockExtractor
 
+    reader, skeleton = GGUFReader(str(gguf)), _skeleton(config)  # one of each for the weights and their blocks
+    extractor: BlockExtractor | None = None
     try:
-        extractor: BlockExtractor | None = BlockExtractor(gguf, config)
-    except Exception as e:  # noqa: BLE001 (optional: a reader failure must not fail the conversion)
-        logger.warning("GGUF blocks of %s not kept (%s: %s); weights stay float32", gguf, type(e).__name__, e)
-        extractor = None
-    want = _model_shapes(config)
+        extractor = BlockExtractor(reader, config)
+    except Exception as e:  # noqa: BLE001 (the blocks are optional: a reader failure must not fail the conversion)
+        _blocks_lost(gguf, e)
+    want = _model_shapes(skeleton, config)
     blocks, got = {}, {}
     with ShardWriter(folder, CONVERT_SHARD_BYTES) as writer:
-        for name, tensor in dequantized_tensors(gguf, config):
+        for name, tensor in dequantized_tensors(gguf, config, reader, skeleton):
             got[name] = tuple(tensor.shape)
             if want.get(name) != got[name]:
                 break  # named below
-            found = extractor.take(name, tensor) if extractor is not None else None
+            try:
+                found = extractor.take(name, tensor) if extractor is not None else None
+            except Exception as e:  # noqa: BLE001 (as above: all blocks dropped, the weights stay dense)
+                _blocks_lost(gguf, e)
+                extractor, found = None, None
+                blocks.clear()
             if found is not None:
                 blocks[name] = found
             writer.add(name, tensor)
@@ -114,12 +122,20 @@ def _write_weights(gguf: Path, config: Any, folder: Path) -> tuple[dict[str, Any
     return blocks, len(got)
 
 
-def _model_shapes(config: Any) -> dict[str, tuple[int, ...]]:
-    """The HF model's weights' names and shapes (built on the meta device: no memory); a tied LM head left out."""
+def _blocks_lost(gguf: Path, e: Exception) -> None:
+    logger.warning("GGUF blocks of %s not kept (%s: %s); weights stay float32", gguf, type(e).__name__, e)
+
+
+def _skeleton(config: Any) -> Any:
+    """The HF model built on the meta device (no memory): its weights' names and shapes."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _model_shapes(skeleton: Any, config: Any) -> dict[str, tuple[int, ...]]:
+    """The model's weights' names and shapes; a tied LM head left out."""
     want = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         want.pop("lm_head.weight", None)
@@ -132,14 +148,15 @@ def _check_names(gguf: Path, got: dict[str, tuple[int, ...]], want: dict[str, tu
         raise RuntimeError(f"{gguf}: transformers' GGUF tensors are not the model's; these differ: {differ[:8]}")
 
 
-def dequantized_tensors(gguf: Path, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantized_tensors(gguf: Path, config: Any, reader: Any = None, skeleton: Any = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """The float32 weights of ``gguf`` under the HF model's names, one at a time: transformers' GGUF loader's own
     loop (its dequantization, its per-architecture tensor processors and name map), each tensor given out as it is
     made instead of gathered (a processor that assembles tensors, as a mixture of experts' merged experts, keeps
-    those until the end). A tied LM head is left out."""
+    those until the end). A tied LM head is left out. ``reader``, ``skeleton``: the file's ``GGUFReader`` and the
+    model on the meta device, when the caller has them."""
     import numpy as np
     from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -150,11 +167,10 @@ def dequantized_tensors(gguf: Path, config: Any) -> Iterator[tuple[str, torch.Te
 
     from cbserve.worker.cpu.gguf_blocks import dequantize_rows
 
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+    skeleton = skeleton if skeleton is not None else _skeleton(config)
+    reader = reader if reader is not None else GGUFReader(str(gguf))
     parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)  # the metadata its processors read
     parsed["tensors"] = {}
-    reader = GGUFReader(str(gguf))
     architecture = read_field(reader, "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
     mapping = get_gguf_hf_weights_map(skeleton, processor)
@@ -175,8 +191,9 @@ def dequantized_tensors(gguf: Path, config: Any) -> Iterator[tuple[str, torch.Te
 def dequantized_state(gguf: Path, config: Any) -> dict[str, torch.Tensor]:
     """``dequantized_tensors`` gathered and checked against the model's names and shapes (RuntimeError naming the
     tensors that differ)."""
-    state = dict(dequantized_tensors(gguf, config))
-    _check_names(gguf, {k: tuple(v.shape) for k, v in state.items()}, _model_shapes(config))
+    skeleton = _skeleton(config)
+    state = dict(dequantized_tensors(gguf, config, skeleton=skeleton))
+    _check_names(gguf, {k: tuple(v.shape) for k, v in state.items()}, _model_shapes(skeleton, config))
     return state
 
 
