@@ -49,6 +49,8 @@ PAIRS = (
     ("llama", "q8_0"),
     ("cbserve", "q4_0"),
     ("llama", "q4_0"),
+    ("cbserve", "q4_k_m"),
+    ("llama", "q4_k_m"),
     ("cbserve", "bf16"),
     ("vllm", "bf16"),
 )
@@ -221,7 +223,8 @@ def machine(isa: str, before: dict[str, Any] | None = None, tries: int = 3) -> d
 def run_size(size: str, args: argparse.Namespace) -> dict[str, Any]:
     formats = [f for f in args.formats if size != "llama-3.1-8b" or f == "q4_0"]  # 8B: Q4 only (24 GiB)
     pairs = [(s, f) for s, f in PAIRS if s in args.systems and f in formats]
-    paths = write_model(size, sorted({f for _, f in pairs}), Path(args.models_dir), args.seed)
+    paths = write_model(size, sorted({f for _, f in pairs}), Path(args.models_dir), args.seed,
+                        Path(args.llama_server).with_name("llama-quantize"))
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
         order = pairs[r % len(pairs) :] + pairs[: r % len(pairs)]  # each round starts one system later

@@ -1,14 +1,15 @@
 """Models of the shapes people serve on CPUs, with seeded random weights, written in the formats each server
 reads: an HF folder (config.json, bfloat16 safetensors, tokenizer) for ``cbserve serve`` and ``vllm serve``,
 and GGUF files (Q8_0, Q4_0) written with gguf-py's writer for ``cbserve serve`` and llama.cpp's
-``llama-server``. Every format holds the same values (the GGUF blocks quantize the bfloat16 ones).
+``llama-server``, and Q4_K_M (llama.cpp's mix of Q4_K and Q6_K tensors) made by llama.cpp's ``llama-quantize``.
+Every format holds the same values (the GGUF blocks quantize the bfloat16 ones).
 
 The shapes are the configs of Qwen2.5-0.5B, Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B (hidden size, layers,
 heads, MLP width, vocabulary, tied embeddings, q/k/v biases); rotary scaling is left out (it changes no
 timing). The tokenizer is the bundled SmolLM2 GGUF's byte-level BPE, its vocabulary padded with plain tokens up
 to the model's size so that the embedding and LM head have their real shapes. Random weights make the outputs
-meaningless text; the timings are those of the real shapes. K-quants are not written: gguf-py has no quantizer
-for them.
+meaningless text; the timings are those of the real shapes. gguf-py has no quantizer for the K-quants: they need
+llama.cpp's (``bash benchmarks/peers/setup_peers.sh llama`` builds it beside llama-server).
 
     python benchmarks/real_models.py --size llama-3.2-1b --formats bf16 q8_0 q4_0 --out /tmp/real
 """
@@ -67,7 +68,9 @@ SIZES = {
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, False, 5e5, 1e-5),
 }
 GGUF_TYPES = ("q8_0", "q4_0")
-FORMATS = ("bf16", *GGUF_TYPES)
+# K-quants, which gguf-py cannot write: llama.cpp's llama-quantize makes them from a float16 GGUF of the same values
+KQUANT_TYPES = ("q4_k_m",)
+FORMATS = ("bf16", *GGUF_TYPES, *KQUANT_TYPES)
 MAX_POSITIONS = 4096
 STD = 0.02
 _SHARD_BYTES = 2 << 30
@@ -208,7 +211,8 @@ def _gguf_header(writer: Any, shape: Shape, qtype: str) -> None:
     writer.add_layer_norm_rms_eps(shape.eps)
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_vocab_size(shape.vocab)
-    writer.add_file_type({"q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0}[qtype])
+    writer.add_file_type({"q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0,
+                          "f16": LlamaFileType.MOSTLY_F16}[qtype])
     tokens, types, merges = padded_vocab(shape.vocab)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
@@ -275,12 +279,35 @@ def write_hf(shape: Shape, folder: Path, seed: int, tokenizer_gguf: Path) -> Pat
 
 def model_paths(out: Path, size: str) -> dict[str, Path]:
     """Where each format of ``size`` is written under ``out``: the GGUF files, and the HF folder."""
-    return {"bf16": out / f"{size}-bf16", **{q: out / f"{size}-{q}" / f"{size}-{q}.gguf" for q in GGUF_TYPES}}
+    return {"bf16": out / f"{size}-bf16",
+            **{q: out / f"{size}-{q}" / f"{size}-{q}.gguf" for q in (*GGUF_TYPES, *KQUANT_TYPES)}}
 
 
-def write_model(size: str, formats: list[str], out: Path, seed: int = 0) -> dict[str, Path]:
-    """Write ``formats`` of ``size`` under ``out`` (those already there are kept); returns their paths."""
+def write_kquant(shape: Shape, qtype: str, path: Path, seed: int, llama_quantize: Path) -> Path:
+    """The model as a GGUF file of llama.cpp's K-quant mix ``qtype`` ("q4_k_m": Q4_K and Q6_K tensors, as the
+    files people download), made by ``llama_quantize`` from a float16 GGUF of the same values (then deleted)."""
+    import subprocess
+
+    if not llama_quantize.exists():
+        raise SystemExit(f"{qtype} needs llama.cpp's llama-quantize, not found at {llama_quantize} "
+                         "(bash benchmarks/peers/setup_peers.sh llama builds it)")
+    f16 = write_gguf(shape, "f16", path.with_name(path.stem + "-f16.gguf"), seed)
+    try:
+        subprocess.run([str(llama_quantize), str(f16), str(path), qtype.upper()], check=True,
+                       stdout=subprocess.DEVNULL)
+    finally:
+        f16.unlink(missing_ok=True)
+    return path
+
+
+def write_model(size: str, formats: list[str], out: Path, seed: int = 0,
+                llama_quantize: Path | None = None) -> dict[str, Path]:
+    """Write ``formats`` of ``size`` under ``out`` (those already there are kept; the K-quants with
+    ``llama_quantize``); returns their paths."""
     shape, paths = SIZES[size], model_paths(out, size)
+    for fmt in [f for f in KQUANT_TYPES if f in formats and not paths[f].exists()]:
+        paths[fmt].parent.mkdir(parents=True, exist_ok=True)
+        write_kquant(shape, fmt, paths[fmt], seed, llama_quantize or default_llama_quantize())
     for fmt in [f for f in GGUF_TYPES if f in formats or (f == "q8_0" and "bf16" in formats)]:
         if not paths[fmt].exists():
             paths[fmt].parent.mkdir(parents=True, exist_ok=True)
@@ -290,14 +317,23 @@ def write_model(size: str, formats: list[str], out: Path, seed: int = 0) -> dict
     return {f: paths[f] for f in formats}
 
 
+def default_llama_quantize() -> Path:
+    """Where benchmarks/peers/setup_peers.sh puts llama-quantize."""
+    import os
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "cbserve-peers" / "llama" / "llama-quantize"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), required=True)
     p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llama-quantize", type=Path, default=default_llama_quantize(), help="for the K-quants")
     args = p.parse_args()
-    for fmt, path in write_model(args.size, args.formats, args.out, args.seed).items():
+    for fmt, path in write_model(args.size, args.formats, args.out, args.seed, args.llama_quantize).items():
         print(f"{fmt}: {path}")
 
 

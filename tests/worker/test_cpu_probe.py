@@ -90,17 +90,19 @@ def test_mixed_paths_hold_both_packings_with_the_same_products(kernels: CpuKerne
 
 
 @pytest.mark.parametrize("fmt,bf16,panel_fmt", [("q4_0", False, "q4_0"), ("q8_0", True, "q8_0_bf16"),
-                                                ("bf16", False, "bf16"), ("f32", True, "bf16_dot")])
+                                                ("bf16", False, "bf16"), ("f32", True, "bf16_dot"),
+                                                ("q6_k", False, "q6_k"), ("q4_k", True, "q4_k")])
 def test_the_real_probe_times_the_models_format_in_both_regimes(kernels: CpuKernels, fmt: str, bf16: bool,
                                                                 panel_fmt: str) -> None:
     r = probe_linear(kernels, 64, 96, fmt, bf16, now=123.0)
-    assert r.weight_format == panel_fmt and r.shape == (192, 64) and r.taken_at == 123.0
+    # a K-quant's k: one whole 256-value block (the model's K-quant weights keep float32 products)
+    assert r.weight_format == panel_fmt and r.shape == (192, 256 if fmt.endswith("_k") else 64) and r.taken_at == 123.0
     assert (r.few.rows, r.many.rows) == (1, MANY_ROWS)
     assert min(r.few.native_ms, r.few.torch_ms, r.many.native_ms, r.many.torch_ms) > 0
     assert r.torch_path in ("onednn", "torch")
     assert probe_linear(kernels, 80, 4096, "q4_1").shape == (2048, 64)  # whole blocks; the weight stays small
     with pytest.raises(ValueError, match="weight_format"):
-        probe_linear(kernels, 64, 96, "q6_k")
+        probe_linear(kernels, 64, 96, "q5_k")
 
 
 def test_a_verdict_is_shared_keyed_and_taken_again_when_old(kernels: CpuKernels, tmp_path: Path,

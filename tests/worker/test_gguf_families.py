@@ -2,7 +2,8 @@
 llama.cpp writes them (``gguf_writer.py``): cbserve converts and serves each one with HF generate()'s greedy
 tokens and its logprobs within 1e-4 when HF transformers loads the same file (``from_pretrained(dir,
 gguf_file=...)``), on the CPU C kernels and on the torch reference path, through chunked prefill, prefix-cache
-hits and preemption; two files have Q8_0 / Q4_0 weights, which the C kernels read as blocks. The families
+hits and preemption; three files have Q8_0 / Q4_0 / Q4_K_M (Q4_K and Q6_K) weights, which the C kernels read as
+blocks. The families
 transformers cannot load from GGUF are refused at load, with the reason, before anything is converted."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from worker_testlib import hf_greedy, run_engine
 from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
-from cbserve.worker.cpu.linear import native_weight
+from cbserve.worker.cpu.linear import native_panels, native_weight
 from cbserve.worker.loading import model_info, model_loader
 from cbserve.worker.loading.gguf_arch import GGUF_MODEL_TYPES
 from cbserve.worker.runner.executor import LocalExecutor
@@ -45,7 +46,13 @@ CASES: dict[str, tuple[str, str, dict[str, Any], str, str, str | None]] = {
                                                          "layer_types": None}, "gemma3", "gemma3", None),
     # fused qkv and gate_up, Q4_0 weights
     "phi3_q4_0": ("Phi3Config", "Phi3ForCausalLM", _DENSE, "phi3", "phi3", "Q4_0"),
+    # K-quants as most downloaded files mix them (Q4_K, Q6_K for v, down and the output): rows of 256-value blocks
+    "llama_q4_k_m": ("LlamaConfig", "LlamaForCausalLM", {**_DENSE, "hidden_size": 256, "intermediate_size": 512,
+                                                          "head_dim": 64}, "llama", "llama", "Q4_K_M"),
 }
+# the GGUF types a file's weights have, and the panels of a layer's down and gate projections, the LM head and
+# the fused q/k/v (Q4_K_M's q and k in Q4_K, its v in Q6_K: one weight in two formats)
+KINDS = {"Q4_K_M": ({"Q4_K", "Q6_K"}, ("q6_k", "q4_k", "q6_k", ("q4_k", "q6_k")))}
 # the config values transformers' GGUF loader drops, given to the HF reference (cbserve reads them itself)
 REF_FIXES = {"qwen3_q8_0": {"head_dim": 32}, "qwen3moe": {"moe_intermediate_size": 32}}
 
@@ -107,7 +114,8 @@ def test_gguf_converts_to_the_served_model_type(gguf_model: tuple[str, Path, Any
     blocks, qtype = load_gguf_blocks(folder), CASES[case][5]
     if qtype is not None:  # every linear weight, the embedding and the LM head kept as blocks
         per_layer = 4 if case.startswith("phi3") else 7  # Phi-3: fused qkv and gate_up
-        assert len(blocks) == 2 + per_layer * 2 and {b.qtype for b in blocks.values()} == {qtype}
+        kinds = KINDS.get(qtype, ({qtype},))[0]
+        assert len(blocks) == 2 + per_layer * 2 and {b.qtype for b in blocks.values()} == kinds
     else:
         assert blocks == {}
 
@@ -142,9 +150,14 @@ def test_gguf_family_matches_hf(gguf_model: tuple[str, Path, Any], path: str,
     if path == "native" and case != "qwen3moe":  # the one-call C layer driver runs the dense families
         assert model.native_layers is not None
     if path == "native" and CASES[case][5] is not None:  # the kernels read the GGUF blocks
-        fmt = CASES[case][5].lower()
-        assert native_weight(model.model.layers[0].mlp.down_proj.packed).panels.fmt == fmt
-        assert native_weight(model.lm_head.packed).panels.fmt == fmt
+        qtype = CASES[case][5]
+        fmt = qtype.lower()
+        down, gate_up, head, qkv = KINDS[qtype][1] if qtype in KINDS else (fmt, fmt, fmt, (fmt,))
+        layer = model.model.layers[0]
+        assert native_weight(layer.mlp.down_proj.packed).panels.fmt == down
+        assert native_weight(model.lm_head.packed).panels.fmt == head
+        assert native_weight(layer.mlp.gate_up_proj.packed).panels.fmt == gate_up
+        assert tuple(p.fmt for p in native_panels(layer.self_attn.qkv_proj.packed)) == qkv
     run = run_engine(executor, reqs, block_size=4, num_blocks=36, max_num_batched_tokens=16, max_num_seqs=4,
                      join_at_step={"r2": 5, "r5": 9})
     assert run.num_preemptions > 0 and run.prefix_hits > 0

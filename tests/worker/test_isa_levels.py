@@ -92,6 +92,14 @@ def _weights(kernels: CpuKernels, fmt: str, n: int, k: int, gen: torch.Generator
         panels = kernels.pack_q4_1(d, m, torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen))
     elif fmt in ("q4_0", "q4_0_bf16"):
         panels = kernels.pack_q4_0(scales(), torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen))
+    elif fmt == "q4_k":
+        sub = lambda: torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)  # noqa: E731
+        panels = kernels.pack_q4_k(scales()[:, : k // 256].contiguous(), scales()[:, : k // 256].contiguous(), sub(),
+                                   sub(), torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen))
+    elif fmt == "q6_k":
+        panels = kernels.pack_q6_k(scales()[:, : k // 256].contiguous(),
+                                   torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=gen),
+                                   torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=gen))
     else:
         w = torch.randn(n, k, generator=gen)
         panels = kernels.pack_weight(w.bfloat16().float() if fmt == "bf16" else w, fmt)
@@ -100,13 +108,13 @@ def _weights(kernels: CpuKernels, fmt: str, n: int, k: int, gen: torch.Generator
     return panels, kernels.unpack(panels)
 
 
-FORMATS = ("f32", "bf16", "q8_0", "q4_1", "q4_0", "bf16_dot", "q8_0_bf16", "q4_1_bf16", "q4_0_bf16")
+FORMATS = ("f32", "bf16", "q8_0", "q4_1", "q4_0", "q4_k", "q6_k", "bf16_dot", "q8_0_bf16", "q4_1_bf16", "q4_0_bf16")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m", [1, 3, 5, 9, 17, 200])
 def test_linear_every_level_matches_float64_and_each_other(builds: dict[str, CpuKernels], fmt: str, m: int) -> None:
-    n, k = 100, 320  # two full panels and a partial one; k a multiple of the GGUF block
+    n, k = 100, 512 if fmt.endswith("_k") else 320  # two full panels and a partial one; k in whole GGUF blocks
     results = {}
     for level, kernels in builds.items():
         gen = torch.Generator().manual_seed(m * 31 + len(fmt))

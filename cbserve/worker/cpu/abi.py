@@ -24,7 +24,8 @@ CType = type[ctypes._SimpleCData] | type[ctypes.Structure]
 class LinearArgs(ctypes.Structure):
     """cb_lin_t: one packed linear layer."""
 
-    _fields_ = [("fmt", _I32), ("w", _P), ("n", _I32), ("k", _I32), ("bias", _P), ("bias_in_kernel", _I32)]
+    _fields_ = [("fmt", _I32), ("w", _P), ("n", _I32), ("k", _I32), ("bias", _P), ("bias_in_kernel", _I32),
+                ("split", _I32), ("rest", _P)]
 
 
 class LayerArgs(ctypes.Structure):
@@ -57,6 +58,8 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
     "cb_pack_q8_0": (_I32, [_P, _P, _I32, _I32, _P]),
     "cb_pack_q4_1": (_I32, [_P, _P, _P, _I32, _I32, _P]),
     "cb_pack_q4_0": (_I32, [_P, _P, _I32, _I32, _P]),
+    "cb_pack_q4_k": (_I32, [_P, _P, _P, _P, _P, _I32, _I32, _P]),
+    "cb_pack_q6_k": (_I32, [_P, _P, _P, _I32, _I32, _P]),
     "cb_unpack_panels": (_I32, [_I32, _P, _I32, _I32, _P, _I64]),
     "cb_linear": (_I32, [_I32, _P, _I64, _I32, _I32, _P, _I32, _P, _P, _I64]),
     "cb_set_amx": (_I32, [_I32]),
@@ -79,7 +82,18 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
 RETURN_CODES = {"CB_OK": 0, "CB_ENOMEM": 1, "CB_EINVAL": 2, "CB_ERANGE": 3}
 ISA_FEATURES = {"avx2": 1, "avx512": 2, "avx512_bf16": 4, "amx": 8}
 PANEL_FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "bf16_dot": 4, "q8_0_bf16": 5, "q4_1_bf16": 6,
-                 "q4_0": 7, "q4_0_bf16": 8}
+                 "q4_0": 7, "q4_0_bf16": 8, "q4_k": 9, "q6_k": 10}
+
+_ERRORS = {RETURN_CODES["CB_ENOMEM"]: "out of memory for the kernel's scratch buffers",
+           RETURN_CODES["CB_EINVAL"]: "invalid shapes",
+           RETURN_CODES["CB_ERANGE"]: "an index (sequence length, block id or position) outside its table"}
+
+
+def raise_for(rc: int, what: str) -> None:
+    """RuntimeError naming a kernel's failure when its return code ``rc`` is not CB_OK."""
+    if rc != 0:
+        raise RuntimeError(f"CPU kernel {what} failed: {_ERRORS.get(rc, f'error {rc}')}")
+
 
 _SCALARS: dict[str, CType] = {"int": _I32, "int32_t": _I32, "int64_t": _I64, "float": _F32}
 

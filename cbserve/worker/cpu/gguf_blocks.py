@@ -1,7 +1,9 @@
 """GGUF weights kept in their quantized blocks for the CPU linear kernel (``csrc/panels.h``).
 
 A GGUF file's Q8_0, Q4_0 and Q4_1 tensors decode to float32 values that need far fewer bytes than float32:
-w = d * q (+ m) with float16 scales per 32 values. transformers dequantizes them into the dense float32
+w = d * q (+ m) with float16 scales per 32 values; its K-quants Q4_K and Q6_K (what most downloaded GGUF files
+ship: Q4_K_M holds both) add integer sub-scales per 32 or 16 values under float16 ones per 256.
+transformers dequantizes them into the dense float32
 checkpoint cbserve converts GGUF files to (``model_loader.convert_gguf``); this module keeps, next to it, the
 raw blocks of every such weight, in the row order of the HF tensor, after checking that they dequantize to
 exactly the checkpoint's values. The native CPU kernels then stream the blocks instead of the float32
@@ -26,8 +28,9 @@ CHUNK_ROWS = 8192  # rows dequantized at once (an embedding's intermediates stay
 
 BLOCKS_FILE = Path("cbserve-gguf-blocks") / "blocks.safetensors"
 BLOCK_K = 32
-# GGUF block layouts: bytes of one block of 32 values.
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+# GGUF block layouts: bytes of one block (of 32 values; of 256 for the K-quants).
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
+BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256}
 
 
 @dataclass(frozen=True)
@@ -46,14 +49,14 @@ class QuantBlocks:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.raw.shape[0], self.raw.shape[1] // BLOCK_BYTES[self.qtype] * BLOCK_K
+        return self.raw.shape[0], self.raw.shape[1] // BLOCK_BYTES[self.qtype] * BLOCK_VALUES[self.qtype]
 
     def _blocks(self) -> torch.Tensor:
         n = self.raw.shape[0]
         return self.raw.contiguous().view(n, -1, BLOCK_BYTES[self.qtype])
 
     def _scale(self, blocks: torch.Tensor, offset: int) -> torch.Tensor:
-        return blocks[:, :, offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).float()
+        return blocks[:, :, offset : offset + 2].contiguous().view(torch.float16).squeeze(-1).float().contiguous()
 
     def q8_0(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(d [n, k / 32] float32, q [n, k] int8) with w = d * q."""
@@ -84,6 +87,67 @@ class QuantBlocks:
         # byte j of a block holds value j in its low nibble and value j + 16 in its high one
         q = torch.cat([qs & 15, qs >> 4], dim=2).reshape(b.shape[0], -1)
         return d.contiguous(), m.contiguous(), q.contiguous()
+
+    def q4_k(self) -> tuple[torch.Tensor, ...]:
+        """(d, dmin [n, k / 256] float32, sc, m [n, k / 32] uint8 in 0..63, q [n, k] uint8 in 0..15) with
+        w = d * sc * q - dmin * m: a Q4_K block is float16 d and dmin, 12 bytes of 6-bit scales and mins, then
+        128 bytes whose low nibbles hold one 32-value block and high nibbles the next (gguf-py's order)."""
+        b = self._checked_blocks("Q4_K")
+        n, nb = b.shape[:2]
+        packed = b[:, :, 4:16].reshape(n, nb, 3, 4)
+        dd, mm, md = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+        sc = torch.cat([dd & 0x3F, (md & 0x0F) | ((dd >> 2) & 0x30)], dim=2).reshape(n, -1)
+        m = torch.cat([mm & 0x3F, (md >> 4) | ((mm >> 2) & 0x30)], dim=2).reshape(n, -1)
+        qs = b[:, :, 16:].reshape(n, nb, 4, 1, 32)
+        q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, -1)
+        return self._scale(b, 0), self._scale(b, 2), sc.contiguous(), m.contiguous(), q.contiguous()
+
+    def q6_k(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(d [n, k / 256] float32, sc [n, k / 16] int8, q [n, k] uint8 in 0..63) with w = d * sc * (q - 32): a
+        Q6_K block is 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales and float16 d."""
+        b = self._checked_blocks("Q6_K")
+        n, nb = b.shape[:2]
+        ql = b[:, :, :128].reshape(n, nb, 2, 1, 64)
+        ql = torch.cat([ql & 15, ql >> 4], dim=3)
+        qh = b[:, :, 128:192].reshape(n, nb, 2, 1, 32)
+        qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=3)
+        q = ql.reshape(n, -1) | (qh.reshape(n, -1) << 4)
+        sc = b[:, :, 192:208].contiguous().view(torch.int8).reshape(n, -1)
+        return self._scale(b, 208), sc.contiguous(), q.contiguous()
+
+    def _checked_blocks(self, qtype: str) -> torch.Tensor:
+        if self.qtype != qtype:
+            raise ValueError(f"{self.qtype} blocks are not {qtype}")
+        return self._blocks()
+
+
+@dataclass(frozen=True)
+class SplitBlocks:
+    """A fused weight's GGUF blocks in row ranges of different types, in row order (Q4_K_M's q and k in Q4_K, its v
+    in Q6_K): each range is packed in its own format (``linear.SplitWeight``)."""
+
+    parts: tuple[QuantBlocks, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def qtype(self) -> str:
+        return "+".join(p.qtype for p in self.parts)
+
+
+def fuse_blocks(parts: list[QuantBlocks]) -> QuantBlocks | SplitBlocks:
+    """The blocks of a weight fused from ``parts`` (in row order): one ``QuantBlocks`` where they share a type,
+    else a ``SplitBlocks`` of the runs of one type."""
+    runs: list[list[QuantBlocks]] = []
+    for part in parts:
+        if runs and runs[-1][0].qtype == part.qtype:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    fused = [QuantBlocks(run[0].qtype, torch.cat([b.raw for b in run])) if len(run) > 1 else run[0] for run in runs]
+    return fused[0] if len(fused) == 1 else SplitBlocks(tuple(fused))
 
 
 def _dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:

@@ -16,19 +16,12 @@ import torch
 
 from cbserve.worker.cpu import abi
 from cbserve.worker.cpu.abi import PANEL_FORMATS, ModelArgs
-from cbserve.worker.cpu.gguf_blocks import QuantBlocks
-from cbserve.worker.cpu.panels import BLOCK_FORMATS, BLOCK_K, Panels, block_shape, check_nibbles, is_bfloat16_exact
+from cbserve.worker.cpu.abi import raise_for as _check
+from cbserve.worker.cpu.block_packing import BlockPackers
+from cbserve.worker.cpu.lora_segments import LoRASegments
+from cbserve.worker.cpu.panels import BLOCK_FORMATS, BLOCK_K, Panels, is_bfloat16_exact
 
 __all__ = ["BLOCK_FORMATS", "BLOCK_K", "CpuKernels", "Panels", "is_bfloat16_exact"]
-from cbserve.worker.cpu.lora_segments import LoRASegments
-
-_ERRORS = {abi.RETURN_CODES["CB_ENOMEM"]: "out of memory for the kernel's scratch buffers",
-           abi.RETURN_CODES["CB_EINVAL"]: "invalid shapes",
-           abi.RETURN_CODES["CB_ERANGE"]: "an index (sequence length, block id or position) outside its table"}
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        raise RuntimeError(f"CPU kernel {what} failed: {_ERRORS.get(rc, f'error {rc}')}")
 
 
 def _rows(t: torch.Tensor, name: str, cols: int | None = None) -> int:
@@ -50,13 +43,7 @@ _LORA_DTYPES = (torch.float32, torch.bfloat16)  # of the LoRA kernel's adapter s
 LORA_MAX_COLS = 1536  # columns of a LoRA slot (csrc/lora.c): rank 512 of a fused q/k/v projection, 3 x 512
 
 
-def _check_scales(rc: int, what: str) -> None:
-    if rc == abi.RETURN_CODES["CB_ERANGE"]:
-        raise ValueError(f"{what}: a scale is not a float16 value (the GGUF block formats keep float16 scales)")
-    _check(rc, what)
-
-
-class CpuKernels:
+class CpuKernels(BlockPackers):
     """The loaded library's kernels (``abi.AbiMismatch`` when its header and the ctypes table disagree)."""
 
     def __init__(self, path: Path, header: Path = abi.HEADER, isa: str = "") -> None:
@@ -71,13 +58,6 @@ class CpuKernels:
                            else "scalar")
 
     # ---- linear layers ----------------------------------------------------------------------------
-    def _panels_out(self, fmt: str, n: int, k: int) -> torch.Tensor:
-        size = int(self._lib.cb_packed_bytes(PANEL_FORMATS[fmt], n, k))
-        if size < 0:
-            raise ValueError(f"a [{n}, {k}] weight cannot be packed as {fmt}"
-                             + (f" (k must be a multiple of {BLOCK_K})" if fmt in BLOCK_FORMATS else ""))
-        return torch.empty(size, dtype=torch.uint8)
-
     def pack_weight(self, weight: torch.Tensor, fmt: str = "f32") -> Panels:
         """A [n, k] float32 weight packed as "f32"; as "bf16" when every value is a bfloat16 (its lower 16
         bits zero: ValueError otherwise); or as "bf16_dot", rounded to bfloat16, for bfloat16 products."""
@@ -92,42 +72,6 @@ class CpuKernels:
         out = self._panels_out(fmt, n, k)
         _check(packers[fmt](weight.data_ptr(), ldw, n, k, out.data_ptr()), "pack_weight")
         return Panels(fmt, out, n, k)
-
-    def pack_q8_0(self, d: torch.Tensor, q: torch.Tensor) -> Panels:
-        """W = d * q in blocks of 32 along k: d [n, k / 32] float32 holding float16 values (GGUF's scales; the
-        panels keep them as float16: ValueError otherwise), q [n, k] int8."""
-        n, k = block_shape(q, torch.int8, d, "q8_0")
-        out = self._panels_out("q8_0", n, k)
-        _check_scales(self._lib.cb_pack_q8_0(d.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q8_0")
-        return Panels("q8_0", out, n, k)
-
-    def pack_q4_1(self, d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> Panels:
-        """W = d * q + m in blocks of 32 along k: d, m [n, k / 32] float32 holding float16 values, q [n, k] uint8
-        in 0..15."""
-        n, k = block_shape(q, torch.uint8, d, "q4_1")
-        block_shape(q, torch.uint8, m, "q4_1")
-        check_nibbles(q, "q4_1")
-        out = self._panels_out("q4_1", n, k)
-        rc = self._lib.cb_pack_q4_1(d.data_ptr(), m.data_ptr(), q.data_ptr(), n, k, out.data_ptr())
-        _check_scales(rc, "pack_q4_1")
-        return Panels("q4_1", out, n, k)
-
-    def pack_q4_0(self, d: torch.Tensor, q: torch.Tensor) -> Panels:
-        """W = d * (q - 8) in blocks of 32 along k: d [n, k / 32] float32 holding float16 values, q [n, k] uint8
-        in 0..15."""
-        n, k = block_shape(q, torch.uint8, d, "q4_0")
-        check_nibbles(q, "q4_0")
-        out = self._panels_out("q4_0", n, k)
-        _check_scales(self._lib.cb_pack_q4_0(d.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q4_0")
-        return Panels("q4_0", out, n, k)
-
-    def pack_blocks(self, blocks: QuantBlocks) -> Panels:
-        """GGUF blocks (Q8_0, Q4_0, Q4_1) packed in their panel format ("q8_0", "q4_0", "q4_1")."""
-        if blocks.qtype == "Q8_0":
-            return self.pack_q8_0(*blocks.q8_0())
-        if blocks.qtype == "Q4_0":
-            return self.pack_q4_0(*blocks.q4_0())
-        return self.pack_q4_1(*blocks.q4_1())
 
     @staticmethod
     def with_bf16_products(panels: Panels) -> Panels:

@@ -6,14 +6,15 @@ Two packings, chosen by ``ModelConfig.cpu_ops`` (see ``ops.py``):
 - ``"native"``: cbserve's own C kernel (``csrc/gemm.c``) over 48-column panels. A decode step multiplies
   every weight by only a few rows, so its cost is reading the weights; the panel kernel streams each
   weight once, in order. With ``compact`` (``ModelConfig.cpu_compact_weights``, on by default) a weight
-  whose float32 values fit a smaller format exactly is stored in it: the GGUF Q8_0 / Q4_0 / Q4_1 blocks it
-  was dequantized from (``gguf_blocks.py``), or bfloat16 when every value is one. The kernel decodes them to
+  whose float32 values fit a smaller format exactly is stored in it: the GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K
+  blocks it was dequantized from (``gguf_blocks.py``), or bfloat16 when every value is one. The kernel decodes them to
   the same float32 values in registers, so the arithmetic and the results do not change (each packing is
   checked against the weight it replaces) while 2-7x fewer bytes are read per step (the GGUF blocks as many
   bytes as in the file: float16 scales and packed values).
   With ``bf16_products`` (``dtype="bfloat16"`` on the native ops) every weight is instead rounded to
   bfloat16 and stored in k pairs (GGUF blocks, with ``compact``, stay blocks and are rounded as the kernel
-  decodes them), and the kernel rounds its input rows to bfloat16 too and sums the products in float32 with
+  decodes them; the K-quants keep their float32 products), and the kernel rounds its input rows to bfloat16
+  too and sums the products in float32 with
   AVX-512 BF16 (``vdpbf16ps``: twice float32's multiply rate), or from 4 rows up on Intel AMX tiles where
   the CPU has them (``csrc/amx.c``: 5-7x the AVX-512 rate at 16-2048 rows): not the float32 result, but
   within float32 rounding of the same product computed on bfloat16-rounded operands.
@@ -38,8 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cbserve.worker.cpu.gguf_blocks import QuantBlocks
+from cbserve.worker.cpu.gguf_blocks import QuantBlocks, SplitBlocks
 from cbserve.worker.cpu.kernels import CpuKernels, Panels, is_bfloat16_exact
+from cbserve.worker.cpu.panels import KQUANT_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -148,11 +150,42 @@ def torch_weight(weight: torch.Tensor, bf16_products: bool) -> PackedWeight:
     return DenseWeight(w, w.dtype)  # the module's dense weight, or its bfloat16 copy
 
 
+@dataclass(frozen=True)
+class SplitWeight:
+    """One weight packed for the C kernels in row ranges of different formats (a fused q/k/v whose GGUF parts are
+    of different block types): each range's product into its own columns of the result."""
+
+    parts: tuple[NativeWeight, ...]
+    dtype: torch.dtype = torch.float32
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out, row = [], 0
+        for part in self.parts:
+            n = part.panels.n
+            out.append(part.matmul(x, None if bias is None else bias[row : row + n]))
+            row += n
+        return torch.cat(out, dim=1)
+
+
+WeightBlocks = QuantBlocks | SplitBlocks
+
+
 def native_weight(packed: PackedWeight | None) -> NativeWeight | None:
-    """The C kernels' packing that few-row products of ``packed`` run on, or None when they run on torch."""
+    """The C kernels' packing that few-row products of ``packed`` run on, or None when they run on torch (or in
+    parts: ``native_panels``)."""
     if isinstance(packed, RegimeWeight):
         packed = packed.few
     return packed if isinstance(packed, NativeWeight) else None
+
+
+def native_panels(packed: PackedWeight | None) -> tuple[Panels, ...] | None:
+    """The panels of the C kernels' packing that few-row products of ``packed`` run on, in row order (one, or a
+    ``SplitWeight``'s parts), or None when they run on torch."""
+    if isinstance(packed, RegimeWeight):
+        packed = packed.few
+    if isinstance(packed, SplitWeight):
+        return tuple(p.panels for p in packed.parts)
+    return (packed.panels,) if isinstance(packed, NativeWeight) else None
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -186,10 +219,25 @@ def compact_panels(weight: torch.Tensor, kernels: CpuKernels, blocks: QuantBlock
     return packed
 
 
+def split_panels(w: torch.Tensor, kernels: CpuKernels, blocks: SplitBlocks, bf16_products: bool) -> SplitWeight | None:
+    """``w`` packed range by range from its blocks' parts (for bfloat16 products where a part's format has them),
+    when every part reproduces its rows; else None."""
+    parts, row = [], 0
+    for b in blocks.parts:
+        panels = block_panels(w[row : row + b.shape[0]].contiguous(), kernels, b)
+        if panels is None:
+            return None
+        if bf16_products and panels.fmt not in KQUANT_FORMATS:
+            panels = kernels.with_bf16_products(panels)
+        parts.append(NativeWeight(panels, kernels))
+        row += b.shape[0]
+    return SplitWeight(tuple(parts))
+
+
 def make_packed_weight(
     weight: torch.Tensor,
     kernels: CpuKernels | None,
-    blocks: QuantBlocks | None = None,
+    blocks: WeightBlocks | None = None,
     compact: bool = False,
     bf16_products: bool = False,
     paths: tuple[str, str] = PATHS_NATIVE,
@@ -210,9 +258,15 @@ def make_packed_weight(
     return None
 
 
-def _native_packing(w: torch.Tensor, kernels: CpuKernels, blocks: QuantBlocks | None, compact: bool,
-                    bf16_products: bool) -> NativeWeight:
-    if bf16_products:  # GGUF blocks stay compact (rounded as decoded), anything else is rounded once here
+def _native_packing(w: torch.Tensor, kernels: CpuKernels, blocks: WeightBlocks | None, compact: bool,
+                    bf16_products: bool) -> NativeWeight | SplitWeight:
+    if isinstance(blocks, SplitBlocks):
+        split = split_panels(w, kernels, blocks, bf16_products) if compact else None
+        if split is not None:
+            return split
+        blocks = None
+    kquant = blocks is not None and blocks.qtype.lower() in KQUANT_FORMATS  # float32 products in fewer bytes
+    if bf16_products and not kquant:  # GGUF blocks stay compact (rounded as decoded), the rest rounded once here
         blocks_packed = block_panels(w, kernels, blocks) if compact else None
         panels = kernels.with_bf16_products(blocks_packed) if blocks_packed else kernels.pack_weight(w, "bf16_dot")
         return NativeWeight(panels, kernels)
@@ -223,7 +277,7 @@ def pack_module_weight(
     module: nn.Module,
     release_dense: bool,
     kernels: CpuKernels | None = None,
-    blocks: QuantBlocks | None = None,
+    blocks: WeightBlocks | None = None,
     compact: bool = False,
     bf16_products: bool = False,
     paths: tuple[str, str] = PATHS_NATIVE,
@@ -246,7 +300,7 @@ class Packable(Protocol):
         self,
         release_dense: bool,
         kernels: CpuKernels | None = None,
-        blocks: QuantBlocks | None = None,
+        blocks: WeightBlocks | None = None,
         compact: bool = False,
         bf16_products: bool = False,
         paths: tuple[str, str] = PATHS_NATIVE,
@@ -268,7 +322,7 @@ class PackableLinear(nn.Module):
         self,
         release_dense: bool,
         kernels: CpuKernels | None = None,
-        blocks: QuantBlocks | None = None,
+        blocks: WeightBlocks | None = None,
         compact: bool = False,
         bf16_products: bool = False,
         paths: tuple[str, str] = PATHS_NATIVE,
@@ -286,7 +340,7 @@ class PackableLinear(nn.Module):
 def pack_linear_weights(
     model: nn.Module,
     kernels: CpuKernels | None = None,
-    blocks: Mapping[str, QuantBlocks] | None = None,
+    blocks: Mapping[str, WeightBlocks] | None = None,
     compact: bool = False,
     bf16_products: bool = False,
     paths: tuple[str, str] = PATHS_NATIVE,
@@ -318,8 +372,10 @@ def _log_packing(model: nn.Module, native: bool, paths: tuple[str, str]) -> None
     if paths != PATHS_NATIVE:
         logger.warning("CPU linear weights held twice (cbserve's panels and torch's copy): products of fewer than %d "
                        "rows on %s, the others on %s", MANY_ROWS, *paths)
-    weights = [w for w in (p.few if isinstance(p, RegimeWeight) else p for p in packed) if isinstance(w, NativeWeight)]
-    weights += [p.many for p in packed if isinstance(p, RegimeWeight) and isinstance(p.many, NativeWeight)]
+    tops = [p.few if isinstance(p, RegimeWeight) else p for p in packed]
+    tops += [p.many for p in packed if isinstance(p, RegimeWeight)]
+    weights = [w for t in tops for w in (t.parts if isinstance(t, SplitWeight) else (t,))
+               if isinstance(w, NativeWeight)]
     formats = Counter(w.panels.fmt for w in weights)
     stored = sum(w.panels.nbytes for w in weights) / 2**20
     dense = sum(4 * w.panels.n * w.panels.k for w in weights) / 2**20

@@ -10,6 +10,9 @@ import torch
 # The k block of the quantized panel formats (PANEL_FORMATS: name -> the C enum, in abi.py).
 BLOCK_FORMATS = ("q8_0", "q4_1", "q4_0")
 BLOCK_K = 32
+# GGUF's K-quants: super-blocks of 256 k values (float32 products only: no bfloat16-products variant).
+KQUANT_FORMATS = ("q4_k", "q6_k")
+KQUANT_K = 256
 
 
 @dataclass(frozen=True)
@@ -34,20 +37,23 @@ def is_bfloat16_exact(weight: torch.Tensor) -> bool:
     )
 
 
-def block_shape(q: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor, fmt: str) -> tuple[int, int]:
-    """[n, k] of block values ``q`` of ``dtype`` and their float32 ``scales`` [n, k / 32] (ValueError otherwise)."""
+def block_shape(q: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor, fmt: str, block: int = BLOCK_K,
+                multiple: int = BLOCK_K, scale_dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """[n, k] of block values ``q`` of ``dtype`` and their ``scales`` [n, k / block] of ``scale_dtype``, with k a
+    multiple of ``multiple`` (ValueError otherwise)."""
     if q.dtype != dtype or q.dim() != 2 or not q.is_contiguous() or q.device.type != "cpu":
         raise ValueError(f"{fmt} values must be a contiguous {dtype} CPU matrix, got {q.dtype} {tuple(q.shape)}")
     n, k = q.shape
-    if k % BLOCK_K or k == 0:
-        raise ValueError(f"{fmt} needs k to be a multiple of {BLOCK_K}, got {k}")
-    if scales.dtype != torch.float32 or scales.shape != (n, k // BLOCK_K) or not scales.is_contiguous():
-        raise ValueError(f"{fmt} scales must be a contiguous float32 [{n}, {k // BLOCK_K}] matrix, "
+    if k % multiple or k == 0:
+        raise ValueError(f"{fmt} needs k to be a multiple of {multiple}, got {k}")
+    if (scales.dtype != scale_dtype or scales.shape != (n, k // block) or not scales.is_contiguous()
+            or scales.device.type != "cpu"):
+        raise ValueError(f"{fmt} scales must be a contiguous {scale_dtype} [{n}, {k // block}] CPU matrix, "
                          f"got {scales.dtype} {tuple(scales.shape)}")
     return n, k
 
 
-def check_nibbles(q: torch.Tensor, fmt: str) -> None:
-    """ValueError when a 4-bit block value is above 15."""
-    if q.numel() and int(q.max()) > 15:
-        raise ValueError(f"{fmt} values must be in 0..15, got {int(q.max())}")
+def check_nibbles(q: torch.Tensor, fmt: str, top: int = 15) -> None:
+    """ValueError when a block value (4 bits, or as many as ``top`` needs) is above ``top``."""
+    if q.numel() and int(q.max()) > top:
+        raise ValueError(f"{fmt} values must be in 0..{top}, got {int(q.max())}")

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from cbserve.worker.attention.backend import AttentionBackend, AttentionLayout, AttentionMetadata, KVCache
-from cbserve.worker.cpu.gguf_blocks import QuantBlocks
+from cbserve.worker.cpu.gguf_blocks import QuantBlocks, SplitBlocks, fuse_blocks
 from cbserve.worker.cpu.kernels import CpuKernels
 from cbserve.worker.cpu.ops import TORCH_OPS, CpuOps, pack_weights
 from cbserve.worker.layers.basic import ColumnParallelLinear, ParallelLMHead
@@ -184,27 +184,30 @@ class CausalLM(nn.Module):
         if self.ops.native and self.ops.kernels is not None:
             self.native_layers = NativeLayers.build(self, self.ops.kernels)
 
-    def fused_quant_blocks(self, blocks: Mapping[str, QuantBlocks]) -> dict[str, QuantBlocks]:
+    def fused_quant_blocks(self, blocks: Mapping[str, QuantBlocks]) -> dict[str, QuantBlocks | SplitBlocks]:
         """Checkpoint GGUF blocks (HF names) per parameter of this model, q/k/v and gate/up concatenated
-        like their weights. A parameter gets blocks only when all its parts have them, of one type; none
-        under tensor parallelism (the shards would have to be cut along the blocks)."""
+        like their weights (parts of different types in a ``SplitBlocks``). A parameter gets blocks only when
+        all its parts have them; none under tensor parallelism (the shards would have to be cut along the
+        blocks)."""
         if tp_world_size() > 1:
             return {}
         parts: dict[str, dict[int, QuantBlocks]] = {}
         for name, b in blocks.items():
             target, shard = self.map_name(name)
-            parts.setdefault(target, {})[shard or 0] = b
+            parts.setdefault(target, {})[-1 if shard is None else shard] = b  # -1: all of the parameter
         params = dict(self.named_parameters(remove_duplicate=False))
-        out: dict[str, QuantBlocks] = {}
+        out: dict[str, QuantBlocks | SplitBlocks] = {}
         for target, by_part in parts.items():
             if target not in params:
                 continue
             owner = self.get_submodule(target.rsplit(".", 1)[0])
             n_parts = len(getattr(owner, "shard_sizes", [0]))
-            qtypes = {b.qtype for b in by_part.values()}
-            if sorted(by_part) != list(range(n_parts)) or len(qtypes) != 1:
+            if list(by_part) == [-1]:  # stored fused (Phi-3's qkv and gate_up)
+                fused: QuantBlocks | SplitBlocks = by_part[-1]
+            elif sorted(by_part) == list(range(n_parts)):
+                fused = fuse_blocks([by_part[i] for i in range(n_parts)])
+            else:
                 continue
-            fused = QuantBlocks(qtypes.pop(), torch.cat([by_part[i].raw for i in range(n_parts)]))
             if fused.shape == tuple(params[target].shape):
                 out[target] = fused
         return out

@@ -13,6 +13,7 @@ layer's window is its own argument of the attention kernel).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import Any
 
@@ -23,17 +24,25 @@ from cbserve.worker.attention.backend import AttentionMetadata, KVCache
 from cbserve.worker.attention.cpu_backend import CpuAttentionBackend, CpuPrepared
 from cbserve.worker.cpu.abi import PANEL_FORMATS, LayerArgs, LinearArgs, ModelArgs
 from cbserve.worker.cpu.kernels import CpuKernels
-from cbserve.worker.cpu.linear import MANY_ROWS, NativeWeight, RegimeWeight, native_weight
+from cbserve.worker.cpu.linear import MANY_ROWS, NativeWeight, RegimeWeight, SplitWeight, native_panels
 from cbserve.worker.parallel import tp_world_size
 
 logger = logging.getLogger(__name__)
 
 
-def _linear_args(module: nn.Module, bias_in_kernel: bool) -> LinearArgs:
-    p = native_weight(module.packed).panels
-    bias = module.bias
-    return LinearArgs(PANEL_FORMATS[p.fmt], p.data.data_ptr(), p.n, p.k, 0 if bias is None else bias.data_ptr(),
-                      int(bias_in_kernel))
+def _linear_args(module: nn.Module, bias_in_kernel: bool, keep: list[LinearArgs]) -> LinearArgs:
+    """The weight's struct; a weight in parts (``SplitWeight``) as a chain: each part's struct points at the next
+    part's, which ``keep`` holds (the first is copied into its layer's struct)."""
+    bias = 0 if module.bias is None else module.bias.data_ptr()
+    rest: LinearArgs | None = None
+    rows = 0
+    for p in reversed(native_panels(module.packed) or ()):
+        rows += p.n
+        rest = LinearArgs(PANEL_FORMATS[p.fmt], p.data.data_ptr(), rows, p.k, bias, int(bias_in_kernel),
+                          p.n if rest is not None else 0, 0 if rest is None else ctypes.addressof(rest))
+        keep.append(rest)
+    assert rest is not None  # _ineligible checked every weight's packing
+    return rest
 
 
 def _ineligible(model: Any) -> str | None:
@@ -47,7 +56,7 @@ def _ineligible(model: Any) -> str | None:
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(native_weight(m.packed) is not None for m in linears):
+        if not all(native_panels(m.packed) is not None for m in linears):
             return "linear weights not packed for the C kernels"
         if not isinstance(attn.attn, CpuAttentionBackend):
             return f"attention backend {attn.attn.name!r}"
@@ -96,13 +105,15 @@ class NativeLayers:
         self.args = ModelArgs(
             num_layers=len(layers), hidden=model.config.hidden_size, heads=attn0.num_heads,
             kv_heads=attn0.num_kv_heads, head_dim=attn0.head_dim,
-            inter=native_weight(layers[0].mlp.gate_up_proj.packed).panels.n // 2, num_blocks=0, block_size=0,
+            inter=sum(p.n for p in native_panels(layers[0].mlp.gate_up_proj.packed) or ()) // 2, num_blocks=0,
+            block_size=0,
             eps=layers[0].input_layernorm.eps, scale=attn0.attn.scale, cos=rotary.cos.data_ptr(),
             sin=rotary.sin.data_ptr(), max_pos=rotary.cos.shape[0],
             act=0 if model.spec.act == "silu" else 1,
         )
         local = model.model.rotary_local
         self.layers = (LayerArgs * len(layers))()
+        self._parts: list[LinearArgs] = []  # the structs of weights in parts, which the layers' structs point at
         uses_local = model.spec.uses_local_rope
         for i, layer in enumerate(layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -110,8 +121,9 @@ class NativeLayers:
             self.layers[i] = LayerArgs(
                 in_norm=layer.input_layernorm.weight.data_ptr(),
                 post_norm=layer.post_attention_layernorm.weight.data_ptr(),
-                qkv=_linear_args(attn.qkv_proj, True), o=_linear_args(attn.o_proj, False),
-                gate_up=_linear_args(mlp.gate_up_proj, True), down=_linear_args(mlp.down_proj, False),
+                qkv=_linear_args(attn.qkv_proj, True, self._parts), o=_linear_args(attn.o_proj, False, self._parts),
+                gate_up=_linear_args(mlp.gate_up_proj, True, self._parts),
+                down=_linear_args(mlp.down_proj, False, self._parts),
                 window=attn.attn.sliding_window or 0,
                 q_norm=_ptr(attn.q_norm and attn.q_norm.weight), k_norm=_ptr(attn.k_norm and attn.k_norm.weight),
                 pre_ff_norm=_ptr(pre and pre.weight), post_ff_norm=_ptr(post and post.weight),
@@ -121,7 +133,8 @@ class NativeLayers:
         self._bound: tuple[int, ...] = ()  # addresses of the KV caches the structs point at (no reference held)
         # steps of this many rows or more run module by module: their products belong on torch's path
         # (the probe found the C kernels slower there, linear.RegimeWeight)
-        torch_many = any(isinstance(m.packed, RegimeWeight) and not isinstance(m.packed.many, NativeWeight)
+        torch_many = any(isinstance(m.packed, RegimeWeight)
+                         and not isinstance(m.packed.many, NativeWeight | SplitWeight)
                          for layer in layers for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
         self.max_rows = MANY_ROWS if torch_many else None
 

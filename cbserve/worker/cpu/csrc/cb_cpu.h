@@ -27,7 +27,9 @@ enum {
     CB_FMT_Q4_1_BF16 = 6, /* CB_FMT_Q4_1's bytes, likewise */
     CB_FMT_Q4_0 = 7,
     CB_FMT_Q4_0_BF16 = 8, /* CB_FMT_Q4_0's bytes, each decoded weight rounded to bfloat16 */
-    CB_FMT_COUNT = 9
+    CB_FMT_Q4_K = 9,      /* GGUF's K-quants (kquants.c), float32 products */
+    CB_FMT_Q6_K = 10,
+    CB_FMT_COUNT = 11
 };
 
 /* One packed linear layer: out [m, n] = a [m, k] W^T (+ bias). */
@@ -37,6 +39,9 @@ typedef struct {
     int n, k;           /* W is [n, k] */
     const float *bias;  /* [n] or NULL */
     int bias_in_kernel; /* 1: the product starts from the bias (column-parallel); 0: added after it */
+    int split;          /* with rest: the rows [0, split) fmt and w hold; rows [split, n) are rest's */
+    const void *rest;   /* NULL, or the cb_lin_t of the rows after split (its n: n - split; its k: k), in its
+                           own format: a fused weight whose GGUF parts are of different block types */
 } cb_lin_t;
 
 /* One decoder layer's weights and KV cache. */
@@ -90,6 +95,12 @@ CB_API int cb_pack_q8_0(const float *d, const int8_t *q, int n, int k, uint8_t *
 CB_API int cb_pack_q4_1(const float *d, const float *m, const uint8_t *q, int n, int k, uint8_t *out);
 /* d: [n, k / 32]; q: [n, k] uint8 values 0..15 (w = d * (q - 8)) -> out: cb_packed_bytes(CB_FMT_Q4_0, n, k). */
 CB_API int cb_pack_q4_0(const float *d, const uint8_t *q, int n, int k, uint8_t *out);
+/* The K-quants (k a multiple of 256; super-block scales float16 values, CB_ERANGE otherwise or for a value out of
+ * range). Q4_K: d, dmin [n, k / 256]; sc, m [n, k / 32] uint8 0..63; q [n, k] uint8 0..15: w = d sc q - dmin m. */
+CB_API int cb_pack_q4_k(const float *d, const float *dmin, const uint8_t *sc, const uint8_t *m, const uint8_t *q, int n,
+                        int k, uint8_t *out);
+/* Q6_K: d [n, k / 256]; sc [n, k / 16] int8; q [n, k] uint8 0..63: w = d sc (q - 32). */
+CB_API int cb_pack_q6_k(const float *d, const int8_t *sc, const uint8_t *q, int n, int k, uint8_t *out);
 /* packed (fmt, [n, k]) -> out [n, k], rows ldo floats apart: what the linear kernel multiplies by. */
 CB_API int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float *out, int64_t ldo);
 

@@ -79,6 +79,40 @@ static inline vf q4_1_low(vf d, vf m, vi pair) { return d * to_float(pair & 15) 
 static inline vf q4_1_high(vf d, vf m, vi pair) { return d * to_float(pair >> 4) + m; }
 static inline vf q4_0_offset(vf d) { return d * -8.0f; }
 static inline vf q8_0_value(vf d, const int8_t *q) { return d * to_float(widen_s8(q)); }
+
+/* The K-quants (panels.h): super-blocks of CB_QKK k values, a header of float16 scales then CB_KSUB blocks of 32. */
+#define CB_QKK 256
+#define CB_KSUB (CB_QKK / CB_QK)
+#define Q4K_HEAD (2 * CB_NR * 2)                     /* d[48], dmin[48] */
+#define Q4K_Q (2 * CB_NR)                            /* a block: sc[48], m[48], then q[16][48] */
+#define Q4K_BLOCK (Q4K_Q + CB_QK / 2 * CB_NR)        /* 864 */
+#define Q4K_SUPER (Q4K_HEAD + CB_KSUB * Q4K_BLOCK)   /* 7104 */
+#define Q6K_HEAD (CB_NR * 2)                         /* d[48] */
+#define Q6K_QL (2 * CB_NR)                           /* a block: sc[2][48], then ql[16][48], then qh[8][48] */
+#define Q6K_QH (Q6K_QL + CB_QK / 2 * CB_NR)
+#define Q6K_BLOCK (Q6K_QH + CB_QK / 4 * CB_NR)       /* 1248 */
+#define Q6K_SUPER (Q6K_HEAD + CB_KSUB * Q6K_BLOCK)   /* 10080 */
+
+/* Block b's super-block header, and the block's own bytes (head: the header's size, bytes: a block's). */
+static inline const uint8_t *kq_head(const uint8_t *panel, int64_t super, int b) {
+    return panel + (int64_t)(b / CB_KSUB) * super;
+}
+static inline const uint8_t *kq_block(const uint8_t *panel, int64_t super, int head, int bytes, int b) {
+    return kq_head(panel, super, b) + head + (b % CB_KSUB) * bytes;
+}
+/* Q4_K: a block's scale d * sc and offset -(dmin * m), exact in float32 (an 11-bit significand times 6 bits),
+ * then decoded as Q4_1: d sc q is exact too (21 bits), so the one rounding is the add's, as in gguf-py's
+ * d * q - dm. Q6_K: d * sc (18 bits) times q - 32 (6 bits), exact; q's low 4 bits are a nibble of the pair's
+ * byte (as Q4's), its high 2 bits in qh's byte [j / 2] at bits 4 (j % 2) (k = 2j) and 4 (j % 2) + 2 (k = 2j + 1). */
+static inline vf q4_k_scale(vf d, const uint8_t *sc) { return d * to_float(widen_u8(sc)); }
+static inline vf q4_k_offset(vf dmin, const uint8_t *m) { return -(dmin * to_float(widen_u8(m))); }
+static inline vf q6_k_scale(vf d, const int8_t *sc) { return d * to_float(widen_s8(sc)); }
+static inline vf q6_k_low(vf d, vi pair, vi h, int s) {
+    return d * to_float(((pair & 15) | (((h >> s) & 3) << 4)) - 32);
+}
+static inline vf q6_k_high(vf d, vi pair, vi h, int s) {
+    return d * to_float(((pair >> 4) | (((h >> (s + 2)) & 3) << 4)) - 32);
+}
 static inline vf bf16_value(const uint16_t *src) {
     const vi bits = widen_u16(src) << 16;
     vf r;

@@ -26,10 +26,15 @@
 #include "cb_simd.h"
 #include "panels.h"
 
-/* out [m, lin.n] = a [m, lin.k] W^T (+ bias) */
+/* out [m, lin.n] = a [m, lin.k] W^T (+ bias); a weight in parts (lin.rest) as one product per part, each into its
+ * own columns of out */
 static int linear(const cb_lin_t *lin, const float *a, int m, float *out) {
-    const int rc = cb_linear(lin->fmt, a, lin->k, m, lin->k, lin->w, lin->n, lin->bias_in_kernel ? lin->bias : NULL,
-                             out, lin->n);
+    int rc = CB_OK;
+    for (const cb_lin_t *p = lin; p && !rc; p = p->rest) {
+        const int col = lin->n - p->n, rows = p->rest ? p->split : p->n;
+        const float *bias = lin->bias_in_kernel && lin->bias ? lin->bias + col : NULL;
+        rc = cb_linear(p->fmt, a, lin->k, m, lin->k, p->w, rows, bias, out + col, lin->n);
+    }
     if (rc || !lin->bias || lin->bias_in_kernel) return rc;
     for (int i = 0; i < m; ++i)
         for (int j = 0; j < lin->n; ++j) out[(int64_t)i * lin->n + j] += lin->bias[j];

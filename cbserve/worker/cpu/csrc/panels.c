@@ -15,6 +15,7 @@ static int is_block_format(int fmt) { return fmt == CB_FMT_Q8_0 || fmt == CB_FMT
 
 int64_t cb_panel_bytes(int fmt, int k) {
     fmt = cb_storage_format(fmt);
+    if (cb_kquant(fmt)) return cb_kquant_panel_bytes(fmt, k);
     if (k < 1 || (is_block_format(fmt) && k % CB_QK)) return -1;
     switch (fmt) {
     case CB_FMT_F32: return (int64_t)k * CB_NR * 4;
@@ -115,6 +116,7 @@ const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float
         round_bf16(scratch, (int64_t)kn * CB_NR);
         return scratch;
     }
+    if (cb_kquant(fmt)) return cb_kquant_chunk(fmt, panel, k0, kn, scratch);
     switch (fmt) {
     case CB_FMT_F32: return (const float *)panel + (int64_t)k0 * CB_NR;
     case CB_FMT_BF16: chunk_bf16((const uint16_t *)panel + (int64_t)k0 * CB_NR, kn, scratch); return scratch;

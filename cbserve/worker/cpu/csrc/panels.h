@@ -18,12 +18,19 @@
  *                                    side by side (a zero pads an odd k), each value rounded to nearest
  *                                    even; what AVX-512 BF16's pairwise dot product reads. Lossy: the
  *                                    one format whose values are not the checkpoint's (dtype bfloat16).
+ *   CB_FMT_Q4_K  0.578 bytes:        super-blocks of CB_QKK = 256 k values: float16 d[48], float16 dmin[48], then 8
+ *                                    blocks of 32: uint8 sc[48], uint8 m[48] (6 bits each), uint8 q[16][48] as
+ *                                    Q4_1's; w = d * sc * q - dmin * m (GGUF Q4_K, its scales unpacked).
+ *   CB_FMT_Q6_K  0.820 bytes:        super-blocks of 256: float16 d[48], then 8 blocks of 32: int8 sc[2][48] (k
+ *                                    0-15, 16-31), uint8 ql[16][48] (the low 4 bits of q as Q4_1's nibbles),
+ *                                    uint8 qh[8][48] (the high 2 bits of k = 4i + t at bits 2t of byte [i]);
+ *                                    w = d * sc * (q - 32) (GGUF Q6_K, its bytes per weight).
  *   CB_FMT_Q8_0_BF16, CB_FMT_Q4_1_BF16, CB_FMT_Q4_0_BF16: the bytes of CB_FMT_Q8_0 / CB_FMT_Q4_1 /
  *                                    CB_FMT_Q4_0, each decoded value rounded to bfloat16 (for bfloat16
  *                                    products: the GGUF blocks stay compact).
  *
  * Every other format decodes to the float32 values the dense checkpoint holds: the GGUF scales are float16
- * values, kept as such, so d * q and d * (q - 8) are exact in float32 and d * q + m is rounded once, as gguf-py's
+ * values, kept as such (the K-quants' 6- and 8-bit sub-scales as integers), so d * q and d * (q - 8) are exact in float32 and d * q + m is rounded once, as gguf-py's
  * dequantization (and so transformers) rounds it: bit for bit. The Python side checks this for every weight
  * before it uses a packing.
  */
@@ -55,6 +62,11 @@ int64_t cb_panel_bytes(int fmt, int k);
  * (CB_FMT_F32) or into scratch, which must hold kn * 48 floats (rounded up to even). k0 and kn are multiples
  * of CB_QK for the block formats and even for CB_FMT_BF16_DOT (kn may end at k). */
 const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch);
+
+/* The K-quants (kquants.c): bytes of one panel (-1 unless k is a multiple of 256), and cb_panel_chunk's decoding. */
+int64_t cb_kquant_panel_bytes(int fmt, int k);
+const float *cb_kquant_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch);
+static inline int cb_kquant(int fmt) { return fmt == CB_FMT_Q4_K || fmt == CB_FMT_Q6_K; }
 
 /* The bias of panel p (NULL without one); the last panel's zero-padded into tail (the kernels read 48 at a time). */
 static inline const float *cb_item_bias(const float *bias, int p, int ncols, float *tail) {

@@ -81,6 +81,57 @@ static inline __attribute__((always_inline)) void rows_q8_0(const int mr, vf acc
     }
 }
 
+/* The K-quants: each block's scales from its super-block's header and its own sub-scales (decode.h) */
+static inline __attribute__((always_inline)) void rows_q4_k(const int mr, vf acc[][CB_RG], const float *restrict a,
+                                                            int64_t lda, int k, const uint8_t *restrict panel,
+                                                            int col) {
+    for (int b = 0; b < k / CB_QK; ++b) {
+        const uint16_t *d = (const uint16_t *)kq_head(panel, Q4K_SUPER, b) + col;
+        const uint8_t *blk = kq_block(panel, Q4K_SUPER, Q4K_HEAD, Q4K_BLOCK, b), *q = blk + Q4K_Q + col;
+        if (col == 0) prefetch_ahead(blk - (b % CB_KSUB ? 0 : Q4K_HEAD), Q4K_BLOCK + Q4K_HEAD);
+        vf dv[CB_RG], mv[CB_RG];
+        for (int v = 0; v < CB_RG; ++v) {
+            dv[v] = q4_k_scale(half_value(d + CB_VW * v), blk + col + CB_VW * v);
+            mv[v] = q4_k_offset(half_value(d + CB_NR + CB_VW * v), blk + CB_NR + col + CB_VW * v);
+        }
+        for (int j = 0; j < CB_QK / 2; ++j)
+            for (int v = 0; v < CB_RG; ++v) {
+                const vi pair = widen_u8(q + j * CB_NR + CB_VW * v);
+                const vf lo = cb_settled(q4_1_low(dv[v], mv[v], pair));
+                const vf hi = cb_settled(q4_1_high(dv[v], mv[v], pair));
+                CB_ROWS_ADD(b * CB_QK + 2 * j, lo);
+                CB_ROWS_ADD(b * CB_QK + 2 * j + 1, hi);
+            }
+    }
+}
+
+static inline __attribute__((always_inline)) void rows_q6_k(const int mr, vf acc[][CB_RG], const float *restrict a,
+                                                            int64_t lda, int k, const uint8_t *restrict panel,
+                                                            int col) {
+    for (int b = 0; b < k / CB_QK; ++b) {
+        const uint16_t *d = (const uint16_t *)kq_head(panel, Q6K_SUPER, b) + col;
+        const uint8_t *blk = kq_block(panel, Q6K_SUPER, Q6K_HEAD, Q6K_BLOCK, b);
+        const int8_t *sc = (const int8_t *)blk + col;
+        if (col == 0) prefetch_ahead(blk - (b % CB_KSUB ? 0 : Q6K_HEAD), Q6K_BLOCK + Q6K_HEAD);
+        vf s0[CB_RG], s1[CB_RG];
+        for (int v = 0; v < CB_RG; ++v) {
+            const vf dv = half_value(d + CB_VW * v);
+            s0[v] = q6_k_scale(dv, sc + CB_VW * v);
+            s1[v] = q6_k_scale(dv, sc + CB_NR + CB_VW * v);
+        }
+        for (int j = 0; j < CB_QK / 2; ++j)
+            for (int v = 0; v < CB_RG; ++v) {
+                const vi pair = widen_u8(blk + Q6K_QL + j * CB_NR + col + CB_VW * v);
+                const vi h = widen_u8(blk + Q6K_QH + j / 2 * CB_NR + col + CB_VW * v);
+                const vf s = j < CB_QK / 4 ? s0[v] : s1[v];
+                const vf lo = cb_settled(q6_k_low(s, pair, h, 4 * (j & 1)));
+                const vf hi = cb_settled(q6_k_high(s, pair, h, 4 * (j & 1)));
+                CB_ROWS_ADD(b * CB_QK + 2 * j, lo);
+                CB_ROWS_ADD(b * CB_QK + 2 * j + 1, hi);
+            }
+    }
+}
+
 /* bfloat16 (wide = 0) or float32 (wide = 1) panels: [k][48] values, read in place */
 static inline __attribute__((always_inline)) void rows_plain(const int mr, const int wide, vf acc[][CB_RG],
                                                              const float *restrict a, int64_t lda, int k,
@@ -104,6 +155,10 @@ static inline __attribute__((always_inline)) void rows_group(const int mr, int f
         rows_q4(mr, fmt == CB_FMT_Q4_1, acc, a, lda, k, panel, col);
     else if (fmt == CB_FMT_Q8_0)
         rows_q8_0(mr, acc, a, lda, k, panel, col);
+    else if (fmt == CB_FMT_Q4_K)
+        rows_q4_k(mr, acc, a, lda, k, panel, col);
+    else if (fmt == CB_FMT_Q6_K)
+        rows_q6_k(mr, acc, a, lda, k, panel, col);
     else
         rows_plain(mr, fmt == CB_FMT_F32, acc, a, lda, k, panel, col);
     for (int i = 0; i < mr; ++i)
@@ -123,6 +178,8 @@ static inline __attribute__((always_inline)) void rows_panel_mr(const int mr, in
     case CB_FMT_Q4_1: rows_panel_fmt(mr, CB_FMT_Q4_1, a, lda, k, panel, acc_io); break;
     case CB_FMT_Q4_0: rows_panel_fmt(mr, CB_FMT_Q4_0, a, lda, k, panel, acc_io); break;
     case CB_FMT_Q8_0: rows_panel_fmt(mr, CB_FMT_Q8_0, a, lda, k, panel, acc_io); break;
+    case CB_FMT_Q4_K: rows_panel_fmt(mr, CB_FMT_Q4_K, a, lda, k, panel, acc_io); break;
+    case CB_FMT_Q6_K: rows_panel_fmt(mr, CB_FMT_Q6_K, a, lda, k, panel, acc_io); break;
     case CB_FMT_BF16: rows_panel_fmt(mr, CB_FMT_BF16, a, lda, k, panel, acc_io); break;
     default: rows_panel_fmt(mr, CB_FMT_F32, a, lda, k, panel, acc_io); break;
     }
@@ -143,7 +200,8 @@ int cb_set_rows(int enable) { return __atomic_exchange_n(&rows_enabled, enable !
 
 int cb_rows_take(int fmt, int m, int k) {
     const int blocks = fmt == CB_FMT_Q8_0 || fmt == CB_FMT_Q4_1 || fmt == CB_FMT_Q4_0;
-    const int fits = fmt == CB_FMT_F32 || fmt == CB_FMT_BF16 || (blocks && k % CB_QK == 0);
+    const int fits = fmt == CB_FMT_F32 || fmt == CB_FMT_BF16 || (blocks && k % CB_QK == 0) ||
+                     (cb_kquant(fmt) && k % CB_QKK == 0);
     return fits && m >= 1 && m <= CB_ROWS_TAKE && __atomic_load_n(&rows_enabled, __ATOMIC_RELAXED) != 0;
 }
 
