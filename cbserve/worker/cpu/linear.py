@@ -189,8 +189,8 @@ def native_panels(packed: PackedWeight | None) -> tuple[Panels, ...] | None:
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal float32 values, NaN nowhere. Bit for bit but for the sign of zeros: Q4_0 stores d * (q - 8),
-    which gguf-py gives as -0 for q = 8 and a negative d, and the kernel as d * q - 8d = +0."""
+    """Equal float32 values, NaN nowhere. Bit for bit but for the sign of zeros: Q4_0 stores d * (q - 8) (Q6_K
+    d * (q - 32)), which gguf-py gives as -0 for q = 8 and a negative d, and the kernel as d * q - 8d = +0."""
     return a.shape == b.shape and torch.equal(a, b) and not bool(torch.isnan(a).any())
 
 

@@ -107,11 +107,16 @@ static inline const uint8_t *kq_block(const uint8_t *panel, int64_t super, int h
 static inline vf q4_k_scale(vf d, const uint8_t *sc) { return d * to_float(widen_u8(sc)); }
 static inline vf q4_k_offset(vf dmin, const uint8_t *m) { return -(dmin * to_float(widen_u8(m))); }
 static inline vf q6_k_scale(vf d, const int8_t *sc) { return d * to_float(widen_s8(sc)); }
-static inline vf q6_k_low(vf d, vi pair, vi h, int s) {
-    return d * to_float(((pair & 15) | (((h >> s) & 3) << 4)) - 32);
+/* d sc q - 32 d sc in one FMA: d sc q and 32 d sc are exact, and so is their difference, d sc (q - 32) (but +0
+ * where gguf-py gives -0, as for Q4_0: q = 32 with a negative d sc). h's two
+ * bits for k = 2j land at bits 4-5 by one shift: left 4 for even j (s = 0), none for odd (s = 4); k = 2j + 1's
+ * by a shift left 2 or right 2. */
+static inline vf q6_k_offset(vf d) { return d * -32.0f; }
+static inline vf q6_k_low(vf d, vf off, vi pair, vi h, int s) {
+    return d * to_float((pair & 15) | ((s ? h : h << 4) & 0x30)) + off;
 }
-static inline vf q6_k_high(vf d, vi pair, vi h, int s) {
-    return d * to_float(((pair >> 4) | (((h >> (s + 2)) & 3) << 4)) - 32);
+static inline vf q6_k_high(vf d, vf off, vi pair, vi h, int s) {
+    return d * to_float((pair >> 4) | ((s ? h >> 2 : h << 2) & 0x30)) + off;
 }
 static inline vf bf16_value(const uint16_t *src) {
     const vi bits = widen_u16(src) << 16;

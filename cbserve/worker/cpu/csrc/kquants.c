@@ -37,10 +37,10 @@ static void chunk_q6_k(const uint8_t *restrict panel, int k0, int kn, float *res
             for (int j = 0; j < CB_QK / 2; ++j) {
                 const vi pair = widen_u8(blk + Q6K_QL + j * CB_NR + CB_VW * v);
                 const vi h = widen_u8(blk + Q6K_QH + j / 2 * CB_NR + CB_VW * v);
-                const vf s = j < CB_QK / 4 ? s0 : s1;
+                const vf s = j < CB_QK / 4 ? s0 : s1, off = q6_k_offset(s);
                 float *out = dst + (int64_t)(o + 2 * j) * CB_NR + CB_VW * v;
-                cb_store(out, q6_k_low(s, pair, h, 4 * (j & 1)));
-                cb_store(out + CB_NR, q6_k_high(s, pair, h, 4 * (j & 1)));
+                cb_store(out, q6_k_low(s, off, pair, h, 4 * (j & 1)));
+                cb_store(out + CB_NR, q6_k_high(s, off, pair, h, 4 * (j & 1)));
             }
         }
     }

@@ -113,19 +113,21 @@ static inline __attribute__((always_inline)) void rows_q6_k(const int mr, vf acc
         const uint8_t *blk = kq_block(panel, Q6K_SUPER, Q6K_HEAD, Q6K_BLOCK, b);
         const int8_t *sc = (const int8_t *)blk + col;
         if (col == 0) prefetch_ahead(blk - (b % CB_KSUB ? 0 : Q6K_HEAD), Q6K_BLOCK + Q6K_HEAD);
-        vf s0[CB_RG], s1[CB_RG];
+        vf s0[CB_RG], s1[CB_RG], o0[CB_RG], o1[CB_RG];
         for (int v = 0; v < CB_RG; ++v) {
             const vf dv = half_value(d + CB_VW * v);
             s0[v] = q6_k_scale(dv, sc + CB_VW * v);
             s1[v] = q6_k_scale(dv, sc + CB_NR + CB_VW * v);
+            o0[v] = q6_k_offset(s0[v]);
+            o1[v] = q6_k_offset(s1[v]);
         }
         for (int j = 0; j < CB_QK / 2; ++j)
             for (int v = 0; v < CB_RG; ++v) {
                 const vi pair = widen_u8(blk + Q6K_QL + j * CB_NR + col + CB_VW * v);
                 const vi h = widen_u8(blk + Q6K_QH + j / 2 * CB_NR + col + CB_VW * v);
-                const vf s = j < CB_QK / 4 ? s0[v] : s1[v];
-                const vf lo = cb_settled(q6_k_low(s, pair, h, 4 * (j & 1)));
-                const vf hi = cb_settled(q6_k_high(s, pair, h, 4 * (j & 1)));
+                const vf s = j < CB_QK / 4 ? s0[v] : s1[v], off = j < CB_QK / 4 ? o0[v] : o1[v];
+                const vf lo = cb_settled(q6_k_low(s, off, pair, h, 4 * (j & 1)));
+                const vf hi = cb_settled(q6_k_high(s, off, pair, h, 4 * (j & 1)));
                 CB_ROWS_ADD(b * CB_QK + 2 * j, lo);
                 CB_ROWS_ADD(b * CB_QK + 2 * j + 1, hi);
             }
