@@ -38,8 +38,8 @@ from cbserve.bench.runner import LoadConfig, run_benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_info import copy_bandwidth_gbs, describe, fma_peak_gflops, read_bandwidth_gbs  # noqa: E402
-from real_models import FORMATS, SIZES, write_model  # noqa: E402
-from real_sizes_report import format_tables, plot_real_sizes  # noqa: E402
+from real_models import FORMATS, KQUANT_TYPES, SIZES, write_model  # noqa: E402
+from real_sizes_report import format_tables, gguf_step_bytes, plot_real_sizes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("cbserve", "llama", "vllm")
@@ -229,10 +229,11 @@ def run_size(size: str, args: argparse.Namespace) -> dict[str, Any]:
     for r in range(args.rounds):
         order = pairs[r % len(pairs) :] + pairs[: r % len(pairs)]  # each round starts one system later
         rounds.append({f"{s} {f}": run_system(size, s, f, paths[f], args) for s, f in order})
+    step_bytes = {f: gguf_step_bytes(paths[f]) for f in formats if f in KQUANT_TYPES and paths[f].exists()}
     if args.delete_models:
         for f, p in paths.items():
             shutil.rmtree(p if f == "bf16" else p.parent, ignore_errors=True)
-    return {"formats": formats, "rounds": rounds, "params": SIZES[size].params()}
+    return {"formats": formats, "rounds": rounds, "params": SIZES[size].params(), "step_bytes": step_bytes}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -23,10 +23,24 @@ def layer_weights(shape: Shape) -> int:
     return shape.layers * (qkv + shape.heads * hd * shape.hidden + 3 * shape.hidden * shape.inter)
 
 
-def decode_bytes(shape: Shape, fmt: str) -> float:
+def decode_bytes(shape: Shape, fmt: str, file_bytes: float | None = None) -> float:
     """Weight bytes one decode step reads: every layer's products and the LM head (the KV cache of a short
-    context and the norms are under 2% of it)."""
+    context and the norms are under 2% of it); ``file_bytes`` where the format mixes block types (Q4_K_M: what
+    ``gguf_step_bytes`` counts in its file)."""
+    if file_bytes is not None:
+        return file_bytes
     return (layer_weights(shape) + shape.vocab * shape.hidden) * BYTES_PER_WEIGHT[fmt]
+
+
+def gguf_step_bytes(path: Path) -> int:
+    """The bytes of a GGUF file's matrices a decode step reads: all 2-D tensors but the token embedding of a
+    model with its own output matrix (a step reads one row of it)."""
+    from gguf import GGUFReader
+
+    matrices = {t.name: int(t.n_bytes) for t in GGUFReader(str(path)).tensors if len(t.shape) == 2}
+    if "output.weight" in matrices:
+        matrices.pop("token_embd.weight", None)
+    return sum(matrices.values())
 
 
 def prefill_flops(shape: Shape, tokens: int) -> float:
@@ -59,6 +73,7 @@ def medians(size_doc: dict[str, Any]) -> dict[str, dict[str, float | None]]:
         }
         fig["burst_rounds"] = [round(r["burst"]["output_throughput"], 2) for r in runs]
         fig["single_tpot_rounds"] = [round(r["single"]["median_tpot_ms"], 1) for r in runs]
+        fig["step_bytes"] = size_doc.get("step_bytes", {}).get(label.split()[-1])
         out[label] = fig
     return out
 
@@ -68,7 +83,7 @@ def derived(size: str, label: str, fig: dict[str, Any], machine: dict[str, Any],
     the FMA peak."""
     shape, fmt = SIZES[size], label.split()[-1]
     tpot, ttft = fig.get("single_tpot_ms"), fig.get("single_ttft_ms")
-    gbs = decode_bytes(shape, fmt) / tpot / 1e6 if tpot else None
+    gbs = decode_bytes(shape, fmt, fig.get("step_bytes")) / tpot / 1e6 if tpot else None
     gflops = prefill_flops(shape, input_len) / ttft / 1e6 if ttft else None
     copy, read, peak = machine.get("copy_gbs"), machine.get("read_gbs"), machine.get("fma_peak_gflops")
     return {

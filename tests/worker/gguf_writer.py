@@ -144,44 +144,50 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     return blocks.reshape(x.shape[0], -1)
 
 
-def _q4_k(x: np.ndarray) -> np.ndarray:
+def _q4_k(x: np.ndarray, top: int = 15) -> np.ndarray:
     """Rows of 256-value blocks quantized as GGUF Q4_K (round-to-nearest): per 32 values a 6-bit scale and min
-    under float16 ones per block, values 0..15; the 12 bytes of scales packed as llama.cpp packs them."""
+    under float16 ones per block, values 0..15; the 12 bytes of scales packed as llama.cpp packs them. ``top`` 31:
+    Q5_K, the values' fifth bits in 32 bytes before the nibbles (bit i of byte j: value j of the i-th 32)."""
     g = x.reshape(-1, 8, 32).astype(np.float32)
     lo = np.minimum(g.min(axis=2), 0.0)
-    scale, mins = (g.max(axis=2) - lo) / 15.0, -lo
+    scale, mins = (g.max(axis=2) - lo) / float(top), -lo
     d, dmin = (scale.max(axis=1) / 63.0).astype(np.float16), (mins.max(axis=1) / 63.0).astype(np.float16)
     sc = np.clip(np.round(scale / np.where(d == 0, 1.0, d.astype(np.float32))[:, None]), 0, 63).astype(np.uint8)
     m = np.clip(np.round(mins / np.where(dmin == 0, 1.0, dmin.astype(np.float32))[:, None]), 0, 63).astype(np.uint8)
     step = d.astype(np.float32)[:, None] * sc
     offset = dmin.astype(np.float32)[:, None] * m
-    q = np.clip(np.round((g + offset[:, :, None]) / np.where(step == 0, 1.0, step)[:, :, None]), 0, 15).astype(np.uint8)
+    q = np.clip(np.round((g + offset[:, :, None]) / np.where(step == 0, 1.0, step)[:, :, None]), 0, top)
+    q = q.astype(np.uint8)
     packed = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, m[:, :4] | (m[:, 4:] >> 4) << 6,
                              (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4], axis=1)
-    v = q.reshape(-1, 4, 64)
+    v = (q & 15).reshape(-1, 4, 64)
     qs = (v[:, :, :32] | v[:, :, 32:] << 4).reshape(-1, 128)
-    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], axis=1)
+    fifth = [((q >> 4) & 1)[:, i, :] << i for i in range(8)] if top == 31 else []
+    qh = [np.bitwise_or.reduce(np.stack(fifth), axis=0).astype(np.uint8)] if fifth else []
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, *qh, qs],
+                            axis=1)
     return blocks.reshape(x.shape[0], -1)
 
 
-# Q4_K_M as llama.cpp mixes it (simplified): Q6_K for the value and down projections and the output, Q4_K for the rest
-_Q4_K_M_SIX = ("attn_v.weight", "ffn_down.weight", "output.weight")
+# Q4_K_M / Q5_K_M as llama.cpp mixes them (simplified): Q6_K for the value and down projections and the output,
+# Q4_K / Q5_K for the rest
+_K_M_SIX = ("attn_v.weight", "ffn_down.weight", "output.weight")
 
 
 def tensor_type(tname: str, arr: np.ndarray, qtype: str) -> str:
-    """The GGUF type a 2-D weight gets under ``qtype`` ("Q4_K_M" mixes Q4_K and Q6_K; a K-quant falls back to Q8_0
-    for rows that are not whole 256-value blocks, as llama.cpp does)."""
-    if qtype == "Q4_K_M":
-        qtype = "Q6_K" if tname.endswith(_Q4_K_M_SIX) else "Q4_K"
-    return "Q8_0" if qtype in ("Q4_K", "Q6_K") and arr.shape[-1] % 256 else qtype
+    """The GGUF type a 2-D weight gets under ``qtype`` ("Q4_K_M" mixes Q4_K and Q6_K, "Q5_K_M" Q5_K and Q6_K; a
+    K-quant falls back to Q8_0 for rows that are not whole 256-value blocks, as llama.cpp does)."""
+    if qtype in ("Q4_K_M", "Q5_K_M"):
+        qtype = "Q6_K" if tname.endswith(_K_M_SIX) else qtype[:4]
+    return "Q8_0" if qtype.endswith("_K") and arr.shape[-1] % 256 else qtype
 
 
 def quantize(arr: np.ndarray, qtype: str) -> np.ndarray:
     """``arr``'s rows as GGUF blocks of ``qtype``: gguf-py's quantizer, or the K-quants' here (gguf-py has none)."""
     import gguf
 
-    if qtype == "Q4_K":
-        return _q4_k(arr)
+    if qtype in ("Q4_K", "Q5_K"):
+        return _q4_k(arr, 31 if qtype == "Q5_K" else 15)
     if qtype == "Q6_K":
         return _q6_k(arr)
     return gguf.quants.quantize(arr, gguf.GGMLQuantizationType[qtype])

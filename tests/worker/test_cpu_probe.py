@@ -91,7 +91,8 @@ def test_mixed_paths_hold_both_packings_with_the_same_products(kernels: CpuKerne
 
 @pytest.mark.parametrize("fmt,bf16,panel_fmt", [("q4_0", False, "q4_0"), ("q8_0", True, "q8_0_bf16"),
                                                 ("bf16", False, "bf16"), ("f32", True, "bf16_dot"),
-                                                ("q6_k", False, "q6_k"), ("q4_k", True, "q4_k")])
+                                                ("q6_k", False, "q6_k"), ("q4_k", True, "q4_k"),
+                                                ("q5_k", False, "q5_k")])
 def test_the_real_probe_times_the_models_format_in_both_regimes(kernels: CpuKernels, fmt: str, bf16: bool,
                                                                 panel_fmt: str) -> None:
     r = probe_linear(kernels, 64, 96, fmt, bf16, now=123.0)
@@ -102,7 +103,7 @@ def test_the_real_probe_times_the_models_format_in_both_regimes(kernels: CpuKern
     assert r.torch_path in ("onednn", "torch")
     assert probe_linear(kernels, 80, 4096, "q4_1").shape == (2048, 64)  # whole blocks; the weight stays small
     with pytest.raises(ValueError, match="weight_format"):
-        probe_linear(kernels, 64, 96, "q5_k")
+        probe_linear(kernels, 64, 96, "q3_k")
 
 
 def test_a_verdict_is_shared_keyed_and_taken_again_when_old(kernels: CpuKernels, tmp_path: Path,

@@ -2,8 +2,8 @@
 llama.cpp writes them (``gguf_writer.py``): cbserve converts and serves each one with HF generate()'s greedy
 tokens and its logprobs within 1e-4 when HF transformers loads the same file (``from_pretrained(dir,
 gguf_file=...)``), on the CPU C kernels and on the torch reference path, through chunked prefill, prefix-cache
-hits and preemption; three files have Q8_0 / Q4_0 / Q4_K_M (Q4_K and Q6_K) weights, which the C kernels read as
-blocks. The families
+hits and preemption; four files have Q8_0 / Q4_0 / Q4_K_M (Q4_K and Q6_K) / Q5_K_M (Q5_K and Q6_K) weights, which
+the C kernels read as blocks. The families
 transformers cannot load from GGUF are refused at load, with the reason, before anything is converted."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from cbserve.worker.runner.executor import LocalExecutor
 
 MAX_NEW = 12
 _DENSE = dict(num_hidden_layers=2, tie_word_embeddings=False)
+_K_SHAPE = {**_DENSE, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64}  # rows of whole 256-blocks
 # case -> (HF config class, model class, config keys, GGUF architecture, general.name, tensor type)
 CASES: dict[str, tuple[str, str, dict[str, Any], str, str, str | None]] = {
     # llama.cpp writes Mistral as "llama" (q/k rows permuted); transformers loads it as Llama
@@ -47,12 +48,13 @@ CASES: dict[str, tuple[str, str, dict[str, Any], str, str, str | None]] = {
     # fused qkv and gate_up, Q4_0 weights
     "phi3_q4_0": ("Phi3Config", "Phi3ForCausalLM", _DENSE, "phi3", "phi3", "Q4_0"),
     # K-quants as most downloaded files mix them (Q4_K, Q6_K for v, down and the output): rows of 256-value blocks
-    "llama_q4_k_m": ("LlamaConfig", "LlamaForCausalLM", {**_DENSE, "hidden_size": 256, "intermediate_size": 512,
-                                                          "head_dim": 64}, "llama", "llama", "Q4_K_M"),
+    "llama_q4_k_m": ("LlamaConfig", "LlamaForCausalLM", _K_SHAPE, "llama", "llama", "Q4_K_M"),
+    "qwen2_q5_k_m": ("Qwen2Config", "Qwen2ForCausalLM", _K_SHAPE, "qwen2", "qwen2", "Q5_K_M"),  # q/k/v biases
 }
 # the GGUF types a file's weights have, and the panels of a layer's down and gate projections, the LM head and
 # the fused q/k/v (Q4_K_M's q and k in Q4_K, its v in Q6_K: one weight in two formats)
-KINDS = {"Q4_K_M": ({"Q4_K", "Q6_K"}, ("q6_k", "q4_k", "q6_k", ("q4_k", "q6_k")))}
+KINDS = {"Q4_K_M": ({"Q4_K", "Q6_K"}, ("q6_k", "q4_k", "q6_k", ("q4_k", "q6_k"))),
+         "Q5_K_M": ({"Q5_K", "Q6_K"}, ("q6_k", "q5_k", "q6_k", ("q5_k", "q6_k")))}
 # the config values transformers' GGUF loader drops, given to the HF reference (cbserve reads them itself)
 REF_FIXES = {"qwen3_q8_0": {"head_dim": 32}, "qwen3moe": {"moe_intermediate_size": 32}}
 

@@ -92,10 +92,11 @@ def _weights(kernels: CpuKernels, fmt: str, n: int, k: int, gen: torch.Generator
         panels = kernels.pack_q4_1(d, m, torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen))
     elif fmt in ("q4_0", "q4_0_bf16"):
         panels = kernels.pack_q4_0(scales(), torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen))
-    elif fmt == "q4_k":
+    elif fmt in ("q4_k", "q5_k"):
         sub = lambda: torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=gen)  # noqa: E731
-        panels = kernels.pack_q4_k(scales()[:, : k // 256].contiguous(), scales()[:, : k // 256].contiguous(), sub(),
-                                   sub(), torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen))
+        pack = kernels.pack_q5_k if fmt == "q5_k" else kernels.pack_q4_k
+        panels = pack(scales()[:, : k // 256].contiguous(), scales()[:, : k // 256].contiguous(), sub(), sub(),
+                      torch.randint(0, 32 if fmt == "q5_k" else 16, (n, k), dtype=torch.uint8, generator=gen))
     elif fmt == "q6_k":
         panels = kernels.pack_q6_k(scales()[:, : k // 256].contiguous(),
                                    torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=gen),
@@ -108,7 +109,8 @@ def _weights(kernels: CpuKernels, fmt: str, n: int, k: int, gen: torch.Generator
     return panels, kernels.unpack(panels)
 
 
-FORMATS = ("f32", "bf16", "q8_0", "q4_1", "q4_0", "q4_k", "q6_k", "bf16_dot", "q8_0_bf16", "q4_1_bf16", "q4_0_bf16")
+FORMATS = ("f32", "bf16", "q8_0", "q4_1", "q4_0", "q4_k", "q5_k", "q6_k", "bf16_dot", "q8_0_bf16", "q4_1_bf16",
+           "q4_0_bf16")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -74,17 +74,26 @@ class BlockPackers:
                   q: torch.Tensor) -> Panels:
         """W = d * sc * q - dmin * m (GGUF Q4_K): d, dmin [n, k / 256] float32 holding float16 values, sc, m
         [n, k / 32] uint8 in 0..63, q [n, k] uint8 in 0..15."""
-        n, k = block_shape(q, torch.uint8, d, "q4_k", KQUANT_K, KQUANT_K)
-        block_shape(q, torch.uint8, dmin, "q4_k", KQUANT_K, KQUANT_K)
+        return self._pack_q45_k("q4_k", d, dmin, sc, m, q)
+
+    def pack_q5_k(self, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,
+                  q: torch.Tensor) -> Panels:
+        """As ``pack_q4_k`` with q in 0..31 (GGUF Q5_K)."""
+        return self._pack_q45_k("q5_k", d, dmin, sc, m, q)
+
+    def _pack_q45_k(self, fmt: str, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,
+                    q: torch.Tensor) -> Panels:
+        n, k = block_shape(q, torch.uint8, d, fmt, KQUANT_K, KQUANT_K)
+        block_shape(q, torch.uint8, dmin, fmt, KQUANT_K, KQUANT_K)
         for sub in (sc, m):
-            block_shape(q, torch.uint8, sub, "q4_k", BLOCK_K, KQUANT_K, torch.uint8)
-            check_nibbles(sub, "q4_k sub-scales", 63)
-        check_nibbles(q, "q4_k")
-        out = self._panels_out("q4_k", n, k)
-        rc = self._lib.cb_pack_q4_k(d.data_ptr(), dmin.data_ptr(), sc.data_ptr(), m.data_ptr(), q.data_ptr(), n, k,
-                                    out.data_ptr())
-        check_scales(rc, "pack_q4_k")
-        return Panels("q4_k", out, n, k)
+            block_shape(q, torch.uint8, sub, fmt, BLOCK_K, KQUANT_K, torch.uint8)
+            check_nibbles(sub, f"{fmt} sub-scales", 63)
+        check_nibbles(q, fmt, 31 if fmt == "q5_k" else 15)
+        out = self._panels_out(fmt, n, k)
+        pack = self._lib.cb_pack_q5_k if fmt == "q5_k" else self._lib.cb_pack_q4_k
+        check_scales(pack(d.data_ptr(), dmin.data_ptr(), sc.data_ptr(), m.data_ptr(), q.data_ptr(), n, k,
+                          out.data_ptr()), f"pack_{fmt}")
+        return Panels(fmt, out, n, k)
 
     def pack_q6_k(self, d: torch.Tensor, sc: torch.Tensor, q: torch.Tensor) -> Panels:
         """W = d * sc * (q - 32) (GGUF Q6_K): d [n, k / 256] float32 holding float16 values, sc [n, k / 16] int8,
@@ -101,6 +110,6 @@ class BlockPackers:
         """GGUF blocks packed in their panel format (Q8_0 as "q8_0", ..., Q6_K as "q6_k")."""
         packers = {"Q8_0": (self.pack_q8_0, blocks.q8_0), "Q4_0": (self.pack_q4_0, blocks.q4_0),
                    "Q4_1": (self.pack_q4_1, blocks.q4_1), "Q4_K": (self.pack_q4_k, blocks.q4_k),
-                   "Q6_K": (self.pack_q6_k, blocks.q6_k)}
+                   "Q5_K": (self.pack_q5_k, blocks.q5_k), "Q6_K": (self.pack_q6_k, blocks.q6_k)}
         pack, unpacked = packers[blocks.qtype]
         return pack(*unpacked())

@@ -1,8 +1,8 @@
 """GGUF weights kept in their quantized blocks for the CPU linear kernel (``csrc/panels.h``).
 
 A GGUF file's Q8_0, Q4_0 and Q4_1 tensors decode to float32 values that need far fewer bytes than float32:
-w = d * q (+ m) with float16 scales per 32 values; its K-quants Q4_K and Q6_K (what most downloaded GGUF files
-ship: Q4_K_M holds both) add integer sub-scales per 32 or 16 values under float16 ones per 256.
+w = d * q (+ m) with float16 scales per 32 values; its K-quants Q4_K, Q5_K and Q6_K (what most downloaded GGUF
+files ship: Q4_K_M holds Q4_K and Q6_K) add integer sub-scales per 32 or 16 values under float16 ones per 256.
 transformers dequantizes them into the dense float32
 checkpoint cbserve converts GGUF files to (``model_loader.convert_gguf``); this module keeps, next to it, the
 raw blocks of every such weight, in the row order of the HF tensor, after checking that they dequantize to
@@ -29,8 +29,8 @@ CHUNK_ROWS = 8192  # rows dequantized at once (an embedding's intermediates stay
 BLOCKS_FILE = Path("cbserve-gguf-blocks") / "blocks.safetensors"
 BLOCK_K = 32
 # GGUF block layouts: bytes of one block (of 32 values; of 256 for the K-quants).
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q6_K": 210}
-BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
 
 @dataclass(frozen=True)
@@ -92,14 +92,25 @@ class QuantBlocks:
         """(d, dmin [n, k / 256] float32, sc, m [n, k / 32] uint8 in 0..63, q [n, k] uint8 in 0..15) with
         w = d * sc * q - dmin * m: a Q4_K block is float16 d and dmin, 12 bytes of 6-bit scales and mins, then
         128 bytes whose low nibbles hold one 32-value block and high nibbles the next (gguf-py's order)."""
-        b = self._checked_blocks("Q4_K")
+        return self._q45_k("Q4_K")
+
+    def q5_k(self) -> tuple[torch.Tensor, ...]:
+        """As ``q4_k`` with q in 0..31: a Q5_K block has 32 bytes of fifth bits (bit i of byte j: value j of the i-th
+        32-value block) between the scales and the nibbles."""
+        return self._q45_k("Q5_K")
+
+    def _q45_k(self, qtype: str) -> tuple[torch.Tensor, ...]:
+        b = self._checked_blocks(qtype)
         n, nb = b.shape[:2]
         packed = b[:, :, 4:16].reshape(n, nb, 3, 4)
         dd, mm, md = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
         sc = torch.cat([dd & 0x3F, (md & 0x0F) | ((dd >> 2) & 0x30)], dim=2).reshape(n, -1)
         m = torch.cat([mm & 0x3F, (md >> 4) | ((mm >> 2) & 0x30)], dim=2).reshape(n, -1)
-        qs = b[:, :, 16:].reshape(n, nb, 4, 1, 32)
+        qs = b[:, :, -128:].reshape(n, nb, 4, 1, 32)
         q = torch.cat([qs & 15, qs >> 4], dim=3).reshape(n, -1)
+        if qtype == "Q5_K":
+            qh = b[:, :, 16:48].reshape(n, nb, 1, 32)
+            q |= (torch.cat([(qh >> i) & 1 for i in range(8)], dim=2).reshape(n, -1) << 4)
         return self._scale(b, 0), self._scale(b, 2), sc.contiguous(), m.contiguous(), q.contiguous()
 
     def q6_k(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ Two packings, chosen by ``ModelConfig.cpu_ops`` (see ``ops.py``):
 - ``"native"``: cbserve's own C kernel (``csrc/gemm.c``) over 48-column panels. A decode step multiplies
   every weight by only a few rows, so its cost is reading the weights; the panel kernel streams each
   weight once, in order. With ``compact`` (``ModelConfig.cpu_compact_weights``, on by default) a weight
-  whose float32 values fit a smaller format exactly is stored in it: the GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K
+  whose float32 values fit a smaller format exactly is stored in it: the GGUF Q8_0 / Q4_x / Q4_K / Q5_K / Q6_K
   blocks it was dequantized from (``gguf_blocks.py``), or bfloat16 when every value is one. The kernel decodes them to
   the same float32 values in registers, so the arithmetic and the results do not change (each packing is
   checked against the weight it replaces) while 2-7x fewer bytes are read per step (the GGUF blocks as many

@@ -11,7 +11,7 @@ import torch
 BLOCK_FORMATS = ("q8_0", "q4_1", "q4_0")
 BLOCK_K = 32
 # GGUF's K-quants: super-blocks of 256 k values (float32 products only: no bfloat16-products variant).
-KQUANT_FORMATS = ("q4_k", "q6_k")
+KQUANT_FORMATS = ("q4_k", "q5_k", "q6_k")
 KQUANT_K = 256
 
 

@@ -29,7 +29,8 @@ enum {
     CB_FMT_Q4_0_BF16 = 8, /* CB_FMT_Q4_0's bytes, each decoded weight rounded to bfloat16 */
     CB_FMT_Q4_K = 9,      /* GGUF's K-quants (kquants.c), float32 products */
     CB_FMT_Q6_K = 10,
-    CB_FMT_COUNT = 11
+    CB_FMT_Q5_K = 11,
+    CB_FMT_COUNT = 12
 };
 
 /* One packed linear layer: out [m, n] = a [m, k] W^T (+ bias). */
@@ -98,6 +99,9 @@ CB_API int cb_pack_q4_0(const float *d, const uint8_t *q, int n, int k, uint8_t 
 /* The K-quants (k a multiple of 256; super-block scales float16 values, CB_ERANGE otherwise or for a value out of
  * range). Q4_K: d, dmin [n, k / 256]; sc, m [n, k / 32] uint8 0..63; q [n, k] uint8 0..15: w = d sc q - dmin m. */
 CB_API int cb_pack_q4_k(const float *d, const float *dmin, const uint8_t *sc, const uint8_t *m, const uint8_t *q, int n,
+                        int k, uint8_t *out);
+/* Q5_K: as Q4_K with q [n, k] uint8 0..31. */
+CB_API int cb_pack_q5_k(const float *d, const float *dmin, const uint8_t *sc, const uint8_t *m, const uint8_t *q, int n,
                         int k, uint8_t *out);
 /* Q6_K: d [n, k / 256]; sc [n, k / 16] int8; q [n, k] uint8 0..63: w = d sc (q - 32). */
 CB_API int cb_pack_q6_k(const float *d, const int8_t *sc, const uint8_t *q, int n, int k, uint8_t *out);

@@ -87,6 +87,9 @@ static inline vf q8_0_value(vf d, const int8_t *q) { return d * to_float(widen_s
 #define Q4K_Q (2 * CB_NR)                            /* a block: sc[48], m[48], then q[16][48] */
 #define Q4K_BLOCK (Q4K_Q + CB_QK / 2 * CB_NR)        /* 864 */
 #define Q4K_SUPER (Q4K_HEAD + CB_KSUB * Q4K_BLOCK)   /* 7104 */
+#define Q5K_QH Q4K_BLOCK                             /* Q5_K: Q4_K's block, then qh[4][48] */
+#define Q5K_BLOCK (Q5K_QH + CB_QK / 8 * CB_NR)       /* 1056 */
+#define Q5K_SUPER (Q4K_HEAD + CB_KSUB * Q5K_BLOCK)   /* 8640 */
 #define Q6K_HEAD (CB_NR * 2)                         /* d[48] */
 #define Q6K_QL (2 * CB_NR)                           /* a block: sc[2][48], then ql[16][48], then qh[8][48] */
 #define Q6K_QH (Q6K_QL + CB_QK / 2 * CB_NR)
@@ -106,6 +109,9 @@ static inline const uint8_t *kq_block(const uint8_t *panel, int64_t super, int h
  * byte (as Q4's), its high 2 bits in qh's byte [j / 2] at bits 4 (j % 2) (k = 2j) and 4 (j % 2) + 2 (k = 2j + 1). */
 static inline vf q4_k_scale(vf d, const uint8_t *sc) { return d * to_float(widen_u8(sc)); }
 static inline vf q4_k_offset(vf dmin, const uint8_t *m) { return -(dmin * to_float(widen_u8(m))); }
+/* Q5_K: Q4_K's pair of nibbles j, each with its fifth bit from qh's byte [j / 4] (bit t: k = 8 (j / 4) + t, so
+ * bits 2 (j % 4) and 2 (j % 4) + 1), moved to bit 4 from h4 = the byte shifted left 4. d sc q: 22 bits, exact. */
+static inline vi q5_k_fifth(vi h4, int bit) { return (h4 >> bit) & 16; }
 static inline vf q6_k_scale(vf d, const int8_t *sc) { return d * to_float(widen_s8(sc)); }
 /* d sc q - 32 d sc in one FMA: d sc q and 32 d sc are exact, and so is their difference, d sc (q - 32) (but +0
  * where gguf-py gives -0, as for Q4_0: q = 32 with a negative d sc). h's two

@@ -82,13 +82,16 @@ static inline __attribute__((always_inline)) void rows_q8_0(const int mr, vf acc
 }
 
 /* The K-quants: each block's scales from its super-block's header and its own sub-scales (decode.h) */
-static inline __attribute__((always_inline)) void rows_q4_k(const int mr, vf acc[][CB_RG], const float *restrict a,
-                                                            int64_t lda, int k, const uint8_t *restrict panel,
-                                                            int col) {
+/* Q4_K (five = 0) or Q5_K (1) */
+static inline __attribute__((always_inline)) void rows_q45_k(const int mr, const int five, vf acc[][CB_RG],
+                                                             const float *restrict a, int64_t lda, int k,
+                                                             const uint8_t *restrict panel, int col) {
+    const int64_t super = five ? Q5K_SUPER : Q4K_SUPER;
+    const int bytes = five ? Q5K_BLOCK : Q4K_BLOCK;
     for (int b = 0; b < k / CB_QK; ++b) {
-        const uint16_t *d = (const uint16_t *)kq_head(panel, Q4K_SUPER, b) + col;
-        const uint8_t *blk = kq_block(panel, Q4K_SUPER, Q4K_HEAD, Q4K_BLOCK, b), *q = blk + Q4K_Q + col;
-        if (col == 0) prefetch_ahead(blk - (b % CB_KSUB ? 0 : Q4K_HEAD), Q4K_BLOCK + Q4K_HEAD);
+        const uint16_t *d = (const uint16_t *)kq_head(panel, super, b) + col;
+        const uint8_t *blk = kq_block(panel, super, Q4K_HEAD, bytes, b), *q = blk + Q4K_Q + col;
+        if (col == 0) prefetch_ahead(blk - (b % CB_KSUB ? 0 : Q4K_HEAD), bytes + Q4K_HEAD);
         vf dv[CB_RG], mv[CB_RG];
         for (int v = 0; v < CB_RG; ++v) {
             dv[v] = q4_k_scale(half_value(d + CB_VW * v), blk + col + CB_VW * v);
@@ -97,8 +100,14 @@ static inline __attribute__((always_inline)) void rows_q4_k(const int mr, vf acc
         for (int j = 0; j < CB_QK / 2; ++j)
             for (int v = 0; v < CB_RG; ++v) {
                 const vi pair = widen_u8(q + j * CB_NR + CB_VW * v);
-                const vf lo = cb_settled(q4_1_low(dv[v], mv[v], pair));
-                const vf hi = cb_settled(q4_1_high(dv[v], mv[v], pair));
+                vi ql = pair & 15, qh = pair >> 4;
+                if (five) {
+                    const vi h4 = widen_u8(blk + Q5K_QH + j / 4 * CB_NR + col + CB_VW * v) << 4;
+                    ql |= q5_k_fifth(h4, 2 * (j % 4));
+                    qh |= q5_k_fifth(h4, 2 * (j % 4) + 1);
+                }
+                const vf lo = cb_settled(dv[v] * to_float(ql) + mv[v]);
+                const vf hi = cb_settled(dv[v] * to_float(qh) + mv[v]);
                 CB_ROWS_ADD(b * CB_QK + 2 * j, lo);
                 CB_ROWS_ADD(b * CB_QK + 2 * j + 1, hi);
             }
@@ -157,8 +166,8 @@ static inline __attribute__((always_inline)) void rows_group(const int mr, int f
         rows_q4(mr, fmt == CB_FMT_Q4_1, acc, a, lda, k, panel, col);
     else if (fmt == CB_FMT_Q8_0)
         rows_q8_0(mr, acc, a, lda, k, panel, col);
-    else if (fmt == CB_FMT_Q4_K)
-        rows_q4_k(mr, acc, a, lda, k, panel, col);
+    else if (fmt == CB_FMT_Q4_K || fmt == CB_FMT_Q5_K)
+        rows_q45_k(mr, fmt == CB_FMT_Q5_K, acc, a, lda, k, panel, col);
     else if (fmt == CB_FMT_Q6_K)
         rows_q6_k(mr, acc, a, lda, k, panel, col);
     else
@@ -181,6 +190,7 @@ static inline __attribute__((always_inline)) void rows_panel_mr(const int mr, in
     case CB_FMT_Q4_0: rows_panel_fmt(mr, CB_FMT_Q4_0, a, lda, k, panel, acc_io); break;
     case CB_FMT_Q8_0: rows_panel_fmt(mr, CB_FMT_Q8_0, a, lda, k, panel, acc_io); break;
     case CB_FMT_Q4_K: rows_panel_fmt(mr, CB_FMT_Q4_K, a, lda, k, panel, acc_io); break;
+    case CB_FMT_Q5_K: rows_panel_fmt(mr, CB_FMT_Q5_K, a, lda, k, panel, acc_io); break;
     case CB_FMT_Q6_K: rows_panel_fmt(mr, CB_FMT_Q6_K, a, lda, k, panel, acc_io); break;
     case CB_FMT_BF16: rows_panel_fmt(mr, CB_FMT_BF16, a, lda, k, panel, acc_io); break;
     default: rows_panel_fmt(mr, CB_FMT_F32, a, lda, k, panel, acc_io); break;
