@@ -175,11 +175,13 @@ _K_M_SIX = ("attn_v.weight", "ffn_down.weight", "output.weight")
 
 
 def tensor_type(tname: str, arr: np.ndarray, qtype: str) -> str:
-    """The GGUF type a 2-D weight gets under ``qtype`` ("Q4_K_M" mixes Q4_K and Q6_K, "Q5_K_M" Q5_K and Q6_K; a
-    K-quant falls back to Q8_0 for rows that are not whole 256-value blocks, as llama.cpp does)."""
+    """The GGUF type a 2-D weight gets under ``qtype`` ("Q4_K_M" mixes Q4_K and Q6_K, "Q5_K_M" Q5_K and Q6_K); rows
+    that are not whole 256-value blocks fall back as llama.cpp's do: Q6_K to Q8_0, Q4_K (and here Q5_K) to Q5_0."""
     if qtype in ("Q4_K_M", "Q5_K_M"):
         qtype = "Q6_K" if tname.endswith(_K_M_SIX) else qtype[:4]
-    return "Q8_0" if qtype.endswith("_K") and arr.shape[-1] % 256 else qtype
+    if qtype.endswith("_K") and arr.shape[-1] % 256:
+        return "Q8_0" if qtype == "Q6_K" else "Q5_0"
+    return qtype
 
 
 def quantize(arr: np.ndarray, qtype: str) -> np.ndarray:

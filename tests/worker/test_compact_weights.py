@@ -48,8 +48,8 @@ def pack_blocks(kernels: CpuKernels, blocks: QuantBlocks):  # noqa: ANN201
 
 
 # bytes per weight of each format's panels: GGUF's own (Q4_K's 6-bit sub-scales take a byte each here)
-PER_WEIGHT = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q4_K": 148 / 256, "Q5_K": 180 / 256,
-              "Q6_K": 210 / 256}
+PER_WEIGHT = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q5_0": 22 / 32, "Q4_K": 148 / 256,
+              "Q5_K": 180 / 256, "Q6_K": 210 / 256}
 
 
 @pytest.mark.parametrize("qtype", list(PER_WEIGHT))
@@ -63,13 +63,13 @@ def test_gguf_blocks_decode_to_gguf_py_values_bit_for_bit(kernels: CpuKernels, q
     assert packed.fmt == qtype.lower()
     decoded = kernels.unpack(packed)
     assert torch.equal(decoded, reference)
-    if qtype not in ("Q4_0", "Q6_K"):  # d * (q - 8) (q - 32 for Q6_K) is -0 in gguf-py for q = 8 and d < 0, +0 here
+    if qtype not in ("Q4_0", "Q5_0", "Q6_K"):  # d * (q - 8) (q - 16, q - 32) is -0 in gguf-py for q = 8, d < 0; +0 here
         assert torch.equal(decoded.view(torch.int32), reference.view(torch.int32))
     per_weight = packed.nbytes / (-(-n // 48) * 48 * k)
     assert per_weight == PER_WEIGHT[qtype]
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 5, 11, 100, 200])
 def test_compact_products_equal_float32_panels_exactly(kernels: CpuKernels, qtype: str, m: int) -> None:
     """Same values, same k order: the format changes the bytes read, not one bit of the result. k = 320 (768
@@ -111,7 +111,7 @@ def test_packing_refuses_bad_blocks(kernels: CpuKernels) -> None:
     with pytest.raises(ValueError, match="whole blocks"):
         QuantBlocks("Q4_1", torch.zeros(4, 21, dtype=torch.uint8))
     with pytest.raises(ValueError, match="unsupported"):
-        QuantBlocks("Q5_0", torch.zeros(4, 22, dtype=torch.uint8))
+        QuantBlocks("Q5_1", torch.zeros(4, 24, dtype=torch.uint8))
     with pytest.raises(ValueError, match="whole blocks"):
         QuantBlocks("Q6_K", torch.zeros(4, 105, dtype=torch.uint8))
     with pytest.raises(ValueError, match="multiple of 256"):

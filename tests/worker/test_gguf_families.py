@@ -2,8 +2,8 @@
 llama.cpp writes them (``gguf_writer.py``): cbserve converts and serves each one with HF generate()'s greedy
 tokens and its logprobs within 1e-4 when HF transformers loads the same file (``from_pretrained(dir,
 gguf_file=...)``), on the CPU C kernels and on the torch reference path, through chunked prefill, prefix-cache
-hits and preemption; four files have Q8_0 / Q4_0 / Q4_K_M (Q4_K and Q6_K) / Q5_K_M (Q5_K and Q6_K) weights, which
-the C kernels read as blocks. The families
+hits and preemption; five files have Q8_0 / Q4_0 / Q4_K_M (Q4_K and Q6_K; Q5_0 and Q8_0 where rows are not whole
+256-value blocks) / Q5_K_M (Q5_K and Q6_K) weights, which the C kernels read as blocks. The families
 transformers cannot load from GGUF are refused at load, with the reason, before anything is converted."""
 
 from __future__ import annotations
@@ -50,11 +50,14 @@ CASES: dict[str, tuple[str, str, dict[str, Any], str, str, str | None]] = {
     # K-quants as most downloaded files mix them (Q4_K, Q6_K for v, down and the output): rows of 256-value blocks
     "llama_q4_k_m": ("LlamaConfig", "LlamaForCausalLM", _K_SHAPE, "llama", "llama", "Q4_K_M"),
     "qwen2_q5_k_m": ("Qwen2Config", "Qwen2ForCausalLM", _K_SHAPE, "qwen2", "qwen2", "Q5_K_M"),  # q/k/v biases
+    # rows of 64 and 96 values, not whole K-quant blocks: llama.cpp's fallbacks, Q5_0 and Q8_0 (as Qwen2.5-0.5B's)
+    "qwen2_q4_k_m_fallback": ("Qwen2Config", "Qwen2ForCausalLM", _DENSE, "qwen2", "qwen2", "Q4_K_M"),
 }
 # the GGUF types a file's weights have, and the panels of a layer's down and gate projections, the LM head and
 # the fused q/k/v (Q4_K_M's q and k in Q4_K, its v in Q6_K: one weight in two formats)
-KINDS = {"Q4_K_M": ({"Q4_K", "Q6_K"}, ("q6_k", "q4_k", "q6_k", ("q4_k", "q6_k"))),
-         "Q5_K_M": ({"Q5_K", "Q6_K"}, ("q6_k", "q5_k", "q6_k", ("q5_k", "q6_k")))}
+KINDS = {"llama_q4_k_m": ({"Q4_K", "Q6_K"}, ("q6_k", "q4_k", "q6_k", ("q4_k", "q6_k"))),
+         "qwen2_q5_k_m": ({"Q5_K", "Q6_K"}, ("q6_k", "q5_k", "q6_k", ("q5_k", "q6_k"))),
+         "qwen2_q4_k_m_fallback": ({"Q5_0", "Q8_0"}, ("q8_0", "q5_0", "q8_0", ("q5_0", "q8_0")))}
 # the config values transformers' GGUF loader drops, given to the HF reference (cbserve reads them itself)
 REF_FIXES = {"qwen3_q8_0": {"head_dim": 32}, "qwen3moe": {"moe_intermediate_size": 32}}
 
@@ -116,7 +119,7 @@ def test_gguf_converts_to_the_served_model_type(gguf_model: tuple[str, Path, Any
     blocks, qtype = load_gguf_blocks(folder), CASES[case][5]
     if qtype is not None:  # every linear weight, the embedding and the LM head kept as blocks
         per_layer = 4 if case.startswith("phi3") else 7  # Phi-3: fused qkv and gate_up
-        kinds = KINDS.get(qtype, ({qtype},))[0]
+        kinds = KINDS.get(case, ({qtype},))[0]
         assert len(blocks) == 2 + per_layer * 2 and {b.qtype for b in blocks.values()} == kinds
     else:
         assert blocks == {}
@@ -154,7 +157,7 @@ def test_gguf_family_matches_hf(gguf_model: tuple[str, Path, Any], path: str,
     if path == "native" and CASES[case][5] is not None:  # the kernels read the GGUF blocks
         qtype = CASES[case][5]
         fmt = qtype.lower()
-        down, gate_up, head, qkv = KINDS[qtype][1] if qtype in KINDS else (fmt, fmt, fmt, (fmt,))
+        down, gate_up, head, qkv = KINDS[case][1] if case in KINDS else (fmt, fmt, fmt, (fmt,))
         layer = model.model.layers[0]
         assert native_weight(layer.mlp.down_proj.packed).panels.fmt == down
         assert native_weight(model.lm_head.packed).panels.fmt == head

@@ -90,6 +90,8 @@ def _weights(kernels: CpuKernels, fmt: str, n: int, k: int, gen: torch.Generator
     elif fmt in ("q4_1", "q4_1_bf16"):
         d, m = scales(), -scales()
         panels = kernels.pack_q4_1(d, m, torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen))
+    elif fmt == "q5_0":
+        panels = kernels.pack_q5_0(scales(), torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=gen))
     elif fmt in ("q4_0", "q4_0_bf16"):
         panels = kernels.pack_q4_0(scales(), torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen))
     elif fmt in ("q4_k", "q5_k"):
@@ -109,7 +111,7 @@ def _weights(kernels: CpuKernels, fmt: str, n: int, k: int, gen: torch.Generator
     return panels, kernels.unpack(panels)
 
 
-FORMATS = ("f32", "bf16", "q8_0", "q4_1", "q4_0", "q4_k", "q5_k", "q6_k", "bf16_dot", "q8_0_bf16", "q4_1_bf16",
+FORMATS = ("f32", "bf16", "q8_0", "q4_1", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "bf16_dot", "q8_0_bf16", "q4_1_bf16",
            "q4_0_bf16")
 
 

@@ -59,6 +59,7 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
     "cb_pack_q4_1": (_I32, [_P, _P, _P, _I32, _I32, _P]),
     "cb_pack_q4_0": (_I32, [_P, _P, _I32, _I32, _P]),
     "cb_pack_q4_k": (_I32, [_P, _P, _P, _P, _P, _I32, _I32, _P]),
+    "cb_pack_q5_0": (_I32, [_P, _P, _I32, _I32, _P]),
     "cb_pack_q5_k": (_I32, [_P, _P, _P, _P, _P, _I32, _I32, _P]),
     "cb_pack_q6_k": (_I32, [_P, _P, _P, _I32, _I32, _P]),
     "cb_unpack_panels": (_I32, [_I32, _P, _I32, _I32, _P, _I64]),
@@ -83,7 +84,8 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
 RETURN_CODES = {"CB_OK": 0, "CB_ENOMEM": 1, "CB_EINVAL": 2, "CB_ERANGE": 3}
 ISA_FEATURES = {"avx2": 1, "avx512": 2, "avx512_bf16": 4, "amx": 8}
 PANEL_FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "bf16_dot": 4, "q8_0_bf16": 5, "q4_1_bf16": 6,
-                 "q4_0": 7, "q4_0_bf16": 8, "q4_k": 9, "q6_k": 10, "q5_k": 11}
+                 "q4_0": 7, "q4_0_bf16": 8, "q4_k": 9, "q6_k": 10, "q5_k": 11,
+                 "q5_0": 12}
 
 _ERRORS = {RETURN_CODES["CB_ENOMEM"]: "out of memory for the kernel's scratch buffers",
            RETURN_CODES["CB_EINVAL"]: "invalid shapes",

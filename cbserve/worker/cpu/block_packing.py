@@ -76,6 +76,15 @@ class BlockPackers:
         [n, k / 32] uint8 in 0..63, q [n, k] uint8 in 0..15."""
         return self._pack_q45_k("q4_k", d, dmin, sc, m, q)
 
+    def pack_q5_0(self, d: torch.Tensor, q: torch.Tensor) -> Panels:
+        """W = d * (q - 16) in blocks of 32 along k (GGUF Q5_0): d [n, k / 32] float32 holding float16 values, q
+        [n, k] uint8 in 0..31."""
+        n, k = block_shape(q, torch.uint8, d, "q5_0")
+        check_nibbles(q, "q5_0", 31)
+        out = self._panels_out("q5_0", n, k)
+        check_scales(self._lib.cb_pack_q5_0(d.data_ptr(), q.data_ptr(), n, k, out.data_ptr()), "pack_q5_0")
+        return Panels("q5_0", out, n, k)
+
     def pack_q5_k(self, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,
                   q: torch.Tensor) -> Panels:
         """As ``pack_q4_k`` with q in 0..31 (GGUF Q5_K)."""
@@ -110,6 +119,7 @@ class BlockPackers:
         """GGUF blocks packed in their panel format (Q8_0 as "q8_0", ..., Q6_K as "q6_k")."""
         packers = {"Q8_0": (self.pack_q8_0, blocks.q8_0), "Q4_0": (self.pack_q4_0, blocks.q4_0),
                    "Q4_1": (self.pack_q4_1, blocks.q4_1), "Q4_K": (self.pack_q4_k, blocks.q4_k),
-                   "Q5_K": (self.pack_q5_k, blocks.q5_k), "Q6_K": (self.pack_q6_k, blocks.q6_k)}
+                   "Q5_K": (self.pack_q5_k, blocks.q5_k), "Q6_K": (self.pack_q6_k, blocks.q6_k),
+                   "Q5_0": (self.pack_q5_0, blocks.q5_0)}
         pack, unpacked = packers[blocks.qtype]
         return pack(*unpacked())

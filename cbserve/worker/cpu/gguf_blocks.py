@@ -29,8 +29,8 @@ CHUNK_ROWS = 8192  # rows dequantized at once (an embedding's intermediates stay
 BLOCKS_FILE = Path("cbserve-gguf-blocks") / "blocks.safetensors"
 BLOCK_K = 32
 # GGUF block layouts: bytes of one block (of 32 values; of 256 for the K-quants).
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,17 @@ class QuantBlocks:
         # byte j of a block holds value j in its low nibble and value j + 16 in its high one
         q = torch.cat([qs & 15, qs >> 4], dim=2).reshape(b.shape[0], -1)
         return d.contiguous(), m.contiguous(), q.contiguous()
+
+    def q5_0(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d [n, k / 32] float32, q [n, k] uint8 in 0..31) with w = d * (q - 16): a Q5_0 block is float16 d, 4 bytes
+        of fifth bits (bit j: value j) and 16 bytes of nibbles as Q4_0's (byte j: values j and j + 16)."""
+        b = self._checked_blocks("Q5_0")
+        n = b.shape[0]
+        qs = b[:, :, 6:]
+        low = torch.cat([qs & 15, qs >> 4], dim=2).reshape(n, -1)
+        qh = b[:, :, 2:6].reshape(n, -1, 4, 1)
+        fifth = torch.cat([(qh >> i) & 1 for i in range(8)], dim=3).reshape(n, -1)  # bit i of byte t: value 8t + i
+        return self._scale(b, 0), (low | fifth << 4).contiguous()
 
     def q4_k(self) -> tuple[torch.Tensor, ...]:
         """(d, dmin [n, k / 256] float32, sc, m [n, k / 32] uint8 in 0..63, q [n, k] uint8 in 0..15) with

@@ -6,14 +6,14 @@ Two packings, chosen by ``ModelConfig.cpu_ops`` (see ``ops.py``):
 - ``"native"``: cbserve's own C kernel (``csrc/gemm.c``) over 48-column panels. A decode step multiplies
   every weight by only a few rows, so its cost is reading the weights; the panel kernel streams each
   weight once, in order. With ``compact`` (``ModelConfig.cpu_compact_weights``, on by default) a weight
-  whose float32 values fit a smaller format exactly is stored in it: the GGUF Q8_0 / Q4_x / Q4_K / Q5_K / Q6_K
+  whose float32 values fit a smaller format exactly is stored in it: the GGUF Q8_0 / Q4_x / Q5_0 / Q4_K / Q5_K / Q6_K
   blocks it was dequantized from (``gguf_blocks.py``), or bfloat16 when every value is one. The kernel decodes them to
   the same float32 values in registers, so the arithmetic and the results do not change (each packing is
   checked against the weight it replaces) while 2-7x fewer bytes are read per step (the GGUF blocks as many
   bytes as in the file: float16 scales and packed values).
   With ``bf16_products`` (``dtype="bfloat16"`` on the native ops) every weight is instead rounded to
   bfloat16 and stored in k pairs (GGUF blocks, with ``compact``, stay blocks and are rounded as the kernel
-  decodes them; the K-quants keep their float32 products), and the kernel rounds its input rows to bfloat16
+  decodes them; the K-quants and Q5_0 keep their float32 products), and the kernel rounds its input rows to bfloat16
   too and sums the products in float32 with
   AVX-512 BF16 (``vdpbf16ps``: twice float32's multiply rate), or from 4 rows up on Intel AMX tiles where
   the CPU has them (``csrc/amx.c``: 5-7x the AVX-512 rate at 16-2048 rows): not the float32 result, but
@@ -41,7 +41,7 @@ from torch import nn
 
 from cbserve.worker.cpu.gguf_blocks import QuantBlocks, SplitBlocks
 from cbserve.worker.cpu.kernels import CpuKernels, Panels, is_bfloat16_exact
-from cbserve.worker.cpu.panels import KQUANT_FORMATS
+from cbserve.worker.cpu.panels import FLOAT32_BLOCK_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def split_panels(w: torch.Tensor, kernels: CpuKernels, blocks: SplitBlocks, bf16
         panels = block_panels(w[row : row + b.shape[0]].contiguous(), kernels, b)
         if panels is None:
             return None
-        if bf16_products and panels.fmt not in KQUANT_FORMATS:
+        if bf16_products and panels.fmt not in FLOAT32_BLOCK_FORMATS:
             panels = kernels.with_bf16_products(panels)
         parts.append(NativeWeight(panels, kernels))
         row += b.shape[0]
@@ -265,8 +265,8 @@ def _native_packing(w: torch.Tensor, kernels: CpuKernels, blocks: WeightBlocks |
         if split is not None:
             return split
         blocks = None
-    kquant = blocks is not None and blocks.qtype.lower() in KQUANT_FORMATS  # float32 products in fewer bytes
-    if bf16_products and not kquant:  # GGUF blocks stay compact (rounded as decoded), the rest rounded once here
+    float32_only = blocks is not None and blocks.qtype.lower() in FLOAT32_BLOCK_FORMATS  # in fewer bytes than bf16
+    if bf16_products and not float32_only:  # GGUF blocks stay compact (rounded as decoded), the rest rounded once here
         blocks_packed = block_panels(w, kernels, blocks) if compact else None
         panels = kernels.with_bf16_products(blocks_packed) if blocks_packed else kernels.pack_weight(w, "bf16_dot")
         return NativeWeight(panels, kernels)

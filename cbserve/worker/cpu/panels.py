@@ -13,6 +13,8 @@ BLOCK_K = 32
 # GGUF's K-quants: super-blocks of 256 k values (float32 products only: no bfloat16-products variant).
 KQUANT_FORMATS = ("q4_k", "q5_k", "q6_k")
 KQUANT_K = 256
+# The block formats whose products are float32 only (bfloat16 products keep them too): the K-quants and Q5_0.
+FLOAT32_BLOCK_FORMATS = (*KQUANT_FORMATS, "q5_0")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ rows, one per running request; timed at ``FEW_ROWS``), where the cost is streami
 read their compact formats, and **many rows** (a prefill chunk's, from ``linear.MANY_ROWS`` rows on; timed at
 that count), where the cost is the multiply-adds. Each is timed on a weight of the model's MLP shape (its hidden
 size in, up to ``MAX_COLUMNS`` of its gate/up columns out) stored as the model stores it (``model_weight_format``:
-GGUF Q8_0 / Q4_x / Q4_K / Q5_K / Q6_K blocks, bfloat16 or float32 panels, or bfloat16 pairs for bfloat16
+GGUF Q8_0 / Q4_x / Q5_0 / Q4_K / Q5_K / Q6_K blocks, bfloat16 or float32 panels, or bfloat16 pairs for bfloat16
 products), against
 torch's product of the float32 weights the format decodes to (bfloat16 for bfloat16 products). The measured
 figures decide, with no assumed margin: each is the best of a few runs after a warm-up (figures within
@@ -54,7 +54,7 @@ CLOSE = 0.05  # figures this close are timed again, three times as long
 PROBE_VERSION = 6  # in the kept verdicts' key: a changed way of probing probes again
 MAX_AGE_S = 7 * 24 * 3600.0  # a kept verdict older than this is taken again
 # as the model stores its weights (model_weight_format)
-WEIGHT_FORMATS = ("f32", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+WEIGHT_FORMATS = ("f32", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,8 @@ def probe_panels(kernels: CpuKernels, n: int, k: int, weight_format: str, bf16_p
     d = (torch.rand(n, k // 32, generator=gen) * 0.002).half().float()
     if weight_format in ("q4_k", "q5_k", "q6_k"):  # no bfloat16-products variant: float32 products in the model
         return _kquant_panels(kernels, d[:, : k // 256].contiguous(), weight_format, gen)
+    if weight_format == "q5_0":  # float32 products in the model too
+        return kernels.pack_q5_0(d, torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=gen))
     if weight_format == "q8_0":
         panels = kernels.pack_q8_0(d, torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen))
     else:

@@ -30,7 +30,8 @@ enum {
     CB_FMT_Q4_K = 9,      /* GGUF's K-quants (kquants.c), float32 products */
     CB_FMT_Q6_K = 10,
     CB_FMT_Q5_K = 11,
-    CB_FMT_COUNT = 12
+    CB_FMT_Q5_0 = 12,
+    CB_FMT_COUNT = 13
 };
 
 /* One packed linear layer: out [m, n] = a [m, k] W^T (+ bias). */
@@ -100,6 +101,9 @@ CB_API int cb_pack_q4_0(const float *d, const uint8_t *q, int n, int k, uint8_t 
  * range). Q4_K: d, dmin [n, k / 256]; sc, m [n, k / 32] uint8 0..63; q [n, k] uint8 0..15: w = d sc q - dmin m. */
 CB_API int cb_pack_q4_k(const float *d, const float *dmin, const uint8_t *sc, const uint8_t *m, const uint8_t *q, int n,
                         int k, uint8_t *out);
+/* Q5_0 (k a multiple of 32, llama.cpp's fallback for rows that are not whole K-quant blocks): d [n, k / 32] float16
+ * values; q [n, k] uint8 0..31: w = d (q - 16). */
+CB_API int cb_pack_q5_0(const float *d, const uint8_t *q, int n, int k, uint8_t *out);
 /* Q5_K: as Q4_K with q [n, k] uint8 0..31. */
 CB_API int cb_pack_q5_k(const float *d, const float *dmin, const uint8_t *sc, const uint8_t *m, const uint8_t *q, int n,
                         int k, uint8_t *out);

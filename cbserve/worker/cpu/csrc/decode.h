@@ -90,6 +90,9 @@ static inline vf q8_0_value(vf d, const int8_t *q) { return d * to_float(widen_s
 #define Q5K_QH Q4K_BLOCK                             /* Q5_K: Q4_K's block, then qh[4][48] */
 #define Q5K_BLOCK (Q5K_QH + CB_QK / 8 * CB_NR)       /* 1056 */
 #define Q5K_SUPER (Q4K_HEAD + CB_KSUB * Q5K_BLOCK)   /* 8640 */
+#define Q50_Q (CB_NR * 2)                            /* Q5_0: d[48], q[16][48], qh[4][48] */
+#define Q50_QH (Q50_Q + CB_QK / 2 * CB_NR)
+#define Q50_BLOCK (Q50_QH + CB_QK / 8 * CB_NR)       /* 1056 */
 #define Q6K_HEAD (CB_NR * 2)                         /* d[48] */
 #define Q6K_QL (2 * CB_NR)                           /* a block: sc[2][48], then ql[16][48], then qh[8][48] */
 #define Q6K_QH (Q6K_QL + CB_QK / 2 * CB_NR)

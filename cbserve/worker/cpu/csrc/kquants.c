@@ -1,10 +1,12 @@
-/* GGUF's K-quants in the linear kernel's panels (CB_FMT_Q4_K, CB_FMT_Q6_K; layouts in panels.h): packing, and
+/* GGUF's K-quants and Q5_0 in the linear kernel's panels (CB_FMT_Q4_K, CB_FMT_Q5_K, CB_FMT_Q6_K, CB_FMT_Q5_0: the
+ * formats of a Q4_K_M or Q5_K_M file; layouts in panels.h): packing, and
  * decoding a chunk of a panel to float32 for the tiled path (gemm.c via cb_panel_chunk) and the load-time check
  * (cb_unpack_panels). rows.c decodes the same blocks in registers with the same expressions (decode.h), so both
  * paths multiply by gguf-py's dequantized values bit for bit. */
 #include "decode.h"
 
 int64_t cb_kquant_panel_bytes(int fmt, int k) {
+    if (fmt == CB_FMT_Q5_0) return k < CB_QK || k % CB_QK ? -1 : (int64_t)(k / CB_QK) * Q50_BLOCK;
     if (k < CB_QKK || k % CB_QKK) return -1;
     return (int64_t)(k / CB_QKK) * (fmt == CB_FMT_Q4_K ? Q4K_SUPER : fmt == CB_FMT_Q5_K ? Q5K_SUPER : Q6K_SUPER);
 }
@@ -54,8 +56,24 @@ static void chunk_q6_k(const uint8_t *restrict panel, int k0, int kn, float *res
     }
 }
 
+static void chunk_q5_0(const uint8_t *restrict blocks, int kn, float *restrict dst) {
+    for (int b = 0; b < kn / CB_QK; ++b, blocks += Q50_BLOCK)
+        for (int v = 0; v < CB_PV; ++v) {
+            const vf dv = half_value((const uint16_t *)blocks + CB_VW * v), mv = dv * -16.0f;
+            for (int j = 0; j < CB_QK / 2; ++j) {
+                const vi pair = widen_u8(blocks + Q50_Q + j * CB_NR + CB_VW * v);
+                const vi h4 = widen_u8(blocks + Q50_QH + j / 4 * CB_NR + CB_VW * v) << 4;
+                float *out = dst + (int64_t)(b * CB_QK + 2 * j) * CB_NR + CB_VW * v;
+                cb_store(out, dv * to_float((pair & 15) | q5_k_fifth(h4, 2 * (j % 4))) + mv);
+                cb_store(out + CB_NR, dv * to_float((pair >> 4) | q5_k_fifth(h4, 2 * (j % 4) + 1)) + mv);
+            }
+        }
+}
+
 const float *cb_kquant_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch) {
-    if (fmt == CB_FMT_Q4_K)
+    if (fmt == CB_FMT_Q5_0)
+        chunk_q5_0(panel + (int64_t)(k0 / CB_QK) * Q50_BLOCK, kn, scratch);
+    else if (fmt == CB_FMT_Q4_K)
         chunk_q45_k(0, panel, k0, kn, scratch);
     else if (fmt == CB_FMT_Q5_K)
         chunk_q45_k(1, panel, k0, kn, scratch);
@@ -116,6 +134,28 @@ static int pack_q45_k(int five, const float *d, const float *dmin, const uint8_t
                     put_nibbles(blk + Q4K_Q, c, v);
                     if (five) put_fifth_bits(blk + Q5K_QH, c, v);
                 }
+            }
+        }
+    return bad ? CB_ERANGE : CB_OK;
+}
+
+int cb_pack_q5_0(const float *d, const uint8_t *q, int n, int k, uint8_t *out) {
+    if (n < 1 || k < CB_QK || k % CB_QK) return CB_EINVAL;
+    const int panels = (n + CB_NR - 1) / CB_NR, nb = k / CB_QK;
+    static const uint8_t zeros[CB_QK];
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
+    for (int p = 0; p < panels; ++p)
+        for (int b = 0; b < nb; ++b) {
+            uint8_t *blk = out + ((int64_t)p * nb + b) * Q50_BLOCK;
+            for (int c = 0; c < CB_NR; ++c) {
+                const int row = p * CB_NR + c, valid = row < n;
+                const int64_t r = valid ? row : 0;
+                const uint8_t *v = valid ? q + r * k + b * CB_QK : zeros;
+                bad |= !head_scale(d[r * nb + b], valid, (uint16_t *)blk + c);
+                for (int i = 0; i < CB_QK; ++i) bad |= v[i] > 31;
+                put_nibbles(blk + Q50_Q, c, v);
+                put_fifth_bits(blk + Q50_QH, c, v);
             }
         }
     return bad ? CB_ERANGE : CB_OK;

@@ -21,6 +21,8 @@
  *   CB_FMT_Q4_K  0.578 bytes:        super-blocks of CB_QKK = 256 k values: float16 d[48], float16 dmin[48], then 8
  *                                    blocks of 32: uint8 sc[48], uint8 m[48] (6 bits each), uint8 q[16][48] as
  *                                    Q4_1's; w = d * sc * q - dmin * m (GGUF Q4_K, its scales unpacked).
+ *   CB_FMT_Q5_0  0.6875 bytes:       blocks of 32: float16 d[48], uint8 q[16][48] as Q4_1's, uint8 qh[4][48] as
+ *                                    Q5_K's; w = d * (q - 16) (GGUF Q5_0, its bytes per weight).
  *   CB_FMT_Q5_K  0.703 bytes:        Q4_K's, each block followed by uint8 qh[4][48]: the fifth bit of k = 8i + t at
  *                                    bit t of byte [i] (GGUF Q5_K, values 0..31).
  *   CB_FMT_Q6_K  0.820 bytes:        super-blocks of 256: float16 d[48], then 8 blocks of 32: int8 sc[2][48] (k
@@ -65,10 +67,13 @@ int64_t cb_panel_bytes(int fmt, int k);
  * of CB_QK for the block formats and even for CB_FMT_BF16_DOT (kn may end at k). */
 const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch);
 
-/* The K-quants (kquants.c): bytes of one panel (-1 unless k is a multiple of 256), and cb_panel_chunk's decoding. */
+/* The K-quants and Q5_0 (kquants.c): bytes of one panel (-1 unless k is a multiple of 256, of 32 for Q5_0), and
+ * cb_panel_chunk's decoding. */
 int64_t cb_kquant_panel_bytes(int fmt, int k);
 const float *cb_kquant_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch);
-static inline int cb_kquant(int fmt) { return fmt == CB_FMT_Q4_K || fmt == CB_FMT_Q5_K || fmt == CB_FMT_Q6_K; }
+static inline int cb_kquant(int fmt) {
+    return fmt == CB_FMT_Q4_K || fmt == CB_FMT_Q5_K || fmt == CB_FMT_Q6_K || fmt == CB_FMT_Q5_0;
+}
 
 /* The bias of panel p (NULL without one); the last panel's zero-padded into tail (the kernels read 48 at a time). */
 static inline const float *cb_item_bias(const float *bias, int p, int ncols, float *tail) {

@@ -114,6 +114,29 @@ static inline __attribute__((always_inline)) void rows_q45_k(const int mr, const
     }
 }
 
+/* Q5_0: d (q - 16) as d q + (-16 d), Q4_0's way: exact but for the sign of a zero */
+static inline __attribute__((always_inline)) void rows_q5_0(const int mr, vf acc[][CB_RG], const float *restrict a,
+                                                            int64_t lda, int k, const uint8_t *restrict panel,
+                                                            int col) {
+    for (int b = 0; b < k / CB_QK; ++b, panel += Q50_BLOCK) {
+        if (col == 0) prefetch_ahead(panel, Q50_BLOCK);
+        vf dv[CB_RG], mv[CB_RG];
+        for (int v = 0; v < CB_RG; ++v) {
+            dv[v] = half_value((const uint16_t *)panel + col + CB_VW * v);
+            mv[v] = dv[v] * -16.0f;
+        }
+        for (int j = 0; j < CB_QK / 2; ++j)
+            for (int v = 0; v < CB_RG; ++v) {
+                const vi pair = widen_u8(panel + Q50_Q + j * CB_NR + col + CB_VW * v);
+                const vi h4 = widen_u8(panel + Q50_QH + j / 4 * CB_NR + col + CB_VW * v) << 4;
+                const vf lo = cb_settled(dv[v] * to_float((pair & 15) | q5_k_fifth(h4, 2 * (j % 4))) + mv[v]);
+                const vf hi = cb_settled(dv[v] * to_float((pair >> 4) | q5_k_fifth(h4, 2 * (j % 4) + 1)) + mv[v]);
+                CB_ROWS_ADD(b * CB_QK + 2 * j, lo);
+                CB_ROWS_ADD(b * CB_QK + 2 * j + 1, hi);
+            }
+    }
+}
+
 static inline __attribute__((always_inline)) void rows_q6_k(const int mr, vf acc[][CB_RG], const float *restrict a,
                                                             int64_t lda, int k, const uint8_t *restrict panel,
                                                             int col) {
@@ -168,6 +191,8 @@ static inline __attribute__((always_inline)) void rows_group(const int mr, int f
         rows_q8_0(mr, acc, a, lda, k, panel, col);
     else if (fmt == CB_FMT_Q4_K || fmt == CB_FMT_Q5_K)
         rows_q45_k(mr, fmt == CB_FMT_Q5_K, acc, a, lda, k, panel, col);
+    else if (fmt == CB_FMT_Q5_0)
+        rows_q5_0(mr, acc, a, lda, k, panel, col);
     else if (fmt == CB_FMT_Q6_K)
         rows_q6_k(mr, acc, a, lda, k, panel, col);
     else
@@ -191,6 +216,7 @@ static inline __attribute__((always_inline)) void rows_panel_mr(const int mr, in
     case CB_FMT_Q8_0: rows_panel_fmt(mr, CB_FMT_Q8_0, a, lda, k, panel, acc_io); break;
     case CB_FMT_Q4_K: rows_panel_fmt(mr, CB_FMT_Q4_K, a, lda, k, panel, acc_io); break;
     case CB_FMT_Q5_K: rows_panel_fmt(mr, CB_FMT_Q5_K, a, lda, k, panel, acc_io); break;
+    case CB_FMT_Q5_0: rows_panel_fmt(mr, CB_FMT_Q5_0, a, lda, k, panel, acc_io); break;
     case CB_FMT_Q6_K: rows_panel_fmt(mr, CB_FMT_Q6_K, a, lda, k, panel, acc_io); break;
     case CB_FMT_BF16: rows_panel_fmt(mr, CB_FMT_BF16, a, lda, k, panel, acc_io); break;
     default: rows_panel_fmt(mr, CB_FMT_F32, a, lda, k, panel, acc_io); break;
@@ -213,7 +239,7 @@ int cb_set_rows(int enable) { return __atomic_exchange_n(&rows_enabled, enable !
 int cb_rows_take(int fmt, int m, int k) {
     const int blocks = fmt == CB_FMT_Q8_0 || fmt == CB_FMT_Q4_1 || fmt == CB_FMT_Q4_0;
     const int fits = fmt == CB_FMT_F32 || fmt == CB_FMT_BF16 || (blocks && k % CB_QK == 0) ||
-                     (cb_kquant(fmt) && k % CB_QKK == 0);
+                     (cb_kquant(fmt) && k % (fmt == CB_FMT_Q5_0 ? CB_QK : CB_QKK) == 0);
     return fits && m >= 1 && m <= CB_ROWS_TAKE && __atomic_load_n(&rows_enabled, __ATOMIC_RELAXED) != 0;
 }
 
