@@ -149,3 +149,19 @@ def test_the_models_weight_format_is_read_from_its_files(tmp_path: Path) -> None
     save_file(raw, str(tmp_path / BLOCKS_FILE), metadata={"w0": "Q4_0", "w1": "Q4_0", "w2": "Q8_0"})
     assert model_weights(tmp_path) == ("q4_0", 20)  # the blocks most weights are kept in
     assert model_weights(tmp_path / "missing") == ("f32", 0)
+
+
+def test_few_row_products_are_timed_on_weights_streamed_from_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The few-row regime's copies of the probe weight hold twice the last-level cache (64 MiB at least, 32 copies
+    at most): one weight alone would stay in the cache, where a float32 copy outruns a compact format that a
+    decode step, streaming every layer's weights from memory, reads several times faster."""
+    caches = {"SC_LEVEL3_CACHE_SIZE": 32 << 20, "SC_LEVEL2_CACHE_SIZE": 1 << 20}
+    monkeypatch.setattr(cpu_probe.os, "sysconf", lambda name: caches[name])
+    assert cpu_probe.stream_copies(2048 * 896 * 4) == 10  # 7.3 MB each: 73 MB >= 64 MiB
+    assert cpu_probe.stream_copies(1 << 20) == 32  # capped
+    assert cpu_probe.stream_copies(1 << 30) == 1
+    caches["SC_LEVEL3_CACHE_SIZE"] = 256 << 20  # a server's L3: twice it
+    assert cpu_probe.stream_copies(16 << 20) == 32
+    assert cpu_probe.stream_copies(64 << 20) == 8
+    caches["SC_LEVEL3_CACHE_SIZE"] = 0  # not reported (some VMs): the minimum
+    assert cpu_probe.stream_copies(16 << 20) == 4

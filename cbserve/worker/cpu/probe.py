@@ -8,15 +8,19 @@ read their compact formats, and **many rows** (a prefill chunk's, from ``linear.
 that count), where the cost is the multiply-adds. Each is timed on a weight of the model's MLP shape (its hidden
 size in, up to ``MAX_COLUMNS`` of its gate/up columns out) stored as the model stores it (``model_weight_format``:
 GGUF Q8_0 / Q4_x / Q5_0 / Q4_K / Q5_K / Q6_K blocks, bfloat16 or float32 panels, or bfloat16 pairs for bfloat16
-products), against
-torch's product of the float32 weights the format decodes to (bfloat16 for bfloat16 products). The measured
+products), against torch's product of the float32 weights the format decodes to (bfloat16 for bfloat16
+products). Few-row products are timed through ``stream_copies`` copies of that weight, one after the other, whose
+float32 bytes are at least twice the last-level cache: their weights stream from memory, as a decode step's
+do. One weight alone would stay in the cache, where torch's float32 copy can outrun a compact format that
+streamed reads several times fewer bytes (a [2048, 896] Q5_0 weight on a Zen 4 EPYC with 32 MiB of L3: 0.17 ms
+on the C kernels against oneDNN's 0.12 ms in cache; its model then decoded 4.9x slower on oneDNN). The measured
 figures decide, with no assumed margin: each is the best of a few runs after a warm-up (figures within
 ``CLOSE`` of each other are timed again, longer, and the best of all runs counts), and torch takes a regime
 when its best was faster than the C kernels' by more than the runs' own scatter (for each path, its median
 run's distance from its best, measured in the same probe). A smaller difference is no measured difference:
 the C kernels keep that regime, since torch's path for one regime holds every weight a second time. So the
 probe never keeps a path it measured slower for the regime it decides. The two paths are timed alternately
-on one thread (tens of milliseconds in all: one thread, because
+on one thread (under a second in all: one thread, because
 both scale alike over threads, while a thread team timed beside a busy neighbour measures the neighbour). The
 figures and the choices are logged and reported in ``/stats``; ``ops.py`` turns them into the model's paths.
 
@@ -34,6 +38,7 @@ import fcntl
 import hashlib
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -51,7 +56,9 @@ MAX_COLUMNS = 2048  # columns of the probe's weight at most (a large model's MLP
 _MAX_SECONDS = 0.15  # per regime: stop repeating once this much time is spent
 _REPEATS = 7
 CLOSE = 0.05  # figures this close are timed again, three times as long
-PROBE_VERSION = 6  # in the kept verdicts' key: a changed way of probing probes again
+PROBE_VERSION = 7  # in the kept verdicts' key: a changed way of probing probes again
+STREAM_MIN_BYTES = 64 << 20  # the few-row regime's copies hold at least this many float32 bytes ...
+STREAM_MAX_COPIES = 32  # ... in at most this many copies
 MAX_AGE_S = 7 * 24 * 3600.0  # a kept verdict older than this is taken again
 # as the model stores its weights (model_weight_format)
 WEIGHT_FORMATS = ("f32", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
@@ -168,6 +175,16 @@ def _kquant_panels(kernels: CpuKernels, d: torch.Tensor, weight_format: str, gen
     return pack(d, d, *sub, torch.randint(0, top, (n, k), dtype=torch.uint8, generator=gen))
 
 
+def stream_copies(weight_bytes: int) -> int:
+    """Copies of a weight of ``weight_bytes`` float32 bytes that together hold twice the last-level cache (and at
+    least ``STREAM_MIN_BYTES``; at most ``STREAM_MAX_COPIES``)."""
+    try:
+        llc = max(os.sysconf("SC_LEVEL3_CACHE_SIZE"), os.sysconf("SC_LEVEL2_CACHE_SIZE"), 0)
+    except (ValueError, OSError):  # a libc without these names
+        llc = 0
+    return max(1, min(STREAM_MAX_COPIES, -(-max(2 * llc, STREAM_MIN_BYTES) // weight_bytes)))
+
+
 def probe_linear(kernels: CpuKernels, hidden: int, inter: int, weight_format: str = "f32",
                  bf16_products: bool = False, now: float | None = None) -> ProbeResult:
     """Time a [min(2 * inter, MAX_COLUMNS), hidden] weight of ``weight_format`` at FEW_ROWS and MANY_ROWS rows on
@@ -178,18 +195,21 @@ def probe_linear(kernels: CpuKernels, hidden: int, inter: int, weight_format: st
     n = min(2 * inter, MAX_COLUMNS)
     gen = torch.Generator().manual_seed(0)  # the global generator (request sampling) stays untouched
     panels = probe_panels(kernels, n, k, weight_format, bf16_products, gen)
-    other: PackedWeight = torch_weight(kernels.unpack(panels), bf16_products)
-    path = "onednn" if isinstance(other, OneDnnWeight) else "torch"
+    dense = kernels.unpack(panels)
+    copies = stream_copies(dense.nbytes)
+    streamed = [panels] + [Panels(panels.fmt, panels.data.clone(), n, k) for _ in range(copies - 1)]
+    others: list[PackedWeight] = [torch_weight(dense.clone(), bf16_products) for _ in range(copies)]
+    path = "onednn" if isinstance(others[0], OneDnnWeight) else "torch"
     timings = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the C kernels run on torch's OpenMP threads too (native.py)
     try:
         with torch.inference_mode():
-            for m in (FEW_ROWS, MANY_ROWS):
+            for m, count in ((FEW_ROWS, copies), (MANY_ROWS, 1)):
                 x = torch.randn(m, k, generator=gen)
-                xt = x.to(other.dtype)
-                timings.append(_timed(m, lambda x=x: kernels.linear(x, panels, None),
-                                      lambda xt=xt: other.matmul(xt, None)))
+                xt = x.to(others[0].dtype)
+                timings.append(_timed(m, lambda x=x, c=count: [kernels.linear(x, p, None) for p in streamed[:c]],
+                                      lambda xt=xt, c=count: [o.matmul(xt, None) for o in others[:c]], count))
     finally:
         torch.set_num_threads(threads)
     return ProbeResult((n, k), panels.fmt, path, timings[0], timings[1], time.time() if now is None else now)
@@ -203,12 +223,13 @@ def regime_timing(rows: int, native_runs: list[float], torch_runs: list[float]) 
     return RegimeTiming(rows, min(native_runs), min(torch_runs), max(scatter(native_runs), scatter(torch_runs)))
 
 
-def _timed(rows: int, native: Callable[[], object], other: Callable[[], object]) -> RegimeTiming:
+def _timed(rows: int, native: Callable[[], object], other: Callable[[], object], products: int = 1) -> RegimeTiming:
+    """The regime's figures per product, each call of ``native`` and ``other`` running ``products`` of them."""
     a, b = timed_pair(native, other)
     if abs(min(a) - min(b)) <= CLOSE * min(min(a), min(b)):
         a2, b2 = timed_pair(native, other, 3 * _REPEATS, 3 * _MAX_SECONDS)
         a, b = a + a2, b + b2
-    return regime_timing(rows, a, b)
+    return regime_timing(rows, [t / products for t in a], [t / products for t in b])
 
 
 def verdict_path(kernels: CpuKernels, hidden: int, inter: int, weight_format: str, bf16_products: bool) -> Path:
