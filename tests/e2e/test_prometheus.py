@@ -54,7 +54,7 @@ def free_port() -> int:
     return deploy_free_port()  # outside the ephemeral range: Ray's start-up cannot take it meanwhile
 
 
-def wait_for(what: str, check: Any, timeout: float, interval: float = 0.5) -> Any:
+def wait_for(what: str, check: Any, timeout: float, interval: float = 0.2) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         result = check()

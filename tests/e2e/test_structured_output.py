@@ -148,11 +148,10 @@ def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apps]:
         ], wait_for_applications_running=False)  # fmt: skip
         a = Apps(f"http://127.0.0.1:{port}", emb)
         healthy = lambda p: a.client(p).with_options(timeout=5).models.list()  # noqa: E731
-        wait_for("the apps", lambda: all(healthy(p) for p in ("", "/qwen", "/emb", "/think")), 600, 1.0)
+        wait_for("the apps", lambda: all(healthy(p) for p in ("", "/qwen", "/emb", "/think")), 600, 0.25)
         yield a
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        ray.shutdown()  # Serve's apps end with Ray (a graceful Serve shutdown first: ~3 s a module)
 
 
 def _model(client: Any) -> str:
