@@ -52,7 +52,8 @@ def local_serve_apps(apps: dict[str, dict[str, Any]], prefixed: bool = True) -> 
             wait_for(f"{health}", lambda h=health: urllib.request.urlopen(h, timeout=5).status == 200, 240)
         yield url
     finally:
-        ray.shutdown()  # Serve's apps end with Ray (a graceful Serve shutdown first: ~3 s a module)
+        serve.shutdown()
+        ray.shutdown()
 
 
 def post_text(url: str, body: dict[str, Any]) -> tuple[int, str]:

@@ -76,7 +76,8 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faults]:
             wait_for(f"{point} ready", lambda p=point: all(r["state"] == "ready" for r in f.stats(p).values()), 300)
         yield f
     finally:
-        ray.shutdown()  # Serve's apps end with Ray (a graceful Serve shutdown first: ~3 s a module)
+        serve.shutdown()
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

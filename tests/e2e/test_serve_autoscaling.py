@@ -53,7 +53,8 @@ def local_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}", model
     finally:
-        ray.shutdown()  # Serve's apps end with Ray (a graceful Serve shutdown first: ~3 s a module)
+        serve.shutdown()
+        ray.shutdown()
 
 
 def _deploy(name: str, model: Path, autoscaling: str) -> None:

@@ -151,7 +151,8 @@ def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apps]:
         wait_for("the apps", lambda: all(healthy(p) for p in ("", "/qwen", "/emb", "/think")), 600, 0.25)
         yield a
     finally:
-        ray.shutdown()  # Serve's apps end with Ray (a graceful Serve shutdown first: ~3 s a module)
+        serve.shutdown()
+        ray.shutdown()
 
 
 def _model(client: Any) -> str:

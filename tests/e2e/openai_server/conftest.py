@@ -170,4 +170,5 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         wait_for("the apps healthy", lambda: all(app.healthy() for app in apps), READY_TIMEOUT_S, 0.25)
         yield srv
     finally:
-        ray.shutdown()  # Serve's apps end with Ray (a graceful Serve shutdown first: ~3 s a module)
+        serve.shutdown()
+        ray.shutdown()
