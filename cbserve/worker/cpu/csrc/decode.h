@@ -115,6 +115,9 @@ static inline vf q4_k_offset(vf dmin, const uint8_t *m) { return -(dmin * to_flo
 /* Q5_K: Q4_K's pair of nibbles j, each with its fifth bit from qh's byte [j / 4] (bit t: k = 8 (j / 4) + t, so
  * bits 2 (j % 4) and 2 (j % 4) + 1), moved to bit 4 from h4 = the byte shifted left 4. d sc q: 22 bits, exact. */
 static inline vi q5_k_fifth(vi h4, int bit) { return (h4 >> bit) & 16; }
+/* A 5-bit format's (Q5_K, Q5_0) values k = 2j and 2j + 1: the pair's nibbles with their fifth bits from h4. */
+static inline vi q5_low(vi pair, vi h4, int j) { return (pair & 15) | q5_k_fifth(h4, 2 * (j % 4)); }
+static inline vi q5_high(vi pair, vi h4, int j) { return (pair >> 4) | q5_k_fifth(h4, 2 * (j % 4) + 1); }
 static inline vf q6_k_scale(vf d, const int8_t *sc) { return d * to_float(widen_s8(sc)); }
 /* d sc q - 32 d sc in one FMA: d sc q and 32 d sc are exact, and so is their difference, d sc (q - 32) (but +0
  * where gguf-py gives -0, as for Q4_0: q = 32 with a negative d sc). h's two

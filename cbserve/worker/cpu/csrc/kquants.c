@@ -25,8 +25,8 @@ static void chunk_q45_k(const int five, const uint8_t *restrict panel, int k0, i
                 vi pair = widen_u8(q + j * CB_NR + CB_VW * v), lo = pair & 15, hi = pair >> 4;
                 if (five) {
                     const vi h4 = widen_u8(blk + Q5K_QH + j / 4 * CB_NR + CB_VW * v) << 4;
-                    lo |= q5_k_fifth(h4, 2 * (j % 4));
-                    hi |= q5_k_fifth(h4, 2 * (j % 4) + 1);
+                    lo = q5_low(pair, h4, j);
+                    hi = q5_high(pair, h4, j);
                 }
                 float *out = dst + (int64_t)(o + 2 * j) * CB_NR + CB_VW * v;
                 cb_store(out, dv * to_float(lo) + mv);
@@ -64,8 +64,8 @@ static void chunk_q5_0(const uint8_t *restrict blocks, int kn, float *restrict d
                 const vi pair = widen_u8(blocks + Q50_Q + j * CB_NR + CB_VW * v);
                 const vi h4 = widen_u8(blocks + Q50_QH + j / 4 * CB_NR + CB_VW * v) << 4;
                 float *out = dst + (int64_t)(b * CB_QK + 2 * j) * CB_NR + CB_VW * v;
-                cb_store(out, dv * to_float((pair & 15) | q5_k_fifth(h4, 2 * (j % 4))) + mv);
-                cb_store(out + CB_NR, dv * to_float((pair >> 4) | q5_k_fifth(h4, 2 * (j % 4) + 1)) + mv);
+                cb_store(out, dv * to_float(q5_low(pair, h4, j)) + mv);
+                cb_store(out + CB_NR, dv * to_float(q5_high(pair, h4, j)) + mv);
             }
         }
 }

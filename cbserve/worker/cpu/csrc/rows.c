@@ -103,8 +103,8 @@ static inline __attribute__((always_inline)) void rows_q45_k(const int mr, const
                 vi ql = pair & 15, qh = pair >> 4;
                 if (five) {
                     const vi h4 = widen_u8(blk + Q5K_QH + j / 4 * CB_NR + col + CB_VW * v) << 4;
-                    ql |= q5_k_fifth(h4, 2 * (j % 4));
-                    qh |= q5_k_fifth(h4, 2 * (j % 4) + 1);
+                    ql = q5_low(pair, h4, j);
+                    qh = q5_high(pair, h4, j);
                 }
                 const vf lo = cb_settled(dv[v] * to_float(ql) + mv[v]);
                 const vf hi = cb_settled(dv[v] * to_float(qh) + mv[v]);
@@ -129,8 +129,8 @@ static inline __attribute__((always_inline)) void rows_q5_0(const int mr, vf acc
             for (int v = 0; v < CB_RG; ++v) {
                 const vi pair = widen_u8(panel + Q50_Q + j * CB_NR + col + CB_VW * v);
                 const vi h4 = widen_u8(panel + Q50_QH + j / 4 * CB_NR + col + CB_VW * v) << 4;
-                const vf lo = cb_settled(dv[v] * to_float((pair & 15) | q5_k_fifth(h4, 2 * (j % 4))) + mv[v]);
-                const vf hi = cb_settled(dv[v] * to_float((pair >> 4) | q5_k_fifth(h4, 2 * (j % 4) + 1)) + mv[v]);
+                const vf lo = cb_settled(dv[v] * to_float(q5_low(pair, h4, j)) + mv[v]);
+                const vf hi = cb_settled(dv[v] * to_float(q5_high(pair, h4, j)) + mv[v]);
                 CB_ROWS_ADD(b * CB_QK + 2 * j, lo);
                 CB_ROWS_ADD(b * CB_QK + 2 * j + 1, hi);
             }
