@@ -3,8 +3,10 @@
 random weights (``real_models.py`` writes them: an HF bfloat16 folder and Q8_0 / Q4_0 GGUF files of the same
 values). Random weights make the generated text meaningless; the timings are those of the real shapes.
 
-Systems: cbserve and llama-server on each GGUF file; cbserve (``--dtype bfloat16``: bfloat16 products) and
-vLLM (bfloat16, its best dtype on a CPU with AVX512-BF16) on the HF folder. Workloads, one client for all
+Systems: cbserve and llama-server on each GGUF file (and on the 4-bit ones cbserve-int16:
+``--cpu-decode-activations int16``, decode steps' rows rounded to int16 as llama.cpp rounds them to int8);
+cbserve (``--dtype bfloat16``: bfloat16 products) and vLLM (bfloat16, its best dtype on a CPU with AVX512-BF16) on
+the HF folder. Workloads, one client for all
 (``cbserve.bench``: streaming completions, ``ignore_eos``, greedy): **burst**, --burst requests at once;
 **single**, --single requests one at a time. Each round starts every system afresh, in turn (the order rotates
 between rounds), so that a neighbour's load on a shared machine falls on all of them alike; the tables take
@@ -42,14 +44,18 @@ from real_models import FORMATS, KQUANT_TYPES, SIZES, write_model  # noqa: E402
 from real_sizes_report import format_tables, gguf_step_bytes, plot_real_sizes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("cbserve", "llama", "vllm")
+SYSTEMS = ("cbserve", "cbserve-int16", "llama", "vllm")
+# cbserve's variants: system -> its extra `cbserve serve` flags
+CBSERVE_VARIANTS = {"cbserve": [], "cbserve-int16": ["--cpu-decode-activations", "int16"]}
 # (system, format) pairs a size is served in: vLLM reads the HF folder, llama-server the GGUF files
 PAIRS = (
     ("cbserve", "q8_0"),
     ("llama", "q8_0"),
     ("cbserve", "q4_0"),
+    ("cbserve-int16", "q4_0"),
     ("llama", "q4_0"),
     ("cbserve", "q4_k_m"),
+    ("cbserve-int16", "q4_k_m"),
     ("llama", "q4_k_m"),
     ("cbserve", "bf16"),
     ("vllm", "bf16"),
@@ -99,8 +105,8 @@ def run_workloads(label: str, base_url: str, args: argparse.Namespace) -> dict[s
     return out
 
 
-def cbserve_cmd_args(model: Path, fmt: str, args: argparse.Namespace) -> list[str]:
-    extra = [
+def cbserve_cmd_args(model: Path, fmt: str, args: argparse.Namespace, system: str = "cbserve") -> list[str]:
+    extra = [*CBSERVE_VARIANTS[system],
         "--model",
         str(model),
         "--max-model-len",
@@ -176,8 +182,8 @@ def run_system(size: str, system: str, fmt: str, model: Path, args: argparse.Nam
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        if system == "cbserve":
-            extra = cbserve_cmd_args(model, fmt, args)
+        if system in CBSERVE_VARIANTS:
+            extra = cbserve_cmd_args(model, fmt, args, system)
             print(f"[{label}] starting cbserve serve {shlex.join(extra)}", flush=True)
             with local_deployment_process({}, args.ready_timeout, log, extra) as (base_url, _):
                 ready = time.perf_counter() - t0

@@ -32,6 +32,7 @@ from cbserve.scheduler.config import (
 from cbserve.worker.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     AttentionBackendName,
+    CpuDecodeActivations,
     CpuIsaName,
     CpuOpsName,
     CudaGraphMode,
@@ -74,6 +75,8 @@ class CBServeConfig(BaseModel):
     cpu_ops: CpuOpsName = "auto"  # CPU kernels (worker/cpu/)
     cpu_isa: CpuIsaName = "auto"  # which build of the C kernels: avx512, avx2, scalar; auto = the CPU's best
     cpu_compact_weights: bool = True  # native CPU kernels read exact compact weights
+    # "int16": decode steps multiply 4-6-bit GGUF weights by rows rounded to int16 (native CPU kernels)
+    cpu_decode_activations: CpuDecodeActivations = "float32"
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA-graph capture of decode steps
     # CUDA: "full_and_piecewise" also replays steps with prefill chunks (<= 512 tokens) from piecewise graphs
@@ -360,6 +363,7 @@ class CBServeConfig(BaseModel):
             cpu_ops=self.cpu_ops,
             cpu_isa=self.cpu_isa,
             cpu_compact_weights=self.cpu_compact_weights,
+            cpu_decode_activations=self.cpu_decode_activations,
             seed=self.seed,
             tensor_parallel_size=self.tensor_parallel_size,
             rank=rank,

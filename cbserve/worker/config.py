@@ -13,6 +13,7 @@ Device = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash"]
 CpuOpsName = Literal["auto", "native", "onednn", "torch"]
 CpuIsaName = Literal["auto", "avx512", "avx2", "scalar"]
+CpuDecodeActivations = Literal["float32", "int16"]
 RunnerName = Literal["generate", "pooling"]
 CudaGraphMode = Literal["full_decode_only", "full_and_piecewise"]
 QuantizationName = Literal["fp8"]
@@ -21,6 +22,7 @@ KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]  # vLLM's names; "fp8" is e4m3
 _DTYPES, _DEVICES = get_args(Dtype), get_args(Device)
 _BACKENDS, _CPU_OPS, _CPU_ISAS = get_args(AttentionBackendName), get_args(CpuOpsName), get_args(CpuIsaName)
 _RUNNERS, _GRAPH_MODES = get_args(RunnerName), get_args(CudaGraphMode)
+_DECODE_ACTIVATIONS = get_args(CpuDecodeActivations)
 _QUANTIZATIONS, _KV_DTYPES = get_args(QuantizationName), get_args(KvCacheDtype)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_FP8_DTYPES = ("fp8", "fp8_e4m3")  # the kv_cache_dtype values of an FP8 (e4m3) cache
@@ -44,6 +46,10 @@ class ModelConfig:
     float32 values exactly (the GGUF Q8_0 / Q4_0 / Q4_1 blocks it came from, or bfloat16) and decode it in
     the kernel; same arithmetic and results, 2-5x fewer bytes read per decode step. False: float32 panels
     (with dtype bfloat16: GGUF blocks kept and rounded as decoded; False: every weight rounded once).
+    ``cpu_decode_activations="int16"`` (native, compact weights): a decode step's few rows multiply the 4-6-bit GGUF
+    blocks (Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K) rounded to int16 per 32 values, in integer multiply-adds (as
+    llama.cpp's int8 dot products, finer): within 2^-16 of each block's largest value of the float32 product, faster
+    where decoding the weights to float32 is the limit. "float32" (the default): the exact float32 products.
     ``dtype="bfloat16"`` on CPU with native ops: the model, its norms, attention and KV cache stay float32
     and the linear layers multiply in bfloat16 (weights rounded to bfloat16 once, then always read as such;
     inputs rounded at each product; float32 sums): ~2x the float32 products' rate on AVX-512 BF16 CPUs.
@@ -78,6 +84,7 @@ class ModelConfig:
     cpu_ops: CpuOpsName = "auto"
     cpu_isa: CpuIsaName = "auto"
     cpu_compact_weights: bool = True
+    cpu_decode_activations: CpuDecodeActivations = "float32"
     seed: int = 0
     tensor_parallel_size: int = 1
     rank: int = 0
@@ -123,6 +130,7 @@ class ModelConfig:
         self._check_tiers()
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        self._check_decode_activations()
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
         if self.attention_backend not in _BACKENDS:
@@ -175,6 +183,20 @@ class ModelConfig:
                                 self.cpu_ops)
         if conflict is not None:
             raise ValueError(conflict)
+
+    def _check_decode_activations(self) -> None:
+        if self.cpu_decode_activations not in _DECODE_ACTIVATIONS:
+            raise ValueError(f"cpu_decode_activations must be one of {_DECODE_ACTIVATIONS}, got "
+                             f"{self.cpu_decode_activations!r}")
+        if self.cpu_decode_activations == "float32":
+            return
+        for conflict, why in ((self.device == "cuda", "device 'cuda'"),
+                              (self.cpu_ops in ("torch", "onednn"), f"cpu_ops {self.cpu_ops!r}"),
+                              (not self.cpu_compact_weights, "cpu_compact_weights=False (float32 panels)"),
+                              (self.quantization is not None, f"quantization {self.quantization!r}")):
+            if conflict:
+                raise ValueError(f"cpu_decode_activations 'int16' multiplies the CPU kernels' GGUF block panels: "
+                                 f"{why} has none")
 
     def _check_tiers(self) -> None:
         if self.kv_offloading_dtype not in ("auto", "bfloat16", "int8"):

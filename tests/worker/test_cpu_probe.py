@@ -113,8 +113,9 @@ def test_a_verdict_is_shared_keyed_and_taken_again_when_old(kernels: CpuKernels,
     lib = CpuKernels(Path(shutil.copy(kernels.path, tmp_path / kernels.path.name)), isa=kernels.isa)
     calls = []
 
-    def stand_in(k: CpuKernels, hidden: int, inter: int, fmt: str, bf16: bool, now: float) -> ProbeResult:
-        calls.append((hidden, fmt))
+    def stand_in(k: CpuKernels, hidden: int, inter: int, fmt: str, bf16: bool, now: float,
+                 int16_rows: bool = False) -> ProbeResult:
+        calls.append((hidden, fmt, int16_rows))
         return ProbeResult((2 * inter, hidden), fmt, "onednn", RegimeTiming(1, 1, 2), RegimeTiming(128, 2, 1), now)
 
     monkeypatch.setattr(cpu_probe, "probe_linear", stand_in)
@@ -126,14 +127,18 @@ def test_a_verdict_is_shared_keyed_and_taken_again_when_old(kernels: CpuKernels,
     assert probe_cached(lib, 64, 96, "q4_0", now=1000.0 + MAX_AGE_S) == results[0] and len(calls) == 1
     assert verdict_path(lib, 64, 96, "q8_0", False) != path and verdict_path(lib, 64, 96, "q4_0", True) != path
     assert verdict_path(lib, 80, 96, "q4_0", False) != path
+    assert verdict_path(lib, 64, 96, "q4_0", False, int16_rows=True) != path
+    assert probe_cached(lib, 64, 96, "q4_0", int16_rows=True, now=1000.0).weight_format == "q4_0"
+    assert calls[-1] == (64, "q4_0", True) and len(calls) == 2  # the int16-rows products are probed apart
     monkeypatch.setattr(torch, "__version__", "0.0.1")
     assert verdict_path(lib, 64, 96, "q4_0", False) != path
     monkeypatch.undo()
     monkeypatch.setattr(cpu_probe, "probe_linear", stand_in)
     assert probe_cached(lib, 64, 96, "q4_0", now=1001.0 + MAX_AGE_S).taken_at == 1001.0 + MAX_AGE_S  # too old
-    assert probe_cached(lib, 64, 96, "q4_0", now=2.0).taken_at == 2.0 and len(calls) == 3  # dated in the future
+    assert len(calls) == 3
+    assert probe_cached(lib, 64, 96, "q4_0", now=2.0).taken_at == 2.0 and len(calls) == 4  # dated in the future
     path.write_text("{not json")
-    assert probe_cached(lib, 64, 96, "q4_0", now=3.0).taken_at == 3.0 and len(calls) == 4
+    assert probe_cached(lib, 64, 96, "q4_0", now=3.0).taken_at == 3.0 and len(calls) == 5
 
 
 def test_the_models_weight_format_is_read_from_its_files(tmp_path: Path) -> None:

@@ -46,8 +46,9 @@ def test_auto_follows_a_stand_in_probe_per_regime(case: str, monkeypatch: pytest
     figures, mode, paths = CASES[case]
     seen = []
 
-    def stand_in(kernels: CpuKernels, hidden: int, inter: int, fmt: str, bf16: bool) -> ProbeResult:
-        seen.append((kernels.isa, hidden, inter, fmt, bf16))
+    def stand_in(kernels: CpuKernels, hidden: int, inter: int, fmt: str, bf16: bool,
+                 int16_rows: bool = False) -> ProbeResult:
+        seen.append((kernels.isa, hidden, inter, fmt, bf16) + ((True,) if int16_rows else ()))
         return _result(*figures)
 
     monkeypatch.setattr(cpu_ops, "probe_cached", stand_in)
@@ -71,6 +72,14 @@ def test_auto_follows_a_stand_in_probe_per_regime(case: str, monkeypatch: pytest
     assert cpu_ops.resolve_cpu_ops("native", CPU, torch.float32, "scalar", (64, 96)).linear_paths == ("native",) * 2
     assert cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar").probe is None
     assert len(seen) == 3
+    # int16 decode activations are probed apart, and refused where decode steps would not run on the C kernels
+    if paths[0] == "native" and mode == "native":
+        ops = cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", int16_rows=True)
+        assert ops.int16_rows and ops.report()["cpu_decode_activations"] == "int16"
+    else:
+        with pytest.raises(ValueError, match="cpu_decode_activations 'int16' needs the C kernels for decode steps"):
+            cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", int16_rows=True)
+    assert seen[-1] == ("scalar", 64, 96, "q4_0", False, True)
 
 
 def test_cpu_isa_is_validated() -> None:

@@ -171,6 +171,34 @@ def test_gguf_family_matches_hf(gguf_model: tuple[str, Path, Any], path: str,
         _check_logprobs(hf, prompt, run.tokens[rid][0], run.logprobs[rid][0])
 
 
+# the cases whose weights are (partly) 4-6-bit blocks: cpu_decode_activations "int16" applies to them
+INT16_CASES = ("phi3_q4_0", "llama_q4_k_m", "qwen2_q5_k_m", "qwen2_q4_k_m_fallback")
+
+
+def test_int16_decode_activations_keep_hf_greedy_tokens(gguf_model: tuple[str, Path, Any]) -> None:
+    """cpu_decode_activations "int16": the 4-6-bit block weights multiply decode steps' rows rounded to int16
+    (csrc/rows_i16.c); the tokens stay HF's greedy ones, the logprobs within 1e-2 (5e-3 seen: these random
+    models' norms make outliers, which set their blocks' int16 step). A file with no such blocks is
+    refused at load."""
+    case, gguf, hf = gguf_model
+    config = ModelConfig(model=str(gguf), **PATHS["native"], block_size=4, cpu_decode_activations="int16")
+    if case not in INT16_CASES:
+        with pytest.raises(ValueError, match="4-6-bit GGUF blocks .* and this model has none"):
+            LocalExecutor(config, num_blocks=36, progress=False)
+        return
+    executor = LocalExecutor(config, num_blocks=36, progress=False)
+    model = executor.runner.model
+    assert native_weight(model.model.layers[0].mlp.gate_up_proj.packed).panels.fmt.endswith("_i16")
+    assert executor.runner.model.ops.report()["cpu_decode_activations"] == "int16"
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    reqs = [(f"r{i}", p, greedy) for i, p in enumerate(prompts(5))]
+    run = run_engine(executor, reqs, block_size=4, num_blocks=36, max_num_batched_tokens=16, max_num_seqs=4,
+                     join_at_step={"r2": 5})
+    for rid, prompt, _ in reqs:
+        assert run.tokens[rid][0] == hf_greedy(hf, prompt, MAX_NEW), (case, rid)
+        _check_logprobs(hf, prompt, run.tokens[rid][0], run.logprobs[rid][0], tol=1e-2)
+
+
 def test_gguf_architectures_are_the_ones_transformers_maps() -> None:
     """Every GGUF architecture cbserve loads is one transformers' GGUF loader maps, to a model type a family
     serves; every served family it maps is loaded (Mistral through "llama": gguf-py has no "mistral")."""

@@ -30,7 +30,7 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return request.param, folder, load_hf(folder)
 
 
-def _check_logprobs(hf: object, prompt: list[int], tokens: list[int], logprobs: list) -> None:
+def _check_logprobs(hf: object, prompt: list[int], tokens: list[int], logprobs: list, tol: float = 1e-4) -> None:
     seq = prompt + tokens
     with torch.inference_mode():
         ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), dim=-1)  # type: ignore[operator]
@@ -38,8 +38,11 @@ def _check_logprobs(hf: object, prompt: list[int], tokens: list[int], logprobs: 
     for j, lp in enumerate(logprobs):
         pos = len(prompt) - 1 + j
         assert lp.token_id == seq[pos + 1]
-        assert abs(lp.logprob - ref[pos, lp.token_id].item()) < 1e-4, (pos, lp.logprob, ref[pos, lp.token_id])
-        assert [t for t, _ in lp.top] == ref[pos].topk(3).indices.tolist()
+        assert abs(lp.logprob - ref[pos, lp.token_id].item()) < tol, (pos, lp.logprob, ref[pos, lp.token_id])
+        if tol <= 1e-4:
+            assert [t for t, _ in lp.top] == ref[pos].topk(3).indices.tolist()
+        else:  # near-ties may swap places: each alternative's logprob is HF's, within tol
+            assert all(abs(v - ref[pos, t].item()) < tol for t, v in lp.top), (pos, lp.top)
 
 
 @pytest.mark.parametrize("path", list(PATHS))

@@ -86,6 +86,18 @@ ISA_FEATURES = {"avx2": 1, "avx512": 2, "avx512_bf16": 4, "amx": 8}
 PANEL_FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "bf16_dot": 4, "q8_0_bf16": 5, "q4_1_bf16": 6,
                  "q4_0": 7, "q4_0_bf16": 8, "q4_k": 9, "q6_k": 10, "q5_k": 11,
                  "q5_0": 12}
+# Flags or'ed into a format's number: "i16", the few-row products of a 4-6-bit block format with the rows rounded to
+# int16 (INT16_ROWS_FORMATS; its name is the format's with "_i16" after it: "q4_k_i16").
+FORMAT_FLAGS = {"i16": 256}
+INT16_ROWS_FORMATS = ("q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
+
+
+def format_code(fmt: str) -> int:
+    """The C number of panel format ``fmt`` (its flags or'ed in); KeyError for a name the kernels do not have."""
+    base, _, flag = fmt.rpartition("_")
+    if flag in FORMAT_FLAGS and base in INT16_ROWS_FORMATS:
+        return PANEL_FORMATS[base] | FORMAT_FLAGS[flag]
+    return PANEL_FORMATS[fmt]
 
 _ERRORS = {RETURN_CODES["CB_ENOMEM"]: "out of memory for the kernel's scratch buffers",
            RETURN_CODES["CB_EINVAL"]: "invalid shapes",
@@ -196,6 +208,7 @@ def _struct_and_enum_differences(header: Header) -> list[str]:
             problems.append(f"struct {name}: cb_cpu.h has {_fields_text(found)}, {cls.__name__} {_fields_text(fields)}")
     expected = RETURN_CODES | {f"CB_FMT_{k.upper()}": v for k, v in PANEL_FORMATS.items()}
     expected |= {f"CB_ISA_{k.upper()}": v for k, v in ISA_FEATURES.items()}
+    expected |= {f"CB_FMT_{k.upper()}": v for k, v in FORMAT_FLAGS.items()}
     problems += [f"{k}: cb_cpu.h has {header.enums.get(k)}, abi.py {v}" for k, v in expected.items()
                  if header.enums.get(k) != v]
     return problems

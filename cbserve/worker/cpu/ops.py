@@ -22,6 +22,7 @@ are packed by ``pack_weights`` from the model's own post-load step (``models.cau
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -29,9 +30,17 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from cbserve.worker.cpu.abi import INT16_ROWS_FORMATS
 from cbserve.worker.cpu.gguf_blocks import QuantBlocks
 from cbserve.worker.cpu.kernels import CpuKernels
-from cbserve.worker.cpu.linear import PATHS_NATIVE, pack_linear_weights
+from cbserve.worker.cpu.linear import (
+    PATHS_NATIVE,
+    NativeWeight,
+    PackedWeight,
+    RegimeWeight,
+    SplitWeight,
+    pack_linear_weights,
+)
 from cbserve.worker.cpu.native import load_cpu_kernels
 from cbserve.worker.cpu.probe import ProbeResult, available_memory_bytes, probe_cached
 
@@ -49,6 +58,7 @@ class CpuOps(NamedTuple):
     bf16_products: bool = False
     probe: ProbeResult | None = None  # cpu_ops "auto": the start-up probe's figures, when it ran
     linear_paths: tuple[str, str] = PATHS_NATIVE  # native mode: "native" | "torch" for few-row, many-row products
+    int16_rows: bool = False  # native: few-row products of 4-6-bit GGUF blocks on rows rounded to int16
 
     def report(self) -> dict[str, object]:
         """What /stats shows of the CPU path: the mode, the kernels' ISA level, which path each regime of the
@@ -57,6 +67,7 @@ class CpuOps(NamedTuple):
         return {"cpu_ops": self.mode, "cpu_isa": self.kernels.isa if self.kernels is not None else None,
                 "cpu_isa_features": list(self.kernels.isa_features) if self.kernels is not None else [],
                 "cpu_linear_paths": {"few_rows": paths[0], "many_rows": paths[1]},
+                "cpu_decode_activations": "int16" if self.int16_rows else "float32",
                 "cpu_ops_probe": self.probe.as_dict() if self.probe is not None else None}
 
     @property
@@ -69,13 +80,24 @@ TORCH_OPS = CpuOps("torch", None)
 
 def resolve_cpu_ops(requested: str, device: torch.device, dtype: torch.dtype, isa: str = "auto",
                     probe_shape: tuple[int, int] | None = None, weight_format: str = "f32",
-                    weight_values: int = 0) -> CpuOps:
+                    weight_values: int = 0, int16_rows: bool = False) -> CpuOps:
     """The ops to build the model with. ValueError when "native" or "onednn" is asked for explicitly and
     cannot be had, or ``isa`` names a level this CPU cannot run. Not a CPU device: torch. ``probe_shape``
     (the model's hidden and intermediate sizes) and ``weight_format`` (``probe.model_weights``): "auto"
     keeps the C kernels for each regime of the linear products only where the probe finds them no slower
     than torch; ``weight_values`` (the checkpoint's): the regimes stay on the C kernels when torch's copy of
-    the weights for one of them would take more than half the memory available."""
+    the weights for one of them would take more than half the memory available. ``int16_rows``: the C kernels'
+    int16-rows products (ValueError where the model does not run its few-row products on them)."""
+    ops = _resolve(requested, device, dtype, isa, probe_shape, weight_format, weight_values, int16_rows)
+    if int16_rows and (not ops.native or ops.linear_paths[0] != "native"):
+        raise ValueError(f"cpu_decode_activations 'int16' needs the C kernels for decode steps, but {ops.mode!r} "
+                         f"({'device ' + device.type if device.type != 'cpu' else 'cpu_ops ' + repr(requested)}) "
+                         f"runs them")
+    return ops
+
+
+def _resolve(requested: str, device: torch.device, dtype: torch.dtype, isa: str, probe_shape: tuple[int, int] | None,
+             weight_format: str, weight_values: int, int16_rows: bool) -> CpuOps:
     if device.type != "cpu":
         return TORCH_OPS
     if requested in ("auto", "native"):
@@ -84,7 +106,7 @@ def resolve_cpu_ops(requested: str, device: torch.device, dtype: torch.dtype, is
         else:
             load = load_cpu_kernels(isa)
             if load.kernels is not None:
-                native = CpuOps("native", load.kernels, dtype == torch.bfloat16)
+                native = CpuOps("native", load.kernels, dtype == torch.bfloat16, int16_rows=int16_rows)
                 if requested == "native" or probe_shape is None:
                     return native
                 return _probed(native, load.kernels, probe_shape, weight_format, weight_values)
@@ -107,7 +129,7 @@ def _torch_ops(requested: str, probe: ProbeResult | None = None) -> CpuOps:
 def _probed(native: CpuOps, kernels: CpuKernels, shape: tuple[int, int], weight_format: str,
             weight_values: int) -> CpuOps:
     """cpu_ops "auto": per regime of the linear products, the C kernels unless the probe found them slower."""
-    result = probe_cached(kernels, shape[0], shape[1], weight_format, native.bf16_products)
+    result = probe_cached(kernels, shape[0], shape[1], weight_format, native.bf16_products, native.int16_rows)
     if result.paths == PATHS_NATIVE:
         logger.info("cpu_ops auto: the %s C kernels (%s)", kernels.isa, result.summary())
         return native._replace(probe=result)
@@ -139,5 +161,34 @@ def pack_weights(
     if ops.native and ops.kernels is None:
         raise ValueError("cpu_ops 'native' needs the loaded kernels")
     native = ops.native and ops.kernels is not None
-    return pack_linear_weights(model, ops.kernels if native else None, blocks, compact and native,
-                               ops.bf16_products, ops.linear_paths if native else PATHS_NATIVE)
+    packed = pack_linear_weights(model, ops.kernels if native else None, blocks, compact and native,
+                                 ops.bf16_products, ops.linear_paths if native else PATHS_NATIVE)
+    if native and ops.int16_rows and not use_int16_rows(model):
+        raise ValueError("cpu_decode_activations 'int16' multiplies 4-6-bit GGUF blocks (Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, "
+                         "Q6_K), and this model has none")
+    return packed
+
+
+def use_int16_rows(model: nn.Module) -> int:
+    """Switch every packed weight of ``model`` in a 4-6-bit GGUF block format (``abi.INT16_ROWS_FORMATS``, alone or as
+    a part of a ``SplitWeight``, or a ``RegimeWeight``'s few-row side) to its int16-rows variant; returns how many
+    weights (parts) were switched."""
+    switched = 0
+
+    def switch(packed: PackedWeight) -> PackedWeight:
+        nonlocal switched
+        if isinstance(packed, RegimeWeight):
+            return dataclasses.replace(packed, few=switch(packed.few))
+        if isinstance(packed, SplitWeight):
+            return dataclasses.replace(packed, parts=tuple(switch(p) for p in packed.parts))
+        if isinstance(packed, NativeWeight) and packed.panels.fmt in INT16_ROWS_FORMATS:
+            switched += 1
+            return dataclasses.replace(packed, panels=packed.kernels.with_int16_rows(packed.panels))
+        return packed
+
+    for m in model.modules():
+        if getattr(m, "packed", None) is not None:
+            m.packed = switch(m.packed)
+    logger.info("cpu_decode_activations int16: %d GGUF block weights (or parts) multiply decode steps' rows rounded "
+                "to int16", switched)
+    return switched

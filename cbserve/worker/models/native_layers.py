@@ -22,7 +22,7 @@ from torch import nn
 
 from cbserve.worker.attention.backend import AttentionMetadata, KVCache
 from cbserve.worker.attention.cpu_backend import CpuAttentionBackend, CpuPrepared
-from cbserve.worker.cpu.abi import PANEL_FORMATS, LayerArgs, LinearArgs, ModelArgs
+from cbserve.worker.cpu.abi import LayerArgs, LinearArgs, ModelArgs, format_code
 from cbserve.worker.cpu.kernels import CpuKernels
 from cbserve.worker.cpu.linear import MANY_ROWS, NativeWeight, RegimeWeight, SplitWeight, native_panels
 from cbserve.worker.parallel import tp_world_size
@@ -38,7 +38,7 @@ def _linear_args(module: nn.Module, bias_in_kernel: bool, keep: list[LinearArgs]
     rows = 0
     for p in reversed(native_panels(module.packed) or ()):
         rows += p.n
-        rest = LinearArgs(PANEL_FORMATS[p.fmt], p.data.data_ptr(), rows, p.k, bias, int(bias_in_kernel),
+        rest = LinearArgs(format_code(p.fmt), p.data.data_ptr(), rows, p.k, bias, int(bias_in_kernel),
                           p.n if rest is not None else 0, 0 if rest is None else ctypes.addressof(rest))
         keep.append(rest)
     assert rest is not None  # _ineligible checked every weight's packing

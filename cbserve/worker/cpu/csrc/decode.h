@@ -137,6 +137,15 @@ static inline vf bf16_value(const uint16_t *src) {
     return r;
 }
 
+/* The few-row paths (rows.c, rows_i16.c): each block asks for the bytes 4 KB ahead into L2: one thread's misses
+ * alone do not keep memory busy (one 80 MB product, one row: 17.3 against 13.6 GB/s with AVX-512, 12.1 against 9.4
+ * with AVX2; Q8_0 19.7 against 14.4). Float32 and bfloat16 panels stream at the copy bandwidth without it. */
+#define CB_ROWS_AHEAD 4096
+
+static inline void prefetch_ahead(const uint8_t *at, int bytes) {
+    for (int off = 0; off < bytes; off += 64) __builtin_prefetch(at + CB_ROWS_AHEAD + off, 0, 2);
+}
+
 /* v as computed: the compiler may not regroup the operations that made v with the ones that use it. The kernels
  * are built with -fassociative-math (../native.py), under which GCC turns a column's running sum
  * (acc + x0 w0) + x1 w1 into acc + (x0 w0 + x1 w1), or x (d q) into (x d) q: other bits than the tiled path's,

@@ -3,11 +3,11 @@
 #include "decode.h"
 
 int cb_storage_format(int fmt) {
-    switch (fmt) {
+    switch (fmt & ~CB_FMT_I16) {
     case CB_FMT_Q8_0_BF16: return CB_FMT_Q8_0;
     case CB_FMT_Q4_1_BF16: return CB_FMT_Q4_1;
     case CB_FMT_Q4_0_BF16: return CB_FMT_Q4_0;
-    default: return fmt;
+    default: return fmt & ~CB_FMT_I16;
     }
 }
 
@@ -111,6 +111,7 @@ static void round_bf16(float *x, int64_t n) {
 }
 
 const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch) {
+    if (fmt & CB_FMT_I16) fmt = cb_storage_format(fmt); /* the same weights: only few-row products differ */
     if (cb_bf16_blocks(fmt)) { /* decoded, then rounded as the kernel rounds */
         cb_panel_chunk(cb_storage_format(fmt), panel, k0, kn, scratch);
         round_bf16(scratch, (int64_t)kn * CB_NR);

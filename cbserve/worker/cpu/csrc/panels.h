@@ -32,6 +32,8 @@
  *   CB_FMT_Q8_0_BF16, CB_FMT_Q4_1_BF16, CB_FMT_Q4_0_BF16: the bytes of CB_FMT_Q8_0 / CB_FMT_Q4_1 /
  *                                    CB_FMT_Q4_0, each decoded value rounded to bfloat16 (for bfloat16
  *                                    products: the GGUF blocks stay compact).
+ *   fmt | CB_FMT_I16 (fmt Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K): fmt's bytes; few-row products on int16 rows
+ *                                    (rows_i16.c).
  *
  * Every other format decodes to the float32 values the dense checkpoint holds: the GGUF scales are float16
  * values, kept as such (the K-quants' 6- and 8-bit sub-scales as integers), so d * q and d * (q - 8) are exact in float32 and d * q + m is rounded once, as gguf-py's
@@ -89,6 +91,13 @@ static inline const float *cb_item_bias(const float *bias, int p, int ncols, flo
 int cb_rows_take(int fmt, int m, int k);
 void cb_linear_rows(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n, const float *bias,
                     float *c, int64_t ldc);
+
+/* The CB_FMT_I16 variants' few-row products (rows_i16.c): whether cb_linear_rows_i16 takes (fmt, m, k), and the
+ * product (CB_ENOMEM when the rounded rows find no memory). */
+#define CB_ROWS_MAX_I16 4
+int cb_rows_i16_take(int fmt, int m, int k);
+int cb_linear_rows_i16(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
+                       const float *bias, float *c, int64_t ldc);
 
 #ifdef __AVX512BF16__
 /* The bfloat16 pairs of k values [k0, k0 + kn) of one panel of a bfloat16-products format, [kn / 2][48][2]: a

@@ -23,14 +23,6 @@
 #else
 #define CB_ROWS_TAKE 2
 #endif
-/* Each block asks for the bytes 4 KB ahead into L2: one thread's misses alone do not keep memory busy (one
- * 80 MB product, one row: 17.3 against 13.6 GB/s with AVX-512, 12.1 against 9.4 with AVX2; Q8_0 19.7 against
- * 14.4). Float32 and bfloat16 panels stream at the copy bandwidth without it. */
-#define CB_ROWS_AHEAD 4096
-
-static inline void prefetch_ahead(const uint8_t *at, int bytes) {
-    for (int off = 0; off < bytes; off += 64) __builtin_prefetch(at + CB_ROWS_AHEAD + off, 0, 2);
-}
 
 #define CB_ROWS_K(i, kk) a[(int64_t)(i) * lda + (kk)]
 
