@@ -91,10 +91,10 @@ static inline vi nibble_pairs(vi pair) { return (pair | pair << 12) & 0x000F000F
 static inline vi shift_by(vi x, const int n) { return n >= 0 ? x << n : x >> -n; }
 /* The high bits of a lane's pair from the byte h: bit (or bits) `at` of h to bit (bits) 4 of the low int16, bit(s)
  * `at + width` to bit(s) 4 of the high one (bits 20-): Q5's fifth bits (width 1, mask 0x00100010), Q6_K's two high
- * bits (width 2, 0x00300030) */
-static inline vi high_bits(vi h, const int at, const int width, const int mask) {
-    return (shift_by(h, 4 - at) | shift_by(h, 20 - at - width)) & mask;
-}
+ * bits (width 2, 0x00300030). h is given spread (h | h << (16 - width), once for all the pairs its byte serves), so
+ * each pair takes one shift and the mask (merged with its nibbles into one vpternlogd). */
+static inline vi spread(vi h, const int width) { return h | h << (16 - width); }
+static inline vi high_bits(vi spread_h, const int at, const int mask) { return shift_by(spread_h, 4 - at) & mask; }
 
 /* Q4_0, Q4_1, Q5_0, Q4_K, Q5_K: 32 values per block and scale, a fifth bit from qh where `five` */
 static inline __attribute__((always_inline)) void i16_q4(const int mr, const int fmt, const i16_rows_t *r,
@@ -133,7 +133,7 @@ static inline __attribute__((always_inline)) void i16_q4(const int mr, const int
         for (int j = 0; j < CB_QK / 2; ++j)
             for (int v = 0; v < I16_RG; ++v) {
                 vi w = nibble_pairs(widen_u8(q + j * CB_NR + CB_VW * v));
-                if (five) w |= high_bits(widen_u8(qh + j / 4 * CB_NR + CB_VW * v), 2 * (j % 4), 1, 0x00100010);
+                if (five) w |= high_bits(spread(widen_u8(qh + j / 4 * CB_NR + CB_VW * v), 1), 2 * (j % 4), 0x00100010);
                 for (int i = 0; i < mr; ++i)
                     sums[i][v] = dot_pairs(sums[i][v], w, r->xq[i * (r->k / 2) + b * (CB_QK / 2) + j]);
             }
@@ -160,9 +160,9 @@ static inline __attribute__((always_inline)) void i16_q6_k(const int mr, const i
 #pragma GCC unroll 8 /* j & 1 a constant: which bits of h */
             for (int j = half * CB_QK / 4; j < (half + 1) * CB_QK / 4; ++j)
                 for (int v = 0; v < I16_RG; ++v) {
-                    const vi h = widen_u8(blk + Q6K_QH + j / 2 * CB_NR + col + CB_VW * v);
+                    const vi h = spread(widen_u8(blk + Q6K_QH + j / 2 * CB_NR + col + CB_VW * v), 2);
                     const vi w = nibble_pairs(widen_u8(blk + Q6K_QL + j * CB_NR + col + CB_VW * v)) |
-                                 high_bits(h, 4 * (j & 1), 2, 0x00300030);
+                                 high_bits(h, 4 * (j & 1), 0x00300030);
                     for (int i = 0; i < mr; ++i)
                         sums[i][v] = dot_pairs(sums[i][v], w, r->xq[i * (r->k / 2) + b * (CB_QK / 2) + j]);
                 }
