@@ -88,13 +88,18 @@ static inline const float *cb_item_bias(const float *bias, int p, int ncols, flo
 /* Few-row products straight from the packed weights (rows.c): cb_rows_take says whether cb_linear_rows takes
  * (fmt, m, k): a float32-products format and a few rows (decode steps); cb_linear_rows is then cb_linear's
  * product, bit for bit. */
+#define CB_ROWS_MAX 4 /* the most rows any level's few-row path takes */
 int cb_rows_take(int fmt, int m, int k);
 void cb_linear_rows(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n, const float *bias,
                     float *c, int64_t ldc);
+/* Their loop over the panels (shared as gemm.c shares them): each panel's sums start from the bias, panel_fn adds
+ * rows' products ([mr][48] in acc_io; rows: the path's own form of the m rows), and the columns that exist go to c. */
+typedef void (*cb_rows_panel_fn)(int mr, int fmt, const void *rows, const uint8_t *panel, float *acc_io);
+void cb_rows_over_panels(int fmt, int m, int k, const uint8_t *wp, int n, const float *bias, float *c, int64_t ldc,
+                         cb_rows_panel_fn panel_fn, const void *rows);
 
 /* The CB_FMT_I16 variants' few-row products (rows_i16.c): whether cb_linear_rows_i16 takes (fmt, m, k), and the
  * product (CB_ENOMEM when the rounded rows find no memory). */
-#define CB_ROWS_MAX_I16 4
 int cb_rows_i16_take(int fmt, int m, int k);
 int cb_linear_rows_i16(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                        const float *bias, float *c, int64_t ldc);

@@ -13,7 +13,6 @@
 
 /* vectors per column group: 3 (48 columns with AVX-512, 24 with AVX2, 12 with the portable build's 4 lanes) */
 #define CB_RG 3
-#define CB_ROWS_MAX 4
 /* The most rows this path takes at this level. Against the tiled path on a 2-core Xeon (Cascade Lake), SmolLM2's
  * 30 layers' weights streamed from memory (benchmarks/bench_linear.py --layers 30): AVX-512 1.33x / 1.25x /
  * 1.14x / 1.09x at 1-4 rows; AVX2 1.11x / 1.07x at 1-2 rows, where with 16 registers 3 and 4 rows spill their
@@ -235,8 +234,8 @@ int cb_rows_take(int fmt, int m, int k) {
     return fits && m >= 1 && m <= CB_ROWS_TAKE && __atomic_load_n(&rows_enabled, __ATOMIC_RELAXED) != 0;
 }
 
-void cb_linear_rows(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
-                    const float *bias, float *c, int64_t ldc) {
+void cb_rows_over_panels(int fmt, int m, int k, const uint8_t *wp, int n, const float *bias, float *c, int64_t ldc,
+                         cb_rows_panel_fn panel_fn, const void *rows) {
     const int64_t pbytes = cb_panel_bytes(fmt, k);
     const int panels = (n + CB_NR - 1) / CB_NR;
     cb_share_t shares[CB_MAX_SHARES];
@@ -250,8 +249,26 @@ void cb_linear_rows(int fmt, const float *a, int64_t lda, int m, int k, const ui
             const float *b = cb_item_bias(bias, p, ncols, tail_bias);
             for (int i = 0; i < m; ++i)
                 for (int j = 0; j < CB_NR; ++j) acc[i * CB_NR + j] = b ? b[j] : 0.0f;
-            rows_panel(m, fmt, a, lda, k, wp + p * pbytes, acc);
+            panel_fn(m, fmt, rows, wp + p * pbytes, acc);
             for (int i = 0; i < m; ++i) memcpy(c + (int64_t)i * ldc + p * CB_NR, acc + i * CB_NR, sizeof(float) * (size_t)ncols);
         }
     }
+}
+
+/* the float32 rows of cb_linear_rows, for rows_over_panels */
+typedef struct {
+    const float *a;
+    int64_t lda;
+    int k;
+} float_rows_t;
+
+static void float_rows_panel(int mr, int fmt, const void *rows, const uint8_t *panel, float *acc_io) {
+    const float_rows_t *r = rows;
+    rows_panel(mr, fmt, r->a, r->lda, r->k, panel, acc_io);
+}
+
+void cb_linear_rows(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
+                    const float *bias, float *c, int64_t ldc) {
+    const float_rows_t rows = {a, lda, k};
+    cb_rows_over_panels(fmt, m, k, wp, n, bias, c, ldc, float_rows_panel, &rows);
 }

@@ -101,7 +101,7 @@ static inline __attribute__((always_inline)) void i16_q4(const int mr, const int
                                                          const uint8_t *restrict panel, int col,
                                                          float *restrict acc_io) {
     const int kquant = fmt == CB_FMT_Q4_K || fmt == CB_FMT_Q5_K, five = fmt == CB_FMT_Q5_K || fmt == CB_FMT_Q5_0;
-    vi sums[CB_ROWS_MAX_I16][I16_RG] = {{{0}}};
+    vi sums[CB_ROWS_MAX][I16_RG] = {{{0}}};
     for (int b = 0; b < r->k / CB_QK; ++b) {
         const uint8_t *q, *qh = NULL;
         vf scale[I16_RG], offset[I16_RG];
@@ -145,7 +145,7 @@ static inline __attribute__((always_inline)) void i16_q4(const int mr, const int
 static inline __attribute__((always_inline)) void i16_q6_k(const int mr, const i16_rows_t *r,
                                                            const uint8_t *restrict panel, int col,
                                                            float *restrict acc_io) {
-    vi sums[CB_ROWS_MAX_I16][I16_RG] = {{{0}}};
+    vi sums[CB_ROWS_MAX][I16_RG] = {{{0}}};
     for (int b = 0; b < r->k / CB_QK; ++b) {
         const uint16_t *d = (const uint16_t *)kq_head(panel, Q6K_SUPER, b) + col;
         const uint8_t *blk = kq_block(panel, Q6K_SUPER, Q6K_HEAD, Q6K_BLOCK, b);
@@ -193,7 +193,8 @@ static inline __attribute__((always_inline)) void i16_panel_mr(const int mr, int
     }
 }
 
-static void i16_panel(int mr, int fmt, const i16_rows_t *r, const uint8_t *panel, float *acc_io) {
+static void i16_panel(int mr, int fmt, const void *rows, const uint8_t *panel, float *acc_io) {
+    const i16_rows_t *r = rows;
     switch (mr) {
     case 1: i16_panel_mr(1, fmt, r, panel, acc_io); break;
     case 2: i16_panel_mr(2, fmt, r, panel, acc_io); break;
@@ -204,7 +205,7 @@ static void i16_panel(int mr, int fmt, const i16_rows_t *r, const uint8_t *panel
 
 int cb_rows_i16_take(int fmt, int m, int k) {
     const int storage = cb_storage_format(fmt);
-    return (fmt & CB_FMT_I16) && storage != CB_FMT_Q8_0 && cb_rows_take(storage, m, k) && m <= CB_ROWS_MAX_I16;
+    return (fmt & CB_FMT_I16) && storage != CB_FMT_Q8_0 && cb_rows_take(storage, m, k);
 }
 
 int cb_linear_rows_i16(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
@@ -213,24 +214,7 @@ int cb_linear_rows_i16(int fmt, const float *a, int64_t lda, int m, int k, const
     i16_rows_t r;
     const int rc = i16_round(a, lda, m, k, &r);
     if (rc != CB_OK) return rc;
-    const int64_t pbytes = cb_panel_bytes(fmt, k);
-    const int panels = (n + CB_NR - 1) / CB_NR;
-    cb_share_t shares[CB_MAX_SHARES];
-    const int nshares = cb_shares_init(shares, panels);
-#pragma omp parallel
-    {
-        float acc[CB_ROWS_MAX_I16 * CB_NR] __attribute__((aligned(64)));
-        for (int p; (p = cb_share_next(shares, nshares)) >= 0;) {
-            const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
-            float tail_bias[CB_NR];
-            const float *bp = cb_item_bias(bias, p, ncols, tail_bias);
-            for (int i = 0; i < m; ++i)
-                for (int j = 0; j < CB_NR; ++j) acc[i * CB_NR + j] = bp ? bp[j] : 0.0f;
-            i16_panel(m, fmt, &r, wp + p * pbytes, acc);
-            for (int i = 0; i < m; ++i)
-                memcpy(c + (int64_t)i * ldc + p * CB_NR, acc + i * CB_NR, sizeof(float) * (size_t)ncols);
-        }
-    }
+    cb_rows_over_panels(fmt, m, k, wp, n, bias, c, ldc, i16_panel, &r);
     free(r.xq);
     return CB_OK;
 }
