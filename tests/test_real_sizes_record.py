@@ -42,3 +42,13 @@ def test_the_record_names_folders_by_role() -> None:
     assert bench.portable(text, args) == want
     record = RECORD.read_text()
     assert str(Path.home()) not in record and "<models-dir>/" in record
+
+
+def test_each_cbserve_variant_serves_with_its_own_flags() -> None:
+    bench, _ = _modules()
+    args = argparse.Namespace(max_model_len=512, kv_bytes=1 << 30, cbserve_args="")
+    plain = bench.cbserve_cmd_args(Path("/m/x.gguf"), "q4_k_m", args)
+    int16 = bench.cbserve_cmd_args(Path("/m/x.gguf"), "q4_k_m", args, "cbserve-int16")
+    assert "--cpu-decode-activations" not in plain
+    assert int16[int16.index("--cpu-decode-activations") + 1] == "int16" and int16[2:] == plain
+    assert {s for s, _ in bench.PAIRS} <= set(bench.SYSTEMS)
