@@ -93,9 +93,9 @@ def test_int16_decode_activations_are_refused_where_no_cpu_kernel_blocks_take_th
     from cbserve.worker.config import ModelConfig
 
     with pytest.raises(ValueError, match=f"cpu_decode_activations 'int16' .*{named}"):
-        ModelConfig(cpu_decode_activations="int16", **conflict)
+        ModelConfig(**{"device": "cpu", "cpu_decode_activations": "int16", **conflict})
     with pytest.raises(ValueError, match="cpu_decode_activations must be one of"):
-        ModelConfig(cpu_decode_activations="int8")  # type: ignore[arg-type]
+        ModelConfig(device="cpu", cpu_decode_activations="int8")  # type: ignore[arg-type]
 
 
 # ---- a configuration that can never serve stops at start-up (no Ray, no torch) ----------------------------
