@@ -204,8 +204,10 @@ static void i16_panel(int mr, int fmt, const void *rows, const uint8_t *panel, f
 }
 
 int cb_rows_i16_take(int fmt, int m, int k) {
-    const int storage = cb_storage_format(fmt);
-    return (fmt & CB_FMT_I16) && storage != CB_FMT_Q8_0 && cb_rows_take(storage, m, k);
+    const int s = cb_storage_format(fmt);
+    const int nibbles = s == CB_FMT_Q4_0 || s == CB_FMT_Q4_1 || s == CB_FMT_Q5_0 || s == CB_FMT_Q4_K ||
+                        s == CB_FMT_Q5_K || s == CB_FMT_Q6_K; /* the formats i16_panel reads */
+    return (fmt & CB_FMT_I16) && nibbles && cb_rows_take(s, m, k);
 }
 
 int cb_linear_rows_i16(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
