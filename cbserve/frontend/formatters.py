@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -23,7 +24,6 @@ from cbserve.frontend.protocol import (
     PromptLogprobs,
     TopLogprob,
     UsageInfo,
-    now,
 )
 from cbserve.frontend.tools.calls import ToolCallStream, final_message, finish_reason_with_calls
 from cbserve.frontend.tools.reasoning import ReasoningMode, ReasoningStream, split_reasoning
@@ -45,7 +45,7 @@ class _Base:
         self.req_id = req_id
         self.model = model
         self.tokenizer = tokenizer
-        self.created = now()
+        self.created = int(time.time())
         self._token_text: dict[int, str] = {}
         self.want_prompt_logprobs = False
 

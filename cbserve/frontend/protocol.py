@@ -125,10 +125,6 @@ class SamplingFields(BaseModel):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
 
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
-
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]

@@ -36,9 +36,9 @@ from cbserve.frontend.tools.reasoning import ReasoningMode, gated_spec, request_
 from cbserve.frontend.tools.structured import (
     GrammarValidator,
     any_whitespace,
+    chat_constraints,
     request_spec,
     resolve_tool_parser,
-    tool_setup,
 )
 from cbserve.frontend.validation import RequestValidator, ServedModel
 from cbserve.scheduler.requests.kv_transfer import KVTransferParams
@@ -122,11 +122,7 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         _check_prompt_logprobs(req.prompt_logprobs, req.stream)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        tools, tool_mode, tool_spec = tool_setup(req, self.tool_parser)
-        spec, param = request_spec(req)
-        if tool_spec is not None and spec is not None:
-            raise APIError(400, f"a forced tool_choice cannot be combined with {param}", param="tool_choice")
-        spec, param = (tool_spec, "tools") if tool_spec is not None else (spec, param)
+        tools, tool_mode, spec, param = chat_constraints(req, self.tool_parser)
         spec = await self._check_grammar(spec, param, req)
         prompt = v.chat_request_prompt(req, tools)
         reasoning, spec = self._reasoning(req, prompt, spec)
@@ -222,7 +218,7 @@ class OpenAIServing:
         self, req_id: str, prompts: list[list[int]], params: list[SamplingParams], req: SamplingFields,
         fmt: Formatter, lora: LoRARequest | None = None, hints: Sequence[tuple[Retention, ...]] = (),
     ) -> Answer:
-        stream, include_usage = req.stream, req.include_usage
+        stream, include_usage = req.stream, bool(req.stream_options and req.stream_options.include_usage)
         gens: list[tuple[RequestState, AsyncIterator[list[RequestOutput]]]] = []
         kv = None if req.kv_transfer_params is None else self.validator.kv_transfer(req, len(prompts))
         try:

@@ -32,13 +32,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from cbserve.scheduler.config import EngineConfig
-from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError, StepFailedError
+from cbserve.scheduler.errors import QueueFullError, RequestRejectedError, StepFailedError
 from cbserve.scheduler.fault_isolation import FaultIsolation, step_requests
 from cbserve.scheduler.integrity import check_engine
 from cbserve.scheduler.kv.kv_events import KVCacheEvents
 from cbserve.scheduler.outputs import Executor, ModelRunnerOutput, SchedulerOutput, done_future
 from cbserve.scheduler.policies import PAUSE_MODES, paused_may_run
-from cbserve.scheduler.requests.admission import id_in_use, kv_transfer_request, validate_request
+from cbserve.scheduler.requests.admission import admit
 from cbserve.scheduler.requests.request import EngineRequest, RequestFailure, RequestOutput, RequestStatus
 from cbserve.scheduler.requests.sequence import SequenceGroup
 from cbserve.scheduler.scheduler import Scheduler, StepState
@@ -112,28 +112,23 @@ class EngineCore:
 
     # ---- requests in and out ----------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request. Raises DuplicateRequestError, RequestRejectedError or QueueFullError."""
-        if id_in_use(self.groups, request):
-            raise DuplicateRequestError(f"request id {request.req_id!r} is already in the engine")
+        """Queue a request. Raises DuplicateRequestError, RequestRejectedError or QueueFullError (admission.py)."""
         try:
-            max_tokens = validate_request(self.config, request)
-            request = request if request.kv_transfer is None else kv_transfer_request(self.config, request)
+            request, max_tokens = admit(self.config, self.groups, len(self.scheduler.waiting), request)
         except RequestRejectedError as e:
             self._pending_iter.rejected_reasons.append(str(e))
             self.totals.num_rejected += 1
             raise
-        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+        except QueueFullError:
             self.totals.num_queue_full += 1
-            raise QueueFullError(
-                f"the waiting queue is full ({self.config.scheduler.max_waiting} requests); retry later"
-            )
+            raise
         now = self.clock()
         arrival = request.arrival_time if self.clock is time.monotonic else now
         sc = self.config.scheduler
         group = SequenceGroup(request, self._counter, max_tokens, sc.max_model_len, sc.ordering, arrival, now)
         self._counter += 1
         self.groups[request.req_id] = group
-        self.scheduler.add_sequence(group.new_sequence(0, list(request.prompt_token_ids)))
+        self.scheduler.add_sequence(group.seqs[0])
         self.totals.num_admitted += 1
 
     def abort_request(self, req_id: str) -> None:

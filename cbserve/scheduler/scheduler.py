@@ -271,7 +271,8 @@ class Scheduler:
                     return None  # admitted once they are in the RAM tier
         num_hit = len(computed[0]) * self.block_size
         num_cached = num_hit + len(tiered) * self.block_size
-        num_new = seq.num_tokens - num_cached
+        num_tokens = seq.num_tokens
+        num_new = num_tokens - num_cached
         if num_new > st.budget:
             if not self.config.enable_chunked_prefill:
                 return False
@@ -287,7 +288,7 @@ class Scheduler:
             self._preempted_beams.pop(seq.seq_id, None)
         seq.num_computed_tokens = num_cached
         seq.status = _RUNNING
-        st.prefix_cache_queries += seq.num_tokens
+        st.prefix_cache_queries += num_tokens
         st.prefix_cache_hits += num_cached
         bisect.insort(self.running, seq, key=_sort_key)
         st.add(seq, num_new)

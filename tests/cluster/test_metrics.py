@@ -340,9 +340,9 @@ def test_rejected_and_http_labels_stay_bounded(log: list) -> None:
     ing.observe_http("/no/such/path/123", 404, 0.01)
     routes = [(t["route"], t["status"]) for n, _, t in log if n == "cbserve_http_requests"]
     assert routes == [("/v1/completions", "400"), ("other", "404")]
-    ing.in_flight(1)
-    ing.in_flight(1)
-    ing.in_flight(-1)
+    ing.refresh(1)
+    ing.refresh(2)
+    ing.refresh(1)
     assert _values(log, "http_requests_in_flight") == [1.0, 2.0, 1.0]
     wm.observe_forward(0.03)
     assert [(v, t["rank"]) for n, v, t in log if n == "cbserve_worker_forward_seconds"] == [(0.03, "1")]

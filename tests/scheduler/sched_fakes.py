@@ -23,6 +23,7 @@ from cbserve.scheduler import (
 )
 from cbserve.scheduler.engine_core import StepResult
 from cbserve.scheduler.outputs import done_future
+from cbserve.scheduler.requests.lora import LoRARequest
 
 VOCAB = 1000
 EOS = 999
@@ -277,13 +278,14 @@ def req(
     max_tokens: int | None = 8,
     priority: int = 0,
     salt: str | None = None,
+    lora: LoRARequest | None = None,
     **params: object,
 ) -> EngineRequest:
     if isinstance(prompt, int):  # crc32, not hash(): the same prompt under every PYTHONHASHSEED
         prompt = [(zlib.crc32(req_id.encode()) + i) % 500 for i in range(prompt)]
     return EngineRequest(
         req_id=req_id, prompt_token_ids=list(prompt), eos_token_id=EOS, priority=priority, cache_salt=salt,
-        sampling_params=SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
+        lora=lora, sampling_params=SamplingParams(max_tokens=max_tokens, **params),  # type: ignore[arg-type]
     )  # fmt: skip
 
 

@@ -108,8 +108,7 @@ def test_the_engine_counts_requests_per_adapter_running_and_waiting() -> None:
     sql, chat = LoRARequest("sql", 1, "/a/sql"), LoRARequest("chat", 2, "/a/chat")
     engine, _ = make_engine(max_loras=1, max_seqs=8)
     for rid, lora in (("a", sql), ("b", sql), ("c", chat), ("d", None)):
-        r = req(rid, 5, max_tokens=4)
-        r.lora = lora
+        r = req(rid, 5, max_tokens=4, lora=lora)
         engine.add_request(r)
     assert engine.current_stats().lora == LoRAStats(1, {}, {"sql": 2, "chat": 1})
     stats = engine.step().scheduler_stats.lora

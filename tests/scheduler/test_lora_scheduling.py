@@ -45,8 +45,7 @@ def test_a_step_holds_at_most_max_loras_adapters(max_loras: int, adapters: list[
     steps = _watch(executor)
     requests = []
     for i, a in enumerate(adapters):
-        r = req(f"r{i}", lengths[i], max_tokens=6)
-        r.lora = ADAPTERS[a]
+        r = req(f"r{i}", lengths[i], max_tokens=6, lora=ADAPTERS[a])
         requests.append(r)
         engine.add_request(r)
     col = run(engine)
@@ -59,8 +58,7 @@ def test_prefix_cache_is_per_adapter() -> None:
     engine, _ = make_engine(max_loras=2)
     prompt = list(range(100, 117))
     for rid, lora in (("base", None), ("a1", ADAPTERS[1]), ("a1-again", ADAPTERS[1]), ("a2", ADAPTERS[2])):
-        r = req(rid, prompt, max_tokens=2)
-        r.lora = lora
+        r = req(rid, prompt, max_tokens=2, lora=lora)
         engine.add_request(r)
         hits = sum(res.scheduler_stats.prefix_cache_hits for res in run(engine).results)
         assert hits == (16 if rid == "a1-again" else 0), rid
@@ -68,7 +66,6 @@ def test_prefix_cache_is_per_adapter() -> None:
 
 def test_an_adapter_on_an_engine_without_lora_is_refused() -> None:
     engine, _ = make_engine()
-    r = req("x", 4)
-    r.lora = ADAPTERS[1]
+    r = req("x", 4, lora=ADAPTERS[1])
     with pytest.raises(RequestRejectedError, match="LoRA is not enabled"):
         engine.add_request(r)

@@ -220,13 +220,11 @@ class SchedulerActor:
         engine, executor = self.engine, self.executor
         try:
             while True:
-                if not engine.has_work():
+                result = await engine.step_async(_wait)
+                if result is None:  # nothing to run
                     if executor.rank_lost:  # found while idle: rebuild now, not on the next request
                         raise WorkerGroupError(f"engine replica {self.replica} lost a worker rank")
                     await self._idle(engine)
-                    continue
-                result = await engine.step_async(_wait)
-                if result is None:
                     continue
                 if result.kv_events is not None:
                     self.outputs.put_cache_events(result.kv_events)

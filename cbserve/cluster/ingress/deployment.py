@@ -202,7 +202,7 @@ class OpenAIIngress:
 
     def _tick(self) -> None:
         """Every health period: the HTTP gauge again, and the router's decisions since the last tick."""
-        self.metrics.refresh()
+        self.metrics.refresh(self.http_in_flight)
         self.metrics.observe_routing(self.client.router.take_stats())
         if self.shared_loras is not None:
             self.shared_loras.tick()

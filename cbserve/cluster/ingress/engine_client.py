@@ -159,9 +159,7 @@ class EngineClient:
     async def add(self, state: RequestState) -> AsyncIterator[list[RequestOutput]]:
         """Send the request (registered in ``requests``) and wait until an engine replica admitted it (APIError when
         none will); then its outputs in batches (failover.py). Leaving them early aborts the request."""
-        routed = RoutedRequest(self, state, self.config.request_timeout_s)
-        await routed.admit()
-        return routed.outputs()
+        return await RoutedRequest.start(self, state, self.config.request_timeout_s)
 
     def finish(self, req_id: str, index: int) -> None:
         """A stop string ended sequence ``index``: tell its engine (no answer)."""

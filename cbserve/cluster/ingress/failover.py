@@ -38,7 +38,7 @@ from cbserve.cluster.ingress.disaggregation import Disaggregation, decode_leg, p
 from cbserve.cluster.ingress.router import NoHealthyReplicaError, Router
 from cbserve.frontend.output import RequestState
 from cbserve.frontend.protocol import APIError
-from cbserve.scheduler.requests.request import EngineRequest, RequestOutput, cache_extra_keys
+from cbserve.scheduler.requests.request import EngineRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +96,16 @@ class RoutedRequest:
         self.carry = 0.0  # a continuation's: the cumulative logprob of the tokens streamed before it
         lora = self.request.lora
         self.lora_id = None if lora is None else lora.lora_int_id
-        self.extra_keys = cache_extra_keys(self.request.cache_salt, lora)
+        self.extra_keys = self.request.extra_keys
         state.queue = asyncio.Queue()
+
+    @classmethod
+    async def start(cls, replicas: Replicas, state: RequestState, timeout_s: float | None
+                    ) -> AsyncIterator[list[RequestOutput]]:
+        """Route and send a request until a replica admits it (``admit``); then its outputs (``outputs``)."""
+        routed = cls(replicas, state, timeout_s)
+        await routed.admit()
+        return routed.outputs()
 
     async def admit(self) -> None:
         """Route and send the request until a replica admits it (APIError when none will); in a P:D app, after its
@@ -148,10 +156,10 @@ class RoutedRequest:
 
     async def _send(self) -> None:
         """Pick a replica and write the request on its channel (a channel that is down answers "unavailable")."""
-        router, loop = self.replicas.router, asyncio.get_running_loop()
+        router, loop, cost = self.replicas.router, asyncio.get_running_loop(), routed_cost(self.request)
         while True:
             try:
-                route = router.route(self.request.prompt_token_ids, self.full | self.others, self.lora_id,
+                route = router.place(self.request.prompt_token_ids, cost, self.full | self.others, self.lora_id,
                                      self.extra_keys)
                 break
             except NoHealthyReplicaError as e:
@@ -159,8 +167,7 @@ class RoutedRequest:
                     raise APIError(503, f"{e}; retry later", "service_unavailable") from e
             await asyncio.sleep(FAILOVER_POLL_S)
         state = self.state
-        state.replica, state.cost, state.prefill = route.replica, routed_cost(self.request), route.prefill_tokens
-        router.add(route.replica, state.cost, self.lora_id, state.prefill)
+        state.replica, state.cost, state.prefill = route.replica, cost, route.prefill_tokens
         self.admitted_here = False
         if not self.replicas.readers[route.replica].send(AddRequest(self.request)):
             state.queue.put_nowait(EngineFailure("unavailable", f"engine replica {route.replica} is not connected"))

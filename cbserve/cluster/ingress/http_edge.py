@@ -83,13 +83,11 @@ class HttpEdge:
                 status[0] = message["status"]
             await send(message)
 
-        metrics.in_flight(1)
-        ingress.http_in_flight += 1
+        ingress.http_in_flight += 1  # the gauge follows it (deployment.py's tick)
         try:
             await self.app(scope, receive, sending)
         finally:
             ingress.http_in_flight -= 1
-            metrics.in_flight(-1)
             route = scope.get("route")
             if route is not None:  # a known route (its template, not the path: bounded label values)
                 metrics.observe_http(route.path, status[0], time.perf_counter() - start)

@@ -113,6 +113,13 @@ class Router:
             while len(r.adapters) > self.adapter_memory:
                 r.adapters.popitem(last=False)
 
+    def place(self, prompt_token_ids: Sequence[int], tokens: int, exclude: Collection[int] = (),
+              lora_id: int | None = None, extra_keys: tuple = ()) -> Route:
+        """``route`` a request of ``tokens`` outstanding tokens and ``add`` it to the replica chosen."""
+        route = self.route(prompt_token_ids, exclude, lora_id, extra_keys)
+        self.add(route.replica, tokens, lora_id, route.prefill_tokens)
+        return route
+
     def prefilled(self, idx: int, prefill_tokens: int) -> None:
         """The request ``add`` counted with ``prefill_tokens`` has its first token (or ended)."""
         r = self.replicas[idx]

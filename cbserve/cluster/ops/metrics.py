@@ -237,20 +237,16 @@ class IngressMetrics:
 
     def __init__(self, model: str) -> None:
         self._m = _Metrics(INGRESS_SPECS, {"model": model})
-        self._in_flight = 0
 
     def observe_http(self, route: str, status: int, seconds: float) -> None:
         route = route if route in KNOWN_ROUTES else "other"
         self._m.inc("http_requests", 1, {"route": route, "status": str(int(status))})
         self._m._m["http_request_duration_seconds"].observe(max(0.0, float(seconds)), tags={"route": route})
 
-    def in_flight(self, delta: int) -> None:
-        self._in_flight = max(0, self._in_flight + int(delta))
-        self._m.set("http_requests_in_flight", self._in_flight)
-
-    def refresh(self) -> None:
-        """Re-set the gauge while idle (Ray stops exporting a gauge that is not set for a while)."""
-        self._m.set("http_requests_in_flight", self._in_flight)
+    def refresh(self, in_flight: int) -> None:
+        """The HTTP requests in flight, set every tick from the HTTP edge's count (the replica's one count of them;
+        set again while idle too: Ray stops exporting a gauge that is not set for a while)."""
+        self._m.set("http_requests_in_flight", max(0, int(in_flight)))
 
     def observe_routing(self, stats: Any) -> None:
         """``stats``: the router's RoutingStats since the last call (decisions by kind, matched prefix lengths)."""

@@ -3,10 +3,11 @@ is checked against (tests/e2e/test_request_path.py).
 
 ``PathTrace`` records, for each thread and each asyncio task it runs on, every hop: a call into one of cbserve's files
 from another file (or from outside cbserve: the event loop resuming a task, a thread starting), as the file called
-(a profile hook's "call" events, paths relative to the package). A call within a file is no hop; a return is none
-either, so a file that calls two others in turn shows as those two. Each actor of a
-replica holds one that its ``path_trace`` method starts and stops on the thread that runs its requests: the
-ingress on its request loop and the engine on its event loop at once (``command``), a worker on its model thread
+(a profile hook's "call" events, paths relative to the package). A call within a file is no hop (Ray's wrapper
+around an actor's methods is seen through: a method's call to another of its class stays within the file); a
+return is none either, so a file that calls two others in turn shows as those two. Each actor of a replica holds
+one that its ``path_trace`` method starts and stops on the thread that runs its requests: the ingress on its request
+loop and the engine on its event loop at once (``command``), a worker on its model thread
 at its next step (``command_later``, then ``sync`` there: that thread is busy serving the steps).
 Nothing is recorded otherwise, and the hook costs nothing while off. Python 3.11 has no hook over every thread
 at once (``sys.monitoring`` is 3.12's), so a trace is started from the thread it records.
@@ -22,6 +23,9 @@ from types import FrameType
 from typing import Any
 
 _ROOT = str(Path(__file__).resolve().parents[2]) + "/"  # the cbserve package
+# Ray wraps each method of an actor class in a function of this file (``_resume_span``, a no-op without tracing): an
+# actor's call to its own method passes through it, and is still a call within the actor's file.
+_RAY_WRAPPER = "ray/util/tracing/tracing_helper.py"
 
 
 class PathTrace:
@@ -62,6 +66,8 @@ class PathTrace:
         if not name.startswith(_ROOT) or name.endswith("path_trace.py"):
             return
         caller = frame.f_back
+        while caller is not None and caller.f_code.co_filename.endswith(_RAY_WRAPPER):
+            caller = caller.f_back  # Ray's pass-through wrapper around every actor method: seen through
         if caller is not None and caller.f_code.co_filename == name:
             return  # a call within its own file: no hop
         task = asyncio.current_task() if asyncio._get_running_loop() is not None else None

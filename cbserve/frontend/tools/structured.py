@@ -87,6 +87,18 @@ def _structured_outputs_spec(so: Any) -> StructuredSpec:
 
 
 # ---- tools ----------------------------------------------------------------------------------------
+def chat_constraints(
+    req: ChatCompletionRequest, parser: str | None
+) -> tuple[list[dict[str, Any]] | None, ToolMode | None, StructuredSpec | None, str | None]:
+    """A chat request's tools for the template, how to read its tool calls (``tool_setup``), and the one spec its
+    output follows with the field that asked for it: a forced tool choice's ("tools") or ``request_spec``'s."""
+    tools, tool_mode, tool_spec = tool_setup(req, parser)
+    spec, param = request_spec(req)
+    if tool_spec is not None and spec is not None:
+        raise APIError(400, f"a forced tool_choice cannot be combined with {param}", param="tool_choice")
+    return (tools, tool_mode, tool_spec, "tools") if tool_spec is not None else (tools, tool_mode, spec, param)
+
+
 def tool_setup(
     req: ChatCompletionRequest, parser: str | None
 ) -> tuple[list[dict[str, Any]] | None, ToolMode | None, StructuredSpec | None]:

@@ -11,11 +11,24 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from cbserve.scheduler.config import MAX_RETENTION_PRIORITY, EngineConfig
-from cbserve.scheduler.errors import RequestRejectedError
+from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
 from cbserve.scheduler.requests.limits import check_pooling_prompt, resolve_max_tokens
 from cbserve.scheduler.requests.request import EngineRequest
 from cbserve.scheduler.requests.retention import Retention, check_retention
 from cbserve.scheduler.requests.sequence import SequenceGroup, child_seq_id
+
+
+def admit(cfg: EngineConfig, groups: Mapping[str, SequenceGroup], num_waiting: int,
+          request: EngineRequest) -> tuple[EngineRequest, int]:
+    """The request as the engine runs it and its effective max_tokens; or why not: DuplicateRequestError (an id in
+    use), RequestRejectedError (it could never run here), QueueFullError (``num_waiting`` fill the waiting queue)."""
+    if id_in_use(groups, request):
+        raise DuplicateRequestError(f"request id {request.req_id!r} is already in the engine")
+    max_tokens = validate_request(cfg, request)
+    request = request if request.kv_transfer is None else kv_transfer_request(cfg, request)
+    if num_waiting >= cfg.scheduler.max_waiting:
+        raise QueueFullError(f"the waiting queue is full ({cfg.scheduler.max_waiting} requests); retry later")
+    return request, max_tokens
 
 
 def id_in_use(groups: Mapping[str, SequenceGroup], request: EngineRequest) -> bool:

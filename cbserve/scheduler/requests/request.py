@@ -53,6 +53,11 @@ class EngineRequest:
     client: int = 0  # which of the host's clients sent it (an engine replica: the ingress channel); its outputs say
     retention: tuple[Retention, ...] = ()  # ranges of its prompt to keep cached (kv/retention.py)
     kv_transfer: KVTransferParams | None = None  # its part in prefill/decode disaggregation (kv_transfer.py)
+    # its first prefix-cache block's extra keys, from cache_salt and lora when built (change those by building anew)
+    extra_keys: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.extra_keys = cache_extra_keys(self.cache_salt, self.lora)
 
 
 @dataclass(frozen=True)

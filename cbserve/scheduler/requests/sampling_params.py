@@ -93,6 +93,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured: StructuredSpec | None = None  # output constrained by a grammar (None: free text)
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+    # Derived once when built (plain attributes: the scheduler and the sampler read them every step).
+    num_sequences: int = field(init=False, compare=False)  # sequences generated (best_of >= n; the beam width)
+    greedy: bool = field(init=False, compare=False)
+    has_token_constraints: bool = field(init=False, compare=False)
+    needs_penalties: bool = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         # Normalise list inputs (JSON gives lists) to tuples so the object stays hashable and frozen.
@@ -107,6 +112,16 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         object.__setattr__(self, "bad_words_token_ids", tuple(tuple(w) for w in self.bad_words_token_ids))
+        derived = {
+            "num_sequences": self.best_of if self.best_of is not None else self.n,
+            "greedy": self.temperature == 0.0 or self.top_k == 1,
+            "has_token_constraints": bool(self.logit_bias) or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids),
+            "needs_penalties": self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
         self._validate()
 
     # ---- validation -------------------------------------------------------------------------
@@ -151,7 +166,7 @@ class SamplingParams:
         if self.use_beam_search:
             if self.temperature != 0.0 and self.extra.get("beam_allow_temperature") is None:
                 raise ValueError("use_beam_search requires temperature=0")
-            if self.beam_width < 2:
+            if self.num_sequences < 2:
                 raise ValueError("use_beam_search needs a beam width (best_of or n) of at least 2")
 
     def _validate_token_constraints(self) -> None:
@@ -171,25 +186,9 @@ class SamplingParams:
 
     # ---- derived ------------------------------------------------------------------------------
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
     def beam_width(self) -> int:
-        return self.best_of if self.best_of is not None else self.n
-
-    @property
-    def num_sequences(self) -> int:
-        """Sequences the engine generates for this request (best_of >= n of them)."""
-        return self.best_of if self.best_of is not None else self.n
-
-    @property
-    def has_token_constraints(self) -> bool:
-        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
-
-    @property
-    def needs_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        """The beam width under ``use_beam_search``: the sequences it generates."""
+        return self.num_sequences
 
 
 def _check_int(name: str, value: object, lo: int | None, hi: int | None) -> None:

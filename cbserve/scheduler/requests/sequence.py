@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from cbserve.scheduler.requests.request import EngineRequest, RequestStatus, cache_extra_keys
+from cbserve.scheduler.requests.request import EngineRequest, RequestStatus
 from cbserve.scheduler.requests.sampling_params import MAX_LOGPROBS, SamplingParams
 from cbserve.scheduler.requests.stop import StopRule
 from cbserve.scheduler.stats import RequestTimes
@@ -118,7 +118,7 @@ class SequenceGroup:
         self.lora = request.lora
         self.retention = request.retention  # its prompt's ranges to keep cached (kv/retention.py)
         self.kv_transfer = request.kv_transfer  # prefill/decode disaggregation (kv_transfer.py): pulls, the answer
-        self.extra_keys: tuple = cache_extra_keys(request.cache_salt, request.lora)  # its first block's cache keys
+        self.extra_keys = request.extra_keys  # its first block's prefix-cache keys
         # Prompt logprobs, filled by position as prefill chunks come back (the first token has none); the
         # prompt is then computed, never taken from the prefix cache (a hit has no logits).
         self.prompt_logprobs: list | None = None if sp.prompt_logprobs is None else [None] * self.num_prompt_tokens
@@ -128,6 +128,7 @@ class SequenceGroup:
         self.num_unfinished = 0
         self.times = RequestTimes(arrival=arrival, num_prompt_tokens=self.num_prompt_tokens)
         self.beam_state: object | None = None  # owned by beam_search.py
+        self.new_sequence(0, list(request.prompt_token_ids))  # its first sequence, the prompt (``seqs[0]``)
 
     def new_sequence(self, index: int, token_ids: list[int]) -> Sequence:
         sp = self.params

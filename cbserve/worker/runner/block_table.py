@@ -10,7 +10,7 @@ grow on demand (beams and forks may hold more sequences than ``max_num_seqs``; a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -59,6 +59,17 @@ class BlockTable:
         if block_ids:
             r = self.row_of[req_id]
             self._write(r, int(self.lens[r]), block_ids)
+
+    def update(self, gone: Iterable[str], new: Iterable[tuple[str, Sequence[int]]],
+               grown: Iterable[tuple[str, Sequence[int]]]) -> None:
+        """A step's changes in one call: the rows of ``gone`` freed, then ``new`` requests' whole tables added and
+        ``grown`` ones' new blocks appended ((request id, block ids) pairs)."""
+        for req_id in gone:
+            self.remove(req_id)
+        for req_id, block_ids in new:
+            self.add(req_id, block_ids)
+        for req_id, block_ids in grown:
+            self.append(req_id, block_ids)
 
     def truncate(self, req_id: str, num_blocks: int) -> None:
         """Keep the first ``num_blocks`` blocks of ``req_id`` (speculative decoding's rollback)."""

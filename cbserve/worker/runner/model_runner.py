@@ -162,24 +162,29 @@ class ModelRunner:
     # ---- one iteration -------------------------------------------------------------------------
     def drop(self, req_ids: set[str]) -> None:
         """Forget these requests (finished or preempted; ids not held are no error)."""
+        self._forget(req_ids)
+        self.block_table.update(req_ids, (), ())
+
+    def _forget(self, req_ids: set[str]) -> None:
+        """``drop`` but for the block table's rows."""
         for req_id in req_ids:
-            if self.requests.pop(req_id, None) is not None:
-                self.block_table.remove(req_id)
+            self.requests.pop(req_id, None)
         self.structured.drop(req_ids)
         if self.draft is not None:
             self.draft.drop(req_ids)
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        self.drop(so.finished_req_ids | so.preempted_req_ids)
+        gone = so.finished_req_ids | so.preempted_req_ids
+        self._forget(gone)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState.from_new(new)
-            self.block_table.add(new.req_id, new.block_ids)
         for cached in so.scheduled_cached_reqs:
             state = self.requests.get(cached.req_id)
             if state is None:
                 raise KeyError(f"cached request {cached.req_id!r} is unknown to the worker")
             state.update(cached)
-            self.block_table.append(cached.req_id, cached.new_block_ids)
+        self.block_table.update(gone, [(n.req_id, n.block_ids) for n in so.scheduled_new_reqs],
+                                [(c.req_id, c.new_block_ids) for c in so.scheduled_cached_reqs])
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
