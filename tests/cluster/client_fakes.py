@@ -42,11 +42,11 @@ FULL = EngineFailure("queue_full", "waiting queue is full")
 class FakeEngine:
     """Tells its ``state`` first, then answers each AddRequest on the channel: refuses it with ``items[0]`` when
     that is an EngineFailure, closes the channel when it is ``DROP`` (the actor died), else admits it and sends each
-    later item as one frame for the request, then nothing more (a long generation). Aborts and finishes are
-    recorded."""
+    later item as one frame for the request, then nothing more (a long generation); with ``later``, AddRequests after
+    the first are answered by ``later`` instead. Aborts and finishes are recorded."""
 
-    def __init__(self, items: list[Any], state: str = "ready") -> None:
-        self.items = items
+    def __init__(self, items: list[Any], state: str = "ready", later: list[Any] | None = None) -> None:
+        self.items, self.later = items, later
         self.state = state
         self.calls = 0
         self.aborted: list[str] = []
@@ -67,6 +67,8 @@ class FakeEngine:
                 self.calls += 1
                 self.requests.append(msg.request)
                 req_id = msg.request.req_id
+                if self.calls == 2 and self.later is not None:
+                    self.items = self.later
                 if self.items[0] == DROP:
                     self.state = "restarting"  # its actor is being restarted: it says so when it comes back
                     return

@@ -77,6 +77,17 @@ def test_a_replica_lost_before_the_first_output_hands_the_request_over() -> None
     assert [r.pending_prefill_tokens for r in client.router.replicas] == [0, 0]  # each attempt's prefill counted off
 
 
+def test_a_request_failing_over_waits_for_room_on_a_full_replica() -> None:
+    """Admitted, then its replica was lost: the app took it, so the other replica's full queue makes it wait and
+    ask again (a new request would get a 429), and it runs there once there is room."""
+    dying = FakeEngine([[], EngineFailure("unavailable", "engine replica 0 failed")])
+    busy = FakeEngine([FULL], later=[[], [out(5)], [out(6, True)]])
+    client = client_over(dying, busy)
+    assert run_one(client, load_on(client)) == [out(5), out(6, True)]
+    assert (dying.calls, busy.calls) == (1, 2)
+    assert [r.outstanding_tokens for r in client.router.replicas] == [0, 1000]  # nothing leaked
+
+
 def test_a_request_on_two_replicas_as_they_were_lost_is_failed_as_a_suspect() -> None:
     a = FakeEngine([[], EngineFailure("unavailable", "engine replica 0 failed")])
     b = FakeEngine([[], EngineFailure("unavailable", "engine replica 1 failed")])

@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 FAILOVER_WAIT_S = 30.0  # how long a request waits for a replica to be ready when none is
 FAILOVER_POLL_S = 0.05
+FULL_RETRY_S = 0.25  # how often a request failing over asks full replicas again for room
 MAX_REPLICA_LOSSES = 2  # a request on this many replicas as they were lost is not retried again
 
 _FAILURE_STATUS = {
@@ -163,8 +164,13 @@ class RoutedRequest:
                                      self.extra_keys)
                 break
             except NoHealthyReplicaError as e:
-                if self.full or not self.replicas.recoverable() or loop.time() >= self.failover_until:
+                if (self.full and not self._failing_over) or not self.replicas.recoverable() \
+                        or loop.time() >= self.failover_until:
                     raise APIError(503, f"{e}; retry later", "service_unavailable") from e
+            if self.full:  # failing over: the full replicas are asked again once their queues may have room
+                self.full.clear()
+                await asyncio.sleep(FULL_RETRY_S)
+                continue
             await asyncio.sleep(FAILOVER_POLL_S)
         state = self.state
         state.replica, state.cost, state.prefill = route.replica, cost, route.prefill_tokens
@@ -249,13 +255,20 @@ class RoutedRequest:
             self.replicas.router.set_healthy(idx, False)  # until its channel says it is ready again
         if failure.kind == "queue_full":
             self.full.add(idx)  # type: ignore[arg-type]
-            if not any(i not in self.full | self.others for i in self.replicas.router.healthy_replicas()):
-                raise failure_to_api_error(failure)
+            if not self._failing_over and \
+                    not any(i not in self.full | self.others for i in self.replicas.router.healthy_replicas()):
+                raise failure_to_api_error(failure)  # a new request the app has no room for: 429
         elif asyncio.get_running_loop().time() >= self.failover_until:  # replicas keep failing it
             raise failure_to_api_error(failure)
         elif self.admitted_here and not self.streamed:
             logger.warning("engine replica %s failed before request %s's first output (%s); running it on another "
                            "replica", idx, self.request.req_id, failure.message)
+
+    @property
+    def _failing_over(self) -> bool:
+        """Whether a replica lost it after it was admitted (or streamed): the app took it, so full queues elsewhere
+        make it wait for room (within the failover window), not fail."""
+        return self.losses > 0 or self.original is not None
 
     def _first_output(self) -> None:
         """Outputs reached the caller: its prefill no longer queues at its replica, and a retry would repeat them."""
