@@ -222,8 +222,8 @@ class Scheduler:
             self._readmit_beams(st, accept)
         waiting = self.waiting
         if accept is None and self.offload is None:
-            while waiting and self._has_room(st):
-                if not self._admit(waiting.peek(), st):
+            while self._has_room(st) and (seq := waiting.peek()) is not None:
+                if not self._admit(seq, st):
                     return
                 waiting.pop()
             return

@@ -14,7 +14,7 @@ from cbserve.scheduler.requests.sequence import Sequence
 class WaitingQueue(Protocol):
     def add(self, seq: Sequence) -> None: ...
     def add_front(self, seq: Sequence) -> None: ...
-    def peek(self) -> Sequence: ...
+    def peek(self) -> Sequence | None: ...  # the first (None: empty)
     def pop(self) -> Sequence: ...
     def remove(self, seq: Sequence) -> None: ...
     def ordered(self) -> Iterator[Sequence]: ...
@@ -32,8 +32,8 @@ class FCFSQueue:
     def add_front(self, seq: Sequence) -> None:
         self._q.appendleft(seq)
 
-    def peek(self) -> Sequence:
-        return self._q[0]
+    def peek(self) -> Sequence | None:
+        return self._q[0] if self._q else None
 
     def pop(self) -> Sequence:
         return self._q.popleft()
@@ -65,8 +65,8 @@ class PriorityQueue:
 
     add_front = add  # its key keeps its place: ahead of later arrivals of the same priority
 
-    def peek(self) -> Sequence:
-        return self._heap[0][1]
+    def peek(self) -> Sequence | None:
+        return self._heap[0][1] if self._heap else None
 
     def pop(self) -> Sequence:
         return heapq.heappop(self._heap)[1]

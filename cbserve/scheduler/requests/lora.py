@@ -3,7 +3,7 @@ fields) and the scheduling rule that a step holds at most ``max_loras`` distinct
 
 The rule only delays admissions: a waiting request whose adapter is not among those of the running
 sequences waits while ``max_loras`` others run; a running sequence's adapter is never evicted. Prefix-cache
-entries carry the adapter's id (``adapter_keys``), so two adapters never share KV blocks.
+entries carry the adapter's id (``LoRARequest.cache_keys``), so two adapters never share KV blocks.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ class LoRARequest:
         if self.digest is not None and (not isinstance(self.digest, str) or not self.digest):
             raise ValueError(f"digest must be None or a non-empty string, got {self.digest!r}")
 
-
-def adapter_keys(lora: LoRARequest | None) -> tuple:
-    """The prefix-cache key part of a request's adapter (none for the base model)."""
-    return () if lora is None else (("lora", lora.lora_int_id),)
+    @property
+    def cache_keys(self) -> tuple:
+        """Its part of a request's prefix-cache keys: blocks computed under it are its own."""
+        return (("lora", self.lora_int_id),)
 
 
 def lora_admission(

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from cbserve.scheduler.requests.kv_transfer import KVTransferParams
-from cbserve.scheduler.requests.lora import LoRARequest, adapter_keys
+from cbserve.scheduler.requests.lora import LoRARequest
 from cbserve.scheduler.requests.retention import Retention
 from cbserve.scheduler.requests.sampling_params import SamplingParams
 
@@ -102,4 +102,4 @@ class RequestOutput:
 
 def cache_extra_keys(cache_salt: str | None, lora: LoRARequest | None) -> tuple:
     """The extra keys of a request's first prefix-cache block: its cache salt, then its adapter's key."""
-    return ((cache_salt,) if cache_salt is not None else ()) + adapter_keys(lora)
+    return ((cache_salt,) if cache_salt is not None else ()) + (() if lora is None else lora.cache_keys)
