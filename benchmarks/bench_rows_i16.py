@@ -9,8 +9,8 @@ qkv 2048 -> 3072, o 2048 -> 2048, gate_up 2048 -> 16384, down 8192 -> 2048. Rand
 
 Every (ISA, format, rows, rows type) is timed once per round, the rounds interleaved (the machine may be shared:
 each figure is the median of --repeats rounds, the best beside it). Prints the CPU, /proc/loadavg before and
-after, and per line GB/s of packed weights streamed
-(one pass over all copies: its median milliseconds beside) and int16 / float32."""
+after, and per line GB/s of packed weights streamed, one pass's milliseconds (over all copies) and GFLOP/s, and
+int16 / float32."""
 
 from __future__ import annotations
 
@@ -100,7 +100,9 @@ def main() -> int:
         nbytes = sum(p.data.numel() for layer in weights[(isa, fmt)][kind] for p in layer.values())
         rates = [nbytes / s / 1e9 for s in secs[(isa, fmt, m, kind)]]
         line = f"{isa:7s} {fmt:5s} {m:4d} rows  {kind:4s} rows {statistics.median(rates):6.1f} GB/s"
-        line += f" (best {max(rates):5.1f}) {1e3 * statistics.median(secs[(isa, fmt, m, kind)]):8.2f} ms"
+        med = statistics.median(secs[(isa, fmt, m, kind)])
+        flops = 2 * m * args.copies * sum(n * k for n, k in SHAPES.values())
+        line += f" (best {max(rates):5.1f}) {1e3 * med:8.2f} ms {flops / med / 1e9:7.1f} GFLOP/s"
         if kind == "i16":
             ratio = statistics.median(secs[(isa, fmt, m, "f32")]) / statistics.median(secs[(isa, fmt, m, kind)])
             line += f"  i16/f32 {ratio:5.2f}x"

@@ -70,19 +70,65 @@ static int i16_round(const float *a, int64_t lda, int m, int k, i16_rows_t *r) {
     return CB_OK;
 }
 
-/* A block's (half = -1) or Q6_K half block's (half 0, 1) integer sums into the float sums: acc += sums * (scale dx_i)
- * + offset * (row i's sum of x over those values) */
-static inline __attribute__((always_inline)) void i16_flush(const int mr, vi sums[][I16_RG], const vf *scale,
-                                                            const vf *offset, const i16_rows_t *r, int b,
-                                                            const int half, float *restrict acc_io, int col) {
+/* A column group's float sums: acc_io ([mr][48], the panel's) and, over a K-quant super-block, its sums before the
+ * super-block's scales d (ks) and dmin (km), which go to acc_io once a super-block. */
+typedef struct {
+    vf ks[CB_ROWS_MAX][I16_RG], km[CB_ROWS_MAX][I16_RG];
+} i16_super_t;
+
+/* Block b's (half = -1) or a Q6_K half block's (half 0, 1) integer sums into float. With s = sums dx (dx: the row's
+ * step) and x the row's float sum over those values: Q4_0, Q5_0: acc += d (s + c x), c = -8, -16; Q4_1: acc += d s +
+ * m x; Q4_K, Q5_K: ks += sc s, km += m x; Q6_K: ks += sc (s - 32 x). The scales are the formats' (i16_scales) with
+ * d and dmin moved out of the K-quants' blocks: fewer float operations a block, the same products up to rounding. */
+static inline __attribute__((always_inline)) void i16_flush(const int mr, const int fmt, vi sums[][I16_RG],
+                                                            const i16_block_t *B, const i16_rows_t *r, int b,
+                                                            const int half, int col, i16_super_t *S,
+                                                            float *restrict acc_io) {
+    const int k45 = fmt == CB_FMT_Q4_K || fmt == CB_FMT_Q5_K;
+    const float c = fmt == CB_FMT_Q5_0 ? -16.0f : fmt == CB_FMT_Q6_K ? -32.0f : -8.0f;
+    vf f[I16_RG], g[I16_RG];
+    for (int v = 0; v < I16_RG; ++v) {
+        const int at = col + CB_VW * v;
+        if (k45) {
+            f[v] = to_float(widen_u8(B->sub + at));
+            g[v] = to_float(widen_u8(B->sub + CB_NR + at));
+        } else if (fmt == CB_FMT_Q6_K) {
+            f[v] = to_float(widen_s8((const int8_t *)B->sub + half * CB_NR + at));
+        } else {
+            f[v] = half_value(B->d + at);
+            g[v] = fmt == CB_FMT_Q4_1 ? half_value(B->d + CB_NR + at) : f[v];
+        }
+    }
     for (int i = 0; i < mr; ++i) {
         const float dx = r->dx[i * (r->k / CB_QK) + b];
         const float *sxp = r->sx + i * (r->k / 16) + 2 * b;
         const float sx = half < 0 ? sxp[0] + sxp[1] : sxp[half];
         for (int v = 0; v < I16_RG; ++v) {
+            const vf s = to_float(sums[i][v]) * dx;
             float *at = acc_io + i * CB_NR + col + CB_VW * v;
-            cb_store(at, cb_load(at) + to_float(sums[i][v]) * (scale[v] * dx) + offset[v] * sx);
             sums[i][v] = (vi){0};
+            if (k45) {
+                S->ks[i][v] += f[v] * s;
+                S->km[i][v] += g[v] * sx;
+            } else if (fmt == CB_FMT_Q6_K) {
+                S->ks[i][v] += f[v] * (s + c * sx);
+            } else {
+                cb_store(at, cb_load(at) + (fmt == CB_FMT_Q4_1 ? f[v] * s + g[v] * sx : f[v] * (s + c * sx)));
+            }
+        }
+    }
+}
+
+/* The end of a K-quant super-block: acc += d ks - dmin km (Q6_K: d ks) */
+static inline __attribute__((always_inline)) void i16_super_flush(const int mr, const int fmt, const i16_block_t *B,
+                                                                  int col, i16_super_t *S, float *restrict acc_io) {
+    for (int v = 0; v < I16_RG; ++v) {
+        const vf d = half_value(B->d + col + CB_VW * v);
+        const vf dmin = fmt == CB_FMT_Q6_K ? (vf){0} : half_value(B->d + CB_NR + col + CB_VW * v);
+        for (int i = 0; i < mr; ++i) {
+            float *at = acc_io + i * CB_NR + col + CB_VW * v;
+            cb_store(at, cb_load(at) + d * S->ks[i][v] - dmin * S->km[i][v]);
+            S->ks[i][v] = S->km[i][v] = (vf){0};
         }
     }
 }
@@ -101,35 +147,27 @@ static inline __attribute__((always_inline)) void i16_pairs(const int mr, const 
         }
 }
 
-/* The whole block b (half = -1) or a Q6_K half block (0: pairs 0-7, 1: 8-15, each with its own scales): its pairs'
- * integer sums, flushed to float; half a constant */
-static inline __attribute__((always_inline)) void i16_part(const int mr, const int fmt, const i16_rows_t *r,
-                                                           const i16_block_t *B, int b, const int half, int col,
-                                                           vi sums[][I16_RG], float *restrict acc_io) {
-    vf scale[I16_RG], offset[I16_RG];
-    for (int v = 0; v < I16_RG; ++v) i16_scales(fmt, B, col + CB_VW * v, half < 0 ? 0 : half, scale + v, offset + v);
-    if (half < 0)
-        i16_pairs(mr, fmt, r, B, b, 0, I16_PAIRS, col, sums);
-    else
-        i16_pairs(mr, fmt, r, B, b, half * I16_PAIRS / 2, (half + 1) * I16_PAIRS / 2, col, sums);
-    i16_flush(mr, sums, scale, offset, r, b, half, acc_io, col);
-}
-
 /* Columns [col, col + I16_RG * CB_VW) of one panel over all of k: each block's integer sums, flushed to float once a
- * block (Q6_K: once a half block, a scale per 16 values) */
+ * block (Q6_K: once a half block, a scale per 16 values: pairs 0-7, then 8-15) */
 static inline __attribute__((always_inline)) void i16_group(const int mr, const int fmt, const i16_rows_t *r,
                                                             const uint8_t *restrict panel, int col,
                                                             float *restrict acc_io) {
     vi sums[CB_ROWS_MAX][I16_RG] = {{{0}}};
+    i16_super_t S = {{{{0}}}, {{{0}}}};
     for (int b = 0; b < r->k / CB_QK; ++b) {
         const i16_block_t B = i16_block(fmt, panel, b);
         if (col == 0) prefetch_ahead(B.start, B.bytes);
         if (fmt == CB_FMT_Q6_K) {
-            i16_part(mr, fmt, r, &B, b, 0, col, sums, acc_io);
-            i16_part(mr, fmt, r, &B, b, 1, col, sums, acc_io);
+            i16_pairs(mr, fmt, r, &B, b, 0, I16_PAIRS / 2, col, sums);
+            i16_flush(mr, fmt, sums, &B, r, b, 0, col, &S, acc_io);
+            i16_pairs(mr, fmt, r, &B, b, I16_PAIRS / 2, I16_PAIRS, col, sums);
+            i16_flush(mr, fmt, sums, &B, r, b, 1, col, &S, acc_io);
         } else {
-            i16_part(mr, fmt, r, &B, b, -1, col, sums, acc_io);
+            i16_pairs(mr, fmt, r, &B, b, 0, I16_PAIRS, col, sums);
+            i16_flush(mr, fmt, sums, &B, r, b, -1, col, &S, acc_io);
         }
+        if (cb_kquant(fmt) && fmt != CB_FMT_Q5_0 && b % CB_KSUB == CB_KSUB - 1)
+            i16_super_flush(mr, fmt, &B, col, &S, acc_io);
     }
 }
 
