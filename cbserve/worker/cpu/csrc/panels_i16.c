@@ -3,45 +3,67 @@
  * cb_panel_chunk) and cb_unpack_panels: the same float32 weights as the format's own decoder, bit for bit. */
 #include "i16.h"
 
-/* Column c's 32 values of a block in the plain layout: the nibbles, with Q5's fifth bit and Q6_K's two high bits. */
-static void plain_values(const int fmt, const i16_block_t *B, int c, uint8_t v[CB_QK]) {
-    for (int j = 0; j < I16_PAIRS; ++j) {
-        const uint8_t byte = B->q[j * CB_NR + c];
-        v[2 * j] = byte & 15;
-        v[2 * j + 1] = byte >> 4;
-    }
-    for (int t = 0; t < CB_QK; ++t) {
-        if (fmt == CB_FMT_Q5_0 || fmt == CB_FMT_Q5_K)
-            v[t] |= (uint8_t)(((B->qh[t / 8 * CB_NR + c] >> (t % 8)) & 1) << 4);
-        else if (fmt == CB_FMT_Q6_K)
-            v[t] |= (uint8_t)(((B->qh[t / 4 * CB_NR + c] >> (2 * (t % 4))) & 3) << 4);
-    }
+/* The repacking regroups one block's bits at a time from a copy of them (the layouts overlap in place), each loop
+ * over the 48 columns innermost so that the compiler vectorizes it. */
+
+/* q [16][48] bytes (k = 2j low nibble, 2j + 1 high) -> uint32 [4][48]: dword g holds k = 8g + 2p at bits 4p and
+ * k = 8g + 2p + 1 at bits 16 + 4p */
+static void regroup_nibbles(uint8_t *q) {
+    uint8_t in[CB_QK / 2 * CB_NR];
+    uint32_t out[4 * CB_NR];
+    memcpy(in, q, sizeof in);
+    for (int g = 0; g < 4; ++g)
+        for (int c = 0; c < CB_NR; ++c) {
+            uint32_t w = 0;
+            for (int p = 0; p < 4; ++p) {
+                const uint32_t byte = in[(4 * g + p) * CB_NR + c];
+                w |= (byte & 15) << 4 * p | (byte >> 4) << (16 + 4 * p);
+            }
+            out[g * CB_NR + c] = w;
+        }
+    memcpy(q, out, sizeof out);
 }
 
-/* Column c's 32 values v written in the int16-pairs layout (i16.h); B: a block of the panel being repacked */
-static void put_pairs(const int fmt, const i16_block_t *B, int c, const uint8_t v[CB_QK]) {
-    uint8_t *q = (uint8_t *)B->q, *qh = (uint8_t *)B->qh; /* the output panel's: writable */
-    for (int g = 0; g < 4; ++g) {
-        uint32_t w = 0;
-        for (int p = 0; p < 4; ++p)
-            w |= (uint32_t)(v[8 * g + 2 * p] & 15) << 4 * p | (uint32_t)(v[8 * g + 2 * p + 1] & 15) << (16 + 4 * p);
-        memcpy(q + (g * CB_NR + c) * 4, &w, 4);
-    }
-    if (fmt == CB_FMT_Q5_0 || fmt == CB_FMT_Q5_K) {
+/* The even bits (0, 2, 4, 6) of byte x as 4 bits */
+static inline uint32_t even_bits(uint32_t x) {
+    x &= 0x55;
+    x = (x | x >> 1) & 0x33;
+    return (x | x >> 2) & 0x0F;
+}
+
+/* Q5's qh [4][48] bytes (the fifth bit of k = 8i + t at bit t of byte [i]) -> uint32 [48]: k = 2m at bit m, k = 2m
+ * + 1 at bit 16 + m */
+static void regroup_fifth_bits(uint8_t *qh) {
+    uint8_t in[CB_QK / 8 * CB_NR];
+    uint32_t out[CB_NR];
+    memcpy(in, qh, sizeof in);
+    for (int c = 0; c < CB_NR; ++c) {
         uint32_t h = 0;
-        for (int m = 0; m < I16_PAIRS; ++m)
-            h |= (uint32_t)((v[2 * m] >> 4) & 1) << m | (uint32_t)((v[2 * m + 1] >> 4) & 1) << (16 + m);
-        memcpy(qh + c * 4, &h, 4);
-    } else if (fmt == CB_FMT_Q6_K) {
-        for (int half = 0; half < 2; ++half) {
-            uint32_t h = 0;
-            for (int m = 0; m < I16_PAIRS / 2; ++m) {
-                const int t = 16 * half + 2 * m;
-                h |= (uint32_t)((v[t] >> 4) & 3) << 2 * m | (uint32_t)((v[t + 1] >> 4) & 3) << (16 + 2 * m);
-            }
-            memcpy(qh + (half * CB_NR + c) * 4, &h, 4);
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t byte = in[i * CB_NR + c];
+            h |= even_bits(byte) << 4 * i | even_bits(byte >> 1) << (16 + 4 * i);
         }
+        out[c] = h;
     }
+    memcpy(qh, out, sizeof out);
+}
+
+/* Q6_K's qh [8][48] bytes (the two high bits of k = 4i + t at bits 2t of byte [i]) -> uint32 [2][48]: half h, k =
+ * 16h + 2m at bits 2m, k = 16h + 2m + 1 at bits 16 + 2m */
+static void regroup_high_bits(uint8_t *qh) {
+    uint8_t in[CB_QK / 4 * CB_NR];
+    uint32_t out[2 * CB_NR];
+    memcpy(in, qh, sizeof in);
+    for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < CB_NR; ++c) {
+            uint32_t w = 0;
+            for (int i = 0; i < 4; ++i) { /* byte 4h + i: k = 16h + 4i + t, t = 0, 2 even, 1, 3 odd */
+                const uint32_t byte = in[(4 * h + i) * CB_NR + c];
+                w |= ((byte & 3) | (byte >> 2 & 0x0C)) << 4 * i | ((byte >> 2 & 3) | (byte >> 4 & 0x0C)) << (16 + 4 * i);
+            }
+            out[h * CB_NR + c] = w;
+        }
+    memcpy(qh, out, sizeof out);
 }
 
 /* packed (fmt, [n, k]) -> out in fmt | CB_FMT_I16's layout (out may be packed: in place). */
@@ -53,10 +75,10 @@ int cb_repack_i16(int fmt, const uint8_t *packed, int n, int k, uint8_t *out) {
 #pragma omp parallel for schedule(static)
     for (int p = 0; p < panels; ++p)
         for (int b = 0; b < nb; ++b) {
-            const i16_block_t B = i16_block(fmt, out + p * pbytes, b);
-            uint8_t v[CB_NR][CB_QK];
-            for (int c = 0; c < CB_NR; ++c) plain_values(fmt, &B, c, v[c]);
-            for (int c = 0; c < CB_NR; ++c) put_pairs(fmt, &B, c, v[c]);
+            const i16_block_t B = i16_block(fmt, out + p * pbytes, b); /* out's: writable */
+            regroup_nibbles((uint8_t *)B.q);
+            if (fmt == CB_FMT_Q5_0 || fmt == CB_FMT_Q5_K) regroup_fifth_bits((uint8_t *)B.qh);
+            if (fmt == CB_FMT_Q6_K) regroup_high_bits((uint8_t *)B.qh);
         }
     return CB_OK;
 }
