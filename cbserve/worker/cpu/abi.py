@@ -62,6 +62,7 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
     "cb_pack_q5_0": (_I32, [_P, _P, _I32, _I32, _P]),
     "cb_pack_q5_k": (_I32, [_P, _P, _P, _P, _P, _I32, _I32, _P]),
     "cb_pack_q6_k": (_I32, [_P, _P, _P, _I32, _I32, _P]),
+    "cb_repack_i16": (_I32, [_I32, _P, _I32, _I32, _P]),
     "cb_unpack_panels": (_I32, [_I32, _P, _I32, _I32, _P, _I64]),
     "cb_linear": (_I32, [_I32, _P, _I64, _I32, _I32, _P, _I32, _P, _P, _I64]),
     "cb_set_amx": (_I32, [_I32]),

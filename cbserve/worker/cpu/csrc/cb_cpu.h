@@ -32,8 +32,9 @@ enum {
     CB_FMT_Q5_K = 11,
     CB_FMT_Q5_0 = 12,
     CB_FMT_COUNT = 13,
-    CB_FMT_I16 = 256 /* a flag or'ed into CB_FMT_Q4_0, Q4_1, Q5_0, Q4_K, Q5_K or Q6_K: the same bytes, few-row products
-                        with the rows rounded to int16 (see cb_linear) */
+    CB_FMT_I16 = 256 /* a flag or'ed into CB_FMT_Q4_0, Q4_1, Q5_0, Q4_K, Q5_K or Q6_K: the same weights and size, the
+                        values' bits regrouped as int16 pairs (cb_repack_i16), few-row products with the rows rounded
+                        to int16 (see cb_linear) */
 };
 
 /* One packed linear layer: out [m, n] = a [m, k] W^T (+ bias). */
@@ -111,6 +112,9 @@ CB_API int cb_pack_q5_k(const float *d, const float *dmin, const uint8_t *sc, co
                         int k, uint8_t *out);
 /* Q6_K: d [n, k / 256]; sc [n, k / 16] int8; q [n, k] uint8 0..63: w = d sc (q - 32). */
 CB_API int cb_pack_q6_k(const float *d, const int8_t *sc, const uint8_t *q, int n, int k, uint8_t *out);
+/* packed (fmt, [n, k]) in CB_FMT_Q4_0, Q4_1, Q5_0, Q4_K, Q5_K or Q6_K -> out: the same panels in fmt | CB_FMT_I16's
+ * layout (cb_packed_bytes(fmt, n, k) bytes; out may be packed itself, repacked in place). CB_EINVAL for another fmt. */
+CB_API int cb_repack_i16(int fmt, const uint8_t *packed, int n, int k, uint8_t *out);
 /* packed (fmt, [n, k]) -> out [n, k], rows ldo floats apart: what the linear kernel multiplies by. */
 CB_API int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float *out, int64_t ldo);
 
@@ -122,7 +126,7 @@ CB_API int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float 
  * bfloat16 (to nearest even) and sum the products in float32, two k values a step (AVX-512 BF16's dot product
  * where the CPU has it; from 4 rows on, with k a multiple of 32, Intel AMX tiles where the CPU has them, 32 k
  * values a step): results within float32 rounding of bf16(a) @ bf16(W)^T computed in float32; they give
- * the same products for the same decoded weights. A CB_FMT_I16 variant (fmt | CB_FMT_I16) multiplies the same bytes,
+ * the same products for the same decoded weights. A CB_FMT_I16 variant (fmt | CB_FMT_I16) multiplies the same weights,
  * but a step of few rows (as the few-row path takes: 1-4 with AVX-512, 1-2 with AVX2) is rounded to int16 per 32 k
  * values (scale max|x| / 32767) and multiplied in integer pairs: within half a step per value of the float32 product;
  * more rows get the float32 products. */

@@ -202,7 +202,6 @@ int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t 
     if (m == 0) return CB_OK;
     if (cb_bf16_products(fmt)) return cb_linear_bf16_dot(fmt, a, lda, m, k, wp, n, bias, c, ldc);
     if (cb_rows_i16_take(fmt, m, k)) return cb_linear_rows_i16(fmt, a, lda, m, k, wp, n, bias, c, ldc);
-    fmt = cb_storage_format(fmt);
     if (cb_rows_take(fmt, m, k)) {
         cb_linear_rows(fmt, a, lda, m, k, wp, n, bias, c, ldc);
         return CB_OK;

@@ -1,19 +1,23 @@
 /* Packing weights into the panel layouts of panels.h, and decoding panel chunks back to float32 for the
  * linear kernel (gemm.c) and for the load-time check that a packing is lossless (cb_unpack_panels). */
-#include "decode.h"
+#include "i16.h"
 
 int cb_storage_format(int fmt) {
-    switch (fmt & ~CB_FMT_I16) {
+    switch (fmt) {
     case CB_FMT_Q8_0_BF16: return CB_FMT_Q8_0;
     case CB_FMT_Q4_1_BF16: return CB_FMT_Q4_1;
     case CB_FMT_Q4_0_BF16: return CB_FMT_Q4_0;
-    default: return fmt & ~CB_FMT_I16;
+    default: return fmt;
     }
 }
 
 static int is_block_format(int fmt) { return fmt == CB_FMT_Q8_0 || fmt == CB_FMT_Q4_1 || fmt == CB_FMT_Q4_0; }
 
 int64_t cb_panel_bytes(int fmt, int k) {
+    if (fmt & CB_FMT_I16) { /* its base format's bytes, regrouped */
+        if (!cb_i16_format(fmt & ~CB_FMT_I16)) return -1;
+        fmt &= ~CB_FMT_I16;
+    }
     fmt = cb_storage_format(fmt);
     if (cb_kquant(fmt)) return cb_kquant_panel_bytes(fmt, k);
     if (k < 1 || (is_block_format(fmt) && k % CB_QK)) return -1;
@@ -111,7 +115,7 @@ static void round_bf16(float *x, int64_t n) {
 }
 
 const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch) {
-    if (fmt & CB_FMT_I16) fmt = cb_storage_format(fmt); /* the same weights: only few-row products differ */
+    if (fmt & CB_FMT_I16) return cb_i16_chunk(fmt & ~CB_FMT_I16, panel, k0, kn, scratch); /* panels_i16.c */
     if (cb_bf16_blocks(fmt)) { /* decoded, then rounded as the kernel rounds */
         cb_panel_chunk(cb_storage_format(fmt), panel, k0, kn, scratch);
         round_bf16(scratch, (int64_t)kn * CB_NR);

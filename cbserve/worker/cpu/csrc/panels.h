@@ -32,8 +32,13 @@
  *   CB_FMT_Q8_0_BF16, CB_FMT_Q4_1_BF16, CB_FMT_Q4_0_BF16: the bytes of CB_FMT_Q8_0 / CB_FMT_Q4_1 /
  *                                    CB_FMT_Q4_0, each decoded value rounded to bfloat16 (for bfloat16
  *                                    products: the GGUF blocks stay compact).
- *   fmt | CB_FMT_I16 (fmt Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K): fmt's bytes; few-row products on int16 rows
- *                                    (rows_i16.c).
+ *   fmt | CB_FMT_I16 (fmt Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K): fmt's size, scales and values, each block's
+ *                                    q[16][48] regrouped as uint32 q[4][48] (dword g of a column: k = 8g + 2p
+ *                                    at bits 4p, k = 8g + 2p + 1 at bits 16 + 4p), Q5's qh[4][48] as uint32
+ *                                    qh[48] (k = 2m at bit m, 2m + 1 at bit 16 + m), Q6_K's qh[8][48] as uint32
+ *                                    qh[2][48] (k = 16h + 2m at bits 2m, + 1 at 16 + 2m): each k pair one
+ *                                    shift and mask from a dword as two int16 (i16.h; packed by cb_repack_i16,
+ *                                    few-row products on int16 rows in rows_i16.c).
  *
  * Every other format decodes to the float32 values the dense checkpoint holds: the GGUF scales are float16
  * values, kept as such (the K-quants' 6- and 8-bit sub-scales as integers), so d * q and d * (q - 8) are exact in float32 and d * q + m is rounded once, as gguf-py's
@@ -50,9 +55,14 @@
 #define CB_NR 48
 #define CB_QK 32
 
-/* The format whose bytes fmt reads (CB_FMT_Q8_0 for CB_FMT_Q8_0_BF16, ...), and whether its products are
- * bfloat16. */
+/* The format whose bytes fmt reads (CB_FMT_Q8_0 for CB_FMT_Q8_0_BF16, ...; a CB_FMT_I16 variant's bytes are its
+ * own), and whether its products are bfloat16. */
 int cb_storage_format(int fmt);
+/* The base formats that have a CB_FMT_I16 variant (its layout: i16.h). */
+static inline int cb_i16_format(int fmt) {
+    return fmt == CB_FMT_Q4_0 || fmt == CB_FMT_Q4_1 || fmt == CB_FMT_Q5_0 || fmt == CB_FMT_Q4_K || fmt == CB_FMT_Q5_K ||
+           fmt == CB_FMT_Q6_K;
+}
 static inline int cb_bf16_products(int fmt) {
     return fmt == CB_FMT_BF16_DOT || fmt == CB_FMT_Q8_0_BF16 || fmt == CB_FMT_Q4_1_BF16 || fmt == CB_FMT_Q4_0_BF16;
 }

@@ -4,18 +4,20 @@
  * rows.c decodes each weight to float32 in registers (mask, convert, a scale's FMA) before its FMA with the
  * row: on a CPU whose vector units are the limit (a 2-core Zen 4 streams a 1B model's 4-bit weights at a third
  * of its copy bandwidth so) those per-weight float operations are the cost. Here each row is rounded once per
- * call to int16 per block of 32 values (scale max|x| / 32767, so within 2^-16 of the block's largest value),
- * each weight byte's two values become one lane's two int16s (q of k = 2j low, k = 2j + 1 high) and one
- * pairwise multiply-add (AVX-512 VNNI's vpdpwssd; vpmaddwd + add without it) adds both products to 32-bit
- * integer sums, exact. A block's sums become float once: acc += (d sc) dx sum(q xq) + offset sum(x), the offset
- * term (-8d, m, -dmin m, -16d, -32 d sc) times the row's exact float sum over the block.
+ * call to int16 per block of 32 values (scale max|x| / 32767, so within 2^-16 of the block's largest value);
+ * the weights are stored as int16 pairs (the CB_FMT_I16 layouts, i16.h: one full-width load of a column group's
+ * dwords gives 8 k values, each pair of them a shift and an and away from a lane's two int16s, q of k = 2i low,
+ * 2i + 1 high) and one pairwise multiply-add (AVX-512 VNNI's vpdpwssd; vpmaddwd + add without it) adds both
+ * products to 32-bit integer sums, exact: about 3 instructions per 32 weights and row. A block's sums become
+ * float once: acc += (d sc) dx sum(q xq) + offset sum(x), the offset term (-8d, m, -dmin m, -16d, -32 d sc)
+ * times the row's exact float sum over the block.
  *
- * The weights' bytes and the tiled path are CB_FMT_Q4_0's etc. (cb_storage_format); only the few-row products
- * differ, by the rounding of the rows. */
+ * More rows take the tiled path, which decodes the same layout to the format's float32 weights (panels_i16.c):
+ * only the few-row products differ, by the rounding of the rows. */
 #include <math.h>
 #include <stdlib.h>
 
-#include "decode.h"
+#include "i16.h"
 
 #define I16_RG 3 /* vectors per column group, as rows.c's */
 
@@ -68,117 +70,110 @@ static int i16_round(const float *a, int64_t lda, int m, int k, i16_rows_t *r) {
     return CB_OK;
 }
 
-/* A block's integer sums into the float sums: acc += sums * (scale dx_i) + offset * (row i's sum of x) */
-static inline __attribute__((always_inline)) void i16_flush(const int mr, vi sums[][I16_RG], const vf *scale,
-                                                            const vf *offset, const i16_rows_t *r, int b, int half,
-                                                            int halves, float *restrict acc_io, int col) {
+/* A column group's float sums: acc_io ([mr][48], the panel's) and, over a K-quant super-block, its sums before the
+ * super-block's scales d (ks) and dmin (km), which go to acc_io once a super-block. */
+typedef struct {
+    vf ks[CB_ROWS_MAX][I16_RG], km[CB_ROWS_MAX][I16_RG];
+} i16_super_t;
+
+/* Block b's (half = -1) or a Q6_K half block's (half 0, 1) integer sums into float. With s = sums dx (dx: the row's
+ * step) and x the row's float sum over those values: Q4_0, Q5_0: acc += d (s + c x), c = -8, -16; Q4_1: acc += d s +
+ * m x; Q4_K, Q5_K: ks += sc s, km += m x; Q6_K: ks += sc (s - 32 x). The scales are the formats' (i16_scales) with
+ * d and dmin moved out of the K-quants' blocks: fewer float operations a block, the same products up to rounding. */
+static inline __attribute__((always_inline)) void i16_flush(const int mr, const int fmt, vi sums[][I16_RG],
+                                                            const i16_block_t *B, const i16_rows_t *r, int b,
+                                                            const int half, int col, i16_super_t *S,
+                                                            float *restrict acc_io) {
+    const int k45 = fmt == CB_FMT_Q4_K || fmt == CB_FMT_Q5_K;
+    const float c = fmt == CB_FMT_Q5_0 ? -16.0f : fmt == CB_FMT_Q6_K ? -32.0f : -8.0f;
+    vf f[I16_RG], g[I16_RG];
+    for (int v = 0; v < I16_RG; ++v) {
+        const int at = col + CB_VW * v;
+        if (k45) {
+            f[v] = to_float(widen_u8(B->sub + at));
+            g[v] = to_float(widen_u8(B->sub + CB_NR + at));
+        } else if (fmt == CB_FMT_Q6_K) {
+            f[v] = to_float(widen_s8((const int8_t *)B->sub + half * CB_NR + at));
+        } else {
+            f[v] = half_value(B->d + at);
+            g[v] = fmt == CB_FMT_Q4_1 ? half_value(B->d + CB_NR + at) : f[v];
+        }
+    }
     for (int i = 0; i < mr; ++i) {
         const float dx = r->dx[i * (r->k / CB_QK) + b];
-        const float *sxp = r->sx + i * (r->k / 16) + 2 * b + half;
-        const float sx = halves == 2 ? sxp[0] + sxp[1] : sxp[0];
+        const float *sxp = r->sx + i * (r->k / 16) + 2 * b;
+        const float sx = half < 0 ? sxp[0] + sxp[1] : sxp[half];
         for (int v = 0; v < I16_RG; ++v) {
+            const vf s = to_float(sums[i][v]) * dx;
             float *at = acc_io + i * CB_NR + col + CB_VW * v;
-            cb_store(at, cb_load(at) + to_float(sums[i][v]) * (scale[v] * dx) + offset[v] * sx);
             sums[i][v] = (vi){0};
+            if (k45) {
+                S->ks[i][v] += f[v] * s;
+                S->km[i][v] += g[v] * sx;
+            } else if (fmt == CB_FMT_Q6_K) {
+                S->ks[i][v] += f[v] * (s + c * sx);
+            } else {
+                cb_store(at, cb_load(at) + (fmt == CB_FMT_Q4_1 ? f[v] * s + g[v] * sx : f[v] * (s + c * sx)));
+            }
         }
     }
 }
 
-/* The two values of byte pair (k = 2j low nibble, 2j + 1 high) as one lane's int16 pair: the high nibble moved to
- * bits 16-19 (one shift, one vpternlogd) */
-static inline vi nibble_pairs(vi pair) { return (pair | pair << 12) & 0x000F000F; }
-/* x shifted left by n (right by -n); n a constant once the loops are unrolled */
-static inline vi shift_by(vi x, const int n) { return n >= 0 ? x << n : x >> -n; }
-/* The high bits of a lane's pair from the byte h: bit (or bits) `at` of h to bit (bits) 4 of the low int16, bit(s)
- * `at + width` to bit(s) 4 of the high one (bits 20-): Q5's fifth bits (width 1, mask 0x00100010), Q6_K's two high
- * bits (width 2, 0x00300030). h is given spread (h | h << (16 - width), once for all the pairs its byte serves), so
- * each pair takes one shift and the mask (merged with its nibbles into one vpternlogd). */
-static inline vi spread(vi h, const int width) { return h | h << (16 - width); }
-static inline vi high_bits(vi spread_h, const int at, const int mask) { return shift_by(spread_h, 4 - at) & mask; }
+/* The end of a K-quant super-block: acc += d ks - dmin km (Q6_K: d ks) */
+static inline __attribute__((always_inline)) void i16_super_flush(const int mr, const int fmt, const i16_block_t *B,
+                                                                  int col, i16_super_t *S, float *restrict acc_io) {
+    for (int v = 0; v < I16_RG; ++v) {
+        const vf d = half_value(B->d + col + CB_VW * v);
+        const vf dmin = fmt == CB_FMT_Q6_K ? (vf){0} : half_value(B->d + CB_NR + col + CB_VW * v);
+        for (int i = 0; i < mr; ++i) {
+            float *at = acc_io + i * CB_NR + col + CB_VW * v;
+            cb_store(at, cb_load(at) + d * S->ks[i][v] - dmin * S->km[i][v]);
+            S->ks[i][v] = S->km[i][v] = (vf){0};
+        }
+    }
+}
 
-/* Q4_0, Q4_1, Q5_0, Q4_K, Q5_K: 32 values per block and scale, a fifth bit from qh where `five` */
-static inline __attribute__((always_inline)) void i16_q4(const int mr, const int fmt, const i16_rows_t *r,
-                                                         const uint8_t *restrict panel, int col,
-                                                         float *restrict acc_io) {
-    const int kquant = fmt == CB_FMT_Q4_K || fmt == CB_FMT_Q5_K, five = fmt == CB_FMT_Q5_K || fmt == CB_FMT_Q5_0;
+/* Pairs [i0, i1) of block b against rows [0, mr): one load-shift-and per pair and CB_VW columns (i16.h), then one
+ * pairwise multiply-add per row */
+static inline __attribute__((always_inline)) void i16_pairs(const int mr, const int fmt, const i16_rows_t *r,
+                                                            const i16_block_t *B, int b, const int i0, const int i1,
+                                                            int col, vi sums[][I16_RG]) {
+#pragma GCC unroll 16 /* i a constant: the shifts */
+    for (int i = i0; i < i1; ++i)
+        for (int v = 0; v < I16_RG; ++v) {
+            const vi w = i16_pair(fmt, B, col + CB_VW * v, i);
+            for (int row = 0; row < mr; ++row)
+                sums[row][v] = dot_pairs(sums[row][v], w, r->xq[row * (r->k / 2) + b * I16_PAIRS + i]);
+        }
+}
+
+/* Columns [col, col + I16_RG * CB_VW) of one panel over all of k: each block's integer sums, flushed to float once a
+ * block (Q6_K: once a half block, a scale per 16 values: pairs 0-7, then 8-15) */
+static inline __attribute__((always_inline)) void i16_group(const int mr, const int fmt, const i16_rows_t *r,
+                                                            const uint8_t *restrict panel, int col,
+                                                            float *restrict acc_io) {
     vi sums[CB_ROWS_MAX][I16_RG] = {{{0}}};
+    i16_super_t S = {{{{0}}}, {{{0}}}};
     for (int b = 0; b < r->k / CB_QK; ++b) {
-        const uint8_t *q, *qh = NULL;
-        vf scale[I16_RG], offset[I16_RG];
-        if (kquant) {
-            const int64_t super = five ? Q5K_SUPER : Q4K_SUPER;
-            const uint16_t *d = (const uint16_t *)kq_head(panel, super, b) + col;
-            const uint8_t *blk = kq_block(panel, super, Q4K_HEAD, five ? Q5K_BLOCK : Q4K_BLOCK, b);
-            q = blk + Q4K_Q + col;
-            qh = blk + Q5K_QH + col;
-            if (col == 0) prefetch_ahead(blk - (b % CB_KSUB ? 0 : Q4K_HEAD), (five ? Q5K_BLOCK : Q4K_BLOCK) + Q4K_HEAD);
-            for (int v = 0; v < I16_RG; ++v) {
-                scale[v] = q4_k_scale(half_value(d + CB_VW * v), blk + col + CB_VW * v);
-                offset[v] = q4_k_offset(half_value(d + CB_NR + CB_VW * v), blk + CB_NR + col + CB_VW * v);
-            }
+        const i16_block_t B = i16_block(fmt, panel, b);
+        if (col == 0) prefetch_ahead(B.start, B.bytes);
+        if (fmt == CB_FMT_Q6_K) {
+            i16_pairs(mr, fmt, r, &B, b, 0, I16_PAIRS / 2, col, sums);
+            i16_flush(mr, fmt, sums, &B, r, b, 0, col, &S, acc_io);
+            i16_pairs(mr, fmt, r, &B, b, I16_PAIRS / 2, I16_PAIRS, col, sums);
+            i16_flush(mr, fmt, sums, &B, r, b, 1, col, &S, acc_io);
         } else {
-            const int bytes = fmt == CB_FMT_Q4_1 ? Q41_BLOCK_BYTES : fmt == CB_FMT_Q4_0 ? Q40_BLOCK_BYTES : Q50_BLOCK;
-            const uint8_t *blk = panel + (int64_t)b * bytes;
-            const uint16_t *d = (const uint16_t *)blk + col;
-            q = blk + (fmt == CB_FMT_Q4_1 ? Q41_Q : Q40_Q) + col;
-            qh = blk + Q50_QH + col;
-            if (col == 0) prefetch_ahead(blk, bytes);
-            for (int v = 0; v < I16_RG; ++v) {
-                scale[v] = half_value(d + CB_VW * v);
-                offset[v] = fmt == CB_FMT_Q4_1 ? half_value(d + CB_NR + CB_VW * v)
-                                               : scale[v] * (fmt == CB_FMT_Q5_0 ? -16.0f : -8.0f);
-            }
+            i16_pairs(mr, fmt, r, &B, b, 0, I16_PAIRS, col, sums);
+            i16_flush(mr, fmt, sums, &B, r, b, -1, col, &S, acc_io);
         }
-#pragma GCC unroll 16 /* j % 4 a constant: the fifth bits' shifts */
-        for (int j = 0; j < CB_QK / 2; ++j)
-            for (int v = 0; v < I16_RG; ++v) {
-                vi w = nibble_pairs(widen_u8(q + j * CB_NR + CB_VW * v));
-                if (five) w |= high_bits(spread(widen_u8(qh + j / 4 * CB_NR + CB_VW * v), 1), 2 * (j % 4), 0x00100010);
-                for (int i = 0; i < mr; ++i)
-                    sums[i][v] = dot_pairs(sums[i][v], w, r->xq[i * (r->k / 2) + b * (CB_QK / 2) + j]);
-            }
-        i16_flush(mr, sums, scale, offset, r, b, 0, 2, acc_io, col);
-    }
-}
-
-/* Q6_K: a scale per 16 values, so each half block is flushed on its own */
-static inline __attribute__((always_inline)) void i16_q6_k(const int mr, const i16_rows_t *r,
-                                                           const uint8_t *restrict panel, int col,
-                                                           float *restrict acc_io) {
-    vi sums[CB_ROWS_MAX][I16_RG] = {{{0}}};
-    for (int b = 0; b < r->k / CB_QK; ++b) {
-        const uint16_t *d = (const uint16_t *)kq_head(panel, Q6K_SUPER, b) + col;
-        const uint8_t *blk = kq_block(panel, Q6K_SUPER, Q6K_HEAD, Q6K_BLOCK, b);
-        const int8_t *sc = (const int8_t *)blk + col;
-        if (col == 0) prefetch_ahead(blk - (b % CB_KSUB ? 0 : Q6K_HEAD), Q6K_BLOCK + Q6K_HEAD);
-        for (int half = 0; half < 2; ++half) {
-            vf scale[I16_RG], offset[I16_RG];
-            for (int v = 0; v < I16_RG; ++v) {
-                scale[v] = q6_k_scale(half_value(d + CB_VW * v), sc + half * CB_NR + CB_VW * v);
-                offset[v] = q6_k_offset(scale[v]);
-            }
-#pragma GCC unroll 8 /* j & 1 a constant: which bits of h */
-            for (int j = half * CB_QK / 4; j < (half + 1) * CB_QK / 4; ++j)
-                for (int v = 0; v < I16_RG; ++v) {
-                    const vi h = spread(widen_u8(blk + Q6K_QH + j / 2 * CB_NR + col + CB_VW * v), 2);
-                    const vi w = nibble_pairs(widen_u8(blk + Q6K_QL + j * CB_NR + col + CB_VW * v)) |
-                                 high_bits(h, 4 * (j & 1), 0x00300030);
-                    for (int i = 0; i < mr; ++i)
-                        sums[i][v] = dot_pairs(sums[i][v], w, r->xq[i * (r->k / 2) + b * (CB_QK / 2) + j]);
-                }
-            i16_flush(mr, sums, scale, offset, r, b, half, 1, acc_io, col);
-        }
+        if (cb_kquant(fmt) && fmt != CB_FMT_Q5_0 && b % CB_KSUB == CB_KSUB - 1)
+            i16_super_flush(mr, fmt, &B, col, &S, acc_io);
     }
 }
 
 static inline __attribute__((always_inline)) void i16_panel_fmt(const int mr, const int fmt, const i16_rows_t *r,
                                                                 const uint8_t *panel, float *acc_io) {
-    for (int col = 0; col < CB_NR; col += I16_RG * CB_VW) {
-        if (fmt == CB_FMT_Q6_K)
-            i16_q6_k(mr, r, panel, col, acc_io);
-        else
-            i16_q4(mr, fmt, r, panel, col, acc_io);
-    }
+    for (int col = 0; col < CB_NR; col += I16_RG * CB_VW) i16_group(mr, fmt, r, panel, col, acc_io);
 }
 
 static inline __attribute__((always_inline)) void i16_panel_mr(const int mr, int fmt, const i16_rows_t *r,
@@ -204,15 +199,13 @@ static void i16_panel(int mr, int fmt, const void *rows, const uint8_t *panel, f
 }
 
 int cb_rows_i16_take(int fmt, int m, int k) {
-    const int s = cb_storage_format(fmt);
-    const int nibbles = s == CB_FMT_Q4_0 || s == CB_FMT_Q4_1 || s == CB_FMT_Q5_0 || s == CB_FMT_Q4_K ||
-                        s == CB_FMT_Q5_K || s == CB_FMT_Q6_K; /* the formats i16_panel reads */
-    return (fmt & CB_FMT_I16) && nibbles && cb_rows_take(s, m, k);
+    const int base = fmt & ~CB_FMT_I16;
+    return (fmt & CB_FMT_I16) && cb_i16_format(base) && cb_rows_take(base, m, k);
 }
 
 int cb_linear_rows_i16(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                        const float *bias, float *c, int64_t ldc) {
-    fmt = cb_storage_format(fmt);
+    fmt &= ~CB_FMT_I16; /* i16_panel's switch: the base format, read in its I16 layout */
     i16_rows_t r;
     const int rc = i16_round(a, lda, m, k, &r);
     if (rc != CB_OK) return rc;
