@@ -88,6 +88,16 @@ def test_a_request_failing_over_waits_for_room_on_a_full_replica() -> None:
     assert [r.outstanding_tokens for r in client.router.replicas] == [0, 1000]  # nothing leaked
 
 
+def test_a_new_request_waits_for_room_while_a_replica_is_down() -> None:
+    """One replica restarting, the other full (it took the lost one's requests): a new request waits for room instead
+    of a 429, and runs once there is some."""
+    down = FakeEngine([[], [out(1, True)]], state="restarting")
+    busy = FakeEngine([FULL], later=[[], [out(5)], [out(6, True)]])
+    client = client_over(down, busy)
+    assert run_one(client) == [out(5), out(6, True)]
+    assert (down.calls, busy.calls) == (0, 2)
+
+
 def test_a_request_on_two_replicas_as_they_were_lost_is_failed_as_a_suspect() -> None:
     a = FakeEngine([[], EngineFailure("unavailable", "engine replica 0 failed")])
     b = FakeEngine([[], EngineFailure("unavailable", "engine replica 1 failed")])

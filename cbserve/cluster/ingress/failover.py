@@ -266,9 +266,11 @@ class RoutedRequest:
 
     @property
     def _failing_over(self) -> bool:
-        """Whether a replica lost it after it was admitted (or streamed): the app took it, so full queues elsewhere
-        make it wait for room (within the failover window), not fail."""
-        return self.losses > 0 or self.original is not None
+        """Whether full queues make it wait for room (within the failover window) rather than fail: a replica lost it
+        after admitting it (or streaming), so the app took it; or a replica is down, so the app is short of the room
+        it has when whole (the requests of the lost replica fill the others for a while)."""
+        router = self.replicas.router
+        return self.losses > 0 or self.original is not None or len(router.healthy_replicas()) < len(router.replicas)
 
     def _first_output(self) -> None:
         """Outputs reached the caller: its prefill no longer queues at its replica, and a retry would repeat them."""
