@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from e2e_lib import local_serve_app, wait_for
+from e2e_lib import SharedRay, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
 httpx = pytest.importorskip("httpx")
@@ -32,8 +32,8 @@ ARGS = {"model": "sim", "num_replicas": 2, "max_model_len": 4096, "node_tuning":
 
 
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    with local_serve_app(ARGS, "chaos") as base:
+def url(shared_ray: SharedRay) -> Iterator[str]:
+    with shared_ray.apps({"chaos": ARGS}, {"chaos": "/"}) as base:
         yield base
 
 
@@ -137,12 +137,12 @@ def test_sigkill_one_engine_then_the_other_loses_nothing_that_had_not_started(ur
         pids0, pids1 = before["0"]["engine_pids"], before["1"]["engine_pids"]
         assert len(pids0) == len(pids1) == 1  # tensor-parallel size 1: the rank runs in the engine actor
         os.kill(pids0[0], signal.SIGKILL)  # replica 0's engine
-        wait_for("replica 0 restarted", _rebuilt(url, "0", before["0"]["generation"]), 180, 0.5)
+        wait_for("replica 0 restarted", _rebuilt(url, "0", before["0"]["generation"]), 180)
         assert _stats(url)["0"]["engine_pids"][0] != pids0[0]
         served = soak.count("complete")
         os.kill(pids1[0], signal.SIGKILL)  # replica 1's scheduler actor (Ray restarts it)
         wait_for("replica 1's scheduler back", lambda: (s := _stats(url)["1"]).get("state") == "ready"
-                 and s["engine_pids"][0] != pids1[0], 180, 0.5)  # fmt: skip
+                 and s["engine_pids"][0] != pids1[0], 180)  # fmt: skip
         wait_for("both replicas serving after the kills",
                  lambda: soak.count("complete") >= served + 60 and soak.count() >= 300, 180, 0.2)
     finally:
@@ -152,7 +152,7 @@ def test_sigkill_one_engine_then_the_other_loses_nothing_that_had_not_started(ur
     assert outcomes["failed before first token"] == 0, (outcomes, why)
     assert outcomes["cut"] == 0 and outcomes["hang"] == 0, (outcomes, why)
     assert outcomes["complete"] >= 250, outcomes
-    stats = wait_for("every replica idle with every KV block free", lambda: _idle(_stats(url)), 60, 0.5)
+    stats = wait_for("every replica idle with every KV block free", lambda: _idle(_stats(url)), 60)
     assert all(r["state"] == "ready" for r in stats.values()) and len(stats) == 2
     assert stats["0"]["generation"] > before["0"]["generation"]
     assert stats["1"]["engine_pids"][0] != pids1[0]

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from e2e_lib import local_serve_app
+from e2e_lib import SharedRay
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -35,27 +35,42 @@ def _prompt(topic: str) -> str:
                     for i in range(8)) + "\nWrite one more line:"  # fmt: skip
 
 
+# the prompts the tests send (their offline texts are computed while the app starts)
+KILLED = [_prompt(f"{t}, take {k}") for k in range(3) for t in TOPICS]
+PROMPTS = [*map(_prompt, TOPICS[:3]), "Say hi.", _prompt("a quiet harbour"), *KILLED]
+
+
 def _stats(url: str) -> list[dict[str, Any]]:
     with urllib.request.urlopen(url + "/stats", timeout=30) as r:
         return json.loads(r.read())["replicas"]
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    pd = {"prefill_replicas": 1, "decode_replicas": 1, "min_remote_prefill_tokens": 64,
-          "shm_path": str(tmp_path_factory.mktemp("shm"))}  # fmt: skip
-    with local_serve_app(dict(BASE, disaggregation=pd), "pd") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
 def offline() -> Any:
+    """The offline engine's greedy text of a prompt (each computed once)."""
     from cbserve import LLM, SamplingParams
 
     llm = LLM(None, progress=False, **{k: v for k, v in BASE.items() if k not in ("worker_num_cpus", "node_tuning",
                                                                                    "kv_offloading_size")})
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return lambda prompt: llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    texts: dict[str, str] = {}
+
+    def text(prompt: str) -> str:
+        if prompt not in texts:
+            texts[prompt] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+        return texts[prompt]
+
+    return text
+
+
+@pytest.fixture(scope="module")
+def served(shared_ray: SharedRay, tmp_path_factory: pytest.TempPathFactory, offline: Any) -> Iterator[str]:
+    """The P:D app's URL; the offline texts of this module's prompts are computed while it starts."""
+    pd = {"prefill_replicas": 1, "decode_replicas": 1, "min_remote_prefill_tokens": 64,
+          "shm_path": str(tmp_path_factory.mktemp("shm"))}  # fmt: skip
+    with shared_ray.apps({"pd": dict(BASE, disaggregation=pd)}, {"pd": "/"},
+                         meanwhile=lambda: [offline(p) for p in PROMPTS]) as url:  # fmt: skip
+        yield url
 
 
 def _complete(client: Any, prompt: str, stream: bool = False, **extra: Any) -> Any:
@@ -102,7 +117,7 @@ def test_killing_both_replicas_under_load_loses_and_cuts_no_request(served: str,
     whose decode replica is lost goes on as a continuation once Ray restarted it (failover.py): every request ends
     with the offline tokens, none repeated, none missing."""
     client = openai.OpenAI(base_url=f"{served}/v1", api_key="none", max_retries=0, timeout=180)
-    prompts = [_prompt(f"{t}, take {k}") for k in range(3) for t in TOPICS]
+    prompts = KILLED
     pids = [r["engine_pids"][0] for r in _stats(served)]
     streaming = threading.Event()
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_lib import free_port, wait_for
+from e2e_lib import SharedRay, wait_for
 from tiny_llama import TRIGGER, make_fault_model
 
 ray = pytest.importorskip("ray")
@@ -54,30 +54,15 @@ class Faults:
 
 
 @pytest.fixture(scope="module")
-def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faults]:
-    from ray import serve
-    from ray.serve.api import RunTarget
-
-    from cbserve.cluster.app import build_app
-
+def faults(shared_ray: SharedRay, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faults]:
     folder = tmp_path_factory.mktemp("faults")
     models = {point: make_fault_model(folder / point, point) for point in ("forward", "mask", "exit")}
-    port = free_port()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="cbserve-faults",
-             object_store_memory=200 * 1024**2)  # fmt: skip
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run_many([RunTarget(build_app(dict(ARGS, model=str(path), app_name=point)), name=point,
-                                  route_prefix=f"/{point}") for point, path in models.items()],
-                       wait_for_applications_running=False)  # fmt: skip
-        base = f"http://127.0.0.1:{port}"
+    apps = {point: dict(ARGS, model=str(path), app_name=point) for point, path in models.items()}
+    with shared_ray.apps(apps) as base:
         f = Faults(base, models)
         for point in models:
             wait_for(f"{point} ready", lambda p=point: all(r["state"] == "ready" for r in f.stats(p).values()), 300)
         yield f
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

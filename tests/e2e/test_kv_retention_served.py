@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from e2e_lib import local_serve_app
+from e2e_lib import SharedRay
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -29,11 +29,11 @@ def _system(job: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def client(shared_ray: SharedRay, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from tiny_llama import make_tiny_llama
 
     folder = make_tiny_llama(tmp_path_factory.mktemp("retention") / "tiny")
-    with local_serve_app(dict(BASE, model=str(folder)), "retention") as url:
+    with shared_ray.apps({"retention": dict(BASE, model=str(folder))}, {"retention": "/"}) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_lib import local_serve_app, wait_for
+from e2e_lib import SharedRay, wait_for
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -33,11 +33,26 @@ def _stats(url: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def served(shared_ray: SharedRay, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, dict]]:
+    """The app's URL, its disk tier's folder, and the offline engine's three turns of each topic (run while the app
+    starts)."""
     disk = tmp_path_factory.mktemp("kv-disk")
     args = dict(BASE, kv_offloading_size=0.25, kv_disk_path=str(disk), kv_disk_size=0.5)
-    with local_serve_app(args, "tiers") as url:
-        yield url, disk
+    offline: dict[str, list[str]] = {t: [] for t in TOPICS}
+    with shared_ray.apps({"tiers": args}, {"tiers": "/"}, meanwhile=lambda: _offline_turns(offline)) as url:
+        yield url, disk, offline
+
+
+def _offline_turns(histories: dict[str, list[str]]) -> None:
+    """Three turns of each topic on the offline engine (no tiers there)."""
+    from cbserve import LLM, SamplingParams
+
+    llm = LLM(None, progress=False, **{k: v for k, v in BASE.items() if k not in ("num_replicas", "worker_num_cpus",
+                                                                                   "node_tuning")})  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for _ in range(3):
+        _turn(lambda p: llm.generate([p], params, use_tqdm=False)[0].outputs[0].text, histories)
+    llm.shutdown()
 
 
 def _prompt(topic: str, turns: list[str]) -> str:
@@ -52,15 +67,9 @@ def _turn(complete: Any, histories: dict[str, list[str]]) -> None:
 
 
 def test_tiered_turns_give_the_offline_tokens_from_ram_then_from_disk_after_a_restart(
-    served: tuple[str, Path]
+    served: tuple[str, Path, dict]
 ) -> None:
-    from cbserve import LLM, SamplingParams
-
-    url, disk = served
-    llm = LLM(None, progress=False, **{k: v for k, v in BASE.items() if k not in ("num_replicas", "worker_num_cpus",
-                                                                                   "node_tuning")})  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    offline = {t: [] for t in TOPICS}
+    url, disk, offline = served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
     online = {t: [] for t in TOPICS}
 
@@ -69,18 +78,15 @@ def test_tiered_turns_give_the_offline_tokens_from_ram_then_from_disk_after_a_re
                                       temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
         return r.choices[0].text
 
-    for _ in range(3):
-        _turn(lambda p: llm.generate([p], params, use_tqdm=False)[0].outputs[0].text, offline)
     _turn(ask, online)
     _turn(ask, online)
     tiers = _stats(url)["kv_tiers"]
     assert tiers["hit_tokens_ram"] > 0 and tiers["blocks_stored"] > 0
     pid = _stats(url)["engine_pids"][0]
-    wait_for("the disk writes", lambda: len(list(disk.rglob("*.kv"))) >= tiers["blocks_stored"],
-             60, 0.5)
+    wait_for("the disk writes", lambda: len(list(disk.rglob("*.kv"))) >= tiers["blocks_stored"], 60)
     os.kill(pid, signal.SIGKILL)
     wait_for("the engine restarted", lambda: (s := _stats(url)).get("state") == "ready"
-             and s["engine_pids"] != [pid], 240, 0.5)  # fmt: skip
+             and s["engine_pids"] != [pid], 240)  # fmt: skip
     _turn(ask, online)
     assert online == offline
     assert _stats(url)["kv_tiers"]["hit_tokens_disk"] > 0

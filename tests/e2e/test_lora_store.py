@@ -6,10 +6,10 @@ bound; bytes no store keeps are a ``LoRAAdapterError``. The store's namespace is
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e_lib import SharedRay
 
 from cbserve.scheduler.requests.lora import LoRARequest
 from cbserve.worker.lora.files import AdapterContent, LoRAAdapterError
@@ -19,12 +19,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=1, include_dashboard=False, namespace="cbserve-lora-store")
-    try:
-        yield
-    finally:
-        ray.shutdown()
+def local_ray(shared_ray: SharedRay) -> None:
+    """The shared Ray instance (its namespace is not the engines')."""
+    shared_ray.start()
 
 
 def _content(i: int) -> AdapterContent:

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import yaml
-from e2e_lib import derive_tp2_model, free_port, wait_for
+from e2e_lib import derive_tp2_model, free_port, ray_env, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -139,7 +139,7 @@ class Deployment:
             except (openai.InternalServerError, openai.APIConnectionError):
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(0.5)
+                time.sleep(0.2)
 
     def complete_all(self, prompts: list[str], retry_for: float = 0.0) -> dict[str, str]:
         with ThreadPoolExecutor(len(prompts)) as pool:
@@ -175,6 +175,11 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment(tp2_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    with ray_env():  # its raylets start actors at niceness 0 (e2e_lib.RAY_ENV), the one added back later too
+        yield from _deployment(tp2_model, tmp_path_factory)
+
+
+def _deployment(tp2_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     from ray.cluster_utils import Cluster
 
     http_port, dashboard_port = free_port(), free_port()

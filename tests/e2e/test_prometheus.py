@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 import yaml
+from e2e_lib import ray_env
 
 from cbserve.bench.deploy import free_port as deploy_free_port
 
@@ -79,13 +80,14 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 @pytest.fixture(scope="module")
 def ray_session_dir() -> Iterator[Path]:
     ray = pytest.importorskip("ray")
-    ray.init(
-        address="local",  # always a new cluster of our own, even if another one runs on this machine
-        num_cpus=4,
-        include_dashboard=True,  # the dashboard writes Prometheus's service-discovery file
-        dashboard_port=free_port(),
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
+    with ray_env():  # actors at niceness 0 (e2e_lib.RAY_ENV)
+        ray.init(
+            address="local",  # always a new cluster of our own, even if another one runs on this machine
+            num_cpus=4,
+            include_dashboard=True,  # the dashboard writes Prometheus's service-discovery file
+            dashboard_port=free_port(),
+            _system_config={"metrics_report_interval_ms": 1000},
+        )
     try:
         yield Path(ray._private.worker.global_worker.node.get_session_dir_path())
     finally:
@@ -291,7 +293,7 @@ def test_every_dashboard_query_returns_data(app_url: str, prometheus_url: str) -
         # Drafts again once Prometheus holds the spec-decode counters: the draft-rate panels need an increase
         # that two of its samples see.
         wait_for("the spec-decode counters scraped",
-                 lambda: query(prometheus_url, "sum(ray_cbserve_spec_decode_num_drafts_total) > 0"), 90, interval=1)
+                 lambda: query(prometheus_url, "sum(ray_cbserve_spec_decode_num_drafts_total) > 0"), 90)
         copy_request(app_url)
         check_healthy_cluster(prometheus_url, started)
         run_bad_load(app_url)

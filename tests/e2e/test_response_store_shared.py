@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 import pytest
-from e2e_lib import local_serve_app, wait_for
+from e2e_lib import SharedRay, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 ray = pytest.importorskip("ray")
@@ -46,13 +46,13 @@ def _read_on_every_replica(response_id: str) -> list[Any]:
     return [getattr(a, "status", repr(a)) if isinstance(a, Exception) else json.loads(a.body)["id"] for a in answers]
 
 
-def test_a_response_stored_through_one_ingress_replica_is_read_through_any_other() -> None:
+def test_a_response_stored_through_one_ingress_replica_is_read_through_any_other(shared_ray: SharedRay) -> None:
     from ray import serve
 
     from cbserve.cluster.ops.names import NAMESPACE
     from cbserve.cluster.stores.response_store import remove_response_store, store_name
 
-    with local_serve_app(ARGS, APP) as url:
+    with shared_ray.apps({APP: ARGS}, {APP: "/"}) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         # (the app answers once one replica runs; the test's handle learns of the second within seconds)
         wait_for("both ingress replicas answering", lambda: _read_on_every_replica("resp_none") == [404, 404], 180)

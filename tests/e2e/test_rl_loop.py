@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_lib import local_serve_apps
+from e2e_lib import SharedRay
 from lora_lib import PROJECTIONS
 
 ray = pytest.importorskip("ray")
@@ -40,13 +40,13 @@ def _example() -> Any:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def served(shared_ray: SharedRay, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     from tiny_llama import make_tiny_llama
 
     folder = make_tiny_llama(tmp_path_factory.mktemp("rl") / "tiny")
     apps = {"tp1": dict(BASE, model=str(folder), enable_lora=True, max_lora_rank=8),
             "tp2": dict(BASE, model=str(folder), tensor_parallel_size=2)}
-    with local_serve_apps(apps) as url:
+    with shared_ray.apps(apps) as url:
         yield url, folder
 
 

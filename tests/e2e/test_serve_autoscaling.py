@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_lib import free_port, post_text, wait_for
+from e2e_lib import SharedRay, post_text, wait_for
 from lora_lib import make_adapter, make_tiny_llama
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -43,18 +43,14 @@ FAST = "metrics_interval_s=0.5,look_back_period_s=1,upscale_delay_s=0"
 
 
 @pytest.fixture(scope="module")
-def local_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    from ray import serve
-
+def local_serve(shared_ray: SharedRay, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """The shared Serve instance's URL and the model; the tests deploy their apps (a failed one's app removed
+    after)."""
     model = make_tiny_llama(tmp_path_factory.mktemp("model") / MODEL)
-    port = free_port()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="cbserve-autoscaling")
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}", model
+        yield shared_ray.start(), model
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        shared_ray.remove(["scale", "loras"])
 
 
 def _deploy(name: str, model: Path, autoscaling: str) -> None:

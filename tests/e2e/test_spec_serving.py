@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_lib import local_serve_apps
+from e2e_lib import SharedRay
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -70,9 +70,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny_model(tmp_path_factory.mktemp("draft_serving") / "tiny")
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict[str, list[int]]:
-    """Greedy outputs of the offline LLM without speculation (run before Ray starts: no shared cores)."""
+def _reference() -> dict[str, Any]:
+    """Greedy outputs of the offline LLM without speculation."""
     from cbserve import LLM, SamplingParams
 
     llm = LLM(progress=False, **ENGINE)
@@ -80,14 +79,13 @@ def reference() -> dict[str, list[int]]:
         sp = SamplingParams(temperature=0.0, max_tokens=40)
         chat = llm.chat(CHAT, sp, use_tqdm=False)[0].outputs[0]
         comp = llm.generate(PROMPT, sp, use_tqdm=False)[0].outputs[0]
-        return {"chat": chat.text, "completion": comp.text, "chat_ids": chat.token_ids}  # type: ignore[dict-item]
+        return {"chat": chat.text, "completion": comp.text, "chat_ids": chat.token_ids}
     finally:
         llm.shutdown()
 
 
-@pytest.fixture(scope="module")
-def draft_reference(model: Path) -> list[str]:
-    """Greedy completions of the tiny model's offline LLM without speculation (before Ray starts)."""
+def _draft_reference(model: Path) -> list[str]:
+    """Greedy completions of the tiny model's offline LLM without speculation."""
     from cbserve import LLM, SamplingParams
 
     llm = LLM(str(model), progress=False, **DRAFT_ENGINE)
@@ -99,15 +97,32 @@ def draft_reference(model: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def base_url(model: Path, reference: dict, draft_reference: list[str]) -> Iterator[str]:
+def served(shared_ray: SharedRay, model: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The base URL of the two apps, and the offline references (computed while the apps start)."""
     draft_spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
     apps = {
         "ngram": {"device": "cpu", "worker_torch_threads": 1, "speculative_config": json.dumps(SPEC), **ENGINE},
         "draft": {"model": str(model), "served_model_name": NAME, "device": "cpu", "worker_torch_threads": 1,
                   "speculative_config": json.dumps(draft_spec), **DRAFT_ENGINE},
     }  # fmt: skip
-    with local_serve_apps(apps) as url:
-        yield url
+    refs: dict[str, Any] = {}
+    with shared_ray.apps(apps, meanwhile=lambda: refs.update(ngram=_reference(), draft=_draft_reference(model))) as url:
+        yield url, refs
+
+
+@pytest.fixture(scope="module")
+def reference(served: tuple[str, dict[str, Any]]) -> dict[str, Any]:
+    return served[1]["ngram"]
+
+
+@pytest.fixture(scope="module")
+def draft_reference(served: tuple[str, dict[str, Any]]) -> list[str]:
+    return served[1]["draft"]
+
+
+@pytest.fixture(scope="module")
+def base_url(served: tuple[str, dict[str, Any]]) -> str:
+    return served[0]
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from typing import Any
 import e2e_reasoning
 import e2e_responses
 import pytest
-from e2e_lib import free_port, wait_for
+from e2e_lib import SharedRay, wait_for
 from pydantic import BaseModel, Field
 from think_model import make_think_model
 
@@ -123,36 +123,21 @@ class Apps:
 
 
 @pytest.fixture(scope="module")
-def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apps]:
-    from ray import serve
-    from ray.serve.api import RunTarget
-
-    from cbserve.cluster.app import build_app
-
+def apps(shared_ray: SharedRay, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apps]:
     qwen = _make_qwen_model(tmp_path_factory.mktemp("qwen") / "qwen-tools")
     emb = _make_embedding_model(qwen, tmp_path_factory.mktemp("emb") / "emb")
     think = make_think_model(tmp_path_factory.mktemp("think") / "think").folder
-    port = free_port()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, namespace="cbserve-structured",
-             object_store_memory=256 * 1024**2)  # fmt: skip
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run_many([
-            RunTarget(build_app(dict(COMMON, max_num_seqs=16)), name="main", route_prefix="/"),
-            RunTarget(build_app(dict(COMMON, model=str(qwen), served_model_name="qwen", reasoning_parser="qwen3")),
-                      name="qwen", route_prefix="/qwen"),
-            RunTarget(build_app(dict(COMMON, model=str(emb), served_model_name="emb", runner="pooling",
-                                     max_num_seqs=8)), name="emb", route_prefix="/emb"),
-            RunTarget(build_app(dict(COMMON, model=str(think), served_model_name="think", reasoning_parser="auto",
-                                     max_num_seqs=4)), name="think", route_prefix="/think"),
-        ], wait_for_applications_running=False)  # fmt: skip
-        a = Apps(f"http://127.0.0.1:{port}", emb)
+    apps = {
+        "main": dict(COMMON, max_num_seqs=16),
+        "qwen": dict(COMMON, model=str(qwen), served_model_name="qwen", reasoning_parser="qwen3"),
+        "emb": dict(COMMON, model=str(emb), served_model_name="emb", runner="pooling", max_num_seqs=8),
+        "think": dict(COMMON, model=str(think), served_model_name="think", reasoning_parser="auto", max_num_seqs=4),
+    }
+    with shared_ray.apps(apps, {"main": "/"}, ready_s=600) as url:
+        a = Apps(url, emb)
         healthy = lambda p: a.client(p).with_options(timeout=5).models.list()  # noqa: E731
         wait_for("the apps", lambda: all(healthy(p) for p in ("", "/qwen", "/emb", "/think")), 600, 0.25)
         yield a
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def _model(client: Any) -> str:

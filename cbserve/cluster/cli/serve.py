@@ -25,6 +25,7 @@ from typing import Any
 
 import pydantic
 
+from cbserve.cluster.cli import say
 from cbserve.cluster.cli.serve_stop import STOP, Started, StopRequested, app_handle, drain, warm
 from cbserve.cluster.ops.metrics_discovery import write_for_local_ray
 from cbserve.cluster.ops.node_tuning import NodeTuning, environment_for_ray, node_tuning
@@ -158,7 +159,7 @@ def error_message(e: Exception) -> str:
 
 
 def _fail(message: str) -> int:
-    print(f"cbserve: error: {message}", file=sys.stderr, flush=True)
+    say(f"cbserve: error: {message}", sys.stderr)
     return 1
 
 
@@ -205,9 +206,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         return _serve(args, started)
     except StopRequested as e:  # before the app was ready: nothing served yet, nothing to drain
-        print(f"cbserve: shutting down ({e} during start-up, {started.stage})", flush=True)
+        say(f"cbserve: shutting down ({e} during start-up, {started.stage})")
         started.shut_down()
-        print("cbserve: stopped", flush=True)
+        say("cbserve: stopped")
         return 0
     finally:
         started.shut_down()
@@ -245,7 +246,7 @@ def _serve(args: argparse.Namespace, started: Started) -> int:
     started.enter("while Serve starts")
     # with direct ingress Serve still starts its proxy: it gets a port of its own, out of the path
     serve.start(http_options={"host": config.host, "port": 0 if direct else config.port})
-    print("cbserve: deploying the app; its engine replicas load the model", flush=True)
+    say("cbserve: deploying the app; its engine replicas load the model")
     started.enter("while the engine replicas load the model")
     started.deployed = True
     serve.run(  # returns once the ingress replicas are running: their engines loaded the model (or failed)
@@ -253,14 +254,14 @@ def _serve(args: argparse.Namespace, started: Started) -> int:
     )
     host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
     base = f"http://{host}:{config.port}{config.route_prefix.rstrip('/')}"
-    print(f"cbserve: serving {config.model_name!r} at {base}/v1 (OpenAI API); health at {base}/health", flush=True)
+    say(f"cbserve: serving {config.model_name!r} at {base}/v1 (OpenAI API); health at {base}/health")
     started.enter("while waiting for /health")
     ready, failure = await_ready(args, config, base, tuning if ray_started else None)
     if failure is not None:
         return _fail(failure)
     started.enter("serving")
     stop, handle = _serve_until_stopped(serve, config, ready)
-    print(f"cbserve: shutting down ({stop})", flush=True)
+    say(f"cbserve: shutting down ({stop})")
     if handle is not None:
         drain(handle, config)
     return 0
@@ -289,8 +290,8 @@ def await_ready(
     on the CPU only without autoscaling: Ray may start later engines in its pooled worker processes, which the
     profile would have put behind them."""
     if starts_at_zero(config.autoscaling):
-        print("cbserve: scaled to zero: the first request starts an ingress replica and its engines (requests wait "
-              "for them); Ctrl-C to stop", flush=True)
+        say("cbserve: scaled to zero: the first request starts an ingress replica and its engines (requests wait "
+              "for them); Ctrl-C to stop")
         return True, None
     ready, failure = wait_ready(base, args.ready_timeout, config.api_key)
     if failure is not None:
@@ -299,9 +300,9 @@ def await_ready(
         if tuning is not None and config.autoscaling is None:
             engines = [pid for r in _replica_stats(base, config.api_key) for pid in r.get("engine_pids", [])]
             tuning.engines_ready(os.getpid(), engines)
-        print("cbserve: engine replicas ready; Ctrl-C to stop", flush=True)
+        say("cbserve: engine replicas ready; Ctrl-C to stop")
     else:
-        print(f"cbserve: not ready after {args.ready_timeout:.0f}s; see {base}/health", flush=True)
+        say(f"cbserve: not ready after {args.ready_timeout:.0f}s; see {base}/health")
     return ready, None
 
 

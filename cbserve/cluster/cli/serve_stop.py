@@ -12,6 +12,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
+from cbserve.cluster.cli import say
 from cbserve.config import CBServeConfig
 from cbserve.config.autoscaling import starts_at_zero
 
@@ -128,15 +129,15 @@ def drain(handle: Any, config: CBServeConfig) -> None:
     """The ingress's graceful drain (``OpenAIIngress.drain``) on every ingress replica at once (autoscaling runs
     several): requests in flight finish for up to ``shutdown_timeout`` seconds, new ones are refused meanwhile,
     the rest are aborted with an error."""
-    print(f"cbserve: draining (up to {config.shutdown_timeout:g}s for the requests in flight)", flush=True)
+    say(f"cbserve: draining (up to {config.shutdown_timeout:g}s for the requests in flight)")
     try:
         done = handle.broadcast("drain").results(timeout_s=config.shutdown_timeout + 30.0)
     except Exception as e:  # the app is going down either way: say so and shut down
-        print(f"cbserve: drain failed ({type(e).__name__}: {e})", flush=True)
+        say(f"cbserve: drain failed ({type(e).__name__}: {e})")
         return
     in_flight, aborted = sum(d["in_flight"] for d in done), sum(d["aborted"] for d in done)
-    print(f"cbserve: drained: {in_flight - aborted} of {in_flight} requests in flight finished, {aborted} aborted "
-          f"(on {len(done)} ingress replica{'' if len(done) == 1 else 's'})", flush=True)
+    say(f"cbserve: drained: {in_flight - aborted} of {in_flight} requests in flight finished, {aborted} aborted "
+          f"(on {len(done)} ingress replica{'' if len(done) == 1 else 's'})")
 
 
 def shut_down_app(serve: Any, ray: Any, config: CBServeConfig, deployed: bool = True) -> None:

@@ -1,12 +1,17 @@
-"""One local Ray cluster and one Serve instance for every test in this package (package scope: torn down
-before other e2e modules start their own clusters). Two apps:
+"""The apps of this package's tests, served by the shared Ray instance (``shared_ray``, tests/e2e/conftest.py). For
+every test (package scope: removed before other modules deploy theirs):
 
 - ``main`` at ``/``: the bundled SmolLM2-135M, 2 engine replicas of tensor-parallel size 1, an API key;
-- ``tp2`` at ``/tp2``: SmolLM2 cut to 4 layers / 6 heads / 2 KV heads (so it splits over 2 ranks), one
-  replica of tensor-parallel size 2, one running sequence and a waiting queue of one (for the 429 test);
 - ``lora`` at ``/lora``: a tiny random Llama with LoRA on (``enable_lora``, two random rank-8 PEFT adapters in
   ``lora_modules``, ``max_loras`` 2, ``max_lora_rank`` 256; ``lora_lib.py``) and runtime loading allowed from the
   folder of its files, one replica (test_lora.py).
+
+For the module that asks for it (``tp2``: test_tp2.py), deployed as it starts and removed as it ends:
+
+- ``tp2`` at ``/tp2``: SmolLM2 cut to 4 layers / 6 heads / 2 KV heads (so it splits over 2 ranks), one
+  replica of tensor-parallel size 2 over a Ray compiled graph, one running sequence and a waiting queue of one (for
+  the 429 test). Idle, a compiled graph's readers poll their shared-memory channels (Ray's ReadAcquire spins on
+  sched_yield): its scheduler and two workers would hold about 1.5 of 2 cores while every other test ran.
 
 The reference greedy outputs come from the in-process offline ``LLM`` with the same engine settings.
 """
@@ -22,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_lib import derive_tp2_model, free_port, wait_for
+from e2e_lib import SharedRay, derive_tp2_model, wait_for
 from lora_lib import make_adapter, make_tiny_llama
 
 ray = pytest.importorskip("ray")
@@ -93,7 +98,6 @@ class App:
 @dataclass
 class Server:
     main: App
-    tp2: App
     tp2_model_path: Path
     expected: dict[str, str]  # reference greedy texts, keyed like the tests ask for them
     lora: App
@@ -137,38 +141,36 @@ def _lora_files(folder: Path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="package")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(shared_ray: SharedRay, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     from ray import serve
     from ray.serve.api import RunTarget
 
     from cbserve.cluster.app import build_app
 
-    tp2_model = derive_tp2_model(tmp_path_factory.mktemp("model") / TP2_MODEL)
     lora_paths = _lora_files(tmp_path_factory.mktemp("lora"))
     lora_args = dict(LORA_ARGS, model=str(lora_paths["model"]), lora_allowed_dirs=[str(lora_paths["root"])],
                      lora_modules=[f"{name}={lora_paths[name]}" for name in ("alpha", "beta")])  # the flags' form
-    port = free_port()
-    ray.init(
-        address="local", num_cpus=16, include_dashboard=False, namespace="cbserve-e2e",
-        object_store_memory=256 * 1024**2,
-    )
+    base = shared_ray.start()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run_many(
             [
                 RunTarget(build_app(MAIN_ARGS), name="main", route_prefix="/"),
-                RunTarget(build_app(dict(TP2_ARGS, model=str(tp2_model))), name="tp2", route_prefix="/tp2"),
                 RunTarget(build_app(lora_args), name="lora", route_prefix="/lora"),
             ],
             wait_for_applications_running=False,
         )
-        expected = _reference(tp2_model)  # while the apps start
-        base = f"http://127.0.0.1:{port}"
-        srv = Server(App(base, MAIN_MODEL, API_KEY), App(f"{base}/tp2", TP2_MODEL, None), tp2_model, expected,
-                     App(f"{base}/lora", LORA_MODEL, None), lora_paths)  # fmt: skip
-        apps = (srv.main, srv.tp2, srv.lora)
-        wait_for("the apps healthy", lambda: all(app.healthy() for app in apps), READY_TIMEOUT_S, 0.25)
+        tp2_model = derive_tp2_model(tmp_path_factory.mktemp("model") / TP2_MODEL)  # while the apps start
+        expected = _reference(tp2_model)
+        srv = Server(App(base, MAIN_MODEL, API_KEY), tp2_model, expected, App(f"{base}/lora", LORA_MODEL, None),
+                     lora_paths)  # fmt: skip
+        wait_for("the apps healthy", lambda: srv.main.healthy() and srv.lora.healthy(), READY_TIMEOUT_S)
         yield srv
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        shared_ray.remove(["main", "lora"])
+
+
+@pytest.fixture(scope="module")
+def tp2(server: Server, shared_ray: SharedRay) -> Iterator[App]:
+    """The ``tp2`` app (see above), for the module that asks for it only."""
+    with shared_ray.apps({"tp2": dict(TP2_ARGS, model=str(server.tp2_model_path))}, ready_s=READY_TIMEOUT_S) as base:
+        yield App(f"{base}/tp2", TP2_MODEL, None)

@@ -301,12 +301,3 @@ def test_lm_eval_loglikelihood_equals_hf_transformers(server: Server) -> None:
         want_greedy = all(int(lp[i - 1].argmax()) == seq[i] for i in range(len(ctx_ids), len(seq)))
         assert abs(ll - want) < 1e-4, (ctx, cont, ll, want)
         assert greedy == want_greedy, (ctx, cont)
-
-
-def test_echo_logprobs_on_the_tensor_parallel_app(server: Server) -> None:
-    """Both ranks run the LM head over the prompt rows (it gathers the vocabulary): no hang, real values."""
-    client = server.tp2.client()
-    r = client.completions.create(model=server.tp2.model, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1,
-                                  temperature=0)
-    lps = r.choices[0].logprobs.token_logprobs
-    assert lps[0] is None and len(lps) == r.usage.prompt_tokens + 1 and all(v <= 0 for v in lps[1:])

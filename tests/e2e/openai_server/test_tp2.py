@@ -1,4 +1,5 @@
-"""Tensor parallelism over two worker actors (gloo on CPU) and the bounded waiting queue (429)."""
+"""Tensor parallelism over two worker actors (gloo on CPU) over a Ray compiled graph, echo with logprobs on it, and
+the bounded waiting queue (429). The ``tp2`` app is deployed for this module only (conftest.py's ``tp2``)."""
 
 from __future__ import annotations
 
@@ -7,28 +8,34 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from .cases import MAX_TOKENS, PROMPTS
-from .conftest import Server, wait_for
+from .conftest import App, Server, wait_for
 
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_tp2_greedy_equals_tp1_offline(server: Server, prompt: str) -> None:
-    r = server.tp2.client().completions.create(
-        model=server.tp2.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
-    )
+def test_tp2_greedy_equals_tp1_offline(server: Server, tp2: App, prompt: str) -> None:
+    r = tp2.client().completions.create(model=tp2.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
     assert r.choices[0].text == server.expected[f"tp2:{prompt}"]
 
 
-def test_tp2_runs_over_compiled_graph(server: Server) -> None:
-    stats = server.tp2.stats()["0"]
+def test_tp2_runs_over_compiled_graph(tp2: App) -> None:
+    stats = tp2.stats()["0"]
     assert stats["compiled_graph"] is True and stats["dispatch_calls"] > 0
     assert stats["dispatch_overhead_ms_mean"] > 0
 
 
-def test_queue_full_gives_429_then_recovers(server: Server) -> None:
-    app = server.tp2
+def test_echo_logprobs_on_the_tensor_parallel_app(tp2: App) -> None:
+    """Both ranks run the LM head over the prompt rows (it gathers the vocabulary): no hang, real values."""
+    r = tp2.client().completions.create(model=tp2.model, prompt=PROMPTS[0], max_tokens=1, echo=True, logprobs=1,
+                                        temperature=0)  # fmt: skip
+    lps = r.choices[0].logprobs.token_logprobs
+    assert lps[0] is None and len(lps) == r.usage.prompt_tokens + 1 and all(v <= 0 for v in lps[1:])
+
+
+def test_queue_full_gives_429_then_recovers(server: Server, tp2: App) -> None:
+    app = tp2
     client = app.client()
     model = app.model
     running = client.completions.create(

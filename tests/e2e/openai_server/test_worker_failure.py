@@ -66,7 +66,7 @@ def test_killed_engine_process_continues_or_fails_in_flight_requests_and_replica
         else:
             assert got == LONG
 
-    wait_for("replica 0 restarted", lambda: app.stats()["0"]["generation"] > generation and app.healthy(), 240, 1)
+    wait_for("replica 0 restarted", lambda: app.stats()["0"]["generation"] > generation and app.healthy(), 240)
     assert app.stats()["0"]["engine_pids"] != [pid]
     before = app.stats()["0"]["routed_requests"]
     client = app.client()
@@ -80,11 +80,11 @@ def test_engine_lost_while_idle_is_noticed_without_a_request(server: Server) -> 
     """An idle replica whose process dies is noticed at once (the ingress's channel to it ends) and comes back,
     instead of staying "ready" until the next request routed to it fails."""
     app = server.main
-    wait_for("every replica ready", app.healthy, 240, 1)
+    wait_for("every replica ready", app.healthy, 240)
     stats = app.stats()["0"]
     assert stats["num_in_flight"] == 0
     generation, routed = stats["generation"], stats["routed_requests"]
     os.kill(stats["engine_pids"][0], signal.SIGKILL)
     wait_for("replica 0 back while idle", lambda: app.stats()["0"]["generation"] > generation and app.healthy(),
-             240, 0.5)
+             240)
     assert app.stats()["0"]["routed_requests"] == routed  # no request was needed to notice
