@@ -32,11 +32,11 @@ CLI = Path(sys.executable).with_name("cbserve")
 MODEL = "SmolLM2-135M-Instruct"
 # request_timeout_s: far above an 8-token answer (< 1 s), far below 8000 tokens on a CPU (198 s on the 2-core EPYC),
 # and room for the drain check's streams on a busy machine
-TIMEOUT_S = 20
+TIMEOUT_S = 12
 # how long the drain check's streams last: seconds in flight after the signal (the drain starts within a fraction of
 # one), and an eighth of TIMEOUT_S at most, so a busy machine slowing them down 8x still finishes them (on a shared
 # 2-core machine they took 2.4x and over 5x their calibrated time)
-DRAIN_STREAM_S = 2.0
+DRAIN_STREAM_S = 1.5
 
 
 class Serve:
