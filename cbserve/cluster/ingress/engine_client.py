@@ -143,10 +143,14 @@ class EngineClient:
 
     async def stats(self) -> list[dict[str, Any]]:
         async def one(i: int) -> dict[str, Any]:
-            try:
-                d = await asyncio.wait_for(self.engines[i].stats.remote(), STATS_TIMEOUT_S)
-            except Exception as e:
-                d = {"replica": str(i), "state": "unreachable", "error": f"{type(e).__name__}"}
+            known = self.health[i]
+            if known["state"] == "unreachable":  # its channel is down (seen at once): a call would wait for its actor
+                d = {"replica": str(i), "state": "unreachable", "error": known.get("error")}
+            else:
+                try:
+                    d = await asyncio.wait_for(self.engines[i].stats.remote(), STATS_TIMEOUT_S)
+                except Exception as e:
+                    d = {"replica": str(i), "state": "unreachable", "error": f"{type(e).__name__}"}
             r = self.router.replicas[i]
             d["generation"] = self.health[i].get("generation", 0)  # its builds across its actor's restarts
             d.update(routed_requests=r.total_routed, router_outstanding_tokens=r.outstanding_tokens,
