@@ -294,3 +294,36 @@ def test_whole_block_moves_equal_the_per_layer_ones(dtype: str) -> None:
         for i in (0, 1):
             got, want = restored[1][layer][i][[8, 9, 0]], source[layer][i][[1, 4, 7]]
             assert torch.equal(got, want) if exact else torch.allclose(got, want, atol=want.abs().max().item() / 127)
+
+
+@pytest.mark.parametrize("slots", [[5, 6, 7, 8], [0, 1, 4, 5, 9, 10], [0, 2, 4, 6, 8, 10]])
+def test_blocks_in_runs_of_slots_move_in_place_and_scattered_ones_through_a_gather(slots: list[int]) -> None:
+    """The per-layer path on slots in 1 or 3 runs of consecutive slots (one copy: the gather lands in the slots, the
+    scatter reads them in place) and in 6 runs (more than MAX_RUNS: a gather, then a copy): the same blocks back."""
+    import torch
+
+    from cbserve.scheduler.kv.connector import KVTransfer
+    from cbserve.worker.kv.tiers import MAX_RUNS, KVTiers
+
+    shape = (3, 2, 4, 2, 8)
+    torch.manual_seed(0)
+    source = [tuple(torch.randn(16, 4, 2, 8) for _ in range(2)) for _ in range(3)]
+    tiers = KVTiers(2**16, None, 0, shape, torch.float32)
+    caches = [tuple(t.clone() for t in kv) for kv in source]
+    tiers.register_kv_caches(caches)
+    stores = [(b, 200 + b) for b in range(len(slots))]
+    for (_, h), slot in zip(stores, slots, strict=True):  # the blocks' slots, as the tier's free list gave them
+        tiers.free.remove(slot)
+        tiers.ram[h] = slot
+    runs = tiers._runs(slots)
+    assert (len(runs) if runs is not None else None) == {4: 1, 6: 3 if slots[1] == 1 else None}[len(slots)]
+    assert runs is not None or sum(1 for j in range(len(slots)) if j == 0 or slots[j] != slots[j - 1] + 1) > MAX_RUNS
+    tiers.start_load_kv(KVTransfer(stores=stores))
+    for (b, _), slot in zip(stores, slots, strict=True):  # the slots hold the blocks
+        assert all(torch.equal(tiers.slots[slot, layer, i], source[layer][i][b]) for layer in range(3) for i in (0, 1))
+    tiers.start_load_kv(KVTransfer(loads=[(15 - b, h) for b, h in stores]))
+    for layer in range(3):
+        for i in (0, 1):
+            for b, _ in stores:
+                assert torch.equal(caches[layer][i][15 - b], source[layer][i][b]), (layer, i, b)
+    tiers.shutdown()

@@ -6,6 +6,7 @@ tokens are computed)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import struct
@@ -20,6 +21,18 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"CBKV\x01"
 _HEADER = struct.Struct("<5sQ16sQ")  # magic, block hash, payload digest, payload bytes
+
+
+def tier_key(model_files: list[Path], dtype: torch.dtype, block_size: int, rank: int, world: int,
+             tier_dtype: str = "auto") -> str:
+    """The disk tier's folder name for one model: its files (names, sizes, times), the cache's dtype and layout, the
+    tiers' dtype."""
+    h = hashlib.blake2b(digest_size=10)
+    for f in sorted(model_files):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    h.update(json.dumps([str(dtype), block_size, rank, world, tier_dtype]).encode())
+    return h.hexdigest()
 
 
 class BlockFiles:

@@ -31,8 +31,7 @@ reported in a later step's ``KVTransferResult``.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import itertools
 import logging
 import threading
 import time
@@ -46,25 +45,14 @@ import torch
 from cbserve.scheduler.config import OffloadConfig
 from cbserve.scheduler.kv.connector import KVTransfer, KVTransferResult
 from cbserve.scheduler.kv.offload import disk_names, oldest_first, scan_disk
-from cbserve.worker.kv.disk import BlockFiles, remove_orphans
+from cbserve.worker.kv.disk import BlockFiles, remove_orphans, tier_key
 from cbserve.worker.kv.shared import SUFFIX, Producers, SharedSlots, as_tag, producer_name, remove_dead
 
 logger = logging.getLogger(__name__)
 
 POLL_WAIT_S = 0.01  # a step sent only to collect prefetch reports waits this long for one
 RESCAN_S = 5.0  # how often the disk tier's folder is listed for other replicas' files
-
-
-def tier_key(model_files: list[Path], dtype: torch.dtype, block_size: int, rank: int, world: int,
-             tier_dtype: str = "auto") -> str:
-    """The disk tier's folder name for one model: its files (names, sizes, times), the cache's dtype and layout, the
-    tiers' dtype."""
-    h = hashlib.blake2b(digest_size=10)
-    for f in sorted(model_files):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    h.update(json.dumps([str(dtype), block_size, rank, world, tier_dtype]).encode())
-    return h.hexdigest()
+MAX_RUNS = 4  # a step's blocks in at most this many runs of consecutive RAM slots move in one copy, not two
 
 
 @dataclass(frozen=True)
@@ -223,8 +211,12 @@ class KVTiers:
         slot_list = [self._slot(h) for _, h in stores]
         if self.shared is not None:  # a consumer never takes a slot while it is written
             self.shared.tags[slot_list] = 0
+        runs = self._runs(slot_list)
         if self.whole_blocks or device.type == "cuda":
             self._store_whole(ids, slot_list)
+        elif runs is not None:  # slots in a few runs: each gather lands in them (one copy, not two)
+            for (layer, kv), i, (j, first, n) in itertools.product(enumerate(self.kv_caches), (0, 1), runs):
+                torch.index_select(kv[i], 0, ids[j:j + n], out=self.slots[first:first + n, layer, i])
         else:
             slots = torch.tensor(slot_list, dtype=torch.long)
             for layer, kv in enumerate(self.kv_caches):  # one gather per layer and K/V, into the slots
@@ -253,6 +245,14 @@ class KVTiers:
         if q.is_cuda:
             torch.cuda.current_stream(q.device).synchronize()  # the slots are read (disk writes, loads) after this
 
+    def _runs(self, slot_list: list[int]) -> list[tuple[int, int, int]] | None:
+        """(index in ``slot_list``, first slot, length) of its runs of consecutive slots, where the blocks move
+        unchanged (the cache's dtype, no int8 scales) and there are at most MAX_RUNS runs; else None."""
+        starts = [j for j in range(len(slot_list)) if j == 0 or slot_list[j] != slot_list[j - 1] + 1]
+        if len(starts) > MAX_RUNS or self.scales is not None or self.dtype != self.kv_caches[0][0].dtype:
+            return None
+        return [(j, slot_list[j], end - j) for j, end in zip(starts, [*starts[1:], len(slot_list)], strict=True)]
+
     def _encode(self, x: torch.Tensor, on_device: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``x`` in the tier's format (on the CPU unless ``on_device``): values, and the int8 tier's scales."""
         if self.scales is None:
@@ -278,6 +278,11 @@ class KVTiers:
                     if scales is not None:
                         x = x.float() * scales[:, layer, i].unsqueeze(-1)
                     kv[i].index_copy_(0, ids, x.to(k0.dtype))
+            return
+        runs = self._runs(slot_list)
+        if runs is not None:  # slots in a few runs: each scatter reads them in place (one copy, not two)
+            for (layer, kv), i, (j, first, n) in itertools.product(enumerate(self.kv_caches), (0, 1), runs):
+                kv[i].index_copy_(0, ids[j:j + n], self.slots[first:first + n, layer, i])
             return
         slots = torch.tensor(slot_list, dtype=torch.long)
         for layer, kv in enumerate(self.kv_caches):
