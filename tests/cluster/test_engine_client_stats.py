@@ -27,20 +27,26 @@ def _never_answers(calls: list[float]) -> Remote:
     return Remote(stats)
 
 
-def test_a_replica_whose_channel_broke_is_unreachable_at_once_without_a_call() -> None:
-    lost, alive, calls = FakeEngine([]), FakeEngine([]), []
-    lost.stats, alive.stats = _never_answers(calls), _answers("ready")  # type: ignore[attr-defined]
+def _stats(first: FakeEngine, second: FakeEngine, timeout_s: float, broken: str | None = None) -> list[dict[str, Any]]:
+    """/stats over a client of the two engines (replica 0's channel reported broken with ``broken`` first)."""
 
     async def run() -> list[dict[str, Any]]:
-        client = client_over(lost, alive)
+        client = client_over(first, second)
         await started(client)
         try:
-            client.broken(0, "its engine actor closed the channel")  # as the channel reader reports an end of file
-            return await asyncio.wait_for(client.stats(), 1.0)
+            if broken is not None:
+                client.broken(0, broken)  # as the channel reader reports an end of file
+            return await asyncio.wait_for(client.stats(), timeout_s)
         finally:
             await close(client)
 
-    first, second = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_replica_whose_channel_broke_is_unreachable_at_once_without_a_call() -> None:
+    lost, alive, calls = FakeEngine([]), FakeEngine([]), []
+    lost.stats, alive.stats = _never_answers(calls), _answers("ready")  # type: ignore[attr-defined]
+    first, second = _stats(lost, alive, 1.0, broken="its engine actor closed the channel")
     assert first["state"] == "unreachable" and first["error"] == "its engine actor closed the channel", first
     assert calls == []  # its actor was not asked
     assert second["state"] == "ready" and second["num_in_flight"] == 0, second
@@ -52,15 +58,6 @@ def test_a_ready_replica_is_asked_and_a_silent_one_times_out_as_unreachable(monk
     monkeypatch.setattr(engine_client, "STATS_TIMEOUT_S", 0.2)
     silent, alive, calls = FakeEngine([]), FakeEngine([]), []
     silent.stats, alive.stats = _never_answers(calls), _answers("ready")  # type: ignore[attr-defined]
-
-    async def run() -> list[dict[str, Any]]:
-        client = client_over(silent, alive)
-        await started(client)
-        try:
-            return await asyncio.wait_for(client.stats(), 5.0)
-        finally:
-            await close(client)
-
-    first, second = asyncio.run(run())
+    first, second = _stats(silent, alive, 5.0)
     assert len(calls) == 1 and first["state"] == "unreachable" and first["error"] == "TimeoutError", first
     assert second["state"] == "ready"
