@@ -291,7 +291,7 @@ def await_ready(
     profile would have put behind them."""
     if starts_at_zero(config.autoscaling):
         say("cbserve: scaled to zero: the first request starts an ingress replica and its engines (requests wait "
-              "for them); Ctrl-C to stop")
+            "for them); Ctrl-C to stop")
         return True, None
     ready, failure = wait_ready(base, args.ready_timeout, config.api_key)
     if failure is not None:

@@ -137,7 +137,7 @@ def drain(handle: Any, config: CBServeConfig) -> None:
         return
     in_flight, aborted = sum(d["in_flight"] for d in done), sum(d["aborted"] for d in done)
     say(f"cbserve: drained: {in_flight - aborted} of {in_flight} requests in flight finished, {aborted} aborted "
-          f"(on {len(done)} ingress replica{'' if len(done) == 1 else 's'})")
+        f"(on {len(done)} ingress replica{'' if len(done) == 1 else 's'})")
 
 
 def shut_down_app(serve: Any, ray: Any, config: CBServeConfig, deployed: bool = True) -> None:

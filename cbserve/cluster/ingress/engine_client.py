@@ -152,7 +152,7 @@ class EngineClient:
                 except Exception as e:
                     d = {"replica": str(i), "state": "unreachable", "error": f"{type(e).__name__}"}
             r = self.router.replicas[i]
-            d["generation"] = self.health[i].get("generation", 0)  # its builds across its actor's restarts
+            d["generation"] = known.get("generation", 0)  # its builds across its actor's restarts
             d.update(routed_requests=r.total_routed, router_outstanding_tokens=r.outstanding_tokens,
                      routed_cache_hits=r.cache_hits, router_cached_blocks=self.router.index.num_blocks(i))
             return d

@@ -211,10 +211,9 @@ class KVTiers:
         slot_list = [self._slot(h) for _, h in stores]
         if self.shared is not None:  # a consumer never takes a slot while it is written
             self.shared.tags[slot_list] = 0
-        runs = self._runs(slot_list)
         if self.whole_blocks or device.type == "cuda":
             self._store_whole(ids, slot_list)
-        elif runs is not None:  # slots in a few runs: each gather lands in them (one copy, not two)
+        elif (runs := self._runs(slot_list)) is not None:  # a few runs of slots: each gather lands in them
             for (layer, kv), i, (j, first, n) in itertools.product(enumerate(self.kv_caches), (0, 1), runs):
                 torch.index_select(kv[i], 0, ids[j:j + n], out=self.slots[first:first + n, layer, i])
         else:
