@@ -142,13 +142,17 @@ def main() -> int:
     p.add_argument("--pd-threads", type=int, default=None,
                    help="torch threads of each P:D replica (default: its share of --cores; --cores: both sides "
                         "may use every core, the OS sharing them)")
+    p.add_argument("--prefill-threads", type=int, default=None,
+                   help="torch threads of the prefill replica alone (disaggregation.prefill_torch_threads; default: "
+                        "as --pd-threads): it shares the decode replica's core while it prefills")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="benchmarks/results/pd")
     p.add_argument("--replot", action="store_true", help="plot --out-dir's JSON of this chunk size again, run nothing")
     args = p.parse_args()
     out = Path(args.out_dir)
     name = "pd_served" + ("" if args.max_num_batched_tokens == 2048 else f"_chunk{args.max_num_batched_tokens}") + \
-        ("" if args.pd_threads is None else f"_threads{args.pd_threads}")
+        ("" if args.pd_threads is None else f"_threads{args.pd_threads}") + \
+        ("" if args.prefill_threads is None else f"_prefill{args.prefill_threads}")
     if args.replot:
         plot(json.loads((out / f"{name}.json").read_text()), out / f"{name}.png")
         return 0
@@ -157,7 +161,8 @@ def main() -> int:
     half = max(1, args.cores // 2)
     ways = {"colocated": dict(base, num_replicas=1, worker_num_cpus=args.cores, worker_torch_threads=args.cores),
             "P:D 1:1": dict(base, worker_num_cpus=half, worker_torch_threads=args.pd_threads or half,
-                            kv_offloading_size=1.0, disaggregation={"prefill_replicas": 1, "decode_replicas": 1})}
+                            kv_offloading_size=1.0, disaggregation={"prefill_replicas": 1, "decode_replicas": 1,
+                                                                    "prefill_torch_threads": args.prefill_threads})}
     doc: dict[str, Any] = {"cpu": cpu_model(), "args": vars(args), "ways": {}}
     for way, app in ways.items():
         doc["ways"][way] = run_way(way, app, args)

@@ -8,8 +8,9 @@ bfloat16) go from a producer's pool to a consumer's pool in separate processes o
 
 Each figure is a median over --repeats and is set beside the copy bandwidth measured in the same run
 (``torch.Tensor.copy_`` of the same bytes between two pre-touched buffers, one thread as the tiers use, and the
-machine's threads) and beside the Ray object store as the alternative transport (``ray.put`` of the gathered blocks
-in the producer's process, ``ray.get`` in the consumer's: zero-copy on one node, then the copy into the pool).
+machine's threads) and beside the Ray object store, the transport across nodes, as served engines run it (a consumer
+actor whose folder lacks the producer's file pulls through the producer's ``KVSource`` actor, which reads the file;
+on one node the object store's copy is zero-copy, across nodes Ray's transfer adds the network's time).
 Writes ``pd_transfer.json`` to --out-dir.
 
     .venv/bin/python benchmarks/bench_pd_transfer.py                 # ~1 min
@@ -38,15 +39,32 @@ from cbserve.worker.kv.tiers import HandOff, KVTiers  # noqa: E402
 BLOCK = 16
 
 
-def _tiers(role: str, folder: Path, shape: tuple[int, ...], dtype: torch.dtype, blocks: int) -> KVTiers:
+def _tiers(role: str, folder: Path, shape: tuple[int, ...], dtype: torch.dtype, blocks: int,
+           transport: str = "auto") -> KVTiers:
     ram = (blocks + 8) * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    return KVTiers(ram, None, 0, shape, dtype, handoff=HandOff(role, folder, "bench", 30.0, 5.0))
+    return KVTiers(ram, None, 0, shape, dtype, handoff=HandOff(role, folder, "bench", 30.0, 5.0, transport))
 
 
 def _pool(shape: tuple[int, ...], dtype: torch.dtype, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     layers, _, bs, heads, dim = shape
     return [(torch.randn(blocks + 4, bs, heads, dim).to(dtype), torch.randn(blocks + 4, bs, heads, dim).to(dtype))
             for _ in range(layers)]
+
+
+def _pull_and_load(tiers: KVTiers, producer: str, hashes: list[int]) -> dict[str, Any]:
+    """A consumer's pull of ``hashes`` from ``producer`` and their load into its pool, timed; then evicted."""
+    t0 = time.perf_counter()
+    tiers.start_load_kv(KVTransfer(pulls=[(h, producer) for h in hashes]))
+    report = None
+    while report is None or not (report.prefetched or report.failed):
+        tiers.wait_for_prefetch(0.05)
+        report = tiers.get_finished() or report
+    pulled = time.perf_counter()
+    ok = len(report.pulled) == len(hashes)
+    tiers.start_load_kv(KVTransfer(loads=[(i, h) for i, h in enumerate(hashes)]))
+    row = {"pull_s": pulled - t0, "load_s": time.perf_counter() - pulled, "ok": ok}
+    tiers.start_load_kv(KVTransfer(evict=list(hashes)))
+    return row
 
 
 def consumer(conn: Any, folder: str, shape: tuple[int, ...], dtype_name: str, blocks: int) -> None:
@@ -56,41 +74,25 @@ def consumer(conn: Any, folder: str, shape: tuple[int, ...], dtype_name: str, bl
     tiers = _tiers("kv_consumer", Path(folder), shape, dtype, blocks)
     tiers.register_kv_caches(_pool(shape, dtype, blocks))
     while (msg := conn.recv()) is not None:
-        producer, hashes = msg
-        t0 = time.perf_counter()
-        tiers.start_load_kv(KVTransfer(pulls=[(h, producer) for h in hashes]))
-        report = None
-        while report is None or not (report.prefetched or report.failed):
-            tiers.wait_for_prefetch(0.05)
-            report = tiers.get_finished() or report
-        pulled = time.perf_counter()
-        ok = len(report.pulled) == len(hashes)
-        tiers.start_load_kv(KVTransfer(loads=[(i, h) for i, h in enumerate(hashes)]))
-        conn.send({"pull_s": pulled - t0, "load_s": time.perf_counter() - pulled, "ok": ok})
-        tiers.start_load_kv(KVTransfer(evict=list(hashes)))
+        conn.send(_pull_and_load(tiers, *msg))
     tiers.shutdown()
 
 
 class RayConsumer:
-    """The Ray object store as the transport: a consumer actor gets the gathered blocks (zero-copy on one node) and
-    copies them into its pool."""
+    """The Ray object store as the transport, as served engines use it across nodes: a consumer actor whose folder
+    does not hold the producer's file pulls through the producer's ``KVSource`` (cluster/engine/kv_source.py)."""
 
-    def __init__(self, shape: tuple[int, ...], dtype_name: str, blocks: int) -> None:
+    def __init__(self, folder: str, shape: tuple[int, ...], dtype_name: str, blocks: int) -> None:
+        from cbserve.cluster.engine.kv_source import attach_ray_transport
+
         torch.set_num_threads(1)
-        self.dtype = getattr(torch, dtype_name)
-        self.pool = _pool(shape, self.dtype, blocks)
+        dtype = getattr(torch, dtype_name)
+        self.tiers = _tiers("kv_consumer", Path(folder), shape, dtype, blocks, transport="ray")
+        self.tiers.register_kv_caches(_pool(shape, dtype, blocks))
+        attach_ray_transport(self.tiers)
 
-    def take(self, refs: list[Any]) -> float:
-        import ray
-
-        t0 = time.perf_counter()
-        raw = torch.from_numpy(ray.get(refs[0]))
-        blocks = raw.view(self.dtype) if self.dtype == torch.bfloat16 else raw
-        ids = torch.arange(blocks.shape[0])
-        for layer, kv in enumerate(self.pool):
-            for i in (0, 1):
-                kv[i].index_copy_(0, ids, blocks[:, layer, i])
-        return time.perf_counter() - t0
+    def take(self, producer: str, hashes: list[int]) -> dict[str, Any]:
+        return _pull_and_load(self.tiers, producer, hashes)
 
 
 def copy_bandwidth(nbytes: int, repeats: int, threads: int) -> float:
@@ -124,7 +126,7 @@ def measure(dtype: torch.dtype, args: argparse.Namespace, folder: Path) -> dict[
         parent.send((producer.config.shm_name, hashes))
         rows.append({"store_s": store, **parent.recv()})
         producer.start_load_kv(KVTransfer(evict=hashes))
-    ray_rows = _ray_rows(producer, shape, dtype, blocks, args.repeats) if args.ray else []
+    ray_rows = _ray_rows(producer, shape, dtype, blocks, args.repeats, folder) if args.ray else []
     parent.send(None)
     proc.join()
     producer.shutdown()
@@ -135,30 +137,34 @@ def measure(dtype: torch.dtype, args: argparse.Namespace, folder: Path) -> dict[
            "store_gb_s": nbytes / med["store_s"] / 1e9, "pull_gb_s": nbytes / med["pull_s"] / 1e9,
            "load_gb_s": nbytes / med["load_s"] / 1e9, "pool_to_pool_gb_s": nbytes / total / 1e9}  # fmt: skip
     if ray_rows:
-        out["ray_put_s"] = statistics.median(r["ray_put_s"] for r in ray_rows) * 1e3
-        out["ray_get_and_copy_s"] = statistics.median(r["ray_get_and_copy_s"] for r in ray_rows) * 1e3
-        out["ray_pool_to_pool_gb_s"] = nbytes / ((out["ray_put_s"] + out["ray_get_and_copy_s"]) / 1e3) / 1e9
+        ray_med = {k: statistics.median(row[k] for row in ray_rows) for k in ("store_s", "pull_s", "load_s")}
+        out["all_pulled_ray"] = all(r["ok"] for r in ray_rows)
+        out["ray_pull_s"] = round(ray_med["pull_s"] * 1e3, 3)
+        out["ray_pull_gb_s"] = nbytes / ray_med["pull_s"] / 1e9
+        out["ray_pool_to_pool_gb_s"] = nbytes / sum(ray_med.values()) / 1e9
     return out
 
 
-def _ray_rows(producer: KVTiers, shape: tuple[int, ...], dtype: torch.dtype, blocks: int,
-              repeats: int) -> list[dict[str, float]]:
+def _ray_rows(producer: KVTiers, shape: tuple[int, ...], dtype: torch.dtype, blocks: int, repeats: int,
+              folder: Path) -> list[dict[str, float]]:
     import ray
 
-    actor = ray.remote(num_cpus=0)(RayConsumer).remote(shape, str(dtype).split(".")[1], blocks)
-    ids = torch.arange(blocks)
+    from cbserve.cluster.engine.kv_source import start_kv_source
+
+    source = start_kv_source(producer)
+    actor = ray.remote(num_cpus=0)(RayConsumer).remote(str(folder / "other-node"), shape, str(dtype).split(".")[1],
+                                                       blocks)  # fmt: skip
     rows = []
-    for _ in range(repeats + 1):
+    for r in range(repeats + 1):
+        hashes = [(1 << 40) + (r << 32) + i + 1 for i in range(blocks)]
         t0 = time.perf_counter()
-        gathered = torch.stack([torch.stack([kv[0].index_select(0, ids), kv[1].index_select(0, ids)], 1)
-                                for kv in producer.kv_caches], 1)
-        raw = gathered.view(torch.int16) if dtype == torch.bfloat16 else gathered
-        ref = ray.put(raw.numpy())
-        put = time.perf_counter() - t0
-        rows.append({"ray_put_s": put, "ray_get_and_copy_s": ray.get(actor.take.remote([ref]))})
-        del ref
+        producer.start_load_kv(KVTransfer(stores=list(enumerate(hashes))))
+        store = time.perf_counter() - t0
+        rows.append({"store_s": store, **ray.get(actor.take.remote(producer.config.shm_name, hashes))})
+        producer.start_load_kv(KVTransfer(evict=hashes))
     ray.kill(actor)
-    return rows[1:]  # the first warms the actor
+    ray.kill(source)
+    return rows[1:]  # the first warms the actors
 
 
 def main() -> int:
@@ -189,7 +195,8 @@ def main() -> int:
                   f"{row['store_gb_s']:5.1f} GB/s, pull {row['pull_gb_s']:5.1f}, load {row['load_gb_s']:5.1f}; "
                   f"pool->pool {row['pool_to_pool_gb_s']:5.1f} GB/s = {row['pool_to_pool_gb_s'] / copy:.2f}x copy "
                   f"({copy:.1f} GB/s, 1 thread); pull alone {row['pull_gb_s'] / copy:.2f}x"
-                  + (f"; Ray object store pool->pool {row['ray_pool_to_pool_gb_s']:5.1f} GB/s" if args.ray else ""),
+                  + (f"; Ray object store: pull {row['ray_pull_gb_s']:5.1f} GB/s, pool->pool "
+                     f"{row['ray_pool_to_pool_gb_s']:5.1f} GB/s" if args.ray else ""),
                   flush=True)  # fmt: skip
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -57,4 +57,8 @@ def offline_config(model: str | None, fields: Mapping[str, Any]) -> CBServeConfi
     if "model" in fields:
         raise TypeError("LLM takes the model once, as its first argument")
     given = {k: v for k, v in fields.items() if v is not None}
-    return CBServeConfig.model_validate({"model": model, **given})
+    config = CBServeConfig.model_validate({"model": model, **given})
+    if config.disaggregation is not None and config.disaggregation.transport == "ray":
+        raise ValueError("disaggregation transport 'ray' pulls through the Ray object store of served engines; the "
+                         "offline LLM hands blocks over in shared memory: use 'auto' or 'shm'")
+    return config

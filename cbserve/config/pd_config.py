@@ -8,8 +8,9 @@ Two ways to run it:
 - Standalone servers driven by a proxy with vLLM's ``kv_transfer_params`` handshake: ``kv_role`` is this server's
   part (``kv_transfer_config``'s ``kv_role`` sets it too: config/kv_config.py).
 
-The KV moves through the RAM tier, which then lives in shared memory (``shm_path``, one node): a 1 GiB tier unless
-``kv_offloading_size`` says otherwise.
+The KV moves through the RAM tier, which then lives in shared memory (``shm_path``): a 1 GiB tier unless
+``kv_offloading_size`` says otherwise. A decode engine maps a producer's file on its own node and gets the blocks of
+one on another node through the Ray object store (``transport``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ class PDConfig(BaseModel):
     transfer_timeout_s: float = Field(30.0, gt=0)  # how long a producer keeps a request's blocks for its consumer
     pull_wait_s: float = Field(2.0, gt=0)  # how long a consumer waits for a block to be published, then computes it
     shm_path: str = "/dev/shm/cbserve-kv"  # the node's shared folder the producers publish in
+    # how a decode engine pulls: "auto" the producer's file when it is on this node, else through the Ray object store
+    # (the producer's KVSource actor reads it there); "shm" the file only (another node's prompt is computed); "ray"
+    # always the object store. Served engines only: the offline LLM has shared memory alone
+    transport: Literal["auto", "shm", "ray"] = "auto"
+    # a P:D app's torch threads per side (None: worker_torch_threads): a prefill side may take more threads than the
+    # cores it reserves, sharing the decode side's while it prefills (docs/deployment.md, "Sizing P:D")
+    prefill_torch_threads: int | None = Field(None, ge=1)
+    decode_torch_threads: int | None = Field(None, ge=1)
 
     @property
     def layout(self) -> bool:
@@ -95,6 +104,9 @@ def check_pd_keys(config: Any) -> None:
     if config.kv_offloading_dtype == "int8":
         raise ValueError("disaggregation hands blocks over in the RAM tier's dtype: kv_offloading_dtype 'int8' keeps "
                          "scales beside them, not shared yet; use 'auto' or 'bfloat16'")
+    if not pd.layout and (pd.prefill_torch_threads or pd.decode_torch_threads):
+        raise ValueError("prefill_torch_threads and decode_torch_threads size the sides of a P:D app (--pd P:D); a "
+                         "standalone kv_role server has worker_torch_threads")
     if pd.layout and config.autoscaling is not None:
         raise ValueError("a P:D app (--pd) sets its replicas itself: it does not combine with autoscaling yet")
 
@@ -104,7 +116,7 @@ def worker_fields(pd: PDConfig | None) -> dict[str, Any]:
     if pd is None:
         return {}
     return {"kv_role": pd.kv_role, "kv_shm_path": pd.shm_path, "kv_transfer_timeout_s": pd.transfer_timeout_s,
-            "kv_pull_wait_s": pd.pull_wait_s}
+            "kv_pull_wait_s": pd.pull_wait_s, "kv_transport": pd.transport}
 
 
 def config_for_replica(config: Any, replica: int) -> Any:
@@ -112,4 +124,7 @@ def config_for_replica(config: Any, replica: int) -> Any:
     pd = config.disaggregation
     if pd is None or not pd.layout:
         return config
-    return config.model_copy(update={"disaggregation": pd.model_copy(update={"kv_role": pd.role_of(replica)})})
+    role = pd.role_of(replica)
+    threads = pd.prefill_torch_threads if role == "kv_producer" else pd.decode_torch_threads
+    return config.model_copy(update={"disaggregation": pd.model_copy(update={"kv_role": role}),
+                                     "worker_torch_threads": threads or config.worker_torch_threads})

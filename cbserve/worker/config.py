@@ -113,6 +113,7 @@ class ModelConfig:
     kv_shm_path: str = "/dev/shm/cbserve-kv"
     kv_transfer_timeout_s: float = 30.0
     kv_pull_wait_s: float = 2.0
+    kv_transport: str = "auto"  # how a consumer pulls: "auto" (the file on this node, else remote), "shm", "ray"
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -210,6 +211,8 @@ class ModelConfig:
             raise ValueError(conflict)
         if self.kv_role not in (None, "kv_producer", "kv_consumer", "kv_both"):
             raise ValueError(f"kv_role must be 'kv_producer', 'kv_consumer', 'kv_both' or None, got {self.kv_role!r}")
+        if self.kv_transport not in ("auto", "shm", "ray"):
+            raise ValueError(f"kv_transport must be 'auto', 'shm' or 'ray', got {self.kv_transport!r}")
         if self.kv_role is not None and (not self.kv_offloading_bytes or self.kv_offloading_dtype == "int8"):
             raise ValueError("prefill/decode disaggregation hands blocks over through the RAM tier: it needs "
                              "kv_offloading_size, and kv_offloading_dtype 'auto' or 'bfloat16'")

@@ -231,7 +231,7 @@ def test_the_worker_config_is_derived_from_every_matching_field() -> None:
     # the draft model's fields come from speculative_config (see the speculative_config test below)
     # the KV tiers' sizes are GiB in the user's config and bytes in the worker's (see the next test)
     tiers = {"kv_offloading_bytes", "kv_offloading_dtype", "kv_disk_path", "kv_disk_bytes"}
-    handoff = {"kv_role", "kv_shm_path", "kv_transfer_timeout_s", "kv_pull_wait_s"}  # disaggregation's (pd_config.py)
+    handoff = {"kv_role", "kv_shm_path", "kv_transfer_timeout_s", "kv_pull_wait_s", "kv_transport"}  # pd_config.py
     apart = {"cpu_decode_activations"}  # "int16" conflicts with this test's cuda and fp8 (test_cpu_ops_reaches_...)
     derived = {"rank", "draft_model", "num_speculative_tokens"} | tiers | handoff | apart
     assert {f.name for f in dataclasses.fields(ModelConfig)} == set(values) | derived

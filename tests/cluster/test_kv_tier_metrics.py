@@ -21,7 +21,7 @@ def test_engine_metrics_export_the_kv_tiers_counters_as_increments(log: list) ->
     log.clear()
     stats = OffloadStats(hit_tokens_ram=64, hit_tokens_disk=16, hit_tokens_remote=8, bytes_stored=100, bytes_loaded=50,
                          evictions_ram=2, prefetch_failures=1, load_s=0.5, bytes_pulled=40, pull_s=0.25,
-                         pull_failures=3)  # fmt: skip
+                         bytes_pulled_ray=24, pull_failures=3)  # fmt: skip
     em.observe_tiers(stats)
     stats.hit_tokens_ram, stats.bytes_loaded = 96, 80  # 32 more from RAM, none from disk
     em.observe_tiers(stats)
@@ -29,7 +29,7 @@ def test_engine_metrics_export_the_kv_tiers_counters_as_increments(log: list) ->
     # a disk hit is counted as disk, a pulled one (prefill/decode disaggregation) as remote, neither as ram
     assert hits == [(40.0, "ram"), (16.0, "disk"), (8.0, "remote"), (32.0, "ram")]
     moved = [(v, t["direction"]) for n, v, t in log if n == "cbserve_kv_tier_bytes"]
-    assert moved == [(100.0, "stored"), (50.0, "loaded"), (40.0, "pulled"), (30.0, "loaded")]
+    assert moved == [(100.0, "stored"), (50.0, "loaded"), (40.0, "pulled"), (24.0, "pulled_ray"), (30.0, "loaded")]
     assert _values(log, "kv_tier_evictions") == [2.0] and _values(log, "kv_tier_prefetch_failures") == [1.0]
     assert _values(log, "kv_tier_transfer_seconds") == [0.5, 0.25] and _values(log, "kv_tier_pull_failures") == [3.0]
 

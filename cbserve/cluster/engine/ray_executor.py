@@ -34,6 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cbserve.cluster.channel.messages import RankCall, StepMessage, StepReply
 from cbserve.cluster.channel.steps import SocketSteps
 from cbserve.cluster.engine.compiled_graph import GraphSteps
+from cbserve.cluster.engine.kv_source import attach_ray_transport
 from cbserve.cluster.engine.rank import LocalSteps, Rank
 from cbserve.cluster.engine.worker_actor import WorkerActor
 from cbserve.config import CBServeConfig
@@ -90,6 +91,7 @@ class RayExecutor:
         self._closing = False
         self.on_rank_lost: Callable[[], None] | None = None  # called once when a rank is gone (the engine loop)
         self._last_done = 0.0  # perf_counter() when the last step's output came back
+        self.kv_source: Any = None  # a producer's KVSource (kv_source.py), killed with this executor
 
     @property
     def rank_lost(self) -> bool:
@@ -143,6 +145,7 @@ class RayExecutor:
             rank.shutdown()
             raise
         executor = cls([], None, num_blocks, rank)
+        executor.kv_source = attach_ray_transport(rank.runner.kv_tiers)
         info = rank.info()
         executor.stats.torch_threads, executor.stats.cpu = [info["torch_threads"]], [info["cpu"]]
         executor.transport = LocalSteps(rank)
@@ -245,9 +248,9 @@ class RayExecutor:
         if self.transport is not None:
             self.transport.close()
             self.transport = None
-        for w in self.workers:
+        for w in [*self.workers, *([self.kv_source] if self.kv_source is not None else [])]:
             ray.kill(w, no_restart=True)
-        self.workers = []
+        self.workers, self.kv_source = [], None
         if self.local is not None:
             self.local.shutdown()
             self.local = None

@@ -114,7 +114,7 @@ class EngineMetrics:
               {"medium": "ram"})
         m.inc("kv_tier_hit_tokens", d["hit_tokens_disk"], {"medium": "disk"})
         m.inc("kv_tier_hit_tokens", d["hit_tokens_remote"], {"medium": "remote"})
-        for direction in ("stored", "loaded", "from_disk", "pulled"):
+        for direction in ("stored", "loaded", "from_disk", "pulled", "pulled_ray"):
             m.inc("kv_tier_bytes", d[f"bytes_{direction}"], {"direction": direction})
         m.inc("kv_tier_transfer_seconds", d["store_s"], {"direction": "store"})
         m.inc("kv_tier_transfer_seconds", d["load_s"], {"direction": "load"})

@@ -55,6 +55,7 @@ class KVTransferResult:
     load_s: float = 0.0
     pulled: list[int] = field(default_factory=list)  # of ``prefetched``, those pulled from a producer
     bytes_pulled: int = 0
+    bytes_pulled_ray: int = 0  # of those bytes, the ones a producer on another node sent through the Ray object store
     pull_s: float = 0.0  # from a pull's start (the step that asked it) to its blocks in the RAM tier
 
 

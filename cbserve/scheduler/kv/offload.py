@@ -63,6 +63,7 @@ class OffloadStats:
     pull_failures: int = 0  # a producer gone, its block overwritten or never published in time: computed here
     hit_tokens_remote: int = 0
     bytes_pulled: int = 0
+    bytes_pulled_ray: int = 0  # of those, through the Ray object store (a producer on another node)
     pull_s: float = 0.0
 
 
@@ -228,6 +229,7 @@ class OffloadConnector:
         s.pull_failures += pull_failures
         s.prefetch_failures += len(result.failed) - pull_failures
         s.bytes_pulled += result.bytes_pulled
+        s.bytes_pulled_ray += result.bytes_pulled_ray
         s.pull_s += result.pull_s
         s.bytes_stored += result.bytes_stored
         s.bytes_loaded += result.bytes_loaded

@@ -5,8 +5,9 @@ with ``{"do_remote_decode": true}``: that engine (a ``kv_producer``) computes th
 published in its shared-memory tier for ``transfer_timeout_s`` and answers with the parameters a decode engine needs
 (``published``). The proxy sends the same request to a decode engine (a ``kv_consumer``) with those parameters
 (``do_remote_prefill``): it pulls the published blocks (scheduler/kv/offload.py, worker/kv/shared.py), computes the
-prompt's last tokens itself and streams the rest. A block that cannot be pulled (the producer is gone, its tier was
-overwritten, another node) is computed: a request is never lost to the hand-off.
+prompt's last tokens itself and streams the rest (from a producer on another node through the Ray object store:
+cluster/engine/kv_source.py). A block that cannot be pulled (the producer is gone, its tier was overwritten) is
+computed: a request is never lost to the hand-off.
 
 Only the keys below are accepted; ``remote_engine_id`` names a file of the shared folder, so it is checked as a
 name (letters, digits, ``.``, ``_``, ``-``), never used as a path.

@@ -22,6 +22,8 @@ import logging
 import os
 import secrets
 import struct
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ SUFFIX = ".kvshm"
 MAGIC = b"CBKVSHM1"
 _HEADER = struct.Struct("<8sQ16s64s")  # magic, slots, dtype name, block shape as text
 _ALIGN = 4096
+POLL_S = 0.002  # how often a producer's tags are read again while a block is not published yet
 
 
 def as_tag(h: int) -> int:
@@ -86,6 +89,50 @@ class SharedSlots:
         """Tag -> slot of the slots that hold a block now."""
         return {t: i for i, t in enumerate(self.tag_values.tolist()) if t}
 
+    def copy_published(self, hashes: list[int], wait_s: float,
+                       take: Callable[[list[int], list[int]], None]) -> list[int]:
+        """``take(hashes, slots)`` for the published blocks of ``hashes`` (``slots``: theirs in this file), waiting up
+        to ``wait_s`` for those not published yet; the hashes whose copy counts (their tag held the hash before and
+        after ``take``), in the order taken."""
+        deadline, pending, found = time.monotonic() + wait_s, list(hashes), []
+        while pending:
+            index = self.index()
+            ready = [(h, index[as_tag(h)]) for h in pending if as_tag(h) in index]
+            if ready:
+                take([h for h, _ in ready], [at for _, at in ready])
+                after = self.tag_values[[at for _, at in ready]].tolist()
+                found += [h for (h, _), tag in zip(ready, after, strict=True) if tag == as_tag(h)]
+            taken = {h for h, _ in ready}
+            pending = [h for h in pending if h not in taken] if time.monotonic() < deadline else []
+            if pending:
+                time.sleep(POLL_S)
+        return found
+
+    def read(self, hashes: list[int], wait_s: float, out: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
+        """Copies of the published blocks of ``hashes`` (``copy_published``): the hashes copied and their blocks (the
+        first rows of ``out`` when given: ``[>= len(hashes), *block_shape]`` of the slots' dtype)."""
+        if out is None:
+            out = torch.empty((len(hashes), *self.slots.shape[1:]), dtype=self.slots.dtype)
+        row: dict[int, int] = {}
+
+        def take(hs: list[int], slots: list[int]) -> None:
+            rows = [row.setdefault(h, len(row)) for h in hs]
+            copy_rows(out, rows, self.slots, slots)
+
+        found = self.copy_published(hashes, wait_s, take)
+        if found == list(row)[: len(found)]:
+            return found, out[: len(found)]
+        return found, out.index_select(0, torch.tensor([row[h] for h in found], dtype=torch.long))
+
+
+def copy_rows(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int]) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for each i: one slice copy per run of rows consecutive on both sides
+    (a row alone is a run of one: no gathered temporary, whose fresh pages cost more than the copies' calls)."""
+    starts = [i for i in range(len(dst_rows)) if i == 0 or dst_rows[i] != dst_rows[i - 1] + 1
+              or src_rows[i] != src_rows[i - 1] + 1]  # fmt: skip
+    for i, end in zip(starts, [*starts[1:], len(dst_rows)], strict=True):
+        dst[dst_rows[i] : dst_rows[i] + end - i].copy_(src[src_rows[i] : src_rows[i] + end - i])
+
 
 def producer_name(key: str) -> str:
     return f"{key}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -103,6 +150,10 @@ class Producers:
     def __init__(self, folder: Path, key: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.folder, self.key, self.block_shape, self.dtype = folder, key, block_shape, dtype
         self.open: dict[str, SharedSlots] = {}
+
+    def local(self, name: str) -> bool:
+        """Whether the producer's file is in this node's folder (a producer on another node: it is not)."""
+        return name in self.open or (self.folder / f"{name}{SUFFIX}").exists()
 
     def get(self, name: str) -> SharedSlots | None:
         slots = self.open.get(name)

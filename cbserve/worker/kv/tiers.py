@@ -21,8 +21,9 @@ on the CPU each layer's K and V are gathered into the slots directly.
 
 Prefill/decode disaggregation (shared.py, ``HandOff``): a producer's RAM tier lives in a shared-memory file under
 its engine id, every slot tagged with the block it holds; a consumer's ``pulls`` copy published blocks from a
-producer's file into its own RAM tier in a background thread of their own, waiting up to ``pull_wait_s`` for a
-block the producer has not published yet (its store comes with its next step), then reporting it failed.
+producer's file (or, from another node, through the served engine's remote pull: pulls.py) into its own RAM tier in
+a background thread of their own, waiting up to ``pull_wait_s`` for a block the producer has not published yet (its
+store comes with its next step), then reporting it failed.
 
 Each step's ``KVTransfer`` is carried out before its forward pass: stores (pool -> RAM, and queued for disk),
 loads (RAM -> pool), evictions; prefetches (disk -> RAM) and deletions run in the background thread and are
@@ -31,6 +32,7 @@ reported in a later step's ``KVTransferResult``.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import threading
@@ -46,6 +48,7 @@ from cbserve.scheduler.config import OffloadConfig
 from cbserve.scheduler.kv.connector import KVTransfer, KVTransferResult
 from cbserve.scheduler.kv.offload import disk_names, oldest_first, scan_disk
 from cbserve.worker.kv.disk import BlockFiles, remove_orphans, tier_key
+from cbserve.worker.kv.pulls import RemotePull, pull
 from cbserve.worker.kv.shared import SUFFIX, Producers, SharedSlots, as_tag, producer_name, remove_dead
 
 logger = logging.getLogger(__name__)
@@ -59,13 +62,14 @@ MAX_RUNS = 4  # a step's blocks in at most this many runs of consecutive RAM slo
 class HandOff:
     """This engine's part in prefill/decode disaggregation: its ``role``, the shared folder, the model's tier key
     (producers' file names start with it), how long a producer keeps a request's blocks and a consumer waits for
-    them to be published."""
+    them to be published, and how a consumer pulls them (pulls.py's ``transport``)."""
 
     role: str
     folder: Path
     key: str
     transfer_timeout_s: float
     pull_wait_s: float
+    transport: str = "auto"
 
 
 class KVTiers:
@@ -105,12 +109,14 @@ class KVTiers:
                                           dtype, create=True)
             if handoff.role in ("kv_consumer", "kv_both"):
                 self.producers = Producers(handoff.folder, handoff.key, block_shape, dtype)
+        self.remote: RemotePull | None = None  # pulls from producers on other nodes (set by a served engine)
         self.slots = self.shared.slots if self.shared is not None else \
             torch.empty((self.config.ram_blocks, *block_shape), dtype=dtype, pin_memory=pin)
         self.whole_blocks = False  # move whole blocks (always on CUDA; tests set it to run that path on a CPU)
         self.scales = None if self.scale_shape is None else \
             torch.empty((self.config.ram_blocks, *self.scale_shape), dtype=torch.float32, pin_memory=pin)
-        self.free = list(range(self.config.ram_blocks - 1, -1, -1))
+        self.free = list(range(self.config.ram_blocks))  # a heap: the lowest free slot first, so a step's blocks
+        # tend to take consecutive slots (runs that move in one copy) whatever order the earlier ones were freed in
         self.ram: dict[int, int] = {}
         self.kv_caches: list = []
         self._io = ThreadPoolExecutor(1, "cbserve-kv-disk")  # disk writes, reads and deletions, in order
@@ -196,14 +202,14 @@ class KVTiers:
         with self._lock:
             slot = self.ram.get(h)
             if slot is None:
-                slot = self.ram[h] = self.free.pop()  # the scheduler keeps the tier within its slots
+                slot = self.ram[h] = heapq.heappop(self.free)  # the scheduler keeps the tier within its slots
             return slot
 
     def _release(self, h: int) -> None:
         with self._lock:
             slot = self.ram.pop(h, None)
             if slot is not None:
-                self.free.append(slot)
+                heapq.heappush(self.free, slot)
 
     def _store(self, stores: list[tuple[int, int]]) -> None:
         device = self.kv_caches[0][0].device
@@ -332,27 +338,13 @@ class KVTiers:
 
     # ---- pulls from producers (their thread) --------------------------------------------------------
     def _pull(self, producer: str, items: list[tuple[int, int]], asked_at: float) -> None:
-        """Copy the producer's published blocks into their slots here (a block counts when its tag holds its hash
-        before and after the copy); one not published within ``pull_wait_s`` of ``asked_at`` fails."""
-        assert self.handoff is not None and self.producers is not None
-        source = self.producers.get(producer)
-        deadline, pending, done = asked_at + self.handoff.pull_wait_s, list(items), []
-        while pending and source is not None:
-            index, rest = source.index(), []
-            for h, slot in pending:
-                tag = as_tag(h)
-                at = index.get(tag)
-                if at is None:
-                    rest.append((h, slot))
-                    continue
-                with self._lock:
-                    if self.ram.get(h) == slot:  # (a slot released meanwhile is another's now)
-                        self._fill(slot, h, source.slots[at], None)
-                if int(source.tag_values[at]) == tag:
-                    done.append(h)
-            pending = rest if time.monotonic() < deadline else []
-            if pending:
-                time.sleep(0.002)
+        """Copy the producer's published blocks into their slots here (pulls.py); one not there within
+        ``pull_wait_s`` of ``asked_at`` fails."""
+        try:
+            done, remote = pull(self, producer, items, asked_at)
+        except Exception:  # a pull that broke is a failed pull: the blocks are computed
+            logger.exception("KV pull from %s failed; its blocks are computed", producer)
+            done, remote = [], False
         landed = set(done)
         failed = [h for h, _ in items if h not in landed]
         with self._arrived:
@@ -361,6 +353,7 @@ class KVTiers:
             r.pulled.extend(done)
             r.failed.extend(failed)
             r.bytes_pulled += len(done) * self.block_bytes
+            r.bytes_pulled_ray += len(done) * self.block_bytes if remote else 0
             r.pull_s += time.monotonic() - asked_at
             self._arrived.notify_all()
 
@@ -384,7 +377,8 @@ def build_kv_tiers(runner: Any) -> KVTiers | None:
                    config.tensor_parallel_size, config.kv_offloading_dtype)
     disk_dir = None if config.kv_disk_path is None else Path(config.kv_disk_path) / key
     handoff = None if config.kv_role is None else HandOff(config.kv_role, Path(config.kv_shm_path), key,
-                                                          config.kv_transfer_timeout_s, config.kv_pull_wait_s)
+                                                          config.kv_transfer_timeout_s, config.kv_pull_wait_s,
+                                                          config.kv_transport)
     shape = (runner.num_layers, 2, runner.block_size, runner.num_kv_heads, runner.head_dim)
     dtype = {"bfloat16": torch.bfloat16, "int8": torch.int8}.get(config.kv_offloading_dtype, runner.dtype)
     tiers = KVTiers(config.kv_offloading_bytes, disk_dir, config.kv_disk_bytes, shape, dtype,
