@@ -21,11 +21,12 @@ SHAPE = (3, 2, 16, 2, 64)  # layers, K/V, block size, KV heads, head dim
 BLOCKS = 40
 
 
-def _tiers(role: str, folder: Path, dtype: torch.dtype = torch.float32) -> Any:
+def _tiers(role: str, folder: Path, dtype: torch.dtype = torch.float32, transport: str = "auto") -> Any:
     from cbserve.worker.kv.tiers import HandOff, KVTiers
 
     block = torch.Size(SHAPE).numel() * torch.empty((), dtype=dtype).element_size()
-    tiers = KVTiers((BLOCKS + 8) * block, None, 0, SHAPE, dtype, handoff=HandOff(role, folder, "key", 30.0, 0.5))
+    tiers = KVTiers((BLOCKS + 8) * block, None, 0, SHAPE, dtype,
+                    handoff=HandOff(role, folder, "key", 30.0, 0.5, transport))  # fmt: skip
     g = torch.Generator().manual_seed(len(role))
     tiers.register_kv_caches([tuple(torch.randn(BLOCKS, *SHAPE[2:], generator=g).to(dtype) for _ in range(2))
                               for _ in range(SHAPE[0])])  # fmt: skip
@@ -80,7 +81,9 @@ def test_a_consumer_on_another_node_gets_the_published_blocks_through_the_object
     other = _tiers("kv_consumer", tmp_path / "node-c", torch.bfloat16)  # another layout: refused by the source
     attach_ray_transport(other)
     assert _pull(other, tiers.config.shm_name, hashes[:2]) == ([], hashes[:2])
-    for t in (consumer, other):
+    shm = _tiers("kv_both", tmp_path / "node-d", transport="shm")  # shared memory alone: no source, no remote pull
+    assert attach_ray_transport(shm) is None and shm.remote is None
+    for t in (consumer, other, shm):
         t.shutdown()
 
 

@@ -136,9 +136,9 @@ def test_the_offline_llm_refuses_the_ray_transport_and_a_bad_one_is_named() -> N
     from cbserve import LLM
 
     with pytest.raises(ValueError, match="transport 'ray'"):
-        LLM(None, kv_offloading_size=0.01, disaggregation={"kv_role": "kv_consumer", "transport": "ray"})
+        LLM(None, device="cpu", kv_offloading_size=0.01, disaggregation={"kv_role": "kv_consumer", "transport": "ray"})
     with pytest.raises(ValueError, match="transport"):
-        LLM(None, kv_offloading_size=0.01, disaggregation={"kv_role": "kv_consumer", "transport": "nixl"})
+        LLM(None, device="cpu", kv_offloading_size=0.01, disaggregation={"kv_role": "kv_consumer", "transport": "nixl"})
 
 
 @pytest.mark.parametrize("dst_rows, src_rows", [([0, 1, 2, 7, 8], [5, 6, 7, 0, 1]),  # 2 runs: slices

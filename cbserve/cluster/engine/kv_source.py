@@ -92,11 +92,11 @@ class RayPull:
 
 
 def attach_ray_transport(tiers: Any) -> Any:
-    """Give an engine's tiers what disaggregation needs across nodes: a consumer's ``RayPull``; a producer's
-    ``KVSource`` (returned: its engine kills it when it goes)."""
-    if tiers is None or tiers.handoff is None:
+    """Give an engine's tiers what disaggregation needs across nodes (none with ``transport: shm``): a consumer's
+    ``RayPull``; a producer's ``KVSource`` (returned: its engine kills it when it goes)."""
+    if tiers is None or tiers.handoff is None or tiers.handoff.transport == "shm":
         return None
-    if tiers.producers is not None and tiers.handoff.transport != "shm":
+    if tiers.producers is not None:
         tiers.remote = RayPull()
     return start_kv_source(tiers)
 

@@ -34,7 +34,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cbserve.cluster.channel.messages import RankCall, StepMessage, StepReply
 from cbserve.cluster.channel.steps import SocketSteps
 from cbserve.cluster.engine.compiled_graph import GraphSteps
-from cbserve.cluster.engine.kv_source import attach_ray_transport
 from cbserve.cluster.engine.rank import LocalSteps, Rank
 from cbserve.cluster.engine.worker_actor import WorkerActor
 from cbserve.config import CBServeConfig
@@ -144,6 +143,8 @@ class RayExecutor:
         except BaseException:
             rank.shutdown()
             raise
+        from cbserve.cluster.engine.kv_source import attach_ray_transport  # (torch: not on the ingress's imports)
+
         executor = cls([], None, num_blocks, rank)
         executor.kv_source = attach_ray_transport(rank.runner.kv_tiers)
         info = rank.info()
