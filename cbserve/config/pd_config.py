@@ -41,8 +41,8 @@ class PDConfig(BaseModel):
     # (the producer's KVSource actor reads it there); "shm" the file only (another node's prompt is computed); "ray"
     # always the object store. Served engines only: the offline LLM has shared memory alone
     transport: Literal["auto", "shm", "ray"] = "auto"
-    # a P:D app's torch threads per side (None: worker_torch_threads): a prefill side may take more threads than the
-    # cores it reserves, sharing the decode side's while it prefills (docs/deployment.md, "Sizing P:D")
+    # a P:D app's torch threads per side (None: worker_torch_threads): a node's cores split unevenly between the sides,
+    # together within its cores (a core shared by both sides stalls both: docs/deployment.md, "Sizing P:D")
     prefill_torch_threads: int | None = Field(None, ge=1)
     decode_torch_threads: int | None = Field(None, ge=1)
 

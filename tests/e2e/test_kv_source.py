@@ -27,7 +27,7 @@ def _tiers(role: str, folder: Path, dtype: torch.dtype = torch.float32, transpor
     block = torch.Size(SHAPE).numel() * torch.empty((), dtype=dtype).element_size()
     tiers = KVTiers((BLOCKS + 8) * block, None, 0, SHAPE, dtype,
                     handoff=HandOff(role, folder, "key", 30.0, 0.5, transport))  # fmt: skip
-    g = torch.Generator().manual_seed(len(role))
+    g = torch.Generator().manual_seed(sum(map(ord, role)))  # each role's pool its own
     tiers.register_kv_caches([tuple(torch.randn(BLOCKS, *SHAPE[2:], generator=g).to(dtype) for _ in range(2))
                               for _ in range(SHAPE[0])])  # fmt: skip
     return tiers
@@ -48,15 +48,17 @@ def _pull(consumer: Any, producer: str, hashes: list[int]) -> tuple[list[int], l
     return sorted(pulled), sorted(failed)
 
 
-@pytest.fixture(scope="module")
-def producer(shared_ray: SharedRay, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+@pytest.fixture()
+def producer(shared_ray: SharedRay, tmp_path: Path) -> Iterator[tuple[Any, Any]]:
+    """A producer with every block published, and its source, started (each test its own)."""
     from cbserve.cluster.engine.kv_source import attach_ray_transport
     from cbserve.scheduler.kv.connector import KVTransfer
 
     shared_ray.start()
-    tiers = _tiers("kv_producer", tmp_path_factory.mktemp("node-a"))
+    tiers = _tiers("kv_producer", tmp_path / "node-a")
     tiers.start_load_kv(KVTransfer(stores=[(b, 1000 + b) for b in range(BLOCKS)]))
     source = attach_ray_transport(tiers)
+    ray.get(source.__ray_ready__.remote(), timeout=120)
     yield tiers, source
     ray.kill(source)
     tiers.shutdown()

@@ -26,7 +26,7 @@ def _tiers(role: str, folder: Path, transport: str = "auto", wait_s: float = 0.3
     block = torch.Size(SHAPE).numel() * 4
     tiers = KVTiers(16 * block, None, 0, SHAPE, torch.float32,
                     handoff=HandOff(role, folder, "key", 30.0, wait_s, transport))  # fmt: skip
-    g = torch.Generator().manual_seed(len(role))
+    g = torch.Generator().manual_seed(sum(map(ord, role)))  # each role's pool its own
     tiers.register_kv_caches([(torch.randn(BLOCKS, *SHAPE[2:], generator=g), torch.randn(BLOCKS, *SHAPE[2:],
                                                                                          generator=g))
                               for _ in range(SHAPE[0])])  # fmt: skip
@@ -150,3 +150,23 @@ def test_copy_rows_moves_each_row_and_nothing_else(dst_rows: list[int], src_rows
     copy_rows(dst, dst_rows, src, src_rows)
     assert all(torch.equal(dst[d], src[s]) for d, s in zip(dst_rows, src_rows, strict=True))
     assert not dst[[i for i in range(12) if i not in dst_rows]].any()
+
+
+def test_a_block_whose_slot_went_meanwhile_is_neither_written_nor_counted(producer: KVTiers, tmp_path: Path) -> None:
+    from cbserve.worker.kv.pulls import pull
+
+    consumer = _tiers("kv_consumer", tmp_path / "node-a")
+    slot = consumer._slot(101)  # 101's slot is ours; 100's (slot 7) was released before the copy
+    before = consumer.slots[7].clone()
+    done, remote = pull(consumer, producer.config.shm_name, [(100, 7), (101, slot)], time.monotonic())
+    assert (done, remote) == ([101], False) and torch.equal(consumer.slots[7], before)
+    assert torch.equal(consumer.slots[slot], _block(producer, 1))
+    consumer.shutdown()
+
+
+def test_copy_rows_of_no_rows_copies_nothing() -> None:
+    from cbserve.worker.kv.shared import copy_rows
+
+    dst = torch.zeros(3, 2)
+    copy_rows(dst, [], torch.ones(3, 2), [])
+    assert not dst.any()

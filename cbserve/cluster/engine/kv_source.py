@@ -12,6 +12,7 @@ by the consumer, as with a file that is gone).
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,20 +28,25 @@ from cbserve.worker.kv.shared import SharedSlots
 
 logger = logging.getLogger(__name__)
 
-START_GRACE_S = 10.0  # a pull waits this much beyond its pull_wait_s for a source still starting or busy
+START_GRACE_S = 5.0  # a pull waits this much beyond its pull_wait_s for a source still starting or busy
+CALLS = 4  # pulls a source serves side by side (one consumer waiting for a block does not hold up the others)
+# the object store's arrays are read-only and only read here; torch warns about every one of them
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 def source_name(engine_id: str) -> str:
     return f"kv-source:{engine_id}"
 
 
-@ray.remote(max_restarts=0)
+@ray.remote(max_restarts=0, max_concurrency=CALLS)
 class KVSource:
     """One producer's file, mapped on the producer's node."""
 
     def __init__(self, path: str, block_shape: tuple[int, ...], dtype_name: str) -> None:
         self.slots = SharedSlots.open(Path(path), block_shape, getattr(torch, dtype_name))
-        self.buffer = self.slots.slots[:0].clone()  # a call's blocks, reused: its pages touched once, not per call
+        # a call's blocks, in a buffer of its thread reused (its pages touched once, not per call; Ray copies a
+        # call's result out before its thread takes the next call)
+        self.buffers = threading.local()
 
     def blocks(self, hashes: list[int], wait_s: float, block_shape: tuple[int, ...],
                dtype_name: str) -> tuple[list[int], np.ndarray]:
@@ -49,9 +55,10 @@ class KVSource:
         shape, dtype = tuple(self.slots.slots.shape[1:]), str(self.slots.slots.dtype).removeprefix("torch.")
         if tuple(block_shape) != shape or dtype_name != dtype:
             raise ValueError(f"this producer's blocks are {shape} {dtype}, not {tuple(block_shape)} {dtype_name}")
-        if self.buffer.shape[0] < len(hashes):
-            self.buffer = torch.zeros((len(hashes), *shape), dtype=self.slots.slots.dtype)
-        found, blocks = self.slots.read(hashes, wait_s, self.buffer)
+        buffer = getattr(self.buffers, "blocks", None)
+        if buffer is None or buffer.shape[0] < len(hashes):
+            buffer = self.buffers.blocks = torch.zeros((len(hashes), *shape), dtype=self.slots.slots.dtype)
+        found, blocks = self.slots.read(hashes, wait_s, buffer)
         return found, blocks.contiguous().view(torch.uint8).numpy().reshape(-1)  # (Ray copies it out as it returns)
 
 
@@ -85,10 +92,7 @@ class RayPull:
             logger.warning("KV pull from %s through the Ray object store failed (%s); its blocks are computed",
                            producer, str(e).splitlines()[0] if str(e) else type(e).__name__)
             return [], None
-        with warnings.catch_warnings():  # the object store's array is read-only; it is only read
-            warnings.simplefilter("ignore", UserWarning)
-            blocks = torch.from_numpy(raw).view(dtype).view(len(found), *block_shape)
-        return found, blocks
+        return found, torch.from_numpy(raw).view(dtype).view(len(found), *block_shape)
 
 
 def attach_ray_transport(tiers: Any) -> Any:

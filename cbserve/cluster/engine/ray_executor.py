@@ -146,8 +146,12 @@ class RayExecutor:
         from cbserve.cluster.engine.kv_source import attach_ray_transport  # (torch: not on the ingress's imports)
 
         executor = cls([], None, num_blocks, rank)
-        executor.kv_source = attach_ray_transport(rank.runner.kv_tiers)
-        info = rank.info()
+        try:
+            executor.kv_source = attach_ray_transport(rank.runner.kv_tiers)
+            info = rank.info()
+        except BaseException:
+            executor.shutdown()  # the rank, and a source already started
+            raise
         executor.stats.torch_threads, executor.stats.cpu = [info["torch_threads"]], [info["cpu"]]
         executor.transport = LocalSteps(rank)
         return executor

@@ -137,8 +137,8 @@ ENGINE_SPECS: tuple[MetricSpec, ...] = (
        "prefetched from disk into RAM first; remote: pulled from the prefill engine that computed them).",
        (*ENGINE_LABELS, "medium"), _each("medium", ("ram", "disk", "remote"))),
     _c("kv_tier_bytes", "Bytes moved by the KV tiers: pool -> RAM (stored), RAM -> pool (loaded), disk -> RAM "
-       "(from_disk), a prefill engine's shared tier -> RAM (pulled; pulled_ray: of those, from a prefill engine on "
-       "another node through the Ray object store).", (*ENGINE_LABELS, "direction"),
+       "(from_disk), a prefill engine's shared tier -> RAM (pulled; pulled_ray: of those, through the Ray object "
+       "store: from another node, or every pull with transport ray).", (*ENGINE_LABELS, "direction"),
        _each("direction", ("stored", "loaded", "from_disk", "pulled", "pulled_ray"))),
     _c("kv_tier_transfer_seconds", "Time spent moving KV blocks: pool <-> RAM tier (store, load: the worker's), and "
        "pulls from a prefill engine (pull: from the step that asked to the blocks in the RAM tier).",

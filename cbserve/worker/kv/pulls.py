@@ -70,16 +70,20 @@ def _from_file(tiers: Any, producer: str, items: list[tuple[int, int]], deadline
     source = tiers.producers.get(producer)
     if source is None:
         return []
-    slot_of = dict(items)
+    slot_of, written = dict(items), set()
 
     def take(hashes: list[int], at: list[int]) -> None:
         for i in range(0, len(hashes), LOCKED_BLOCKS):
             with tiers._lock:  # (a slot released meanwhile is another's now: not written)
                 mine = [(h, a) for h, a in zip(hashes[i:i + LOCKED_BLOCKS], at[i:i + LOCKED_BLOCKS], strict=True)
                         if tiers.ram.get(h) == slot_of[h]]  # fmt: skip
-                _fill(tiers, [h for h, _ in mine], [slot_of[h] for h, _ in mine], source.slots, [a for _, a in mine])
+                if mine:
+                    mine_hashes = [h for h, _ in mine]
+                    _fill(tiers, mine_hashes, [slot_of[h] for h in mine_hashes], source.slots, [a for _, a in mine])
+                    written.update(mine_hashes)
 
-    return source.copy_published(list(slot_of), max(0.0, deadline - time.monotonic()), take)
+    found = source.copy_published(list(slot_of), max(0.0, deadline - time.monotonic()), take)
+    return [h for h in found if h in written]  # (a block whose slot went meanwhile is not pulled)
 
 
 def _fill(tiers: Any, hashes: list[int], slots: list[int], src: torch.Tensor, src_rows: list[int]) -> None:

@@ -128,6 +128,8 @@ class SharedSlots:
 def copy_rows(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int]) -> None:
     """``dst[dst_rows[i]] = src[src_rows[i]]`` for each i: one slice copy per run of rows consecutive on both sides
     (a row alone is a run of one: no gathered temporary, whose fresh pages cost more than the copies' calls)."""
+    if not dst_rows:
+        return
     starts = [i for i in range(len(dst_rows)) if i == 0 or dst_rows[i] != dst_rows[i - 1] + 1
               or src_rows[i] != src_rows[i - 1] + 1]  # fmt: skip
     for i, end in zip(starts, [*starts[1:], len(dst_rows)], strict=True):

@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 POLL_WAIT_S = 0.01  # a step sent only to collect prefetch reports waits this long for one
 RESCAN_S = 5.0  # how often the disk tier's folder is listed for other replicas' files
 MAX_RUNS = 4  # a step's blocks in at most this many runs of consecutive RAM slots move in one copy, not two
+PULL_THREADS = 2  # pulls run side by side: one waiting on a slow producer does not hold up the others
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class KVTiers:
         self.ram: dict[int, int] = {}
         self.kv_caches: list = []
         self._io = ThreadPoolExecutor(1, "cbserve-kv-disk")  # disk writes, reads and deletions, in order
-        self._puller = ThreadPoolExecutor(1, "cbserve-kv-pull")  # pulls from producers (disaggregation)
+        self._puller = ThreadPoolExecutor(PULL_THREADS, "cbserve-kv-pull")  # pulls from producers (disaggregation)
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._report = KVTransferResult()
@@ -193,7 +194,7 @@ class KVTiers:
 
     def shutdown(self) -> None:
         self._io.shutdown(wait=True)
-        self._puller.shutdown(wait=True)
+        self._puller.shutdown(wait=True, cancel_futures=True)
         if self.shared is not None:  # a consumer that maps it keeps its pages until it lets go
             self.shared.path.unlink(missing_ok=True)
 
