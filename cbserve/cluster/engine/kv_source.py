@@ -38,6 +38,10 @@ def source_name(engine_id: str) -> str:
     return f"kv-source:{engine_id}"
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @ray.remote(max_restarts=0, max_concurrency=CALLS)
 class KVSource:
     """One producer's file, mapped on the producer's node."""
@@ -52,14 +56,14 @@ class KVSource:
                dtype_name: str) -> tuple[list[int], np.ndarray]:
         """The published blocks of ``hashes`` (waiting up to ``wait_s``) as raw bytes; ValueError for a consumer of
         another layout."""
-        shape, dtype = tuple(self.slots.slots.shape[1:]), str(self.slots.slots.dtype).removeprefix("torch.")
+        shape, dtype = tuple(self.slots.slots.shape[1:]), _dtype_name(self.slots.slots.dtype)
         if tuple(block_shape) != shape or dtype_name != dtype:
             raise ValueError(f"this producer's blocks are {shape} {dtype}, not {tuple(block_shape)} {dtype_name}")
         buffer = getattr(self.buffers, "blocks", None)
         if buffer is None or buffer.shape[0] < len(hashes):
             buffer = self.buffers.blocks = torch.zeros((len(hashes), *shape), dtype=self.slots.slots.dtype)
         found, blocks = self.slots.read(hashes, wait_s, buffer)
-        return found, blocks.contiguous().view(torch.uint8).numpy().reshape(-1)  # (Ray copies it out as it returns)
+        return found, blocks.view(torch.uint8).numpy().reshape(-1)  # (Ray copies it out as it returns)
 
 
 def start_kv_source(tiers: Any) -> Any:
@@ -71,7 +75,7 @@ def start_kv_source(tiers: Any) -> Any:
     here = ray.get_runtime_context().get_node_id()
     return KVSource.options(name=source_name(name), namespace=NAMESPACE, num_cpus=0,  # type: ignore[attr-defined]
                             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False)).remote(
-        str(shared.path), tuple(shared.slots.shape[1:]), str(shared.slots.dtype).removeprefix("torch."))
+        str(shared.path), tuple(shared.slots.shape[1:]), _dtype_name(shared.slots.dtype))
 
 
 class RayPull:
@@ -85,7 +89,7 @@ class RayPull:
         try:
             source = self.sources.get(producer) or ray.get_actor(source_name(producer), namespace=NAMESPACE)
             self.sources[producer] = source
-            found, raw = ray.get(source.blocks.remote(hashes, wait_s, block_shape, str(dtype).removeprefix("torch.")),
+            found, raw = ray.get(source.blocks.remote(hashes, wait_s, block_shape, _dtype_name(dtype)),
                                  timeout=wait_s + START_GRACE_S)
         except (ValueError, RayError, GetTimeoutError) as e:  # no such source (the producer is gone), or it failed
             self.sources.pop(producer, None)
@@ -103,4 +107,3 @@ def attach_ray_transport(tiers: Any) -> Any:
     if tiers.producers is not None:
         tiers.remote = RayPull()
     return start_kv_source(tiers)
-

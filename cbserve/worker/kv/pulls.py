@@ -25,8 +25,6 @@ logger = logging.getLogger(__name__)
 
 LOCKED_BLOCKS = 16  # a pull copies this many blocks at most per hold of the tiers' lock (the step thread's)
 
-TRANSPORTS = ("auto", "shm", "ray")
-
 
 class RemotePull(Protocol):
     def __call__(self, producer: str, hashes: list[int], wait_s: float, block_shape: tuple[int, ...],
@@ -49,21 +47,13 @@ def pull(tiers: Any, producer: str, items: list[tuple[int, int]], asked_at: floa
         logger.warning("KV pull from %s: its file is not in %s and this engine has no remote transport (served "
                        "engines have the Ray object store); its blocks are computed", producer, handoff.folder)
         return [], True
-    if not producer.startswith(handoff.key + "-"):
-        logger.warning("KV pull: producer %s serves another model or layout (this engine's key is %s)", producer,
-                       handoff.key)
+    if not tiers.producers.same_model(producer):
         return [], True
     found, blocks = tiers.remote(producer, [h for h, _ in items], max(0.0, deadline - time.monotonic()),
                                  tiers.block_shape, tiers.dtype)
-    at = {h: i for i, h in enumerate(found)}
-    done = []
-    for i in range(0, len(items), LOCKED_BLOCKS):
-        with tiers._lock:  # (a slot released meanwhile is another's now)
-            mine = [(h, slot) for h, slot in items[i:i + LOCKED_BLOCKS] if h in at and tiers.ram.get(h) == slot]
-            if blocks is not None and mine:
-                _fill(tiers, [h for h, _ in mine], [s for _, s in mine], blocks, [at[h] for h, _ in mine])
-                done += [h for h, _ in mine]
-    return done, True
+    if blocks is None:
+        return [], True
+    return _fill_ours(tiers, dict(items), found, blocks, list(range(len(found)))), True
 
 
 def _from_file(tiers: Any, producer: str, items: list[tuple[int, int]], deadline: float) -> list[int]:
@@ -73,17 +63,26 @@ def _from_file(tiers: Any, producer: str, items: list[tuple[int, int]], deadline
     slot_of, written = dict(items), set()
 
     def take(hashes: list[int], at: list[int]) -> None:
-        for i in range(0, len(hashes), LOCKED_BLOCKS):
-            with tiers._lock:  # (a slot released meanwhile is another's now: not written)
-                mine = [(h, a) for h, a in zip(hashes[i:i + LOCKED_BLOCKS], at[i:i + LOCKED_BLOCKS], strict=True)
-                        if tiers.ram.get(h) == slot_of[h]]  # fmt: skip
-                if mine:
-                    mine_hashes = [h for h, _ in mine]
-                    _fill(tiers, mine_hashes, [slot_of[h] for h in mine_hashes], source.slots, [a for _, a in mine])
-                    written.update(mine_hashes)
+        written.update(_fill_ours(tiers, slot_of, hashes, source.slots, at))
 
     found = source.copy_published(list(slot_of), max(0.0, deadline - time.monotonic()), take)
     return [h for h in found if h in written]  # (a block whose slot went meanwhile is not pulled)
+
+
+def _fill_ours(tiers: Any, slot_of: dict[int, int], hashes: list[int], src: torch.Tensor,
+               src_rows: list[int]) -> list[int]:
+    """``src[src_rows[i]]`` into the slot here of ``hashes[i]``, LOCKED_BLOCKS at a time under the tiers' lock, but
+    where that slot was released meanwhile (another block's now); the hashes written."""
+    written: list[int] = []
+    for i in range(0, len(hashes), LOCKED_BLOCKS):
+        with tiers._lock:
+            mine = [(h, r) for h, r in zip(hashes[i:i + LOCKED_BLOCKS], src_rows[i:i + LOCKED_BLOCKS], strict=True)
+                    if tiers.ram.get(h) == slot_of[h]]  # fmt: skip
+            if mine:
+                ours = [h for h, _ in mine]
+                _fill(tiers, ours, [slot_of[h] for h in ours], src, [r for _, r in mine])
+                written += ours
+    return written
 
 
 def _fill(tiers: Any, hashes: list[int], slots: list[int], src: torch.Tensor, src_rows: list[int]) -> None:

@@ -157,13 +157,19 @@ class Producers:
         """Whether the producer's file is in this node's folder (a producer on another node: it is not)."""
         return name in self.open or (self.folder / f"{name}{SUFFIX}").exists()
 
+    def same_model(self, name: str) -> bool:
+        """Whether the producer serves this engine's model and layout (its name starts with the tier key; logged
+        when not)."""
+        if name.startswith(self.key + "-"):
+            return True
+        logger.warning("KV pull: producer %s serves another model or layout (this engine's key is %s)", name, self.key)
+        return False
+
     def get(self, name: str) -> SharedSlots | None:
         slots = self.open.get(name)
         if slots is not None:
             return slots
-        if not name.startswith(self.key + "-"):
-            logger.warning("KV pull: producer %s serves another model or layout (this engine's key is %s)", name,
-                           self.key)
+        if not self.same_model(name):
             return None
         try:
             slots = self.open[name] = SharedSlots.open(self.folder / f"{name}{SUFFIX}", self.block_shape, self.dtype)
