@@ -95,7 +95,7 @@ def burst_requests(n: int, rng: random.Random, outputs: list[int], vocab: int) -
 
 
 def encode(llm: Any, prompt: Any) -> list[int]:
-    from cbserve.frontend.tokenizer import apply_chat_template
+    from cbserve.frontend.text.tokenizer import apply_chat_template
 
     return list(prompt) if prompt and isinstance(prompt[0], int) else apply_chat_template(llm.tokenizer, prompt)
 

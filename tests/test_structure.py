@@ -156,9 +156,9 @@ LAYERS: dict[str, list[set[str]]] = {
                    "scheduler", "sequence_updater", "engine_core"}],
     "worker": [{"config", "parallel", "faults", "shapes", "sim_cost", "fp8"}, {"cpu/"}, {"attention/"}, {"cuda/"},
                {"layers/"}, {"models/"}, {"loading/"}, {"sampling/"}, {"lora/"}, {"kv/"}, {"runner/"}],
-    "frontend": [{"model_files", "tokenizer", "protocol", "protocol_tools", "field_policy", "validation",
+    "frontend": [{"model_files"}, {"text/"}, {"protocol", "protocol_tools", "field_policy", "retention_hints",
                   "lora_registry", "lora_contents", "output"}, {"tools/"},
-                 {"formatters", "serving", "embeddings", "llm"}, {"responses/"}],
+                 {"validation", "formatters", "serving", "embeddings", "llm"}, {"responses/"}],
     "cluster": [{"channel/"}, {"ops/"}, {"stores/"}, {"engine/"}, {"ingress/"}, {"app"}, {"cli/"}],
 }
 MAX_FOLDER_MODULES = 13

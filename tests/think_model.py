@@ -44,7 +44,7 @@ def make_think_model(folder: Path) -> ThinkModel:
     from tokenizers import AddedToken
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from cbserve.frontend.tokenizer import load_tokenizer
+    from cbserve.frontend.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(None)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])

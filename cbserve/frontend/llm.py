@@ -22,7 +22,7 @@ from cbserve.frontend.embeddings import EmbeddingOutput, EmbeddingRequestOutput,
 from cbserve.frontend.lora_contents import LocalAdapters
 from cbserve.frontend.model_files import read_model_files
 from cbserve.frontend.output import CompletionOutput, GenerateOutput, OutputProcessor
-from cbserve.frontend.tokenizer import apply_chat_template, load_tokenizer
+from cbserve.frontend.text.tokenizer import apply_chat_template, load_tokenizer
 from cbserve.scheduler import EngineCore, tune_gc_for_serving
 from cbserve.scheduler.requests.kv_transfer import KVTransferParams
 from cbserve.scheduler.requests.lora import LoRARequest

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbserve.frontend.tokenizer import IncrementalDetokenizer
+from cbserve.frontend.text.detokenizer import IncrementalDetokenizer
 from cbserve.scheduler.outputs import TokenLogprob
 from cbserve.scheduler.requests.kv_transfer import KVTransferParams
 from cbserve.scheduler.requests.lora import LoRARequest

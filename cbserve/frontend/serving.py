@@ -32,20 +32,14 @@ from cbserve.frontend.protocol import (
     UsageInfo,
     new_id,
 )
-from cbserve.frontend.tools.reasoning import ReasoningMode, gated_spec, request_mode, resolve_reasoning_parser
-from cbserve.frontend.tools.structured import (
-    GrammarValidator,
-    any_whitespace,
-    chat_constraints,
-    request_spec,
-    resolve_tool_parser,
-)
-from cbserve.frontend.validation import RequestValidator, ServedModel
+from cbserve.frontend.retention_hints import cache_control_marks, retention_hints
+from cbserve.frontend.tools.structured import request_spec
+from cbserve.frontend.validation import RequestValidator, ServedModel, check_prompt_logprobs
 from cbserve.scheduler.requests.kv_transfer import KVTransferParams
 from cbserve.scheduler.requests.lora import LoRARequest
 from cbserve.scheduler.requests.request import RequestOutput
 from cbserve.scheduler.requests.retention import Retention
-from cbserve.scheduler.requests.sampling_params import SamplingParams, StructuredSpec
+from cbserve.scheduler.requests.sampling_params import SamplingParams
 
 T = TypeVar("T")
 Answer = BaseModel | AsyncIterator[str]  # a whole response, or the SSE lines of a stream
@@ -74,12 +68,9 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.engine = engine
         self.loras = loras if loras is not None else LoRARegistry(served.name)
-        self.validator = RequestValidator(served, tokenizer, self.loras)
+        self.validator = RequestValidator(served, tokenizer, self.loras, eos_token_ids)
         self.processor = OutputProcessor(tokenizer, eos_token_ids, engine.finish, requests)
-        self.grammars = GrammarValidator(tokenizer, served.vocab_size, eos_token_ids)
-        template = getattr(tokenizer, "chat_template", None)
-        self.tool_parser = resolve_tool_parser(served.tool_call_parser, template)
-        self.reasoning_parser = resolve_reasoning_parser(served.reasoning_parser, template)
+        self.grammars = self.validator.grammars  # the grammar checks (compiled against the tokenizer's vocabulary)
         self.embedder = Embedder(self.validator, engine, served.pooling, self.processor)
 
     # ---- endpoints ----------------------------------------------------------------------------
@@ -91,14 +82,14 @@ class OpenAIServing:
         lora = v.check_request(req)
         if req.logprobs is not None and req.logprobs < 0:
             raise APIError(400, "logprobs must be >= 0", param="logprobs")
-        _check_prompt_logprobs(req.prompt_logprobs, req.stream)
+        check_prompt_logprobs(req.prompt_logprobs, req.stream)
         echo_only = req.max_tokens == 0
         if echo_only and not req.echo:
             raise APIError(400, "max_tokens=0 needs echo=true (the prompt alone)", param="max_tokens")
         if req.return_token_ids and req.stream:
             raise APIError(400, "return_token_ids is not supported with stream", param="return_token_ids")
         spec, param = request_spec(req)
-        spec = await self._check_grammar(spec, param, req)
+        spec = await v.checked_spec(spec, param, req)
         prompts = [v.truncated(p, req.truncate_prompt_tokens)
                    for p in v.completion_prompts(req.prompt, req.add_special_tokens)]
         prompt_lp = req.prompt_logprobs
@@ -106,7 +97,8 @@ class OpenAIServing:
             prompt_lp = max(prompt_lp or 0, req.logprobs)
         max_tokens = 1 if echo_only else req.max_tokens
         params = [v.sampling_params(req, len(p), max_tokens, req.logprobs, prompt_lp, spec) for p in prompts]
-        hints = [v.retention(req, len(p)) for p in prompts] if _asks_retention(req) else []
+        hints = [retention_hints(self.served.retention_priority, self.served.retention_max_s, req, len(p))
+                 for p in prompts] if _asks_retention(req) else []
         req_id = _response_id("cmpl", request_id or req.request_id)
         fmt = CompletionFormatter(
             req_id, _model_name(self.served, lora), self.tokenizer, req.n, prompts, req.echo, req.logprobs,
@@ -116,26 +108,16 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, request_id: str | None = None) -> Answer:
         self._check_runner("generate", "/v1/chat/completions")
-        v = self.validator
-        lora = v.check_request(req)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        _check_prompt_logprobs(req.prompt_logprobs, req.stream)
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        tools, tool_mode, spec, param = chat_constraints(req, self.tool_parser)
-        spec = await self._check_grammar(spec, param, req)
-        prompt = v.chat_request_prompt(req, tools)
-        reasoning, spec = self._reasoning(req, prompt, spec)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = v.sampling_params(req, len(prompt), max_tokens, logprobs, req.prompt_logprobs, spec)
-        hints = [v.retention(req, len(prompt), v.cache_control_marks(req, tools, prompt))] if _asks_retention(req) \
-            else []
+        c = await self.validator.chat(req)
+        hints = [retention_hints(self.served.retention_priority, self.served.retention_max_s, req, len(c.prompt),
+                                 cache_control_marks(self.validator.render, req, c.tools, c.prompt))] \
+            if _asks_retention(req) else []
         req_id = _response_id("chatcmpl", request_id or req.request_id)
         fmt = ChatFormatter(
-            req_id, _model_name(self.served, lora), self.tokenizer, req.n, logprobs is not None,
-            req.prompt_logprobs is not None, tool_mode, reasoning,
+            req_id, _model_name(self.served, c.lora), self.tokenizer, req.n, c.logprobs is not None,
+            req.prompt_logprobs is not None, c.tool_mode, c.reasoning,
         )
-        return await self._run(req_id, [prompt], [params], req, fmt, lora, hints)
+        return await self._run(req_id, [c.prompt], [c.params], req, fmt, c.lora, hints)
 
     async def embeddings(self, req: EmbeddingRequest, request_id: str | None = None) -> EmbeddingResponse:
         """``/v1/embeddings`` (runner "pooling"): one vector per input (``embeddings.py``); the response id is
@@ -146,36 +128,6 @@ class OpenAIServing:
     def _check_runner(self, runner: str, endpoint: str) -> None:
         if self.served.runner != runner:
             raise runner_error(self.served.runner, endpoint)
-
-    def _reasoning(
-        self, req: ChatCompletionRequest, prompt: list[int], spec: StructuredSpec | None
-    ) -> tuple[ReasoningMode | None, StructuredSpec | None]:
-        """How the request's answers split into reasoning and content (None: no reasoning parser, or
-        thinking is off; the prompt's end says whether the output starts inside the reasoning), and the spec
-        the engine gets: a grammar starts after the reasoning (``reasoning.gated_spec``), or from the first
-        token where the vocabulary has no single tokens for the tags."""
-        if self.reasoning_parser is None:
-            return None, spec
-        tail = self.tokenizer.decode(prompt[-16:])
-        mode = request_mode(self.reasoning_parser, tail, req.chat_template_kwargs)
-        if spec is None or mode is None:
-            return mode, spec
-        gated = gated_spec(spec, mode, self.tokenizer)
-        if gated is None:
-            return request_mode(self.reasoning_parser, tail, req.chat_template_kwargs, constrained=True), spec
-        return mode, gated
-
-    async def _check_grammar(
-        self, spec: StructuredSpec | None, param: str | None, req: SamplingFields
-    ) -> StructuredSpec | None:
-        """The spec the engine gets, compiled off the event loop (a 400 when it does not compile): JSON
-        with any whitespace unless the request (or else the server) disables it."""
-        if spec is None:
-            return None
-        if any_whitespace(req, self.served.disable_any_whitespace):
-            spec = await asyncio.to_thread(self.grammars.spaced, spec, param)
-        await asyncio.to_thread(self.grammars.check, spec, param)
-        return spec
 
     def models(self) -> ModelList:
         """The served model, then its LoRA adapters (each with the model as its ``parent``)."""
@@ -320,7 +272,7 @@ def _stamp_version(chunk: Any, states: list[RequestState]) -> Any:
 
 def _asks_retention(req: SamplingFields) -> bool:
     """Whether a request carries retention hints (``retention_directives``, ``prompt_cache_retention``, a chat
-    message's ``cache_control``): only then are they resolved (validation.py)."""
+    message's ``cache_control``): only then are they resolved (retention_hints.py)."""
     if req.retention_directives or req.prompt_cache_retention:
         return True
     for m in getattr(req, "messages", ()):
@@ -336,11 +288,6 @@ def _model_name(served: ServedModel, lora: LoRARequest | None) -> str:
 
 def _response_id(prefix: str, request_id: str | None) -> str:
     return new_id(prefix) if not request_id else f"{prefix}-{request_id}"
-
-
-def _check_prompt_logprobs(prompt_logprobs: int | None, stream: bool) -> None:
-    if prompt_logprobs is not None and stream:  # as vLLM: they would need a place in the chunks
-        raise APIError(400, "prompt_logprobs are not available with stream=true", param="prompt_logprobs")
 
 
 def _usage(states: list[RequestState]) -> UsageInfo:

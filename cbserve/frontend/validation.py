@@ -1,10 +1,14 @@
 """Request validation and prompt building for the OpenAI server: the body parsed into its protocol model,
 the model name checked, prompts turned into token ids (text, token ids within the vocabulary, chat
 messages through the chat template), lengths checked (``scheduler.limits``, the engine's own rule) and the
-request's SamplingParams built. Every problem is an APIError naming the field (HTTP 400, 404 for a model)."""
+request's SamplingParams built. A chat completion request becomes its engine inputs in one call
+(``RequestValidator.chat``: its tools and structured output, the grammar checked off the event loop, the prompt,
+the reasoning gate, the SamplingParams). Every problem is an APIError naming the field (HTTP 400, 404 for a
+model)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,12 +19,19 @@ from pydantic import BaseModel
 from cbserve.frontend.field_policy import FieldPolicy
 from cbserve.frontend.lora_registry import LoRARegistry
 from cbserve.frontend.protocol import APIError, ChatCompletionRequest, ChatMessage, SamplingFields
-from cbserve.frontend.tokenizer import apply_chat_template
+from cbserve.frontend.text.tokenizer import apply_chat_template
+from cbserve.frontend.tools.reasoning import ReasoningMode, gated_spec, request_mode, resolve_reasoning_parser
+from cbserve.frontend.tools.structured import (
+    GrammarValidator,
+    ToolMode,
+    any_whitespace,
+    chat_constraints,
+    resolve_tool_parser,
+)
 from cbserve.scheduler.errors import RequestRejectedError
 from cbserve.scheduler.requests.kv_transfer import KVTransferParams
 from cbserve.scheduler.requests.limits import resolve_max_tokens
 from cbserve.scheduler.requests.lora import LoRARequest
-from cbserve.scheduler.requests.retention import Retention
 from cbserve.scheduler.requests.sampling_params import SamplingParams, StructuredSpec
 from cbserve.worker.loading.pooling_config import PoolingConfig
 
@@ -67,14 +78,78 @@ def invalid_body_error(errors: Sequence[Any], strip: tuple[str, ...] = ()) -> AP
     return APIError(400, f"{name}: {err.get('msg')}", param=name)
 
 
-class RequestValidator:
-    """``loras``: the adapters a request's ``model`` may name besides the served model (none by default)."""
+@dataclass
+class ChatInputs:
+    """What a chat completion request becomes (``RequestValidator.chat``)."""
 
-    def __init__(self, served: ServedModel, tokenizer: Any, loras: LoRARegistry | None = None) -> None:
+    lora: LoRARequest | None  # the adapter its ``model`` names
+    prompt: list[int]
+    params: SamplingParams
+    tools: list[dict[str, Any]] | None  # as the chat template got them
+    tool_mode: ToolMode | None  # how its answers' tool calls are read
+    reasoning: ReasoningMode | None  # how its answers split into reasoning and content
+    logprobs: int | None  # top logprobs per token (None: none)
+
+
+class RequestValidator:
+    """``loras``: the adapters a request's ``model`` may name besides the served model (none by default);
+    ``eos_token_ids``: the tokens a grammar lets end the output."""
+
+    def __init__(self, served: ServedModel, tokenizer: Any, loras: LoRARegistry | None = None,
+                 eos_token_ids: Sequence[int] = ()) -> None:
         self.served = served
         self.tokenizer = tokenizer
         self.fields = FieldPolicy()
         self.loras = loras if loras is not None else LoRARegistry(served.name)
+        self.grammars = GrammarValidator(tokenizer, served.vocab_size, eos_token_ids)
+        template = getattr(tokenizer, "chat_template", None)
+        self.tool_parser = resolve_tool_parser(served.tool_call_parser, template)
+        self.reasoning_parser = resolve_reasoning_parser(served.reasoning_parser, template)
+
+    async def chat(self, req: ChatCompletionRequest) -> ChatInputs:
+        """A chat completion request's engine inputs, checked: the model and fields, its logprobs, its tools and
+        structured output (the grammar compiled off the event loop: a 400 when it does not compile), the prompt,
+        the reasoning gate and the SamplingParams."""
+        lora = self.check_request(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        check_prompt_logprobs(req.prompt_logprobs, req.stream)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        tools, tool_mode, spec, param = chat_constraints(req, self.tool_parser)
+        spec = await self.checked_spec(spec, param, req)
+        prompt = self.chat_request_prompt(req, tools)
+        reasoning, spec = self._reasoning(req, prompt, spec)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.sampling_params(req, len(prompt), max_tokens, logprobs, req.prompt_logprobs, spec)
+        return ChatInputs(lora, prompt, params, tools, tool_mode, reasoning, logprobs)
+
+    async def checked_spec(self, spec: StructuredSpec | None, param: str | None,
+                           req: SamplingFields) -> StructuredSpec | None:
+        """The spec the engine gets, compiled off the event loop (a 400 when it does not compile): JSON
+        with any whitespace unless the request (or else the server) disables it."""
+        if spec is None:
+            return None
+        if any_whitespace(req, self.served.disable_any_whitespace):
+            spec = await asyncio.to_thread(self.grammars.spaced, spec, param)
+        await asyncio.to_thread(self.grammars.check, spec, param)
+        return spec
+
+    def _reasoning(self, req: ChatCompletionRequest, prompt: list[int], spec: StructuredSpec | None
+                   ) -> tuple[ReasoningMode | None, StructuredSpec | None]:
+        """How the request's answers split into reasoning and content (None: no reasoning parser, or
+        thinking is off; the prompt's end says whether the output starts inside the reasoning), and the spec
+        the engine gets: a grammar starts after the reasoning (``reasoning.gated_spec``), or from the first
+        token where the vocabulary has no single tokens for the tags."""
+        if self.reasoning_parser is None:
+            return None, spec
+        tail = self.tokenizer.decode(prompt[-16:])
+        mode = request_mode(self.reasoning_parser, tail, req.chat_template_kwargs)
+        if spec is None or mode is None:
+            return mode, spec
+        gated = gated_spec(spec, mode, self.tokenizer)
+        if gated is None:
+            return request_mode(self.reasoning_parser, tail, req.chat_template_kwargs, constrained=True), spec
+        return mode, gated
 
     def check_request(self, req: SamplingFields) -> LoRARequest | None:
         """The model name (the adapter it names, if any), refused fields (400 naming them), unknown fields
@@ -101,6 +176,8 @@ class RequestValidator:
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter ``model`` names (None: the served model); a 404 naming an unknown one."""
+        if model is None or model == self.loras.base_name:  # the served model: no adapter to look up
+            return None
         return self.loras.resolve(model)
 
     # ---- prompts ------------------------------------------------------------------------------
@@ -156,56 +233,16 @@ class RequestValidator:
             if "tools" in kwargs:
                 raise APIError(400, "give tools, not chat_template_kwargs.tools", param="chat_template_kwargs")
             kwargs["tools"] = tools
-        ids = self._render(req.messages, req.add_generation_prompt, req.add_special_tokens, kwargs)
+        ids = self.render(req.messages, req.add_generation_prompt, req.add_special_tokens, kwargs)
         return self.truncated(ids, req.truncate_prompt_tokens)
 
-    def _render(self, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool,
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool,
                 kwargs: dict[str, Any]) -> list[int]:
         msgs = [template_message(m) for m in messages]  # a malformed tool call: a 400 of its own
         try:
             return apply_chat_template(self.tokenizer, msgs, add_generation_prompt, add_special_tokens, **kwargs)
         except Exception as e:  # the template's own errors (jinja, a missing variable, a bad message)
             raise APIError(400, f"the chat template failed: {e}", param="messages") from e
-
-    # ---- retention hints (scheduler/kv/retention.py) -------------------------------------------
-    def retention(self, req: SamplingFields, prompt_len: int, marks: Sequence[tuple[int, float]] = ()
-                  ) -> tuple[Retention, ...]:
-        """The ranges of a prompt its request asks to keep cached: ``retention_directives``, the chat messages'
-        ``cache_control`` (``marks``: where each marked message ends, and its TTL) and ``prompt_cache_retention``
-        ("24h": the whole prompt, for 24 hours or the server's longest, whichever is shorter). The engine checks
-        them against the prompt and the server's limits (a 400 naming what is wrong)."""
-        prio, longest = self.served.retention_priority, self.served.retention_max_s
-        out = [Retention(d.start, prompt_len if d.end is None else d.end, d.priority,
-                         d.duration or min(DEFAULT_RETAIN_S, longest)) for d in req.retention_directives or ()]
-        out += [Retention(0, end, prio, min(ttl, longest)) for end, ttl in marks]  # "up to" the TTL asked
-        keep = req.prompt_cache_retention
-        if keep == "24h":
-            out.append(Retention(0, prompt_len, prio, min(86400.0, longest)))
-        elif keep not in (None, "in_memory", "in-memory"):
-            raise APIError(400, f"prompt_cache_retention must be 'in_memory' or '24h', got {keep!r}",
-                           param="prompt_cache_retention")
-        return tuple(out)
-
-    def cache_control_marks(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
-                            prompt: list[int]) -> list[tuple[int, float]]:
-        """The prefix ``cache_control`` marks (on a message or one of its content parts) ask to keep: the
-        conversation up to the last marked message, rendered as the template renders it, for the longest TTL asked
-        (a range keeps every block before its end: the earlier marks' prefixes come with it). One render; a template
-        that cannot render that part of the conversation alone keeps nothing (the request runs all the same)."""
-        marks = [(i, ttl) for i, m in enumerate(req.messages) if (ttl := cache_control_ttl(m)) is not None]
-        if not marks:
-            return []
-        if req.truncate_prompt_tokens is not None:
-            raise APIError(400, "cache_control does not combine with truncate_prompt_tokens", param="messages")
-        kwargs = dict(req.chat_template_kwargs or {})
-        kwargs |= {"chat_template": req.chat_template} if req.chat_template is not None else {}
-        kwargs |= {"tools": tools} if tools is not None else {}
-        try:
-            upto = self._render(req.messages[: marks[-1][0] + 1], False, req.add_special_tokens, kwargs)
-        except APIError:
-            return []
-        end = _common_prefix(upto, prompt)  # (a template that renders a conversation's start otherwise: what is shared)
-        return [(end, max(ttl for _, ttl in marks))] if end else []
 
     def truncated(self, ids: list[int], keep: int | None) -> list[int]:
         """``truncate_prompt_tokens``: the last ``keep`` tokens (-1: max_model_len) of a prompt."""
@@ -305,7 +342,7 @@ def to_sampling_params(
 def template_message(m: ChatMessage) -> dict[str, Any]:
     """One message as the chat template gets it: role and text, an assistant's ``tool_calls`` (arguments
     as objects, as templates print them), a tool message's ``tool_call_id`` and ``name``."""
-    d: dict[str, Any] = {"role": m.role, "content": m.text()}
+    d: dict[str, Any] = {"role": m.role, "content": m.content if isinstance(m.content, str) else m.text()}
     extra = m.model_extra or {}
     if extra.get("tool_calls"):
         d["tool_calls"] = [_template_call(c) for c in extra["tool_calls"]]
@@ -331,27 +368,6 @@ def _template_call(call: Any) -> dict[str, Any]:
     return out
 
 
-DEFAULT_RETAIN_S = 300.0  # a retention directive without a duration: a prompt cache's usual five minutes
-CACHE_CONTROL_TTL = {"5m": 300.0, "1h": 3600.0}  # Anthropic's ephemeral cache_control TTLs
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-def cache_control_ttl(m: ChatMessage) -> float | None:
-    """The TTL a message's ``cache_control`` asks (on the message, or on one of its content parts), else None."""
-    marks = [(m.model_extra or {}).get("cache_control")]
-    if isinstance(m.content, list):
-        marks += [p.get("cache_control") for p in m.content if isinstance(p, dict)]
-    ttl = None
-    for mark in marks:
-        if mark is None:
-            continue
-        if not isinstance(mark, dict) or mark.get("type") != "ephemeral" or \
-                mark.get("ttl", "5m") not in CACHE_CONTROL_TTL or set(mark) - {"type", "ttl"}:
-            raise APIError(400, f"cache_control must be {{'type': 'ephemeral'}} with an optional ttl of "
-                           f"{sorted(CACHE_CONTROL_TTL)}, got {mark!r}", param="messages")
-        ttl = max(ttl or 0.0, CACHE_CONTROL_TTL[mark.get("ttl", "5m")])
-    return ttl
+def check_prompt_logprobs(prompt_logprobs: int | None, stream: bool) -> None:
+    if prompt_logprobs is not None and stream:  # as vLLM: they would need a place in the chunks
+        raise APIError(400, "prompt_logprobs are not available with stream=true", param="prompt_logprobs")

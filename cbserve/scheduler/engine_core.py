@@ -112,23 +112,25 @@ class EngineCore:
 
     # ---- requests in and out ----------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request. Raises DuplicateRequestError, RequestRejectedError or QueueFullError (admission.py)."""
+        """Queue a request. Raises DuplicateRequestError, RequestRejectedError (admission.py) or QueueFullError (the
+        waiting queue is full)."""
         try:
-            request, max_tokens = admit(self.config, self.groups, len(self.scheduler.waiting), request)
+            request, max_tokens = admit(self.config, self.groups, request)
         except RequestRejectedError as e:
             self._pending_iter.rejected_reasons.append(str(e))
             self.totals.num_rejected += 1
-            raise
-        except QueueFullError:
-            self.totals.num_queue_full += 1
             raise
         now = self.clock()
         arrival = request.arrival_time if self.clock is time.monotonic else now
         sc = self.config.scheduler
         group = SequenceGroup(request, self._counter, max_tokens, sc.max_model_len, sc.ordering, arrival, now)
+        try:
+            self.scheduler.add_sequence(group.seqs[0])
+        except QueueFullError:
+            self.totals.num_queue_full += 1
+            raise
         self._counter += 1
         self.groups[request.req_id] = group
-        self.scheduler.add_sequence(group.seqs[0])
         self.totals.num_admitted += 1
 
     def abort_request(self, req_id: str) -> None:

@@ -50,7 +50,7 @@ class Scheduler:
         self.config = config.scheduler
         self.block_size = config.cache.block_size
         self.kv = KVCacheManager(config.cache, clock)
-        self.waiting = make_waiting_queue(config.scheduler.ordering)
+        self.waiting = make_waiting_queue(config.scheduler.ordering, config.scheduler.max_waiting)
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}  # every unfinished sequence, by seq id
         self.policy = make_policy(config.scheduler, clock)
@@ -70,9 +70,10 @@ class Scheduler:
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
+        """A new request's first sequence joins the waiting queue (QueueFullError: it is full)."""
+        self.waiting.add(seq)
         seq.status = RequestStatus.WAITING
         self.seqs[seq.seq_id] = seq
-        self.waiting.add(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` (tokens already set) shares all of ``parent``'s blocks and computed tokens."""

@@ -1,5 +1,6 @@
 """Waiting queues: FCFS (a deque; preempted sequences go back to the front) and priority (a heap ordered
-by (priority, arrival order), so a preempted sequence regains its place)."""
+by (priority, arrival order), so a preempted sequence regains its place). A queue holds at most ``capacity``
+new requests' sequences: ``add`` refuses one more (QueueFullError); a preempted sequence always goes back."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
+from cbserve.scheduler.errors import QueueFullError
 from cbserve.scheduler.requests.sequence import Sequence
 
 
 class WaitingQueue(Protocol):
-    def add(self, seq: Sequence) -> None: ...
+    def add(self, seq: Sequence) -> None: ...  # a new request's: QueueFullError when the queue is full
     def add_front(self, seq: Sequence) -> None: ...
     def peek(self) -> Sequence | None: ...  # the first (None: empty)
     def pop(self) -> Sequence: ...
@@ -22,11 +24,18 @@ class WaitingQueue(Protocol):
     def __bool__(self) -> bool: ...
 
 
+def _full(capacity: int) -> QueueFullError:
+    return QueueFullError(f"the waiting queue is full ({capacity} requests); retry later")
+
+
 class FCFSQueue:
-    def __init__(self) -> None:
+    def __init__(self, capacity: int) -> None:
         self._q: deque[Sequence] = deque()
+        self.capacity = capacity
 
     def add(self, seq: Sequence) -> None:
+        if len(self._q) >= self.capacity:
+            raise _full(self.capacity)
         self._q.append(seq)
 
     def add_front(self, seq: Sequence) -> None:
@@ -57,13 +66,17 @@ class FCFSQueue:
 class PriorityQueue:
     """Lower ``sort_key`` first: (priority, arrival counter, sequence index)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int) -> None:
         self._heap: list[tuple[tuple, Sequence]] = []
+        self.capacity = capacity
 
     def add(self, seq: Sequence) -> None:
+        if len(self._heap) >= self.capacity:
+            raise _full(self.capacity)
         heapq.heappush(self._heap, (seq.sort_key, seq))
 
-    add_front = add  # its key keeps its place: ahead of later arrivals of the same priority
+    def add_front(self, seq: Sequence) -> None:  # its key keeps its place: ahead of later arrivals of its priority
+        heapq.heappush(self._heap, (seq.sort_key, seq))
 
     def peek(self) -> Sequence | None:
         return self._heap[0][1] if self._heap else None
@@ -88,9 +101,9 @@ class PriorityQueue:
         return bool(self._heap)
 
 
-def make_waiting_queue(ordering: str) -> WaitingQueue:
+def make_waiting_queue(ordering: str, capacity: int) -> WaitingQueue:
     if ordering == "priority":
-        return PriorityQueue()
+        return PriorityQueue(capacity)
     if ordering == "fcfs":
-        return FCFSQueue()
+        return FCFSQueue(capacity)
     raise ValueError(f"unknown ordering {ordering!r}")

@@ -69,7 +69,7 @@ def _make_qwen_model(folder: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cbserve.frontend.tokenizer import load_tokenizer
+    from cbserve.frontend.text.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -14,7 +14,7 @@ from frontend_fakes import EOS, CharTokenizer, ScriptedEngine, ids, out, parse_b
 from cbserve.frontend.field_policy import CHAT_REFUSED, REFUSED
 from cbserve.frontend.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from cbserve.frontend.serving import OpenAIServing
-from cbserve.frontend.tokenizer import IncrementalDetokenizer
+from cbserve.frontend.text.detokenizer import IncrementalDetokenizer
 from cbserve.frontend.validation import ServedModel
 from cbserve.scheduler.requests.request import EngineRequest
 

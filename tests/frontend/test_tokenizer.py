@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cbserve.frontend.tokenizer import IncrementalDetokenizer, apply_chat_template, ids_decoder, load_tokenizer
+from cbserve.frontend.text.detokenizer import IncrementalDetokenizer, ids_decoder
+from cbserve.frontend.text.tokenizer import apply_chat_template, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,7 @@ def test_duplicate_and_queue_full() -> None:
         engine.add_request(req("c", 3))
     engine.step()  # a and b admitted: the queue has room again
     engine.add_request(req("c", 3))
+    assert "c" in engine.groups and engine.totals.num_queue_full == 1
     engine2, _ = make_engine()
     engine2.add_request(req("x", 3, n=2))
     with pytest.raises(DuplicateRequestError):
@@ -260,3 +261,27 @@ def test_request_times_with_fake_clock() -> None:
     assert t.arrival == 10.0 and t.first_scheduled == 11.0 and t.first_token == 11.5
     assert t.finished == 12.5 and t.num_generation_tokens == 3 and t.queue_time == 1.0
     assert t.tpot == pytest.approx(0.5) and its[1].num_prompt_tokens == 6
+
+
+@pytest.mark.parametrize("ordering", ["fcfs", "priority"])
+def test_a_full_waiting_queue_refuses_new_requests_alone(ordering: str) -> None:
+    """The waiting queue refuses a new request's sequence when it holds ``max_waiting``: the refused request leaves
+    nothing in the engine (its id is free again), and a preempted sequence always goes back to the queue."""
+    from cbserve.scheduler.waiting_queue import make_waiting_queue
+
+    engine, _ = make_engine(max_waiting=1, ordering=ordering)
+    engine.add_request(req("a", 3))
+    with pytest.raises(QueueFullError):
+        engine.add_request(req("b", 3))
+    assert set(engine.groups) == {"a"} and set(engine.scheduler.seqs) == {"a"} and len(engine.scheduler.waiting) == 1
+    queue = make_waiting_queue(ordering, 1)
+    first, back = engine.scheduler.seqs["a"], engine.groups["a"].seqs[0]
+    queue.add(first)
+    with pytest.raises(QueueFullError):
+        queue.add(first)
+    queue.add_front(back)  # a preempted sequence: never refused
+    assert len(queue) == 2
+    run(engine)
+    engine.add_request(req("b", 3))  # the id was never taken
+    col = run(engine)
+    assert col.reasons[("b", 0)] == "length"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from worker_testlib import run_engine
 
-from cbserve.frontend.tokenizer import load_tokenizer
+from cbserve.frontend.text.tokenizer import load_tokenizer
 from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu import native as cpu_native

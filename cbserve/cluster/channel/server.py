@@ -3,15 +3,15 @@ connection per (ingress replica, engine replica), every request of the one multi
 channel_reader.py; the messages are engine_messages.py; the framing and the token, transport.py.
 
 The SchedulerActor serves it (``ChannelServer``, on the actor's event loop) beside its ingress (engine_client.py
-pins it to that node). Each connection is one channel with a small index (``EngineRequest.client``: every output
-of a request says which channel it goes back on, so the actor keeps no table of requests). The server hands each
-message it reads to the actor (``on_message(client, message)``); the actor answers an AddRequest on the same
-channel before any output of the request (``Admitted`` or its ``EngineFailure``), and every step's outputs of all
-the requests of one channel go out as ONE frame (``OutputFrame``), with the engine's prefix-cache events (for the
-cache-aware router) and its state when it changed. A channel's first frame carries the replica's state and a
+pins it to that node). Each connection is one channel with a small index (``EngineRequest.client``: every output of
+a request says which channel it goes back on, so the actor keeps no table of requests). The server hands each
+message it reads to the actor (``on_message(client, message)``) and puts the answer it returns on the same channel:
+an AddRequest's (``Admitted`` or its ``EngineFailure``), before any output of the request. Every step's outputs of
+all the requests of one channel go out as ONE frame (``OutputFrame``), with the engine's prefix-cache events (for
+the cache-aware router) and its state when it changed. A channel's first frame carries the replica's state and a
 snapshot of its prefix cache. A Ray actor call would cost the two processes ~1.5 ms of CPU per message in Ray's
-threads; a frame on a socket costs ~0.3 ms. Ray calls are left for the life cycle (``output_address``,
-stats, shutdown).
+threads; a frame on a socket costs ~0.3 ms. Ray calls are left for the life cycle (``output_address``, stats,
+shutdown).
 
 The connection is the boundary's liveness signal, both ways: when the ingress goes (its process died, or it closed
 the channel), the actor aborts the requests the channel sent (``on_closed``); when the actor's process dies, the
@@ -49,7 +49,8 @@ from cbserve.scheduler.kv.kv_events import KVCacheEvents, KVEventRecorder
 
 logger = logging.getLogger(__name__)
 
-MessageHandler = Callable[[int, IngressMessage], None]
+# (client, message) -> the answer to put on that channel, as (request id, item), or None
+MessageHandler = Callable[[int, IngressMessage], tuple[str, Item] | None]
 _INGRESS_MESSAGES = (AddRequest, AbortRequest, FinishSequence)
 
 
@@ -174,7 +175,9 @@ class ChannelServer:
                 if not isinstance(msg, _INGRESS_MESSAGES):
                     logger.error("engine channel %s: unexpected %s; closing it", channel_id, type(msg).__name__)
                     break
-                self.on_message(client, msg)
+                answer = self.on_message(client, msg)
+                if answer is not None:
+                    self.put(client, *answer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the reader closed the channel
         except Exception:

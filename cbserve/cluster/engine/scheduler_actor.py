@@ -37,6 +37,7 @@ from cbserve.cluster.channel.messages import (
     ADMITTED,
     AbortRequest,
     AddRequest,
+    Admitted,
     EngineFailure,
     EngineState,
     FinishSequence,
@@ -108,9 +109,9 @@ class SchedulerActor:
         self._ensure_started()
         return await self.outputs.start()
 
-    def _on_message(self, client: int, message: IngressMessage) -> None:
-        """A message read from channel ``client`` (on this actor's event loop). An AddRequest is answered on the
-        channel before any output of the request can be: ``Admitted``, or why it was refused."""
+    def _on_message(self, client: int, message: IngressMessage) -> tuple[str, Admitted | EngineFailure] | None:
+        """A message read from channel ``client`` (on this actor's event loop). An AddRequest's answer, which the
+        channel sends before any output of the request can be: ``Admitted``, or why it was refused."""
         if isinstance(message, AddRequest):
             request = message.request
             request.client = client
@@ -119,12 +120,13 @@ class SchedulerActor:
             except Exception as e:  # a bug, not the request: it alone fails, the channel goes on
                 logger.exception("admitting request %s failed", request.req_id)
                 failure = EngineFailure("internal", f"admitting the request failed: {type(e).__name__}: {e}")
-            self.outputs.put(client, request.req_id, ADMITTED if failure is None else failure)
-        elif self.engine is not None and isinstance(message, AbortRequest):
+            return request.req_id, ADMITTED if failure is None else failure
+        if self.engine is not None and isinstance(message, AbortRequest):
             self.engine.abort_request(message.req_id)  # idempotent; its abort output goes back unheeded
             self._wake()
         elif self.engine is not None and isinstance(message, FinishSequence):
             self.engine.finish_request(message.req_id, message.index, "stop")
+        return None
 
     def _snapshot(self) -> tuple[EngineState, KVCacheEvents | None]:
         """The state, and what the engine's prefix cache and KV tiers hold (event hashes), for a channel that opens."""

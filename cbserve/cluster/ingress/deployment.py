@@ -62,7 +62,7 @@ from cbserve.frontend.protocol import (
 from cbserve.frontend.responses.api import ResponsesAPI
 from cbserve.frontend.responses.protocol import ResponseDeleted, ResponseObject, ResponsesRequest
 from cbserve.frontend.serving import OpenAIServing
-from cbserve.frontend.tokenizer import load_tokenizer
+from cbserve.frontend.text.tokenizer import load_tokenizer
 from cbserve.frontend.validation import ServedModel
 from cbserve.worker.loading.model_info import read_model_info
 from cbserve.worker.loading.pooling_config import read_pooling_config

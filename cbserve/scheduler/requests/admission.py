@@ -11,30 +11,28 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from cbserve.scheduler.config import MAX_RETENTION_PRIORITY, EngineConfig
-from cbserve.scheduler.errors import DuplicateRequestError, QueueFullError, RequestRejectedError
+from cbserve.scheduler.errors import DuplicateRequestError, RequestRejectedError
 from cbserve.scheduler.requests.limits import check_pooling_prompt, resolve_max_tokens
 from cbserve.scheduler.requests.request import EngineRequest
 from cbserve.scheduler.requests.retention import Retention, check_retention
-from cbserve.scheduler.requests.sequence import SequenceGroup, child_seq_id
+from cbserve.scheduler.requests.sequence import SequenceGroup
 
 
-def admit(cfg: EngineConfig, groups: Mapping[str, SequenceGroup], num_waiting: int,
-          request: EngineRequest) -> tuple[EngineRequest, int]:
+def admit(cfg: EngineConfig, groups: Mapping[str, SequenceGroup], request: EngineRequest) -> tuple[EngineRequest, int]:
     """The request as the engine runs it and its effective max_tokens; or why not: DuplicateRequestError (an id in
-    use), RequestRejectedError (it could never run here), QueueFullError (``num_waiting`` fill the waiting queue)."""
+    use), RequestRejectedError (it could never run here). (A full waiting queue refuses it next: waiting_queue.py.)"""
     if id_in_use(groups, request):
         raise DuplicateRequestError(f"request id {request.req_id!r} is already in the engine")
     max_tokens = validate_request(cfg, request)
     request = request if request.kv_transfer is None else kv_transfer_request(cfg, request)
-    if num_waiting >= cfg.scheduler.max_waiting:
-        raise QueueFullError(f"the waiting queue is full ({cfg.scheduler.max_waiting} requests); retry later")
     return request, max_tokens
 
 
 def id_in_use(groups: Mapping[str, SequenceGroup], request: EngineRequest) -> bool:
-    """Whether one of the request's sequence ids is taken: "x" with n=2 owns "x" and "x#1"."""
+    """Whether one of the request's sequence ids is taken: "x" with n=2 owns "x" and "x#1" (the ids
+    ``sequence.child_seq_id`` gives its sequences)."""
     for i in range(request.sampling_params.num_sequences):
-        seq_id = child_seq_id(request.req_id, i)
+        seq_id = f"{request.req_id}#{i}" if i else request.req_id
         if seq_id in groups:
             return True
         base, sep, index = seq_id.rpartition("#")
