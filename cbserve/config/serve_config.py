@@ -77,6 +77,8 @@ class CBServeConfig(BaseModel):
     cpu_compact_weights: bool = True  # native CPU kernels read exact compact weights
     # "int16": decode steps multiply 4-6-bit GGUF weights by rows rounded to int16 (native CPU kernels)
     cpu_decode_activations: CpuDecodeActivations = "float32"
+    # "int16" (with cpu_decode_activations "int16"): every step's rows so, prefill chunks' too
+    cpu_prefill_activations: CpuDecodeActivations = "float32"
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA-graph capture of decode steps
     # CUDA: "full_and_piecewise" also replays steps with prefill chunks (<= 512 tokens) from piecewise graphs
@@ -364,6 +366,7 @@ class CBServeConfig(BaseModel):
             cpu_isa=self.cpu_isa,
             cpu_compact_weights=self.cpu_compact_weights,
             cpu_decode_activations=self.cpu_decode_activations,
+            cpu_prefill_activations=self.cpu_prefill_activations,
             seed=self.seed,
             tensor_parallel_size=self.tensor_parallel_size,
             rank=rank,

@@ -8,7 +8,7 @@ from typing import Any
 from cbserve.worker.sim_cost import SIM_MODEL, SimCostModel
 
 # keys that only choose how real weights are computed on a CPU or GPU: the sim computes nothing
-_NO_EFFECT = ("dtype", "cpu_ops", "cpu_isa", "cpu_compact_weights", "cpu_decode_activations",
+_NO_EFFECT = ("dtype", "cpu_ops", "cpu_isa", "cpu_compact_weights", "cpu_decode_activations", "cpu_prefill_activations",
               "attention_backend", "enforce_eager", "cudagraph_mode", "kv_cache_memory_bytes", "worker_torch_threads",
               "quantization", "kv_cache_dtype")
 

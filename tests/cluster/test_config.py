@@ -82,7 +82,13 @@ def test_cpu_ops_reaches_the_worker_config() -> None:
     assert CBServeConfig.from_args({"cpu_compact_weights": False}).worker_model_config().cpu_compact_weights is False
     assert CBServeConfig.from_args({}).worker_model_config().cpu_decode_activations == "float32"
     int16 = CBServeConfig.from_args({"cpu_decode_activations": "int16", "device": "cpu"}).worker_model_config()
-    assert int16.cpu_decode_activations == "int16"
+    assert int16.cpu_decode_activations == "int16" and int16.cpu_prefill_activations == "float32"
+    both = {"cpu_decode_activations": "int16", "cpu_prefill_activations": "int16", "device": "cpu"}
+    assert CBServeConfig.from_args(both).worker_model_config().cpu_prefill_activations == "int16"
+    with pytest.raises(ValueError, match="cpu_prefill_activations 'int16' .* set cpu_decode_activations 'int16' too"):
+        CBServeConfig.from_args({"cpu_prefill_activations": "int16", "device": "cpu"}).worker_model_config()
+    with pytest.raises(ValueError, match="cpu_prefill_activations\n  Input should be 'float32' or 'int16'"):
+        CBServeConfig.from_args({"cpu_prefill_activations": "int8", "device": "cpu"})
 
 
 @pytest.mark.parametrize(("conflict", "named"), [({"cpu_ops": "torch"}, "cpu_ops 'torch'"),

@@ -114,8 +114,8 @@ def test_a_verdict_is_shared_keyed_and_taken_again_when_old(kernels: CpuKernels,
     calls = []
 
     def stand_in(k: CpuKernels, hidden: int, inter: int, fmt: str, bf16: bool, now: float,
-                 int16_rows: bool = False) -> ProbeResult:
-        calls.append((hidden, fmt, int16_rows))
+                 int16_rows: bool = False, int16_every_row: bool = False) -> ProbeResult:
+        calls.append((hidden, fmt, int16_rows) + (("every row",) if int16_every_row else ()))
         return ProbeResult((2 * inter, hidden), fmt, "onednn", RegimeTiming(1, 1, 2), RegimeTiming(128, 2, 1), now)
 
     monkeypatch.setattr(cpu_probe, "probe_linear", stand_in)
@@ -130,6 +130,10 @@ def test_a_verdict_is_shared_keyed_and_taken_again_when_old(kernels: CpuKernels,
     assert verdict_path(lib, 64, 96, "q4_0", False, int16_rows=True) != path
     assert probe_cached(lib, 64, 96, "q4_0", int16_rows=True, now=1000.0).weight_format == "q4_0"
     assert calls[-1] == (64, "q4_0", True) and len(calls) == 2  # the int16-rows products are probed apart
+    assert verdict_path(lib, 64, 96, "q4_0", False, True, True) != verdict_path(lib, 64, 96, "q4_0", False, True)
+    probe_cached(lib, 64, 96, "q4_0", int16_rows=True, now=1000.0, int16_every_row=True)
+    assert calls[-1] == (64, "q4_0", True, "every row") and len(calls) == 3  # and every row's apart again
+    calls.pop()
     monkeypatch.setattr(torch, "__version__", "0.0.1")
     assert verdict_path(lib, 64, 96, "q4_0", False) != path
     monkeypatch.undo()

@@ -47,8 +47,9 @@ def test_auto_follows_a_stand_in_probe_per_regime(case: str, monkeypatch: pytest
     seen = []
 
     def stand_in(kernels: CpuKernels, hidden: int, inter: int, fmt: str, bf16: bool,
-                 int16_rows: bool = False) -> ProbeResult:
-        seen.append((kernels.isa, hidden, inter, fmt, bf16) + ((True,) if int16_rows else ()))
+                 int16_rows: bool = False, int16_every_row: bool = False) -> ProbeResult:
+        seen.append((kernels.isa, hidden, inter, fmt, bf16) + ((True,) if int16_rows else ())
+                    + (("every row",) if int16_every_row else ()))
         return _result(*figures)
 
     monkeypatch.setattr(cpu_ops, "probe_cached", stand_in)
@@ -80,6 +81,16 @@ def test_auto_follows_a_stand_in_probe_per_regime(case: str, monkeypatch: pytest
         with pytest.raises(ValueError, match="cpu_decode_activations 'int16' needs the C kernels for decode steps"):
             cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", int16_rows=True)
     assert seen[-1] == ("scalar", 64, 96, "q4_0", False, True)
+    # int16 prefill activations: probed apart too, and refused where many-row products would not run on the kernels
+    if paths == ("native", "native") and mode == "native":
+        ops = cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", int16_rows=True,
+                                      int16_prefill=True)
+        assert ops.int16_prefill and ops.report()["cpu_prefill_activations"] == "int16"
+    else:
+        with pytest.raises(ValueError, match="cpu_.*_activations 'int16' needs the C kernels"):
+            cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", int16_rows=True,
+                                    int16_prefill=True)
+    assert seen[-1] == ("scalar", 64, 96, "q4_0", False, True, "every row")
 
 
 def test_cpu_isa_is_validated() -> None:

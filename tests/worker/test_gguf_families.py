@@ -175,21 +175,25 @@ def test_gguf_family_matches_hf(gguf_model: tuple[str, Path, Any], path: str,
 INT16_CASES = ("phi3_q4_0", "llama_q4_k_m", "qwen2_q5_k_m", "qwen2_q4_k_m_fallback")
 
 
-def test_int16_decode_activations_keep_hf_greedy_tokens(gguf_model: tuple[str, Path, Any]) -> None:
+@pytest.mark.parametrize("prefill", ["float32", "int16"])
+def test_int16_decode_activations_keep_hf_greedy_tokens(gguf_model: tuple[str, Path, Any], prefill: str) -> None:
     """cpu_decode_activations "int16": the 4-6-bit block weights multiply decode steps' rows rounded to int16
-    (csrc/rows_i16.c); the tokens stay HF's greedy ones, the logprobs within 1e-2 (5e-3 seen: these random
-    models' norms make outliers, which set their blocks' int16 step). A file with no such blocks is
-    refused at load."""
+    (csrc/rows_i16.c); with cpu_prefill_activations "int16", every step's rows, the prompts' chunks too. The tokens
+    stay HF's greedy ones, the logprobs within 1e-2 (5e-3 seen: these random models' norms make outliers, which
+    set their blocks' int16 step). A file with no such blocks is refused at load."""
     case, gguf, hf = gguf_model
-    config = ModelConfig(model=str(gguf), **PATHS["native"], block_size=4, cpu_decode_activations="int16")
+    config = ModelConfig(model=str(gguf), **PATHS["native"], block_size=4, cpu_decode_activations="int16",
+                         cpu_prefill_activations=prefill)
     if case not in INT16_CASES:
         with pytest.raises(ValueError, match="4-6-bit GGUF blocks .* and this model has none"):
             LocalExecutor(config, num_blocks=36, progress=False)
         return
     executor = LocalExecutor(config, num_blocks=36, progress=False)
     model = executor.runner.model
-    assert native_weight(model.model.layers[0].mlp.gate_up_proj.packed).panels.fmt.endswith("_i16")
-    assert executor.runner.model.ops.report()["cpu_decode_activations"] == "int16"
+    suffix = "_i16all" if prefill == "int16" else "_i16"
+    assert native_weight(model.model.layers[0].mlp.gate_up_proj.packed).panels.fmt.endswith(suffix)
+    report = executor.runner.model.ops.report()
+    assert report["cpu_decode_activations"] == "int16" and report["cpu_prefill_activations"] == prefill
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
     reqs = [(f"r{i}", p, greedy) for i, p in enumerate(prompts(5))]
     run = run_engine(executor, reqs, block_size=4, num_blocks=36, max_num_batched_tokens=16, max_num_seqs=4,

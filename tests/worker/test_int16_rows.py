@@ -70,6 +70,30 @@ def test_int16_rows_stay_within_the_rounding_bound_of_the_float32_product(level_
         assert float((one - exact[:1]).abs().max()) < 1e-3 * float(exact[:1].abs().max())
 
 
+
+@pytest.mark.parametrize("fmt", INT16_ROWS_FORMATS)
+def test_every_row_variant_rounds_many_rows_too_within_the_bound(level_kernels: CpuKernels, fmt: str) -> None:
+    """``with_int16_rows(every_row=True)`` ("<fmt>_i16all", cpu_prefill_activations "int16"): the same bytes as the
+    int16-rows variant; any number of rows (a prefill's, in tiles of a few: two tiles and a part for nine rows) is
+    rounded to int16 and stays within the bound of the float32 product, and a few rows give the int16-rows
+    variant's products bit for bit."""
+    gen = torch.Generator().manual_seed(3 * len(fmt) + ord(fmt[-1]))
+    panels = _weights(level_kernels, fmt, N, K, gen)[0]
+    rows16, every = level_kernels.with_int16_rows(panels), level_kernels.with_int16_rows(panels, every_row=True)
+    assert every.fmt == f"{fmt}_i16all" and torch.equal(every.data, rows16.data)
+    w, x, bias = level_kernels.unpack(panels), rows(gen), torch.randn(N, generator=gen)
+    for b in (None, bias):
+        exact = level_kernels.linear(x, panels, b)
+        for m in (1, 3, 5, 9):
+            got = level_kernels.linear(x[:m], every, b)
+            bound = rounding_bound(x[:m], w)
+            assert bool(((got.double() - exact[:m].double()).abs() <= bound).all()), (fmt, m, b is not None)
+            assert not torch.equal(got, exact[:m])  # rounded, not the float32 products
+        assert torch.equal(level_kernels.linear(x[:2], every, b), level_kernels.linear(x[:2], rows16, b))
+        big = torch.cat([x] * 7)  # 63 rows: every tile of every panel, each row's own result wherever it falls
+        assert torch.equal(level_kernels.linear(big, every, b)[-9:], level_kernels.linear(x, every, b))
+
+
 def test_only_the_block_formats_of_4_to_6_bits_have_int16_rows(level_kernels: CpuKernels) -> None:
     gen = torch.Generator().manual_seed(7)
     for fmt in ("f32", "bf16", "q8_0"):

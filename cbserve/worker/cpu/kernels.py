@@ -81,18 +81,19 @@ class CpuKernels(BlockPackers):
             raise ValueError(f"only {BLOCK_FORMATS} panels have a bfloat16-products variant, not {panels.fmt!r}")
         return Panels(f"{panels.fmt}_bf16", panels.data, panels.n, panels.k)
 
-    def with_int16_rows(self, panels: Panels) -> Panels:
+    def with_int16_rows(self, panels: Panels, every_row: bool = False) -> Panels:
         """4-6-bit block panels (``INT16_ROWS_FORMATS``) whose few-row products (decode steps: 1-4 rows with AVX-512,
         1-2 with AVX2) round each row to int16 per 32 values and sum integer products (csrc/rows_i16.c): a new
         packing of the same size and weights, each block's values regrouped as int16 pairs (csrc/i16.h), and the
-        same products for more rows; within 2^-16 of each block's largest input of the float32 product."""
+        same products for more rows; within 2^-16 of each block's largest input of the float32 product.
+        ``every_row``: every step's rows are rounded so, prefills' too (format "<fmt>_i16all")."""
         if panels.fmt not in INT16_ROWS_FORMATS:
             raise ValueError(f"only {INT16_ROWS_FORMATS} panels have an int16-rows variant, not {panels.fmt!r}")
         self._check_panels(panels)
         out = torch.empty_like(panels.data)
         _check(self._lib.cb_repack_i16(format_code(panels.fmt), panels.data.data_ptr(), panels.n, panels.k,
                                        out.data_ptr()), "repack_i16")
-        return Panels(f"{panels.fmt}_i16", out, panels.n, panels.k)
+        return Panels(f"{panels.fmt}_i16{'all' if every_row else ''}", out, panels.n, panels.k)
 
     def unpack(self, panels: Panels) -> torch.Tensor:
         """The [n, k] float32 weight the kernel multiplies by (for checks and tests)."""

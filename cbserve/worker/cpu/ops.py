@@ -59,6 +59,7 @@ class CpuOps(NamedTuple):
     probe: ProbeResult | None = None  # cpu_ops "auto": the start-up probe's figures, when it ran
     linear_paths: tuple[str, str] = PATHS_NATIVE  # native mode: "native" | "torch" for few-row, many-row products
     int16_rows: bool = False  # native: few-row products of 4-6-bit GGUF blocks on rows rounded to int16
+    int16_prefill: bool = False  # with int16_rows: every step's rows rounded so, prefills' too
 
     def report(self) -> dict[str, object]:
         """What /stats shows of the CPU path: the mode, the kernels' ISA level, which path each regime of the
@@ -68,6 +69,7 @@ class CpuOps(NamedTuple):
                 "cpu_isa_features": list(self.kernels.isa_features) if self.kernels is not None else [],
                 "cpu_linear_paths": {"few_rows": paths[0], "many_rows": paths[1]},
                 "cpu_decode_activations": "int16" if self.int16_rows else "float32",
+                "cpu_prefill_activations": "int16" if self.int16_prefill else "float32",
                 "cpu_ops_probe": self.probe.as_dict() if self.probe is not None else None}
 
     @property
@@ -80,24 +82,28 @@ TORCH_OPS = CpuOps("torch", None)
 
 def resolve_cpu_ops(requested: str, device: torch.device, dtype: torch.dtype, isa: str = "auto",
                     probe_shape: tuple[int, int] | None = None, weight_format: str = "f32",
-                    weight_values: int = 0, int16_rows: bool = False) -> CpuOps:
+                    weight_values: int = 0, int16_rows: bool = False, int16_prefill: bool = False) -> CpuOps:
     """The ops to build the model with. ValueError when "native" or "onednn" is asked for explicitly and
     cannot be had, or ``isa`` names a level this CPU cannot run. Not a CPU device: torch. ``probe_shape``
     (the model's hidden and intermediate sizes) and ``weight_format`` (``probe.model_weights``): "auto"
     keeps the C kernels for each regime of the linear products only where the probe finds them no slower
     than torch; ``weight_values`` (the checkpoint's): the regimes stay on the C kernels when torch's copy of
     the weights for one of them would take more than half the memory available. ``int16_rows``: the C kernels'
-    int16-rows products (ValueError where the model does not run its few-row products on them)."""
-    ops = _resolve(requested, device, dtype, isa, probe_shape, weight_format, weight_values, int16_rows)
+    int16-rows products (ValueError where the model does not run its few-row products on them); ``int16_prefill``:
+    its many-row products too (ValueError likewise)."""
+    ops = _resolve(requested, device, dtype, isa, probe_shape, weight_format, weight_values, int16_rows, int16_prefill)
+    where = f"{'device ' + device.type if device.type != 'cpu' else 'cpu_ops ' + repr(requested)}"
     if int16_rows and (not ops.native or ops.linear_paths[0] != "native"):
         raise ValueError(f"cpu_decode_activations 'int16' needs the C kernels for decode steps, but {ops.mode!r} "
-                         f"({'device ' + device.type if device.type != 'cpu' else 'cpu_ops ' + repr(requested)}) "
-                         f"runs them")
+                         f"({where}) runs them")
+    if int16_prefill and (not ops.native or ops.linear_paths[1] != "native"):
+        raise ValueError(f"cpu_prefill_activations 'int16' needs the C kernels for many-row products, but "
+                         f"{ops.mode if not ops.native else ops.linear_paths[1]!r} ({where}) runs them")
     return ops
 
 
 def _resolve(requested: str, device: torch.device, dtype: torch.dtype, isa: str, probe_shape: tuple[int, int] | None,
-             weight_format: str, weight_values: int, int16_rows: bool) -> CpuOps:
+             weight_format: str, weight_values: int, int16_rows: bool, int16_prefill: bool) -> CpuOps:
     if device.type != "cpu":
         return TORCH_OPS
     if requested in ("auto", "native"):
@@ -106,7 +112,8 @@ def _resolve(requested: str, device: torch.device, dtype: torch.dtype, isa: str,
         else:
             load = load_cpu_kernels(isa)
             if load.kernels is not None:
-                native = CpuOps("native", load.kernels, dtype == torch.bfloat16, int16_rows=int16_rows)
+                native = CpuOps("native", load.kernels, dtype == torch.bfloat16, int16_rows=int16_rows,
+                                int16_prefill=int16_prefill)
                 if requested == "native" or probe_shape is None:
                     return native
                 return _probed(native, load.kernels, probe_shape, weight_format, weight_values)
@@ -129,7 +136,8 @@ def _torch_ops(requested: str, probe: ProbeResult | None = None) -> CpuOps:
 def _probed(native: CpuOps, kernels: CpuKernels, shape: tuple[int, int], weight_format: str,
             weight_values: int) -> CpuOps:
     """cpu_ops "auto": per regime of the linear products, the C kernels unless the probe found them slower."""
-    result = probe_cached(kernels, shape[0], shape[1], weight_format, native.bf16_products, native.int16_rows)
+    result = probe_cached(kernels, shape[0], shape[1], weight_format, native.bf16_products, native.int16_rows,
+                          int16_every_row=native.int16_prefill)
     if result.paths == PATHS_NATIVE:
         logger.info("cpu_ops auto: the %s C kernels (%s)", kernels.isa, result.summary())
         return native._replace(probe=result)
@@ -163,16 +171,16 @@ def pack_weights(
     native = ops.native and ops.kernels is not None
     packed = pack_linear_weights(model, ops.kernels if native else None, blocks, compact and native,
                                  ops.bf16_products, ops.linear_paths if native else PATHS_NATIVE)
-    if native and ops.int16_rows and not use_int16_rows(model):
+    if native and ops.int16_rows and not use_int16_rows(model, ops.int16_prefill):
         raise ValueError("cpu_decode_activations 'int16' multiplies 4-6-bit GGUF blocks (Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, "
                          "Q6_K), and this model has none")
     return packed
 
 
-def use_int16_rows(model: nn.Module) -> int:
+def use_int16_rows(model: nn.Module, every_row: bool = False) -> int:
     """Switch every packed weight of ``model`` in a 4-6-bit GGUF block format (``abi.INT16_ROWS_FORMATS``, alone or as
-    a part of a ``SplitWeight``, or a ``RegimeWeight``'s few-row side) to its int16-rows variant; returns how many
-    weights (parts) were switched."""
+    a part of a ``SplitWeight``, or a ``RegimeWeight``'s few-row side) to its int16-rows variant (``every_row``: the
+    one whose many-row products round the rows to int16 too); returns how many weights (parts) were switched."""
     switched = 0
 
     def switch(packed: PackedWeight) -> PackedWeight:
@@ -183,12 +191,12 @@ def use_int16_rows(model: nn.Module) -> int:
             return dataclasses.replace(packed, parts=tuple(switch(p) for p in packed.parts))
         if isinstance(packed, NativeWeight) and packed.panels.fmt in INT16_ROWS_FORMATS:
             switched += 1
-            return dataclasses.replace(packed, panels=packed.kernels.with_int16_rows(packed.panels))
+            return dataclasses.replace(packed, panels=packed.kernels.with_int16_rows(packed.panels, every_row))
         return packed
 
     for m in model.modules():
         if getattr(m, "packed", None) is not None:
             m.packed = switch(m.packed)
-    logger.info("cpu_decode_activations int16: %d GGUF block weights (or parts) multiply decode steps' rows rounded "
-                "to int16", switched)
+    logger.info("cpu_decode_activations int16: %d GGUF block weights (or parts) multiply %s rows rounded to int16",
+                switched, "every step's" if every_row else "decode steps'")
     return switched

@@ -187,17 +187,19 @@ def stream_copies(weight_bytes: int) -> int:
 
 
 def probe_linear(kernels: CpuKernels, hidden: int, inter: int, weight_format: str = "f32",
-                 bf16_products: bool = False, now: float | None = None, int16_rows: bool = False) -> ProbeResult:
+                 bf16_products: bool = False, now: float | None = None, int16_rows: bool = False,
+                 int16_every_row: bool = False) -> ProbeResult:
     """Time a [min(2 * inter, MAX_COLUMNS), hidden] weight of ``weight_format`` at FEW_ROWS and MANY_ROWS rows on
     the C kernels and on torch (k rounded down to whole GGUF blocks for the block formats: of 256 for the
-    K-quants); with ``int16_rows``, a 4-6-bit block format's int16-rows variant (as the model packs it)."""
+    K-quants); with ``int16_rows``, a 4-6-bit block format's int16-rows variant (as the model packs it: with
+    ``int16_every_row``, the one whose many-row products round the rows to int16 too)."""
     block = 256 if weight_format.endswith("_k") else 32
     k = hidden if weight_format in ("f32", "bf16") else max(block, hidden // block * block)
     n = min(2 * inter, MAX_COLUMNS)
     gen = torch.Generator().manual_seed(0)  # the global generator (request sampling) stays untouched
     panels = probe_panels(kernels, n, k, weight_format, bf16_products, gen)
     if int16_rows and panels.fmt in INT16_ROWS_FORMATS:
-        panels = kernels.with_int16_rows(panels)
+        panels = kernels.with_int16_rows(panels, int16_every_row)
     dense = kernels.unpack(panels)
     copies = stream_copies(dense.nbytes)
     streamed = [panels] + [Panels(panels.fmt, panels.data.clone(), n, k) for _ in range(copies - 1)]
@@ -236,31 +238,33 @@ def _timed(rows: int, native: Callable[[], object], other: Callable[[], object],
 
 
 def verdict_path(kernels: CpuKernels, hidden: int, inter: int, weight_format: str, bf16_products: bool,
-                 int16_rows: bool = False) -> Path:
+                 int16_rows: bool = False, int16_every_row: bool = False) -> Path:
     """Where the verdict for this library, CPU, torch build, weight format and shape is kept: beside the library."""
+    int16 = (["int16_rows"] if int16_rows else []) + (["int16_every_row"] if int16_every_row else [])
     key = json.dumps([PROBE_VERSION, kernels.path.name, cpu_model_name(), torch.__version__, weight_format,
-                      bf16_products, hidden, inter, FEW_ROWS, MANY_ROWS] + (["int16_rows"] if int16_rows else []))
+                      bf16_products, hidden, inter, FEW_ROWS, MANY_ROWS] + int16)
     return kernels.path.with_name(f"probe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
 
 
 def probe_cached(kernels: CpuKernels, hidden: int, inter: int, weight_format: str = "f32",
-                 bf16_products: bool = False, int16_rows: bool = False, now: float | None = None) -> ProbeResult:
+                 bf16_products: bool = False, int16_rows: bool = False, now: float | None = None,
+                 int16_every_row: bool = False) -> ProbeResult:
     """``probe_linear``'s verdict, taken once per library, CPU, torch build, format and shape on this machine and
     again once it is ``MAX_AGE_S`` old: read back when a fresh one is kept, else probed under an exclusive lock
     (so concurrent starters wait for the first one's verdict) and kept. A folder that cannot be written only
     costs the sharing: the probe runs each time."""
     now = time.time() if now is None else now
-    path = verdict_path(kernels, hidden, inter, weight_format, bf16_products, int16_rows)
+    path = verdict_path(kernels, hidden, inter, weight_format, bf16_products, int16_rows, int16_every_row)
     try:
         lock = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 - held across the probe below
     except OSError:
-        return probe_linear(kernels, hidden, inter, weight_format, bf16_products, now, int16_rows)
+        return probe_linear(kernels, hidden, inter, weight_format, bf16_products, now, int16_rows, int16_every_row)
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         kept = read_verdict(path, now)
         if kept is not None:
             return kept
-        result = probe_linear(kernels, hidden, inter, weight_format, bf16_products, now, int16_rows)
+        result = probe_linear(kernels, hidden, inter, weight_format, bf16_products, now, int16_rows, int16_every_row)
         _keep_verdict(path, result)
         return result
 

@@ -32,9 +32,11 @@ enum {
     CB_FMT_Q5_K = 11,
     CB_FMT_Q5_0 = 12,
     CB_FMT_COUNT = 13,
-    CB_FMT_I16 = 256 /* a flag or'ed into CB_FMT_Q4_0, Q4_1, Q5_0, Q4_K, Q5_K or Q6_K: the same weights and size, the
-                        values' bits regrouped as int16 pairs (cb_repack_i16), few-row products with the rows rounded
-                        to int16 (see cb_linear) */
+    CB_FMT_I16 = 256, /* a flag or'ed into CB_FMT_Q4_0, Q4_1, Q5_0, Q4_K, Q5_K or Q6_K: the same weights and size, the
+                         values' bits regrouped as int16 pairs (cb_repack_i16), few-row products with the rows rounded
+                         to int16 (see cb_linear) */
+    CB_FMT_I16ALL = 768 /* CB_FMT_I16 and one more bit (the same layout): every step's rows rounded to int16, not only
+                           a few rows' (see cb_linear) */
 };
 
 /* One packed linear layer: out [m, n] = a [m, k] W^T (+ bias). */
@@ -129,7 +131,7 @@ CB_API int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float 
  * the same products for the same decoded weights. A CB_FMT_I16 variant (fmt | CB_FMT_I16) multiplies the same weights,
  * but a step of few rows (as the few-row path takes: 1-4 with AVX-512, 1-2 with AVX2) is rounded to int16 per 32 k
  * values (scale max|x| / 32767) and multiplied in integer pairs: within half a step per value of the float32 product;
- * more rows get the float32 products. */
+ * more rows get the float32 products, unless it is a CB_FMT_I16ALL variant (fmt | CB_FMT_I16ALL): then every row count is rounded so. */
 CB_API int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                      const float *bias, float *c, int64_t ldc);
 /* Whether blocks of 4 rows or more of bfloat16 products run on Intel AMX tiles (same rounding of the

@@ -14,9 +14,10 @@ int cb_storage_format(int fmt) {
 static int is_block_format(int fmt) { return fmt == CB_FMT_Q8_0 || fmt == CB_FMT_Q4_1 || fmt == CB_FMT_Q4_0; }
 
 int64_t cb_panel_bytes(int fmt, int k) {
+    if ((fmt & CB_FMT_I16ALL) && !(fmt & CB_FMT_I16)) return -1;
     if (fmt & CB_FMT_I16) { /* its base format's bytes, regrouped */
-        if (!cb_i16_format(fmt & ~CB_FMT_I16)) return -1;
-        fmt &= ~CB_FMT_I16;
+        fmt &= ~CB_FMT_I16ALL;
+        if (!cb_i16_format(fmt)) return -1;
     }
     fmt = cb_storage_format(fmt);
     if (cb_kquant(fmt)) return cb_kquant_panel_bytes(fmt, k);
@@ -115,7 +116,8 @@ static void round_bf16(float *x, int64_t n) {
 }
 
 const float *cb_panel_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *scratch) {
-    if (fmt & CB_FMT_I16) return cb_i16_chunk(fmt & ~CB_FMT_I16, panel, k0, kn, scratch); /* panels_i16.c */
+    if (fmt & CB_FMT_I16) /* panels_i16.c */
+        return cb_i16_chunk(fmt & ~CB_FMT_I16ALL, panel, k0, kn, scratch);
     if (cb_bf16_blocks(fmt)) { /* decoded, then rounded as the kernel rounds */
         cb_panel_chunk(cb_storage_format(fmt), panel, k0, kn, scratch);
         round_bf16(scratch, (int64_t)kn * CB_NR);

@@ -16,6 +16,7 @@
  * only the few-row products differ, by the rounding of the rows. */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "i16.h"
 
@@ -45,29 +46,42 @@ typedef struct {
     int k;
 } i16_rows_t;
 
+static void i16_round_row(const float *a, int k, int32_t *xq, float *dx, float *sx) {
+    for (int b = 0; b < k / CB_QK; ++b) {
+        const float *x = a + b * CB_QK;
+        float amax = 0.0f, s0 = 0.0f, s1 = 0.0f;
+        for (int t = 0; t < CB_QK; ++t) amax = fmaxf(amax, fabsf(x[t]));
+        for (int t = 0; t < CB_QK / 2; ++t) s0 += x[t], s1 += x[t + CB_QK / 2];
+        const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        int32_t *q = xq + b * (CB_QK / 2);
+        for (int j = 0; j < CB_QK / 2; ++j) {
+            const int32_t lo = (int32_t)lrintf(x[2 * j] * inv), hi = (int32_t)lrintf(x[2 * j + 1] * inv);
+            q[j] = (int32_t)((uint32_t)(uint16_t)lo | (uint32_t)hi << 16);
+        }
+        dx[b] = amax / 32767.0f;
+        sx[2 * b] = s0;
+        sx[2 * b + 1] = s1;
+    }
+}
+
 static int i16_round(const float *a, int64_t lda, int m, int k, i16_rows_t *r) {
     r->k = k;
-    r->xq = malloc(sizeof(int32_t) * (size_t)(m * k / 2) + sizeof(float) * (size_t)(m * (k / 32 + k / 16)));
+    r->xq = malloc(sizeof(int32_t) * (size_t)m * (size_t)(k / 2) + sizeof(float) * (size_t)m * (size_t)(k / 32 + k / 16));
     if (!r->xq) return CB_ENOMEM;
-    r->dx = (float *)(r->xq + m * k / 2);
-    r->sx = r->dx + m * (k / 32);
+    r->dx = (float *)(r->xq + (int64_t)m * (k / 2));
+    r->sx = r->dx + (int64_t)m * (k / 32);
+#pragma omp parallel for schedule(static) if (m > CB_ROWS_MAX)
     for (int i = 0; i < m; ++i)
-        for (int b = 0; b < k / CB_QK; ++b) {
-            const float *x = a + (int64_t)i * lda + b * CB_QK;
-            float amax = 0.0f, s0 = 0.0f, s1 = 0.0f;
-            for (int t = 0; t < CB_QK; ++t) amax = fmaxf(amax, fabsf(x[t]));
-            for (int t = 0; t < CB_QK / 2; ++t) s0 += x[t], s1 += x[t + CB_QK / 2];
-            const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
-            int32_t *xq = r->xq + (int64_t)i * (k / 2) + b * (CB_QK / 2);
-            for (int j = 0; j < CB_QK / 2; ++j) {
-                const int32_t lo = (int32_t)lrintf(x[2 * j] * inv), hi = (int32_t)lrintf(x[2 * j + 1] * inv);
-                xq[j] = (int32_t)((uint32_t)(uint16_t)lo | (uint32_t)hi << 16);
-            }
-            r->dx[i * (k / CB_QK) + b] = amax / 32767.0f;
-            r->sx[i * (k / 16) + 2 * b] = s0;
-            r->sx[i * (k / 16) + 2 * b + 1] = s1;
-        }
+        i16_round_row(a + (int64_t)i * lda, k, r->xq + (int64_t)i * (k / 2), r->dx + (int64_t)i * (k / CB_QK),
+                      r->sx + (int64_t)i * (k / 16));
     return CB_OK;
+}
+
+/* Rows [t, t + ...) of the rounded rows, as rows of their own */
+static i16_rows_t i16_tile(const i16_rows_t *r, int t) {
+    const i16_rows_t v = {r->xq + (int64_t)t * (r->k / 2), r->dx + (int64_t)t * (r->k / CB_QK),
+                          r->sx + (int64_t)t * (r->k / 16), r->k};
+    return v;
 }
 
 /* A column group's float sums: acc_io ([mr][48], the panel's) and, over a K-quant super-block, its sums before the
@@ -199,17 +213,57 @@ static void i16_panel(int mr, int fmt, const void *rows, const uint8_t *panel, f
 }
 
 int cb_rows_i16_take(int fmt, int m, int k) {
-    const int base = fmt & ~CB_FMT_I16;
-    return (fmt & CB_FMT_I16) && cb_i16_format(base) && cb_rows_take(base, m, k);
+    const int base = fmt & ~CB_FMT_I16ALL;
+    if (!(fmt & CB_FMT_I16) || !cb_i16_format(base)) return 0;
+    if ((fmt & CB_FMT_I16ALL) == CB_FMT_I16ALL) return m >= 1 && cb_rows_take(base, 1, k);
+    return cb_rows_take(base, m, k);
+}
+
+/* Every row of a step (CB_FMT_I16ALL): each panel meets the rows a tile of I16_TILE at a time, the panel staying in
+ * L2 while its tiles go by (the panels shared among the threads as cb_rows_over_panels shares them) */
+#if CB_VW == 16
+#define I16_TILE 4
+#else
+#define I16_TILE 2 /* AVX2: 16 vector registers */
+#endif
+
+static void i16_tiles(int fmt, int m, const i16_rows_t *r, const uint8_t *wp, int n, const float *bias, float *c,
+                      int64_t ldc) {
+    const int64_t pbytes = cb_panel_bytes(fmt, r->k);
+    const int panels = (n + CB_NR - 1) / CB_NR;
+    cb_share_t shares[CB_MAX_SHARES];
+    const int nshares = cb_shares_init(shares, panels);
+#pragma omp parallel
+    {
+        float acc[CB_ROWS_MAX * CB_NR] __attribute__((aligned(64)));
+        for (int p; (p = cb_share_next(shares, nshares)) >= 0;) {
+            const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
+            float tail_bias[CB_NR];
+            const float *b = cb_item_bias(bias, p, ncols, tail_bias);
+            for (int t = 0; t < m; t += I16_TILE) {
+                const int mr = m - t < I16_TILE ? m - t : I16_TILE;
+                const i16_rows_t tile = i16_tile(r, t);
+                for (int i = 0; i < mr; ++i)
+                    for (int j = 0; j < CB_NR; ++j) acc[i * CB_NR + j] = b ? b[j] : 0.0f;
+                i16_panel(mr, fmt, &tile, wp + p * pbytes, acc);
+                for (int i = 0; i < mr; ++i)
+                    memcpy(c + (int64_t)(t + i) * ldc + p * CB_NR, acc + i * CB_NR, sizeof(float) * (size_t)ncols);
+            }
+        }
+    }
 }
 
 int cb_linear_rows_i16(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                        const float *bias, float *c, int64_t ldc) {
-    fmt &= ~CB_FMT_I16; /* i16_panel's switch: the base format, read in its I16 layout */
+    const int all = (fmt & CB_FMT_I16ALL) == CB_FMT_I16ALL;
+    fmt &= ~CB_FMT_I16ALL; /* i16_panel's switch: the base format, read in its I16 layout */
     i16_rows_t r;
     const int rc = i16_round(a, lda, m, k, &r);
     if (rc != CB_OK) return rc;
-    cb_rows_over_panels(fmt, m, k, wp, n, bias, c, ldc, i16_panel, &r);
+    if (all && m > I16_TILE)
+        i16_tiles(fmt, m, &r, wp, n, bias, c, ldc);
+    else
+        cb_rows_over_panels(fmt, m, k, wp, n, bias, c, ldc, i16_panel, &r);
     free(r.xq);
     return CB_OK;
 }
