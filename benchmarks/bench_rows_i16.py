@@ -1,17 +1,19 @@
-"""Decode-step products on int16 rows (csrc/rows_i16.c, the ``*_i16`` panel formats) against float32 rows
-(csrc/rows.c), through Llama-3.2-1B's four linear products (hidden 2048, MLP 8192, 32 query / 8 kv heads of 64):
-qkv 2048 -> 3072, o 2048 -> 2048, gate_up 2048 -> 16384, down 8192 -> 2048. Random GGUF blocks (Q4_0, Q4_K, Q6_K),
-``--copies`` copies of the layer's weights multiplied in turn so they stream from memory as a decode step's do.
+"""Products on int16 rows (csrc/rows_i16.c: the ``*_i16`` panel formats' few rows, the ``*_i16all`` formats' any number
+of rows, cpu_prefill_activations "int16") against float32 rows (csrc/rows.c; more rows: the tiled path), through
+Llama-3.2-1B's four linear products (hidden 2048, MLP 8192, 32 query / 8 kv heads of 64): qkv 2048 -> 3072, o 2048
+-> 2048, gate_up 2048 -> 16384, down 8192 -> 2048. Random GGUF blocks (Q4_0, Q4_K, Q6_K), ``--copies`` copies of the
+layer's weights multiplied in turn so they stream from memory as a decode step's do.
 
     .venv/bin/python benchmarks/bench_rows_i16.py                          # avx512 and avx2 builds, 1, 2, 4 rows
     .venv/bin/python benchmarks/bench_rows_i16.py --isa avx2 --rows 1 --formats Q4_K
-    .venv/bin/python benchmarks/bench_rows_i16.py --rows 64 256 --copies 1   # prefill: the tiled path on both
+    .venv/bin/python benchmarks/bench_rows_i16.py --rows 64 256 --copies 1   # prefill: tiled float32 against i16all
     .venv/bin/python benchmarks/bench_rows_i16.py --in-cache --copies 20     # qkv and o only, one copy: in L3
 
 Every (ISA, format, rows, rows type) is timed once per round, the rounds interleaved (the machine may be shared:
 each figure is the median of --repeats rounds, the best beside it). Prints the CPU, the read bandwidth measured
 just before (cpu_info.py: what streaming weights can reach at the time), /proc/loadavg before and after, and per
-line GB/s of packed weights streamed, one pass's milliseconds (over all copies), GFLOP/s and int16 / float32."""
+line GB/s of packed weights streamed, one pass's milliseconds (over all copies), GFLOP/s, its share of the float32
+FMA peak measured at the start (cpu_info.py) and int16 / float32."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from cpu_info import describe, read_bandwidth_gbs
+from cpu_info import describe, fma_peak_gflops, read_bandwidth_gbs
 
 from cbserve.worker.cpu.kernels import CpuKernels, Panels
 from cbserve.worker.cpu.native import load_cpu_kernels, supported_levels
@@ -30,6 +32,7 @@ from cbserve.worker.cpu.native import load_cpu_kernels, supported_levels
 # Llama-3.2-1B: (n, k) of each product of one decoder layer
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
 FORMATS = ("Q4_0", "Q4_K", "Q6_K")
+KINDS = ("f32", "i16", "i16all")  # float32 rows; int16 rows for a few rows only; int16 rows for every row count
 
 
 def pack(kernels: CpuKernels, fmt: str, n: int, k: int, gen: torch.Generator) -> Panels:
@@ -47,14 +50,15 @@ def pack(kernels: CpuKernels, fmt: str, n: int, k: int, gen: torch.Generator) ->
 
 def layer_copies(kernels: CpuKernels, fmt: str, copies: int, shapes: dict[str, tuple[int, int]], distinct: bool
                  ) -> dict[str, list[dict[str, Panels]]]:
-    """"f32" and "i16" packings of ``copies`` copies of one layer's weights, each in its own memory where
+    """"f32", "i16" and "i16all" packings of ``copies`` copies of one layer's weights, each in its own memory where
     ``distinct``, else the same weights ``copies`` times."""
     gen = torch.Generator().manual_seed(0)
     one = {name: pack(kernels, fmt, n, k, gen) for name, (n, k) in shapes.items()}
-    if not distinct:
-        return {"f32": [one] * copies, "i16": [{name: kernels.with_int16_rows(p) for name, p in one.items()}] * copies}
-    f32 = [{name: Panels(p.fmt, p.data.clone(), p.n, p.k) for name, p in one.items()} for _ in range(copies)]
-    return {"f32": f32, "i16": [{name: kernels.with_int16_rows(p) for name, p in c.items()} for c in f32]}
+    f32 = [{name: Panels(p.fmt, p.data.clone(), p.n, p.k) for name, p in one.items()} for _ in range(copies)] \
+        if distinct else [one] * copies
+    return {"f32": f32} | {kind: [{name: kernels.with_int16_rows(p, kind == "i16all") for name, p in c.items()}
+                                  for c in (f32 if distinct else f32[:1])] * (1 if distinct else copies)
+                           for kind in KINDS[1:]}
 
 
 def one_pass(kernels: CpuKernels, layers: list[dict[str, Panels]], xs: dict[str, torch.Tensor]) -> float:
@@ -84,15 +88,16 @@ def time_rounds(builds: dict[str, CpuKernels], weights: dict, xs: dict, keys: li
     return secs
 
 
-def report(secs: dict[tuple, list[float]], weights: dict, flops_per_row: float) -> None:
+def report(secs: dict[tuple, list[float]], weights: dict, flops_per_row: float, peak: float) -> None:
     for isa, fmt, m, kind in secs:
         nbytes = sum(p.data.numel() for layer in weights[(isa, fmt)][kind] for p in layer.values())
         rates = [nbytes / s / 1e9 for s in secs[(isa, fmt, m, kind)]]
         med = statistics.median(secs[(isa, fmt, m, kind)])
         line = (f"{isa:7s} {fmt:5s} {m:4d} rows  {kind:4s} rows {statistics.median(rates):6.1f} GB/s (best "
-                f"{max(rates):5.1f}) {1e3 * med:8.2f} ms {m * flops_per_row / med / 1e9:7.1f} GFLOP/s")
-        if kind == "i16":
-            line += f"  i16/f32 {statistics.median(secs[(isa, fmt, m, 'f32')]) / med:5.2f}x"
+                f"{max(rates):5.1f}) {1e3 * med:8.2f} ms {m * flops_per_row / med / 1e9:7.1f} GFLOP/s "
+                f"({m * flops_per_row / med / 1e9 / peak:4.0%} of the FMA peak)")
+        if kind != "f32":
+            line += f"  {kind}/f32 {statistics.median(secs[(isa, fmt, m, 'f32')]) / med:5.2f}x"
         print(line, flush=True)
 
 
@@ -118,16 +123,17 @@ def main() -> int:
         builds[isa] = load.kernels
     shapes = {name: SHAPES[name] for name in ("qkv", "o")} if args.in_cache else SHAPES
     read = read_bandwidth_gbs(levels[0], torch.get_num_threads()) or float("nan")
-    print(f"{describe(levels[0])}; builds {', '.join(levels)}; read bandwidth {read:.1f} GB/s; loadavg before: "
-          f"{loadavg()}", flush=True)
+    peak = fma_peak_gflops(levels[0], torch.get_num_threads()) or float("nan")
+    print(f"{describe(levels[0])}; builds {', '.join(levels)}; read bandwidth {read:.1f} GB/s; float32 FMA peak "
+          f"{peak:.0f} GFLOP/s; loadavg before: {loadavg()}", flush=True)
     weights = {(isa, fmt): layer_copies(kern, fmt, args.copies, shapes, not args.in_cache)
                for isa, kern in builds.items() for fmt in args.formats}
     gen = torch.Generator().manual_seed(1)
     xs = {m: {name: torch.randn(m, k, generator=gen) for name, (_, k) in shapes.items()} for m in args.rows}
-    keys = [(isa, fmt, m, kind) for (isa, fmt) in weights for m in args.rows for kind in ("f32", "i16")]
+    keys = [(isa, fmt, m, kind) for (isa, fmt) in weights for m in args.rows for kind in KINDS]
     secs = time_rounds(builds, weights, xs, keys, args.repeats)
     print(f"loadavg after: {loadavg()}; median of {args.repeats} interleaved rounds (and best)")
-    report(secs, weights, 2.0 * args.copies * sum(n * k for n, k in shapes.values()))
+    report(secs, weights, 2.0 * args.copies * sum(n * k for n, k in shapes.values()), peak)
     return 0
 
 

@@ -81,16 +81,11 @@ def test_auto_follows_a_stand_in_probe_per_regime(case: str, monkeypatch: pytest
         with pytest.raises(ValueError, match="cpu_decode_activations 'int16' needs the C kernels for decode steps"):
             cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", int16_rows=True)
     assert seen[-1] == ("scalar", 64, 96, "q4_0", False, True)
-    # int16 prefill activations: probed apart too, and refused where many-row products would not run on the kernels
-    if paths == ("native", "native") and mode == "native":
-        ops = cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", int16_rows=True,
-                                      int16_prefill=True)
-        assert ops.int16_prefill and ops.report()["cpu_prefill_activations"] == "int16"
-    else:
-        with pytest.raises(ValueError, match="cpu_.*_activations 'int16' needs the C kernels"):
-            cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", int16_rows=True,
-                                    int16_prefill=True)
-    assert seen[-1] == ("scalar", 64, 96, "q4_0", False, True, "every row")
+    # int16 prefill activations: refused on a build without int16 multiply-adds in one instruction (scalar here),
+    # whatever the probe says
+    with pytest.raises(ValueError, match="cpu_prefill_activations 'int16' needs int16 multiply-adds in one instr"):
+        cpu_ops.resolve_cpu_ops("native", CPU, torch.float32, "scalar", (64, 96), "q4_0", int16_rows=True,
+                                int16_prefill=True)
 
 
 def test_cpu_isa_is_validated() -> None:

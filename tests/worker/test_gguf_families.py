@@ -24,6 +24,7 @@ from cbserve.scheduler.requests.sampling_params import SamplingParams
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
 from cbserve.worker.cpu.linear import native_panels, native_weight
+from cbserve.worker.cpu.native import load_cpu_kernels
 from cbserve.worker.loading import model_info, model_loader
 from cbserve.worker.loading.gguf_arch import GGUF_MODEL_TYPES
 from cbserve.worker.runner.executor import LocalExecutor
@@ -184,6 +185,11 @@ def test_int16_decode_activations_keep_hf_greedy_tokens(gguf_model: tuple[str, P
     case, gguf, hf = gguf_model
     config = ModelConfig(model=str(gguf), **PATHS["native"], block_size=4, cpu_decode_activations="int16",
                          cpu_prefill_activations=prefill)
+    kernels = load_cpu_kernels().kernels
+    if prefill == "int16" and kernels is not None and "i16_dot" not in kernels.isa_features:
+        with pytest.raises(ValueError, match="cpu_prefill_activations 'int16' needs int16 multiply-adds"):
+            LocalExecutor(config, num_blocks=36, progress=False)  # this CPU's build: refused (test_int16_rows.py)
+        return
     if case not in INT16_CASES:
         with pytest.raises(ValueError, match="4-6-bit GGUF blocks .* and this model has none"):
             LocalExecutor(config, num_blocks=36, progress=False)

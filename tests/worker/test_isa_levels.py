@@ -54,8 +54,9 @@ def test_levels_follow_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("march,bits", [("x86-64-v3", {"avx2"}), ("x86-64-v4", {"avx2", "avx512"}),
-                                        ("sapphirerapids", {"avx2", "avx512", "avx512_bf16", "amx"}),
-                                        ("x86-64", set())])
+                                        ("sapphirerapids", {"avx2", "avx512", "avx512_bf16", "amx", "i16_dot"}),
+                                        ("icelake-server", {"avx2", "avx512", "i16_dot"}),
+                                        ("alderlake", {"avx2", "i16_dot"}), ("x86-64", set())])
 def test_cross_compiled_builds_report_their_isa(march: str, bits: set[str], tmp_path: Path) -> None:
     """Each level compiles for its architecture whatever this CPU is; the library's own report says which
     (a function returning a constant: safe to call on any x86-64)."""

@@ -83,7 +83,7 @@ FUNCTIONS: dict[str, tuple[CType, list[CType]]] = {
 
 # The header's enums that Python numbers too: return codes, the build's ISA bits and packed-weight formats.
 RETURN_CODES = {"CB_OK": 0, "CB_ENOMEM": 1, "CB_EINVAL": 2, "CB_ERANGE": 3}
-ISA_FEATURES = {"avx2": 1, "avx512": 2, "avx512_bf16": 4, "amx": 8}
+ISA_FEATURES = {"avx2": 1, "avx512": 2, "avx512_bf16": 4, "amx": 8, "i16_dot": 16}
 PANEL_FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "bf16_dot": 4, "q8_0_bf16": 5, "q4_1_bf16": 6,
                  "q4_0": 7, "q4_0_bf16": 8, "q4_k": 9, "q6_k": 10, "q5_k": 11,
                  "q5_0": 12}

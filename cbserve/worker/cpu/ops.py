@@ -96,6 +96,10 @@ def resolve_cpu_ops(requested: str, device: torch.device, dtype: torch.dtype, is
     if int16_rows and (not ops.native or ops.linear_paths[0] != "native"):
         raise ValueError(f"cpu_decode_activations 'int16' needs the C kernels for decode steps, but {ops.mode!r} "
                          f"({where}) runs them")
+    if int16_prefill and ops.kernels is not None and "i16_dot" not in ops.kernels.isa_features:
+        raise ValueError(f"cpu_prefill_activations 'int16' needs int16 multiply-adds in one instruction (AVX-512 "
+                         f"VNNI, or AVX-VNNI): the {ops.kernels.isa} build here has none, and its float32 products "
+                         f"are faster for many rows")
     if int16_prefill and (not ops.native or ops.linear_paths[1] != "native"):
         raise ValueError(f"cpu_prefill_activations 'int16' needs the C kernels for many-row products, but "
                          f"{ops.mode if not ops.native else ops.linear_paths[1]!r} ({where}) runs them")

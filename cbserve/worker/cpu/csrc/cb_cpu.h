@@ -78,7 +78,9 @@ typedef struct {
 
 /* What the library was compiled for (one build per ISA level, see ../native.py): CB_ISA_* bits, none for the
  * scalar (portable) build. The loader checks them against the level it asked for. */
-enum { CB_ISA_AVX2 = 1, CB_ISA_AVX512 = 2, CB_ISA_AVX512_BF16 = 4, CB_ISA_AMX = 8 };
+enum { CB_ISA_AVX2 = 1, CB_ISA_AVX512 = 2, CB_ISA_AVX512_BF16 = 4, CB_ISA_AMX = 8, CB_ISA_I16_DOT = 16 };
+/* CB_ISA_I16_DOT: int16 pairs multiplied and added in one instruction (AVX-512 VNNI, or AVX-VNNI in an AVX2 build):
+ * only then do the CB_FMT_I16ALL formats round many rows to int16 (two instructions lose to float32 products). */
 CB_API int cb_isa_features(void);
 
 /* ---- packed weights (panels.c) ------------------------------------------------------------------------- */
@@ -131,7 +133,8 @@ CB_API int cb_unpack_panels(int fmt, const uint8_t *packed, int n, int k, float 
  * the same products for the same decoded weights. A CB_FMT_I16 variant (fmt | CB_FMT_I16) multiplies the same weights,
  * but a step of few rows (as the few-row path takes: 1-4 with AVX-512, 1-2 with AVX2) is rounded to int16 per 32 k
  * values (scale max|x| / 32767) and multiplied in integer pairs: within half a step per value of the float32 product;
- * more rows get the float32 products, unless it is a CB_FMT_I16ALL variant (fmt | CB_FMT_I16ALL): then every row count is rounded so. */
+ * more rows get the float32 products, unless it is a CB_FMT_I16ALL variant (fmt | CB_FMT_I16ALL) and the build has
+ * CB_ISA_I16_DOT: then every row count is rounded so. */
 CB_API int cb_linear(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                      const float *bias, float *c, int64_t ldc);
 /* Whether blocks of 4 rows or more of bfloat16 products run on Intel AMX tiles (same rounding of the

@@ -30,6 +30,12 @@
 #define CB_VW 4
 #define CB_VREGS 16
 #endif
+/* int16 pairs multiplied and added in one instruction at the level's width (CB_ISA_I16_DOT) */
+#if (CB_VW == 16 && defined(__AVX512VNNI__)) || (CB_VW == 8 && defined(__AVXVNNI__))
+#define CB_I16_DOT 1
+#else
+#define CB_I16_DOT 0
+#endif
 
 typedef float vf __attribute__((vector_size(CB_VW * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(CB_VW * 4), aligned(4)));

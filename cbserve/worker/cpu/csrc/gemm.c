@@ -190,6 +190,9 @@ int cb_isa_features(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
     f |= CB_ISA_AMX;
 #endif
+#if CB_I16_DOT
+    f |= CB_ISA_I16_DOT;
+#endif
     return f;
 }
 

@@ -215,7 +215,7 @@ static void i16_panel(int mr, int fmt, const void *rows, const uint8_t *panel, f
 int cb_rows_i16_take(int fmt, int m, int k) {
     const int base = fmt & ~CB_FMT_I16ALL;
     if (!(fmt & CB_FMT_I16) || !cb_i16_format(base)) return 0;
-    if ((fmt & CB_FMT_I16ALL) == CB_FMT_I16ALL) return m >= 1 && cb_rows_take(base, 1, k);
+    if ((fmt & CB_FMT_I16ALL) == CB_FMT_I16ALL && CB_I16_DOT) return m >= 1 && cb_rows_take(base, 1, k);
     return cb_rows_take(base, m, k);
 }
 
