@@ -102,11 +102,13 @@ static inline const float *cb_item_bias(const float *bias, int p, int ncols, flo
 int cb_rows_take(int fmt, int m, int k);
 void cb_linear_rows(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n, const float *bias,
                     float *c, int64_t ldc);
-/* Their loop over the panels (shared as gemm.c shares them): each panel's sums start from the bias, panel_fn adds
- * rows' products ([mr][48] in acc_io; rows: the path's own form of the m rows), and the columns that exist go to c. */
-typedef void (*cb_rows_panel_fn)(int mr, int fmt, const void *rows, const uint8_t *panel, float *acc_io);
+/* Their loop over the panels (shared as gemm.c shares them): each panel meets the m rows in tiles of at most ``tile``
+ * (<= CB_ROWS_MAX) while it stays in cache; each tile's sums start from the bias, panel_fn adds the products of rows
+ * [row0, row0 + mr) ([mr][48] in acc_io; rows: the path's own form of the m rows), and the columns that exist go to
+ * c. */
+typedef void (*cb_rows_panel_fn)(int mr, int fmt, const void *rows, int row0, const uint8_t *panel, float *acc_io);
 void cb_rows_over_panels(int fmt, int m, int k, const uint8_t *wp, int n, const float *bias, float *c, int64_t ldc,
-                         cb_rows_panel_fn panel_fn, const void *rows);
+                         cb_rows_panel_fn panel_fn, const void *rows, int tile);
 
 /* The CB_FMT_I16 variants' few-row products (rows_i16.c): whether cb_linear_rows_i16 takes (fmt, m, k), and the
  * product (CB_ENOMEM when the rounded rows find no memory). */

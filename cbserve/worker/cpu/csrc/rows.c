@@ -235,7 +235,7 @@ int cb_rows_take(int fmt, int m, int k) {
 }
 
 void cb_rows_over_panels(int fmt, int m, int k, const uint8_t *wp, int n, const float *bias, float *c, int64_t ldc,
-                         cb_rows_panel_fn panel_fn, const void *rows) {
+                         cb_rows_panel_fn panel_fn, const void *rows, int tile) {
     const int64_t pbytes = cb_panel_bytes(fmt, k);
     const int panels = (n + CB_NR - 1) / CB_NR;
     cb_share_t shares[CB_MAX_SHARES];
@@ -247,10 +247,14 @@ void cb_rows_over_panels(int fmt, int m, int k, const uint8_t *wp, int n, const 
             const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
             float tail_bias[CB_NR];
             const float *b = cb_item_bias(bias, p, ncols, tail_bias);
-            for (int i = 0; i < m; ++i)
-                for (int j = 0; j < CB_NR; ++j) acc[i * CB_NR + j] = b ? b[j] : 0.0f;
-            panel_fn(m, fmt, rows, wp + p * pbytes, acc);
-            for (int i = 0; i < m; ++i) memcpy(c + (int64_t)i * ldc + p * CB_NR, acc + i * CB_NR, sizeof(float) * (size_t)ncols);
+            for (int t = 0; t < m; t += tile) {
+                const int mr = m - t < tile ? m - t : tile;
+                for (int i = 0; i < mr; ++i)
+                    for (int j = 0; j < CB_NR; ++j) acc[i * CB_NR + j] = b ? b[j] : 0.0f;
+                panel_fn(mr, fmt, rows, t, wp + p * pbytes, acc);
+                for (int i = 0; i < mr; ++i)
+                    memcpy(c + (int64_t)(t + i) * ldc + p * CB_NR, acc + i * CB_NR, sizeof(float) * (size_t)ncols);
+            }
         }
     }
 }
@@ -262,13 +266,13 @@ typedef struct {
     int k;
 } float_rows_t;
 
-static void float_rows_panel(int mr, int fmt, const void *rows, const uint8_t *panel, float *acc_io) {
+static void float_rows_panel(int mr, int fmt, const void *rows, int row0, const uint8_t *panel, float *acc_io) {
     const float_rows_t *r = rows;
-    rows_panel(mr, fmt, r->a, r->lda, r->k, panel, acc_io);
+    rows_panel(mr, fmt, r->a + (int64_t)row0 * r->lda, r->lda, r->k, panel, acc_io);
 }
 
 void cb_linear_rows(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                     const float *bias, float *c, int64_t ldc) {
     const float_rows_t rows = {a, lda, k};
-    cb_rows_over_panels(fmt, m, k, wp, n, bias, c, ldc, float_rows_panel, &rows);
+    cb_rows_over_panels(fmt, m, k, wp, n, bias, c, ldc, float_rows_panel, &rows, m);
 }

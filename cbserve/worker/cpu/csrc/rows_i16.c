@@ -16,7 +16,6 @@
  * only the few-row products differ, by the rounding of the rows. */
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "i16.h"
 
@@ -202,8 +201,8 @@ static inline __attribute__((always_inline)) void i16_panel_mr(const int mr, int
     }
 }
 
-static void i16_panel(int mr, int fmt, const void *rows, const uint8_t *panel, float *acc_io) {
-    const i16_rows_t *r = rows;
+static void i16_panel(int mr, int fmt, const void *rows, int row0, const uint8_t *panel, float *acc_io) {
+    const i16_rows_t tile = i16_tile(rows, row0), *r = &tile;
     switch (mr) {
     case 1: i16_panel_mr(1, fmt, r, panel, acc_io); break;
     case 2: i16_panel_mr(2, fmt, r, panel, acc_io); break;
@@ -220,38 +219,12 @@ int cb_rows_i16_take(int fmt, int m, int k) {
 }
 
 /* Every row of a step (CB_FMT_I16ALL): each panel meets the rows a tile of I16_TILE at a time, the panel staying in
- * L2 while its tiles go by (the panels shared among the threads as cb_rows_over_panels shares them) */
+ * L2 while its tiles go by */
 #if CB_VW == 16
 #define I16_TILE 4
 #else
 #define I16_TILE 2 /* AVX2: 16 vector registers */
 #endif
-
-static void i16_tiles(int fmt, int m, const i16_rows_t *r, const uint8_t *wp, int n, const float *bias, float *c,
-                      int64_t ldc) {
-    const int64_t pbytes = cb_panel_bytes(fmt, r->k);
-    const int panels = (n + CB_NR - 1) / CB_NR;
-    cb_share_t shares[CB_MAX_SHARES];
-    const int nshares = cb_shares_init(shares, panels);
-#pragma omp parallel
-    {
-        float acc[CB_ROWS_MAX * CB_NR] __attribute__((aligned(64)));
-        for (int p; (p = cb_share_next(shares, nshares)) >= 0;) {
-            const int ncols = n - p * CB_NR < CB_NR ? n - p * CB_NR : CB_NR;
-            float tail_bias[CB_NR];
-            const float *b = cb_item_bias(bias, p, ncols, tail_bias);
-            for (int t = 0; t < m; t += I16_TILE) {
-                const int mr = m - t < I16_TILE ? m - t : I16_TILE;
-                const i16_rows_t tile = i16_tile(r, t);
-                for (int i = 0; i < mr; ++i)
-                    for (int j = 0; j < CB_NR; ++j) acc[i * CB_NR + j] = b ? b[j] : 0.0f;
-                i16_panel(mr, fmt, &tile, wp + p * pbytes, acc);
-                for (int i = 0; i < mr; ++i)
-                    memcpy(c + (int64_t)(t + i) * ldc + p * CB_NR, acc + i * CB_NR, sizeof(float) * (size_t)ncols);
-            }
-        }
-    }
-}
 
 int cb_linear_rows_i16(int fmt, const float *a, int64_t lda, int m, int k, const uint8_t *wp, int n,
                        const float *bias, float *c, int64_t ldc) {
@@ -260,10 +233,7 @@ int cb_linear_rows_i16(int fmt, const float *a, int64_t lda, int m, int k, const
     i16_rows_t r;
     const int rc = i16_round(a, lda, m, k, &r);
     if (rc != CB_OK) return rc;
-    if (all && m > I16_TILE)
-        i16_tiles(fmt, m, &r, wp, n, bias, c, ldc);
-    else
-        cb_rows_over_panels(fmt, m, k, wp, n, bias, c, ldc, i16_panel, &r);
+    cb_rows_over_panels(fmt, m, k, wp, n, bias, c, ldc, i16_panel, &r, all ? I16_TILE : m);
     free(r.xq);
     return CB_OK;
 }
