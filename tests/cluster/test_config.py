@@ -75,35 +75,6 @@ def test_not_a_mapping_is_rejected(tmp_path: Path) -> None:
         CBServeConfig.from_yaml(path)
 
 
-def test_cpu_ops_reaches_the_worker_config() -> None:
-    assert CBServeConfig.from_args({}).worker_model_config().cpu_ops == "auto"
-    assert CBServeConfig.from_args({"cpu_ops": "onednn"}).worker_model_config().cpu_ops == "onednn"
-    assert CBServeConfig.from_args({}).worker_model_config().cpu_compact_weights is True
-    assert CBServeConfig.from_args({"cpu_compact_weights": False}).worker_model_config().cpu_compact_weights is False
-    assert CBServeConfig.from_args({}).worker_model_config().cpu_decode_activations == "float32"
-    int16 = CBServeConfig.from_args({"cpu_decode_activations": "int16", "device": "cpu"}).worker_model_config()
-    assert int16.cpu_decode_activations == "int16" and int16.cpu_prefill_activations == "float32"
-    both = {"cpu_decode_activations": "int16", "cpu_prefill_activations": "int16", "device": "cpu"}
-    assert CBServeConfig.from_args(both).worker_model_config().cpu_prefill_activations == "int16"
-    with pytest.raises(ValueError, match="cpu_prefill_activations 'int16' .* set cpu_decode_activations 'int16' too"):
-        CBServeConfig.from_args({"cpu_prefill_activations": "int16", "device": "cpu"}).worker_model_config()
-    with pytest.raises(ValueError, match="cpu_prefill_activations\n  Input should be 'float32' or 'int16'"):
-        CBServeConfig.from_args({"cpu_prefill_activations": "int8", "device": "cpu"})
-
-
-@pytest.mark.parametrize(("conflict", "named"), [({"cpu_ops": "torch"}, "cpu_ops 'torch'"),
-                                                 ({"cpu_compact_weights": False}, "cpu_compact_weights=False"),
-                                                 ({"device": "cuda"}, "device 'cuda'"),
-                                                 ({"quantization": "fp8"}, "quantization 'fp8'")])
-def test_int16_decode_activations_are_refused_where_no_cpu_kernel_blocks_take_them(conflict: dict, named: str) -> None:
-    from cbserve.worker.config import ModelConfig
-
-    with pytest.raises(ValueError, match=f"cpu_decode_activations 'int16' .*{named}"):
-        ModelConfig(**{"device": "cpu", "cpu_decode_activations": "int16", **conflict})
-    with pytest.raises(ValueError, match="cpu_decode_activations must be one of"):
-        ModelConfig(device="cpu", cpu_decode_activations="int8")  # type: ignore[arg-type]
-
-
 # ---- a configuration that can never serve stops at start-up (no Ray, no torch) ----------------------------
 SMOLLM2 = {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
            "num_hidden_layers": 30, "max_position_embeddings": 8192, "intermediate_size": 1536}  # fmt: skip
@@ -238,7 +209,7 @@ def test_the_worker_config_is_derived_from_every_matching_field() -> None:
     # the KV tiers' sizes are GiB in the user's config and bytes in the worker's (see the next test)
     tiers = {"kv_offloading_bytes", "kv_offloading_dtype", "kv_disk_path", "kv_disk_bytes"}
     handoff = {"kv_role", "kv_shm_path", "kv_transfer_timeout_s", "kv_pull_wait_s", "kv_transport"}  # pd_config.py
-    apart = {"cpu_decode_activations"}  # "int16" conflicts with this test's cuda and fp8 (test_cpu_ops_reaches_...)
+    apart = {"cpu_decode_activations", "cpu_prefill_activations"}  # "int16": not with cuda and fp8 (test_config_cpu.py)
     derived = {"rank", "draft_model", "num_speculative_tokens"} | tiers | handoff | apart
     assert {f.name for f in dataclasses.fields(ModelConfig)} == set(values) | derived
     assert {k: getattr(mc, k) for k in values} == values and mc.rank == 2
