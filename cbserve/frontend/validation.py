@@ -176,8 +176,6 @@ class RequestValidator:
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter ``model`` names (None: the served model); a 404 naming an unknown one."""
-        if model is None or model == self.loras.base_name:  # the served model: no adapter to look up
-            return None
         return self.loras.resolve(model)
 
     # ---- prompts ------------------------------------------------------------------------------
@@ -342,7 +340,7 @@ def to_sampling_params(
 def template_message(m: ChatMessage) -> dict[str, Any]:
     """One message as the chat template gets it: role and text, an assistant's ``tool_calls`` (arguments
     as objects, as templates print them), a tool message's ``tool_call_id`` and ``name``."""
-    d: dict[str, Any] = {"role": m.role, "content": m.content if isinstance(m.content, str) else m.text()}
+    d: dict[str, Any] = {"role": m.role, "content": m.text()}
     extra = m.model_extra or {}
     if extra.get("tool_calls"):
         d["tool_calls"] = [_template_call(c) for c in extra["tool_calls"]]

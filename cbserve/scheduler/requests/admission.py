@@ -15,7 +15,7 @@ from cbserve.scheduler.errors import DuplicateRequestError, RequestRejectedError
 from cbserve.scheduler.requests.limits import check_pooling_prompt, resolve_max_tokens
 from cbserve.scheduler.requests.request import EngineRequest
 from cbserve.scheduler.requests.retention import Retention, check_retention
-from cbserve.scheduler.requests.sequence import SequenceGroup
+from cbserve.scheduler.requests.sequence import SequenceGroup, child_seq_id
 
 
 def admit(cfg: EngineConfig, groups: Mapping[str, SequenceGroup], request: EngineRequest) -> tuple[EngineRequest, int]:
@@ -29,10 +29,9 @@ def admit(cfg: EngineConfig, groups: Mapping[str, SequenceGroup], request: Engin
 
 
 def id_in_use(groups: Mapping[str, SequenceGroup], request: EngineRequest) -> bool:
-    """Whether one of the request's sequence ids is taken: "x" with n=2 owns "x" and "x#1" (the ids
-    ``sequence.child_seq_id`` gives its sequences)."""
+    """Whether one of the request's sequence ids is taken: "x" with n=2 owns "x" and "x#1"."""
     for i in range(request.sampling_params.num_sequences):
-        seq_id = f"{request.req_id}#{i}" if i else request.req_id
+        seq_id = child_seq_id(request.req_id, i)
         if seq_id in groups:
             return True
         base, sep, index = seq_id.rpartition("#")

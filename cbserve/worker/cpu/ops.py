@@ -96,10 +96,6 @@ def resolve_cpu_ops(requested: str, device: torch.device, dtype: torch.dtype, is
     if int16_rows and (not ops.native or ops.linear_paths[0] != "native"):
         raise ValueError(f"cpu_decode_activations 'int16' needs the C kernels for decode steps, but {ops.mode!r} "
                          f"({where}) runs them")
-    if int16_prefill and ops.kernels is not None and "i16_dot" not in ops.kernels.isa_features:
-        raise ValueError(f"cpu_prefill_activations 'int16' needs int16 multiply-adds in one instruction (AVX-512 "
-                         f"VNNI, or AVX-VNNI): the {ops.kernels.isa} build here has none, and its float32 products "
-                         f"are faster for many rows")
     if int16_prefill and (not ops.native or ops.linear_paths[1] != "native"):
         raise ValueError(f"cpu_prefill_activations 'int16' needs the C kernels for many-row products, but "
                          f"{ops.mode if not ops.native else ops.linear_paths[1]!r} ({where}) runs them")
@@ -116,6 +112,10 @@ def _resolve(requested: str, device: torch.device, dtype: torch.dtype, isa: str,
         else:
             load = load_cpu_kernels(isa)
             if load.kernels is not None:
+                if int16_prefill and "i16_dot" not in load.kernels.isa_features:  # before any probe runs
+                    raise ValueError(f"cpu_prefill_activations 'int16' needs int16 multiply-adds in one instruction "
+                                     f"(AVX-512 VNNI, or AVX-VNNI): the {load.kernels.isa} build here has none, and "
+                                     f"its float32 products are faster for many rows")
                 native = CpuOps("native", load.kernels, dtype == torch.bfloat16, int16_rows=int16_rows,
                                 int16_prefill=int16_prefill)
                 if requested == "native" or probe_shape is None:

@@ -65,7 +65,8 @@ static void i16_round_row(const float *a, int k, int32_t *xq, float *dx, float *
 
 static int i16_round(const float *a, int64_t lda, int m, int k, i16_rows_t *r) {
     r->k = k;
-    r->xq = malloc(sizeof(int32_t) * (size_t)m * (size_t)(k / 2) + sizeof(float) * (size_t)m * (size_t)(k / 32 + k / 16));
+    const size_t rows = (size_t)m;
+    r->xq = malloc(sizeof(int32_t) * rows * (size_t)(k / 2) + sizeof(float) * rows * (size_t)(k / 32 + k / 16));
     if (!r->xq) return CB_ENOMEM;
     r->dx = (float *)(r->xq + (int64_t)m * (k / 2));
     r->sx = r->dx + (int64_t)m * (k / 32);
