@@ -3,9 +3,10 @@
 random weights (``real_models.py`` writes them: an HF bfloat16 folder and Q8_0 / Q4_0 GGUF files of the same
 values). Random weights make the generated text meaningless; the timings are those of the real shapes.
 
-Systems: cbserve and llama-server on each GGUF file (and on the 4-bit ones cbserve-int16:
-``--cpu-decode-activations int16``, decode steps' rows rounded to int16 as llama.cpp rounds them to int8, and
-cbserve-int16all: ``--cpu-prefill-activations int16`` besides, every step's rows so);
+Systems: cbserve (its defaults) and llama-server on each GGUF file, and on the 4-bit ones cbserve's activations
+pinned: cbserve-f32 (``--cpu-decode-activations float32 --cpu-prefill-activations float32``: the exact float32
+products), cbserve-int16 (decode steps' rows rounded to int16 as llama.cpp rounds them to int8, prefill in float32)
+and cbserve-int16all (every step's rows so; what the defaults, "auto", run on a CPU with VNNI);
 cbserve (``--dtype bfloat16``: bfloat16 products) and vLLM (bfloat16, its best dtype on a CPU with AVX512-BF16) on
 the HF folder. Workloads, one client for all
 (``cbserve.bench``: streaming completions, ``ignore_eos``, greedy): **burst**, --burst requests at once;
@@ -45,19 +46,25 @@ from real_models import FORMATS, KQUANT_TYPES, SIZES, write_model  # noqa: E402
 from real_sizes_report import format_tables, gguf_step_bytes, plot_real_sizes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("cbserve", "cbserve-int16", "cbserve-int16all", "llama", "vllm")
+SYSTEMS = ("cbserve", "cbserve-f32", "cbserve-int16", "cbserve-int16all", "llama", "vllm")
 # cbserve's variants: system -> its extra `cbserve serve` flags
-CBSERVE_VARIANTS = {"cbserve": [], "cbserve-int16": ["--cpu-decode-activations", "int16"],
-                    "cbserve-int16all": ["--cpu-decode-activations", "int16", "--cpu-prefill-activations", "int16"]}
+CBSERVE_VARIANTS = {
+    "cbserve": [],
+    "cbserve-f32": ["--cpu-decode-activations", "float32", "--cpu-prefill-activations", "float32"],
+    "cbserve-int16": ["--cpu-decode-activations", "int16", "--cpu-prefill-activations", "float32"],
+    "cbserve-int16all": ["--cpu-decode-activations", "int16", "--cpu-prefill-activations", "int16"],
+}
 # (system, format) pairs a size is served in: vLLM reads the HF folder, llama-server the GGUF files
 PAIRS = (
     ("cbserve", "q8_0"),
     ("llama", "q8_0"),
     ("cbserve", "q4_0"),
+    ("cbserve-f32", "q4_0"),
     ("cbserve-int16", "q4_0"),
     ("cbserve-int16all", "q4_0"),
     ("llama", "q4_0"),
     ("cbserve", "q4_k_m"),
+    ("cbserve-f32", "q4_k_m"),
     ("cbserve-int16", "q4_k_m"),
     ("cbserve-int16all", "q4_k_m"),
     ("llama", "q4_k_m"),

@@ -49,6 +49,9 @@ def test_each_cbserve_variant_serves_with_its_own_flags() -> None:
     args = argparse.Namespace(max_model_len=512, kv_bytes=1 << 30, cbserve_args="")
     plain = bench.cbserve_cmd_args(Path("/m/x.gguf"), "q4_k_m", args)
     int16 = bench.cbserve_cmd_args(Path("/m/x.gguf"), "q4_k_m", args, "cbserve-int16")
-    assert "--cpu-decode-activations" not in plain
-    assert int16[int16.index("--cpu-decode-activations") + 1] == "int16" and int16[2:] == plain
+    assert "--cpu-decode-activations" not in plain  # the defaults ("auto")
+    assert int16[int16.index("--cpu-decode-activations") + 1] == "int16" and int16[4:] == plain
+    assert int16[int16.index("--cpu-prefill-activations") + 1] == "float32"
+    exact = bench.cbserve_cmd_args(Path("/m/x.gguf"), "q4_k_m", args, "cbserve-f32")
+    assert exact[:4] == ["--cpu-decode-activations", "float32", "--cpu-prefill-activations", "float32"]
     assert {s for s, _ in bench.PAIRS} <= set(bench.SYSTEMS)

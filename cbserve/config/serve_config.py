@@ -75,9 +75,9 @@ class CBServeConfig(BaseModel):
     cpu_ops: CpuOpsName = "auto"  # CPU kernels (worker/cpu/)
     cpu_isa: CpuIsaName = "auto"  # which build of the C kernels: avx512, avx2, scalar; auto = the CPU's best
     cpu_compact_weights: bool = True  # native CPU kernels read exact compact weights
-    # "int16": 4-6-bit GGUF weights multiply rows rounded to int16 (native CPU kernels): decode steps', every step's
-    cpu_decode_activations: CpuDecodeActivations = "float32"
-    cpu_prefill_activations: CpuDecodeActivations = "float32"  # "int16" needs cpu_decode_activations "int16"
+    # "int16": 4-6-bit GGUF weights multiply rows rounded to int16 (native CPU kernels): decode steps', every step's;
+    cpu_decode_activations: CpuDecodeActivations = "auto"  # "auto": int16 where the CPU has VNNI and the weights are
+    cpu_prefill_activations: CpuDecodeActivations = "auto"  # such blocks, else float32 (exact); see worker/config.py
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False  # CUDA: no CUDA-graph capture of decode steps
     # CUDA: "full_and_piecewise" also replays steps with prefill chunks (<= 512 tokens) from piecewise graphs

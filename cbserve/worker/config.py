@@ -13,7 +13,7 @@ Device = Literal["auto", "cpu", "cuda"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton", "flash"]
 CpuOpsName = Literal["auto", "native", "onednn", "torch"]
 CpuIsaName = Literal["auto", "avx512", "avx2", "scalar"]
-CpuDecodeActivations = Literal["float32", "int16"]
+CpuDecodeActivations = Literal["auto", "float32", "int16"]
 RunnerName = Literal["generate", "pooling"]
 CudaGraphMode = Literal["full_decode_only", "full_and_piecewise"]
 QuantizationName = Literal["fp8"]
@@ -49,11 +49,13 @@ class ModelConfig:
     ``cpu_decode_activations="int16"`` (native, compact weights): a decode step's few rows multiply the 4-6-bit GGUF
     blocks (Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K) rounded to int16 per 32 values, in integer multiply-adds (as
     llama.cpp's int8 dot products, finer): within 2^-16 of each block's largest value of the float32 product, faster
-    where decoding the weights to float32 is the limit. "float32" (the default): the exact float32 products.
-    ``cpu_prefill_activations="int16"`` (with ``cpu_decode_activations="int16"``): every step's rows are rounded so,
-    prefill chunks' too, in tiles of a few rows that meet each weight panel while it stays in L2: integer
+    where decoding the weights to float32 is the limit. "float32": the exact float32 products.
+    ``cpu_prefill_activations="int16"`` (not with ``cpu_decode_activations="float32"``): every step's rows are rounded
+    so, prefill chunks' too, in tiles of a few rows that meet each weight panel while it stays in L2: integer
     multiply-adds instead of decoding the blocks to float32 for the FMA units (1.4-1.7x the float32 path's rate on
-    an AVX-512 Zen 4). "float32" (the default): many-row products in float32.
+    an AVX-512 Zen 4). "float32": many-row products in float32. "auto" (the default of both): int16 where the kernels'
+    build multiplies int16 pairs in one instruction (AVX-512 VNNI, AVX-VNNI) and the model's linear weights are mostly
+    such blocks (``cpu.ops.int16_activations``), float32 elsewhere; /stats shows what each resolved to.
     ``dtype="bfloat16"`` on CPU with native ops: the model, its norms, attention and KV cache stay float32
     and the linear layers multiply in bfloat16 (weights rounded to bfloat16 once, then always read as such;
     inputs rounded at each product; float32 sums): ~2x the float32 products' rate on AVX-512 BF16 CPUs.
@@ -88,8 +90,8 @@ class ModelConfig:
     cpu_ops: CpuOpsName = "auto"
     cpu_isa: CpuIsaName = "auto"
     cpu_compact_weights: bool = True
-    cpu_decode_activations: CpuDecodeActivations = "float32"
-    cpu_prefill_activations: CpuDecodeActivations = "float32"
+    cpu_decode_activations: CpuDecodeActivations = "auto"
+    cpu_prefill_activations: CpuDecodeActivations = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
     rank: int = 0
@@ -197,18 +199,18 @@ class ModelConfig:
         if self.cpu_prefill_activations not in _DECODE_ACTIVATIONS:
             raise ValueError(f"cpu_prefill_activations must be one of {_DECODE_ACTIVATIONS}, got "
                              f"{self.cpu_prefill_activations!r}")
-        if self.cpu_prefill_activations == "int16" and self.cpu_decode_activations != "int16":
+        if self.cpu_prefill_activations == "int16" and self.cpu_decode_activations == "float32":
             raise ValueError("cpu_prefill_activations 'int16' rounds every step's rows as cpu_decode_activations "
-                             "'int16' rounds a decode step's: set cpu_decode_activations 'int16' too")
-        if self.cpu_decode_activations == "float32":
-            return
+                             "'int16' rounds a decode step's: cpu_decode_activations 'float32' contradicts it")
+        if "int16" not in (self.cpu_decode_activations, self.cpu_prefill_activations):
+            return  # "auto" resolves to float32 wherever int16 rows cannot run (cpu/ops.py)
+        asked = "cpu_decode_activations" if self.cpu_decode_activations == "int16" else "cpu_prefill_activations"
         for conflict, why in ((self.device == "cuda", "device 'cuda'"),
                               (self.cpu_ops in ("torch", "onednn"), f"cpu_ops {self.cpu_ops!r}"),
                               (not self.cpu_compact_weights, "cpu_compact_weights=False (float32 panels)"),
                               (self.quantization is not None, f"quantization {self.quantization!r}")):
             if conflict:
-                raise ValueError(f"cpu_decode_activations 'int16' multiplies the CPU kernels' GGUF block panels: "
-                                 f"{why} has none")
+                raise ValueError(f"{asked} 'int16' multiplies the CPU kernels' GGUF block panels: {why} has none")
 
     def _check_tiers(self) -> None:
         if self.kv_offloading_dtype not in ("auto", "bfloat16", "int8"):

@@ -14,14 +14,18 @@ def test_cpu_ops_reaches_the_worker_config() -> None:
     assert CBServeConfig.from_args({"cpu_ops": "onednn"}).worker_model_config().cpu_ops == "onednn"
     assert CBServeConfig.from_args({}).worker_model_config().cpu_compact_weights is True
     assert CBServeConfig.from_args({"cpu_compact_weights": False}).worker_model_config().cpu_compact_weights is False
-    assert CBServeConfig.from_args({}).worker_model_config().cpu_decode_activations == "float32"
+    default = CBServeConfig.from_args({}).worker_model_config()
+    assert (default.cpu_decode_activations, default.cpu_prefill_activations) == ("auto", "auto")
     int16 = CBServeConfig.from_args({"cpu_decode_activations": "int16", "device": "cpu"}).worker_model_config()
-    assert int16.cpu_decode_activations == "int16" and int16.cpu_prefill_activations == "float32"
+    assert int16.cpu_decode_activations == "int16" and int16.cpu_prefill_activations == "auto"
     both = {"cpu_decode_activations": "int16", "cpu_prefill_activations": "int16", "device": "cpu"}
     assert CBServeConfig.from_args(both).worker_model_config().cpu_prefill_activations == "int16"
-    with pytest.raises(ValueError, match="cpu_prefill_activations 'int16' .* set cpu_decode_activations 'int16' too"):
-        CBServeConfig.from_args({"cpu_prefill_activations": "int16", "device": "cpu"}).worker_model_config()
-    with pytest.raises(ValueError, match="cpu_prefill_activations\n  Input should be 'float32' or 'int16'"):
+    exact = {"cpu_decode_activations": "float32", "cpu_prefill_activations": "float32", "device": "cpu"}
+    assert CBServeConfig.from_args(exact).worker_model_config().cpu_decode_activations == "float32"
+    contradiction = {"cpu_decode_activations": "float32", "cpu_prefill_activations": "int16", "device": "cpu"}
+    with pytest.raises(ValueError, match="cpu_prefill_activations 'int16' .* 'float32' contradicts it"):
+        CBServeConfig.from_args(contradiction).worker_model_config()
+    with pytest.raises(ValueError, match="cpu_prefill_activations\n  Input should be 'auto', 'float32' or 'int16'"):
         CBServeConfig.from_args({"cpu_prefill_activations": "int8", "device": "cpu"})
 
 
@@ -32,7 +36,9 @@ def test_cpu_ops_reaches_the_worker_config() -> None:
 def test_int16_decode_activations_are_refused_where_no_cpu_kernel_blocks_take_them(conflict: dict, named: str) -> None:
     from cbserve.worker.config import ModelConfig
 
-    with pytest.raises(ValueError, match=f"cpu_decode_activations 'int16' .*{named}"):
-        ModelConfig(**{"device": "cpu", "cpu_decode_activations": "int16", **conflict})
+    for key in ("cpu_decode_activations", "cpu_prefill_activations"):
+        with pytest.raises(ValueError, match=f"{key} 'int16' .*{named}"):
+            ModelConfig(**{"device": "cpu", key: "int16", **conflict})
+        assert ModelConfig(**{"device": "cpu", **conflict}).cpu_decode_activations == "auto"  # float32 there
     with pytest.raises(ValueError, match="cpu_decode_activations must be one of"):
         ModelConfig(device="cpu", cpu_decode_activations="int8")  # type: ignore[arg-type]

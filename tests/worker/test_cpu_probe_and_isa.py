@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from cbserve.worker.runner.executor import LocalExecutor
 
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler on this machine")
 CPU = torch.device("cpu")
+INT16_DECODE = ("int16", "float32")  # cpu_decode_activations, cpu_prefill_activations
 
 
 def _result(few: tuple[float, float], many: tuple[float, float]) -> ProbeResult:
@@ -75,17 +78,50 @@ def test_auto_follows_a_stand_in_probe_per_regime(case: str, monkeypatch: pytest
     assert len(seen) == 3
     # int16 decode activations are probed apart, and refused where decode steps would not run on the C kernels
     if paths[0] == "native" and mode == "native":
-        ops = cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", int16_rows=True)
+        ops = cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", activations=INT16_DECODE)
         assert ops.int16_rows and ops.report()["cpu_decode_activations"] == "int16"
     else:
         with pytest.raises(ValueError, match="cpu_decode_activations 'int16' needs the C kernels for decode steps"):
-            cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", int16_rows=True)
+            cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", activations=INT16_DECODE)
     assert seen[-1] == ("scalar", 64, 96, "q4_0", False, True)
     # int16 prefill activations: refused on a build without int16 multiply-adds in one instruction (scalar here),
     # whatever the probe says
     with pytest.raises(ValueError, match="cpu_prefill_activations 'int16' needs int16 multiply-adds in one instr"):
-        cpu_ops.resolve_cpu_ops("native", CPU, torch.float32, "scalar", (64, 96), "q4_0", int16_rows=True,
-                                int16_prefill=True)
+        cpu_ops.resolve_cpu_ops("native", CPU, torch.float32, "scalar", (64, 96), "q4_0",
+                                activations=("int16", "int16"))
+
+
+VNNI, NO_VNNI = SimpleNamespace(isa_features=("fma", "i16_dot")), SimpleNamespace(isa_features=("fma",))
+# (requested decode, prefill), build, weight format, bfloat16 products -> (int16 decode rows, int16 every row)
+ACTIVATIONS = [
+    (("auto", "auto"), VNNI, "q4_0", False, (True, True)),
+    (("auto", "auto"), VNNI, "q6_k", False, (True, True)),
+    (("auto", "auto"), NO_VNNI, "q4_0", False, (False, False)),  # the avx2 build: float32 products
+    (("auto", "auto"), VNNI, "q8_0", False, (False, False)),  # not a 4-6-bit block format
+    (("auto", "auto"), VNNI, "f32", False, (False, False)),
+    (("auto", "auto"), VNNI, "q4_k", True, (False, False)),  # dtype bfloat16: its bfloat16 products as asked
+    (("auto", "float32"), VNNI, "q4_0", False, (True, False)),
+    (("float32", "auto"), VNNI, "q4_0", False, (False, False)),
+    (("int16", "auto"), NO_VNNI, "q4_0", False, (True, False)),
+    (("auto", "int16"), VNNI, "q8_0", False, (True, True)),  # asked for: the load refuses a model without blocks
+    (("int16", "float32"), VNNI, "f32", False, (True, False)),
+]
+
+
+@pytest.mark.parametrize(("asked", "kernels", "fmt", "bf16", "want"), ACTIVATIONS)
+def test_auto_activations_are_int16_where_it_pays(asked: tuple[str, str], kernels: Any, fmt: str, bf16: bool,
+                                                   want: tuple[bool, bool]) -> None:
+    assert cpu_ops.int16_activations(asked, kernels, fmt, bf16) == want
+
+
+def test_auto_activations_fall_back_where_the_probe_moves_a_regime_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" rounds rows to int16 only on the C kernels: a regime the probe gives to torch keeps float32 (where
+    "int16", asked for, is refused: the test above)."""
+    monkeypatch.setattr(cpu_ops, "int16_activations", lambda asked, kernels, fmt, bf16: (True, True))
+    for figures, want in ((((1.0, 2.0), (2.0, 1.0)), (True, False)), (((2.0, 1.0), (1.0, 2.0)), (False, False))):
+        monkeypatch.setattr(cpu_ops, "probe_cached", lambda *args, f=figures, **kwargs: _result(*f))
+        ops = cpu_ops.resolve_cpu_ops("auto", CPU, torch.float32, "scalar", (64, 96), "q4_0", activations=("auto",) * 2)
+        assert (ops.int16_rows, ops.int16_prefill) == want, figures
 
 
 def test_cpu_isa_is_validated() -> None:

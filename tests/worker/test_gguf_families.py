@@ -183,8 +183,8 @@ def test_int16_decode_activations_keep_hf_greedy_tokens(gguf_model: tuple[str, P
     stay HF's greedy ones, the logprobs within 1e-2 (5e-3 seen: these random models' norms make outliers, which
     set their blocks' int16 step). A file with no such blocks is refused at load."""
     case, gguf, hf = gguf_model
-    config = ModelConfig(model=str(gguf), **PATHS["native"], block_size=4, cpu_decode_activations="int16",
-                         cpu_prefill_activations=prefill)
+    config = ModelConfig(**{**PATHS["native"], "cpu_decode_activations": "int16", "cpu_prefill_activations": prefill},
+                         model=str(gguf), block_size=4)
     kernels = load_cpu_kernels().kernels
     if prefill == "int16" and kernels is not None and "i16_dot" not in kernels.isa_features:
         with pytest.raises(ValueError, match="cpu_prefill_activations 'int16' needs int16 multiply-adds"):
@@ -207,6 +207,23 @@ def test_int16_decode_activations_keep_hf_greedy_tokens(gguf_model: tuple[str, P
     for rid, prompt, _ in reqs:
         assert run.tokens[rid][0] == hf_greedy(hf, prompt, MAX_NEW), (case, rid)
         _check_logprobs(hf, prompt, run.tokens[rid][0], run.logprobs[rid][0], tol=1e-2)
+
+
+def test_auto_activations_are_int16_where_the_build_multiplies_int16_pairs(gguf_model: tuple[str, Path, Any]) -> None:
+    """The defaults (cpu_decode_activations and cpu_prefill_activations "auto"): on a build with the ``i16_dot`` bit
+    (AVX-512 VNNI, AVX-VNNI) a model of 4-6-bit blocks multiplies every step's rows rounded to int16 (the panels
+    the int16 test above runs, its tokens HF's); a build without it, or a model of other formats (Q8_0, float
+    weights), keeps the float32 products. /stats says which."""
+    case, gguf, _ = gguf_model
+    config = ModelConfig(model=str(gguf), cpu_ops="native", attention_backend="cpu", device="cpu", block_size=4)
+    model = LocalExecutor(config, num_blocks=36, progress=False).runner.model
+    kernels = load_cpu_kernels().kernels
+    int16 = kernels is not None and "i16_dot" in kernels.isa_features and case in INT16_CASES
+    report = model.ops.report()
+    want = "int16" if int16 else "float32"
+    assert (report["cpu_decode_activations"], report["cpu_prefill_activations"]) == (want, want), case
+    fmts = [p.fmt for p in native_panels(model.model.layers[0].self_attn.qkv_proj.packed)]
+    assert any(fmt.endswith("_i16all") for fmt in fmts) is int16, (case, fmts)
 
 
 def test_gguf_architectures_are_the_ones_transformers_maps() -> None:

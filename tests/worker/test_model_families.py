@@ -20,7 +20,10 @@ from cbserve.worker.config import ModelConfig
 from cbserve.worker.runner.executor import LocalExecutor
 
 MAX_NEW = 16
-PATHS = {"native": dict(cpu_ops="native", attention_backend="cpu", device="cpu"),
+# "native": the C kernels' exact float32 products (the int16 activations "auto" picks on CPUs with VNNI are
+# checked apart: test_gguf_families.py)
+PATHS = {"native": dict(cpu_ops="native", attention_backend="cpu", device="cpu", cpu_decode_activations="float32",
+                        cpu_prefill_activations="float32"),
          "torch": dict(cpu_ops="torch", attention_backend="torch", device="cpu")}
 
 

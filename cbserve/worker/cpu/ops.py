@@ -82,28 +82,47 @@ TORCH_OPS = CpuOps("torch", None)
 
 def resolve_cpu_ops(requested: str, device: torch.device, dtype: torch.dtype, isa: str = "auto",
                     probe_shape: tuple[int, int] | None = None, weight_format: str = "f32",
-                    weight_values: int = 0, int16_rows: bool = False, int16_prefill: bool = False) -> CpuOps:
+                    weight_values: int = 0, activations: tuple[str, str] = ("float32", "float32")) -> CpuOps:
     """The ops to build the model with. ValueError when "native" or "onednn" is asked for explicitly and
     cannot be had, or ``isa`` names a level this CPU cannot run. Not a CPU device: torch. ``probe_shape``
     (the model's hidden and intermediate sizes) and ``weight_format`` (``probe.model_weights``): "auto"
     keeps the C kernels for each regime of the linear products only where the probe finds them no slower
     than torch; ``weight_values`` (the checkpoint's): the regimes stay on the C kernels when torch's copy of
-    the weights for one of them would take more than half the memory available. ``int16_rows``: the C kernels'
-    int16-rows products (ValueError where the model does not run its few-row products on them); ``int16_prefill``:
-    its many-row products too (ValueError likewise)."""
-    ops = _resolve(requested, device, dtype, isa, probe_shape, weight_format, weight_values, int16_rows, int16_prefill)
+    the weights for one of them would take more than half the memory available. ``activations``: the requested
+    ``cpu_decode_activations`` and ``cpu_prefill_activations`` (``int16_activations``); "int16" where the model does
+    not run that regime's products on the C kernels is a ValueError, "auto" falls back to float32 there."""
+    ops = _resolve(requested, device, dtype, isa, probe_shape, weight_format, weight_values, activations)
     where = f"{'device ' + device.type if device.type != 'cpu' else 'cpu_ops ' + repr(requested)}"
-    if int16_rows and (not ops.native or ops.linear_paths[0] != "native"):
+    forced_rows, forced_every = "int16" in activations, activations[1] == "int16"
+    if forced_rows and (not ops.native or ops.linear_paths[0] != "native"):
         raise ValueError(f"cpu_decode_activations 'int16' needs the C kernels for decode steps, but {ops.mode!r} "
                          f"({where}) runs them")
-    if int16_prefill and (not ops.native or ops.linear_paths[1] != "native"):
+    if forced_every and (not ops.native or ops.linear_paths[1] != "native"):
         raise ValueError(f"cpu_prefill_activations 'int16' needs the C kernels for many-row products, but "
                          f"{ops.mode if not ops.native else ops.linear_paths[1]!r} ({where}) runs them")
+    if ops.int16_rows and ops.linear_paths[0] != "native":  # "auto" where the probe put decode steps on torch
+        return ops._replace(int16_rows=False, int16_prefill=False)
+    if ops.int16_prefill and ops.linear_paths[1] != "native":
+        return ops._replace(int16_prefill=False)
     return ops
 
 
+def int16_activations(activations: tuple[str, str], kernels: CpuKernels, weight_format: str,
+                      bf16_products: bool) -> tuple[bool, bool]:
+    """Whether decode steps' rows, and every step's, are rounded to int16 (``CpuOps.int16_rows``, ``int16_prefill``)
+    for the requested ``cpu_decode_activations`` and ``cpu_prefill_activations``: "int16" as asked ("int16" prefill
+    implies int16 decode), "float32" never, "auto" where it pays: the kernels' build multiplies int16 pairs in one
+    instruction (its ``i16_dot`` bit: AVX-512 VNNI, AVX-VNNI) and most of the model's linear weights are 4-6-bit
+    GGUF blocks kept as such (``weight_format``), multiplied in float32 (not ``bf16_products``). A rule of the
+    build and the format, not a timing, so that every replica and restart computes the same outputs."""
+    pays = ("i16_dot" in kernels.isa_features and weight_format in INT16_ROWS_FORMATS and not bf16_products)
+    decode, prefill = activations
+    every = prefill == "int16" or (prefill == "auto" and decode != "float32" and pays)
+    return every or decode == "int16" or (decode == "auto" and pays), every
+
+
 def _resolve(requested: str, device: torch.device, dtype: torch.dtype, isa: str, probe_shape: tuple[int, int] | None,
-             weight_format: str, weight_values: int, int16_rows: bool, int16_prefill: bool) -> CpuOps:
+             weight_format: str, weight_values: int, activations: tuple[str, str]) -> CpuOps:
     if device.type != "cpu":
         return TORCH_OPS
     if requested in ("auto", "native"):
@@ -112,12 +131,13 @@ def _resolve(requested: str, device: torch.device, dtype: torch.dtype, isa: str,
         else:
             load = load_cpu_kernels(isa)
             if load.kernels is not None:
-                if int16_prefill and "i16_dot" not in load.kernels.isa_features:  # before any probe runs
+                if activations[1] == "int16" and "i16_dot" not in load.kernels.isa_features:  # before any probe
                     raise ValueError(f"cpu_prefill_activations 'int16' needs int16 multiply-adds in one instruction "
                                      f"(AVX-512 VNNI, or AVX-VNNI): the {load.kernels.isa} build here has none, and "
                                      f"its float32 products are faster for many rows")
-                native = CpuOps("native", load.kernels, dtype == torch.bfloat16, int16_rows=int16_rows,
-                                int16_prefill=int16_prefill)
+                bf16 = dtype == torch.bfloat16
+                rows, every = int16_activations(activations, load.kernels, weight_format, bf16)
+                native = CpuOps("native", load.kernels, bf16, int16_rows=rows, int16_prefill=every)
                 if requested == "native" or probe_shape is None:
                     return native
                 return _probed(native, load.kernels, probe_shape, weight_format, weight_values)

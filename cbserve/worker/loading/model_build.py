@@ -63,7 +63,7 @@ def build_model(
     weight_format, weight_values = model_weights(folder)
     ops = resolve_cpu_ops(fp8_cpu_ops(config, device), device, dtype, config.cpu_isa, probe_shape(hf_config),
                           weight_format if config.cpu_compact_weights else "f32", weight_values,
-                          config.cpu_decode_activations == "int16", config.cpu_prefill_activations == "int16")
+                          (config.cpu_decode_activations, config.cpu_prefill_activations))
     if ops.bf16_products:  # bfloat16 on the C kernels: a float32 model and KV cache, bfloat16 products
         dtype = torch.float32
         logger.info("dtype bfloat16 on the CPU kernels: linear layers multiply in bfloat16, the rest is float32")

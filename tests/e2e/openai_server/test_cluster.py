@@ -99,6 +99,11 @@ def test_stats_report_each_workers_cpu_path(server: Server) -> None:
         if cpu["cpu_ops"] == "native":  # the CPU's best build, which reports its own ISA
             assert cpu["cpu_isa"] == supported_levels()[0]
             assert cpu["cpu_isa"] in cpu["cpu_isa_features"] or cpu["cpu_isa_features"] == []
+        # the defaults ("auto"): the bundled model's Q4_1 rows rounded to int16 where the build has VNNI
+        paths, vnni = cpu["cpu_linear_paths"], "i16_dot" in cpu["cpu_isa_features"]
+        decode = "int16" if cpu["cpu_ops"] == "native" and vnni and paths["few_rows"] == "native" else "float32"
+        prefill = "int16" if decode == "int16" and paths["many_rows"] == "native" else "float32"
+        assert (cpu["cpu_decode_activations"], cpu["cpu_prefill_activations"]) == (decode, prefill)
 
 
 def test_a_long_shared_prefix_goes_to_the_replica_that_cached_it(server: Server) -> None:
