@@ -359,7 +359,7 @@ def pack_linear_weights(
         if isinstance(m, Packable) and isinstance(m.weight, torch.Tensor):
             source = next((blocks[n] for n in names[id(m.weight)] if n in blocks), None)
             packed += m.pack(len(names[id(m.weight)]) == 1, kernels, source, compact, bf16_products, paths)
-    if packed:
+    if any(getattr(m, "packed", None) is not None for m in model.modules()):  # here or as loaded (ops.PackAsLoaded)
         _log_packing(model, kernels is not None, paths)
     return packed
 

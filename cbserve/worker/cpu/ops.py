@@ -24,18 +24,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from cbserve.worker.cpu.abi import INT16_ROWS_FORMATS
-from cbserve.worker.cpu.gguf_blocks import QuantBlocks
+from cbserve.worker.cpu.abi import FORMAT_FLAGS, INT16_ROWS_FORMATS
+from cbserve.worker.cpu.gguf_blocks import QuantBlocks, SplitBlocks
 from cbserve.worker.cpu.kernels import CpuKernels
 from cbserve.worker.cpu.linear import (
     PATHS_NATIVE,
     NativeWeight,
+    Packable,
     PackedWeight,
     RegimeWeight,
     SplitWeight,
@@ -184,7 +186,7 @@ def _probed(native: CpuOps, kernels: CpuKernels, shape: tuple[int, int], weight_
 
 
 def pack_weights(
-    model: nn.Module, ops: CpuOps, blocks: Mapping[str, QuantBlocks] | None = None, compact: bool = False
+    model: nn.Module, ops: CpuOps, blocks: Mapping[str, QuantBlocks | SplitBlocks] | None = None, compact: bool = False
 ) -> int:
     """Pack the loaded linear weights for ``ops`` (native or onednn; native with ``compact`` keeps exact
     compact formats, from ``blocks`` where given, see linear.py); torch packs nothing. Returns how many."""
@@ -201,26 +203,67 @@ def pack_weights(
     return packed
 
 
+class PackAsLoaded:
+    """``load_weights``' ``on_loaded`` on CPU: each linear weight packed for ``ops`` (as ``pack_weights`` packs it,
+    ``blocks`` by parameter name) as soon as all its parts are loaded, and its float32 copy released then: the
+    float32 weights of a layer are in memory at once, not the whole model's (an 8B GGUF file's: 32 GB). A shared
+    weight (tied embeddings) is left to ``pack_weights``, which packs what is left after the load; ``blocks`` (the
+    model's ``fused_quant_blocks``) loses each weight's blocks as it is packed."""
+
+    def __init__(self, model: nn.Module, ops: CpuOps, blocks: dict[str, QuantBlocks | SplitBlocks] | None,
+                 compact: bool) -> None:
+        native = ops.native and ops.kernels is not None
+        self.how = (ops.kernels if native else None, compact and native, ops.bf16_products,
+                    ops.linear_paths if native else PATHS_NATIVE)
+        self.int16 = (native and ops.int16_rows, ops.int16_prefill)  # switched as packed: no second copy at the end
+        self.blocks = blocks or {}
+        names: dict[int, list[str]] = defaultdict(list)
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names[id(param)].append(name)
+        self.owners = {names[id(m.weight)][0]: m for m in model.modules()
+                       if isinstance(m, Packable) and isinstance(getattr(m, "weight", None), torch.Tensor)
+                       and len(names[id(m.weight)]) == 1}
+
+    def __call__(self, name: str) -> None:
+        module = self.owners.pop(name, None)
+        if module is not None:
+            kernels, compact, bf16_products, paths = self.how
+            # the blocks leave the dict (a fused weight's concatenated copy is freed once packed)
+            module.pack(True, kernels, self.blocks.pop(name, None), compact, bf16_products, paths)
+            if self.int16[0] and module.packed is not None:
+                module.packed = int16_variant(module.packed, self.int16[1])
+
+
 def use_int16_rows(model: nn.Module, every_row: bool = False) -> int:
     """Switch every packed weight of ``model`` in a 4-6-bit GGUF block format (``abi.INT16_ROWS_FORMATS``, alone or as
     a part of a ``SplitWeight``, or a ``RegimeWeight``'s few-row side) to its int16-rows variant (``every_row``: the
-    one whose many-row products round the rows to int16 too); returns how many weights (parts) were switched."""
-    switched = 0
-
-    def switch(packed: PackedWeight) -> PackedWeight:
-        nonlocal switched
-        if isinstance(packed, RegimeWeight):
-            return dataclasses.replace(packed, few=switch(packed.few))
-        if isinstance(packed, SplitWeight):
-            return dataclasses.replace(packed, parts=tuple(switch(p) for p in packed.parts))
-        if isinstance(packed, NativeWeight) and packed.panels.fmt in INT16_ROWS_FORMATS:
-            switched += 1
-            return dataclasses.replace(packed, panels=packed.kernels.with_int16_rows(packed.panels, every_row))
-        return packed
-
+    one whose many-row products round the rows to int16 too); returns how many weights (parts) run on int16 rows,
+    those switched while loading (``PackAsLoaded``) included."""
+    on_int16 = 0
     for m in model.modules():
         if getattr(m, "packed", None) is not None:
-            m.packed = switch(m.packed)
+            m.packed = int16_variant(m.packed, every_row)
+            on_int16 += sum(w.panels.fmt.rpartition("_")[2] in FORMAT_FLAGS for w in _native_parts(m.packed))
     logger.info("cpu_decode_activations int16: %d GGUF block weights (or parts) multiply %s rows rounded to int16",
-                switched, "every step's" if every_row else "decode steps'")
-    return switched
+                on_int16, "every step's" if every_row else "decode steps'")
+    return on_int16
+
+
+def int16_variant(packed: PackedWeight, every_row: bool) -> PackedWeight:
+    """``packed`` with its 4-6-bit GGUF block panels in their int16-rows variant (see ``use_int16_rows``)."""
+    if isinstance(packed, RegimeWeight):
+        return dataclasses.replace(packed, few=int16_variant(packed.few, every_row))
+    if isinstance(packed, SplitWeight):
+        return dataclasses.replace(packed, parts=tuple(int16_variant(p, every_row) for p in packed.parts))
+    if isinstance(packed, NativeWeight) and packed.panels.fmt in INT16_ROWS_FORMATS:
+        return dataclasses.replace(packed, panels=packed.kernels.with_int16_rows(packed.panels, every_row))
+    return packed
+
+
+def _native_parts(packed: PackedWeight) -> list[NativeWeight]:
+    """The C kernels' panels of ``packed`` that decode steps run on."""
+    if isinstance(packed, RegimeWeight):
+        return _native_parts(packed.few)
+    if isinstance(packed, SplitWeight):
+        return [w for p in packed.parts for w in _native_parts(p)]
+    return [packed] if isinstance(packed, NativeWeight) else []

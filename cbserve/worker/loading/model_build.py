@@ -16,7 +16,7 @@ from cbserve.worker.attention.selector import get_attention_backend
 from cbserve.worker.config import ModelConfig
 from cbserve.worker.cpu.gguf_blocks import load_gguf_blocks
 from cbserve.worker.cpu.kernels import CpuKernels
-from cbserve.worker.cpu.ops import resolve_cpu_ops
+from cbserve.worker.cpu.ops import PackAsLoaded, resolve_cpu_ops
 from cbserve.worker.cpu.probe import model_weights
 from cbserve.worker.fp8 import check_fp8_device
 from cbserve.worker.layers.fp8_linear import quantize_linear_weights
@@ -82,12 +82,16 @@ def place_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]], folde
     """Load HF-named ``weights`` into ``model``, then quantize them to FP8 (``quantization="fp8"``) or, on CPU, pack
     them for the model's ops (with the folder's GGUF blocks when ``cpu_compact_weights``): a build, and a wake after
     the weights slept (sleep_mode.py)."""
-    model.load_weights(weights)
+    cpu = device.type == "cpu"
+    compact = cpu and config.cpu_compact_weights and model.ops.native
+    fused = model.fused_quant_blocks(load_gguf_blocks(folder)) if compact else None
+    # on CPU each linear weight is packed as soon as it is loaded, unless FP8 quantizes them all first
+    as_loaded = cpu and config.quantization is None and model.ops.mode != "torch"
+    model.load_weights(weights, PackAsLoaded(model, model.ops, fused, compact) if as_loaded else None)
     if config.quantization == "fp8":  # before the CPU packing below, which keeps what is already packed
         quantize_linear_weights(model)
-    if device.type == "cpu":
-        compact = config.cpu_compact_weights and model.ops.native
-        model.finish_loading(load_gguf_blocks(folder) if compact else None, compact)
+    if cpu:
+        model.finish_loading(fused, compact)
 
 
 def fp8_cpu_ops(config: ModelConfig, device: torch.device) -> str:

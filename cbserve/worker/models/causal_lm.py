@@ -6,7 +6,7 @@ C layer driver where a family's layer math is Llama's). A family subclasses it w
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -154,10 +154,12 @@ class CausalLM(nn.Module):
         else:
             yield target, shard, tensor
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named checkpoint tensors, fusing q/k/v and gate/up and keeping this rank's shard."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     on_loaded: Callable[[str], None] | None = None) -> None:
+        """Load HF-named checkpoint tensors, fusing q/k/v and gate/up and keeping this rank's shard. ``on_loaded``
+        is called with a parameter's name once all its parts are in (``cpu.ops.PackAsLoaded``)."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
+        loaded: dict[str, set[int | None]] = {}
         for name, tensor in weights:
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
@@ -169,18 +171,27 @@ class CausalLM(nn.Module):
                     param.weight_loader(param, piece)
                 else:
                     param.weight_loader(param, piece, shard)
-                loaded.add(target)
+                parts = loaded.setdefault(target, set())
+                parts.add(shard)
+                if on_loaded is not None and (shard is None or len(parts) == self._num_parts(target)):
+                    on_loaded(target)
         expected = set(params) - ({"lm_head.weight"} if self.tie_word_embeddings else set())
-        missing = expected - loaded
+        missing = expected - loaded.keys()
         if missing:
             raise ValueError(f"weights missing from checkpoint: {sorted(missing)[:5]}")
 
-    def finish_loading(self, blocks: Mapping[str, QuantBlocks] | None = None, compact: bool = False) -> None:
-        """After ``load_weights``: pack the linear weights for this model's ops (native with ``compact``: each
-        in the smallest exact format, from the checkpoint's GGUF ``blocks``, HF names, where given) and bind
-        the one-call layer driver where it applies (native ops, see cpu/layers.py)."""
-        fused = self.fused_quant_blocks(blocks) if blocks and compact and self.ops.native else {}
-        pack_weights(self, self.ops, fused, compact)
+    def _num_parts(self, target: str) -> int | None:
+        """How many parts a fused parameter is loaded in (None: not a fused layer's)."""
+        sizes = getattr(self.get_submodule(target.rsplit(".", 1)[0]), "shard_sizes", None) if "." in target else None
+        return None if sizes is None else len(sizes)
+
+    def finish_loading(self, fused: Mapping[str, QuantBlocks | SplitBlocks] | None = None,
+                       compact: bool = False) -> None:
+        """After ``load_weights``: pack the linear weights for this model's ops that are not packed yet (native
+        with ``compact``: each in the smallest exact format, from ``fused``, the checkpoint's GGUF blocks by
+        parameter, ``fused_quant_blocks``) and bind the one-call layer driver where it applies (native ops, see
+        cpu/layers.py)."""
+        pack_weights(self, self.ops, fused if compact and self.ops.native else None, compact)
         if self.ops.native and self.ops.kernels is not None:
             self.native_layers = NativeLayers.build(self, self.ops.kernels)
 
