@@ -64,19 +64,34 @@ def _vnni() -> bool:
     return kernels is not None and "i16_dot" in kernels.isa_features
 
 
-# the defaults ("auto": int16 activations on a build with VNNI), and the exact float32 products where they differ
-@pytest.mark.parametrize("activations", ["auto", pytest.param("float32", marks=pytest.mark.skipif(
-    not _vnni(), reason="the defaults already run float32 products here"))])
-def test_smollm2_greedy_matches_hf(folder: Path, activations: str) -> None:
-    """Tokens equal HF's greedy ones; logprobs within 1e-4 on float32 products, 5e-3 with rows rounded to int16
-    (1.7e-3 seen)."""
+BASE = "The history of the city began in the year 1200, when a small group of farmers"
+TEXTS = [BASE + " settled", BASE + " decided to build", "Hello", "List three colors:"]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(folder: Path) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
+    """HF transformers on the same weights, once for every case below: the prompts, their greedy tokens, and the
+    log-probabilities along the first prompt's greedy continuation."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
     tok = load_tokenizer(folder)
-    base = "The history of the city began in the year 1200, when a small group of farmers"
-    texts = [base + " settled", base + " decided to build", "Hello", "List three colors:"]
-    prompts = [tok(t)["input_ids"] for t in texts]
+    prompts = [tok(t)["input_ids"] for t in TEXTS]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    greedy = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompts[0] + greedy[0]])).logits[0].float(), -1)
+    return prompts, greedy, ref
+
+
+# the defaults ("auto": int16 activations on a build with VNNI), and the exact float32 products where they differ
+@pytest.mark.parametrize("activations", ["auto", pytest.param("float32", marks=pytest.mark.skipif(
+    not _vnni(), reason="the defaults already run float32 products here"))])
+def test_smollm2_greedy_matches_hf(hf_reference: tuple[list[list[int]], list[list[int]], torch.Tensor],
+                                   activations: str) -> None:
+    """Tokens equal HF's greedy ones; logprobs within 1e-4 on float32 products, 5e-3 with rows rounded to int16
+    (1.7e-3 seen)."""
+    prompts, greedy, ref = hf_reference
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
     config = ModelConfig(device="cpu", block_size=16, cpu_decode_activations=activations,  # type: ignore[arg-type]
                          cpu_prefill_activations=activations)  # type: ignore[arg-type]
@@ -90,12 +105,8 @@ def test_smollm2_greedy_matches_hf(folder: Path, activations: str) -> None:
     run = run_engine(ex, [(f"r{i}", p, sp) for i, p in enumerate(prompts)], block_size=16, num_blocks=6,
                      max_num_batched_tokens=24, max_num_seqs=4, join_at_step={"r1": 2, "r3": 3})
     assert run.prefix_hits > 0 and run.num_preemptions > 0
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    for i, p in enumerate(prompts):
-        assert run.tokens[f"r{i}"][0] == hf_greedy(hf, p, MAX_NEW), texts[i]
-    seq = prompts[0] + run.tokens["r0"][0]
-    with torch.inference_mode():
-        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), -1)
+    for i in range(len(prompts)):
+        assert run.tokens[f"r{i}"][0] == greedy[i], TEXTS[i]
     diffs = [abs(lp.logprob - ref[len(prompts[0]) - 1 + j, lp.token_id].item())
              for j, lp in enumerate(run.logprobs["r0"][0])]
     assert max(diffs) < (5e-3 if int16 else 1e-4), diffs
