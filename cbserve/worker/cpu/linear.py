@@ -337,6 +337,15 @@ class PackableLinear(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
+def parameter_names(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter of ``model``, by the parameter's id (a shared one, such as tied embeddings, has
+    two)."""
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[id(param)].append(name)
+    return names
+
+
 def pack_linear_weights(
     model: nn.Module,
     kernels: CpuKernels | None = None,
@@ -350,9 +359,7 @@ def pack_linear_weights(
     its GGUF blocks) where given; with ``bf16_products`` rounded to bfloat16; with mixed ``paths``, torch's
     copy too for the regime it runs) or for oneDNN. Dense copies are released unless the weight is shared,
     like tied embeddings. Returns how many were packed."""
-    names: dict[int, list[str]] = defaultdict(list)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names[id(param)].append(name)
+    names = parameter_names(model)
     blocks = blocks or {}
     packed = 0
     for m in model.modules():

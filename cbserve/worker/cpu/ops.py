@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import defaultdict
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -42,6 +41,7 @@ from cbserve.worker.cpu.linear import (
     RegimeWeight,
     SplitWeight,
     pack_linear_weights,
+    parameter_names,
 )
 from cbserve.worker.cpu.native import load_cpu_kernels
 from cbserve.worker.cpu.probe import ProbeResult, available_memory_bytes, probe_cached
@@ -194,13 +194,20 @@ def pack_weights(
         return 0
     if ops.native and ops.kernels is None:
         raise ValueError("cpu_ops 'native' needs the loaded kernels")
-    native = ops.native and ops.kernels is not None
-    packed = pack_linear_weights(model, ops.kernels if native else None, blocks, compact and native,
-                                 ops.bf16_products, ops.linear_paths if native else PATHS_NATIVE)
-    if native and ops.int16_rows and not use_int16_rows(model, ops.int16_prefill):
+    kernels, compact, bf16_products, paths = _packing(ops, compact)
+    packed = pack_linear_weights(model, kernels, blocks, compact, bf16_products, paths)
+    if kernels is not None and ops.int16_rows and not use_int16_rows(model, ops.int16_prefill):
         raise ValueError("cpu_decode_activations 'int16' multiplies 4-6-bit GGUF blocks (Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, "
                          "Q6_K), and this model has none")
     return packed
+
+
+def _packing(ops: CpuOps, compact: bool) -> tuple[CpuKernels | None, bool, bool, tuple[str, str]]:
+    """How ``ops`` packs a linear weight (``Packable.pack``'s kernels, compact, bf16_products and paths): for the C
+    kernels when they are loaded (native), else for oneDNN."""
+    native = ops.native and ops.kernels is not None
+    return (ops.kernels if native else None, compact and native, ops.bf16_products,
+            ops.linear_paths if native else PATHS_NATIVE)
 
 
 class PackAsLoaded:
@@ -208,21 +215,18 @@ class PackAsLoaded:
     ``blocks`` by parameter name) as soon as all its parts are loaded, and its float32 copy released then: the
     float32 weights of a layer are in memory at once, not the whole model's (an 8B GGUF file's: 32 GB). A shared
     weight (tied embeddings) is left to ``pack_weights``, which packs what is left after the load; ``blocks`` (the
-    model's ``fused_quant_blocks``) loses each weight's blocks as it is packed."""
+    model's ``fused_quant_blocks``) loses each weight's blocks as it is packed. Torch ops pack nothing here either."""
 
     def __init__(self, model: nn.Module, ops: CpuOps, blocks: dict[str, QuantBlocks | SplitBlocks] | None,
                  compact: bool) -> None:
-        native = ops.native and ops.kernels is not None
-        self.how = (ops.kernels if native else None, compact and native, ops.bf16_products,
-                    ops.linear_paths if native else PATHS_NATIVE)
-        self.int16 = (native and ops.int16_rows, ops.int16_prefill)  # switched as packed: no second copy at the end
+        self.how = _packing(ops, compact)
+        self.int16 = (self.how[0] is not None and ops.int16_rows, ops.int16_prefill)  # no second copy at the end
         self.blocks = blocks or {}
-        names: dict[int, list[str]] = defaultdict(list)
-        for name, param in model.named_parameters(remove_duplicate=False):
-            names[id(param)].append(name)
-        self.owners = {names[id(m.weight)][0]: m for m in model.modules()
-                       if isinstance(m, Packable) and isinstance(getattr(m, "weight", None), torch.Tensor)
-                       and len(names[id(m.weight)]) == 1}
+        names = parameter_names(model)
+        self.owners = {} if ops.mode == "torch" else {
+            names[id(m.weight)][0]: m for m in model.modules()
+            if isinstance(m, Packable) and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and len(names[id(m.weight)]) == 1}
 
     def __call__(self, name: str) -> None:
         module = self.owners.pop(name, None)

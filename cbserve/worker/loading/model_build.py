@@ -86,7 +86,7 @@ def place_weights(model: Any, weights: Iterable[tuple[str, torch.Tensor]], folde
     compact = cpu and config.cpu_compact_weights and model.ops.native
     fused = model.fused_quant_blocks(load_gguf_blocks(folder)) if compact else None
     # on CPU each linear weight is packed as soon as it is loaded, unless FP8 quantizes them all first
-    as_loaded = cpu and config.quantization is None and model.ops.mode != "torch"
+    as_loaded = cpu and config.quantization is None
     model.load_weights(weights, PackAsLoaded(model, model.ops, fused, compact) if as_loaded else None)
     if config.quantization == "fp8":  # before the CPU packing below, which keeps what is already packed
         quantize_linear_weights(model)
