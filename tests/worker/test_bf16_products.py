@@ -37,7 +37,7 @@ def rounded_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 5, 3), (7, 49, 64), (17, 100, 577), (200, 97, 130), (9, 50, 1),
-                                           (33, 48, 256)])
+                                           (33, 48, 256), (17, 60, 1100)])  # k 1100: chunks of 512 pairs and a tail
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_dot_linear_is_the_product_of_rounded_operands(
     kernels: CpuKernels, m: int, n: int, k: int, with_bias: bool
