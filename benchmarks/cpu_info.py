@@ -52,6 +52,44 @@ int main(void) {
     return 0;
 }
 """
+_BF16_PEAK_SRC = r"""
+#include <immintrin.h>
+#include <stdio.h>
+#include <time.h>
+#include <omp.h>
+int main(void) {
+    const long iters = 20000000;
+    double best = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+#pragma omp parallel
+        {
+            volatile int bits = 0x3f803f80; /* a pair of bfloat16 ones, not a constant */
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(bits);
+            __m512 a0 = _mm512_set1_ps(0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0,
+                   a8 = a0, a9 = a0, a10 = a0, a11 = a0;
+            for (long it = 0; it < iters; ++it) {
+                a0 = _mm512_dpbf16_ps(a0, x, x); a1 = _mm512_dpbf16_ps(a1, x, x); a2 = _mm512_dpbf16_ps(a2, x, x);
+                a3 = _mm512_dpbf16_ps(a3, x, x); a4 = _mm512_dpbf16_ps(a4, x, x); a5 = _mm512_dpbf16_ps(a5, x, x);
+                a6 = _mm512_dpbf16_ps(a6, x, x); a7 = _mm512_dpbf16_ps(a7, x, x); a8 = _mm512_dpbf16_ps(a8, x, x);
+                a9 = _mm512_dpbf16_ps(a9, x, x); a10 = _mm512_dpbf16_ps(a10, x, x);
+                a11 = _mm512_dpbf16_ps(a11, x, x);
+                __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6),
+                                 "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+            }
+            volatile float sink = _mm512_reduce_add_ps(a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11);
+            (void)sink;
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        const double s = (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
+        const double gf = omp_get_max_threads() * iters * 12.0 * 64 / s / 1e9;
+        best = gf > best ? gf : best;
+    }
+    printf("%f\n", best);
+    return 0;
+}
+"""
 _READ_SRC = r"""
 #include <stdio.h>
 #include <stdlib.h>
@@ -104,6 +142,14 @@ def fma_peak_gflops(isa: str, threads: int) -> float | None:
     """float32 GFLOP/s of ``threads`` threads doing nothing but independent FMAs of the level's width (None
     without a compiler)."""
     return _run_c(_PEAK_SRC, isa, threads)
+
+
+def bf16_dot_peak_gflops(threads: int) -> float | None:
+    """GFLOP/s of ``threads`` threads doing nothing but independent AVX512-BF16 ``vdpbf16ps`` (each 32 products
+    and their sums; None without a compiler or where this CPU has no AVX512-BF16)."""
+    if "avx512" not in native.supported_levels():
+        return None
+    return _run_c(_BF16_PEAK_SRC, "avx512", threads)
 
 
 def read_bandwidth_gbs(isa: str, threads: int) -> float | None:
