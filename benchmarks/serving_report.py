@@ -34,7 +34,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def goal_ratios(results: dict[str, Any]) -> dict[str, Any]:
-    """The numbers issue 17's goals are stated in (None where a side is missing), with each goal."""
+    """The numbers the serving goals (issue 51: served >= 1.5x `vllm serve`, >= 0.85x offline) are stated in (None
+    where a side is missing), with each goal."""
     cb, vl = _summary(results, "cbserve", "burst"), _summary(results, "vllm", "burst")
     off = _summary(results, "offline", "burst")
     cb1, ll1 = _summary(results, "cbserve", "single"), _summary(results, "llama", "single")
@@ -44,7 +45,7 @@ def goal_ratios(results: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {
         "burst_output_tput_cbserve_over_vllm": {
-            "value": _ratio(get(cb, "output_throughput"), get(vl, "output_throughput")), "goal": ">= 1.25"},
+            "value": _ratio(get(cb, "output_throughput"), get(vl, "output_throughput")), "goal": ">= 1.5"},
         "burst_median_ttft_cbserve_over_vllm": {
             "value": _ratio(get(cb, "median_ttft_ms"), get(vl, "median_ttft_ms")), "goal": "< 1"},
         "burst_median_tpot_cbserve_over_vllm": {
