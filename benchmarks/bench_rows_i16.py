@@ -1,8 +1,8 @@
 """Products on int16 rows (csrc/rows_i16.c: the ``*_i16`` panel formats' few rows, the ``*_i16all`` formats' any number
 of rows, cpu_prefill_activations "int16") against float32 rows (csrc/rows.c; more rows: the tiled path), through
 Llama-3.2-1B's four linear products (hidden 2048, MLP 8192, 32 query / 8 kv heads of 64): qkv 2048 -> 3072, o 2048
--> 2048, gate_up 2048 -> 16384, down 8192 -> 2048. Random GGUF blocks (Q4_0, Q4_K, Q6_K), ``--copies`` copies of the
-layer's weights multiplied in turn so they stream from memory as a decode step's do. ``--formats BF16``: the same
+-> 2048, gate_up 2048 -> 16384, down 8192 -> 2048. Random GGUF blocks (Q4_0, Q4_K, Q6_K, Q8_0), ``--copies`` copies of
+the layer's weights multiplied in turn so they stream from memory as a decode step's do. ``--formats BF16``: the same
 products on bfloat16 weights (``--dtype bfloat16``: "bf16_dot" panels, AVX512-BF16's ``vdpbf16ps``) against float32
 panels of the same values, their GFLOP/s also against the measured ``vdpbf16ps`` peak.
 
@@ -34,7 +34,7 @@ from cbserve.worker.cpu.native import load_cpu_kernels, supported_levels
 
 # Llama-3.2-1B: (n, k) of each product of one decoder layer
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
-FORMATS = ("Q4_0", "Q4_K", "Q6_K", "BF16")
+FORMATS = ("Q4_0", "Q4_K", "Q6_K", "Q8_0", "BF16")
 KINDS = ("f32", "i16", "i16all")  # float32 rows; int16 rows for a few rows only; int16 rows for every row count
 
 
@@ -52,6 +52,8 @@ def pack(kernels: CpuKernels, fmt: str, n: int, k: int, gen: torch.Generator) ->
     u8 = lambda top, shape: torch.randint(0, top, shape, dtype=torch.uint8, generator=gen)  # noqa: E731
     if fmt == "Q4_0":
         return kernels.pack_q4_0(half((n, k // 32)), u8(16, (n, k)))
+    if fmt == "Q8_0":
+        return kernels.pack_q8_0(half((n, k // 32)), torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen))
     if fmt == "Q4_K":
         return kernels.pack_q4_k(half((n, k // 256)), half((n, k // 256)), u8(64, (n, k // 32)),
                                  u8(64, (n, k // 32)), u8(16, (n, k)))
@@ -123,7 +125,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--isa", nargs="+", choices=["avx512", "avx2", "scalar"], default=None,
                     help="builds to time (default: avx512 and avx2 where the CPU runs them)")
-    ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS[:3]))
+    ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS[:4]))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--copies", type=int, default=6, help="copies of the layer's weights (6: ~200-300 MB)")
     ap.add_argument("--repeats", type=int, default=15)

@@ -75,7 +75,7 @@ class CBServeConfig(BaseModel):
     cpu_ops: CpuOpsName = "auto"  # CPU kernels (worker/cpu/)
     cpu_isa: CpuIsaName = "auto"  # which build of the C kernels: avx512, avx2, scalar; auto = the CPU's best
     cpu_compact_weights: bool = True  # native CPU kernels read exact compact weights
-    # "int16": 4-6-bit GGUF weights multiply rows rounded to int16 (native CPU kernels): decode steps', every step's;
+    # "int16": 4-8-bit GGUF weights multiply rows rounded to int16 (native CPU kernels): decode steps', every step's;
     cpu_decode_activations: CpuDecodeActivations = "auto"  # "auto": int16 where the CPU has VNNI and the weights are
     cpu_prefill_activations: CpuDecodeActivations = "auto"  # such blocks, else float32 (exact); see worker/config.py
     attention_backend: AttentionBackendName = "auto"

@@ -46,8 +46,8 @@ class ModelConfig:
     float32 values exactly (the GGUF Q8_0 / Q4_0 / Q4_1 blocks it came from, or bfloat16) and decode it in
     the kernel; same arithmetic and results, 2-5x fewer bytes read per decode step. False: float32 panels
     (with dtype bfloat16: GGUF blocks kept and rounded as decoded; False: every weight rounded once).
-    ``cpu_decode_activations="int16"`` (native, compact weights): a decode step's few rows multiply the 4-6-bit GGUF
-    blocks (Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K) rounded to int16 per 32 values, in integer multiply-adds (as
+    ``cpu_decode_activations="int16"`` (native, compact weights): a decode step's few rows multiply the 4-8-bit GGUF
+    blocks (Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K, Q8_0) rounded to int16 per 32 values, in integer multiply-adds (as
     llama.cpp's int8 dot products, finer): within 2^-16 of each block's largest value of the float32 product, faster
     where decoding the weights to float32 is the limit. "float32": the exact float32 products.
     ``cpu_prefill_activations="int16"`` (not with ``cpu_decode_activations="float32"``): every step's rows are rounded

@@ -97,13 +97,13 @@ ACTIVATIONS = [
     (("auto", "auto"), VNNI, "q4_0", False, (True, True)),
     (("auto", "auto"), VNNI, "q6_k", False, (True, True)),
     (("auto", "auto"), NO_VNNI, "q4_0", False, (False, False)),  # the avx2 build: float32 products
-    (("auto", "auto"), VNNI, "q8_0", False, (False, False)),  # not a 4-6-bit block format
+    (("auto", "auto"), VNNI, "q8_0", False, (True, True)),  # 8-bit blocks too
     (("auto", "auto"), VNNI, "f32", False, (False, False)),
     (("auto", "auto"), VNNI, "q4_k", True, (False, False)),  # dtype bfloat16: its bfloat16 products as asked
     (("auto", "float32"), VNNI, "q4_0", False, (True, False)),
     (("float32", "auto"), VNNI, "q4_0", False, (False, False)),
     (("int16", "auto"), NO_VNNI, "q4_0", False, (True, False)),
-    (("auto", "int16"), VNNI, "q8_0", False, (True, True)),  # asked for: the load refuses a model without blocks
+    (("auto", "int16"), VNNI, "bf16", False, (True, True)),  # asked for: the load refuses a model without blocks
     (("int16", "float32"), VNNI, "f32", False, (True, False)),
 ]
 

@@ -172,13 +172,13 @@ def test_gguf_family_matches_hf(gguf_model: tuple[str, Path, Any], path: str,
         _check_logprobs(hf, prompt, run.tokens[rid][0], run.logprobs[rid][0])
 
 
-# the cases whose weights are (partly) 4-6-bit blocks: cpu_decode_activations "int16" applies to them
-INT16_CASES = ("phi3_q4_0", "llama_q4_k_m", "qwen2_q5_k_m", "qwen2_q4_k_m_fallback")
+# the cases whose weights are (partly) 4-8-bit blocks: cpu_decode_activations "int16" applies to them
+INT16_CASES = ("phi3_q4_0", "llama_q4_k_m", "qwen2_q5_k_m", "qwen2_q4_k_m_fallback", "qwen3_q8_0")
 
 
 @pytest.mark.parametrize("prefill", ["float32", "int16"])
 def test_int16_decode_activations_keep_hf_greedy_tokens(gguf_model: tuple[str, Path, Any], prefill: str) -> None:
-    """cpu_decode_activations "int16": the 4-6-bit block weights multiply decode steps' rows rounded to int16
+    """cpu_decode_activations "int16": the 4-8-bit block weights multiply decode steps' rows rounded to int16
     (csrc/rows_i16.c); with cpu_prefill_activations "int16", every step's rows, the prompts' chunks too. The tokens
     stay HF's greedy ones, the logprobs within 1e-2 (5e-3 seen: these random models' norms make outliers, which
     set their blocks' int16 step). A file with no such blocks is refused at load."""
@@ -191,7 +191,7 @@ def test_int16_decode_activations_keep_hf_greedy_tokens(gguf_model: tuple[str, P
             LocalExecutor(config, num_blocks=36, progress=False)  # this CPU's build: refused (test_int16_rows.py)
         return
     if case not in INT16_CASES:
-        with pytest.raises(ValueError, match="4-6-bit GGUF blocks .* and this model has none"):
+        with pytest.raises(ValueError, match="4-8-bit GGUF blocks .* and this model has none"):
             LocalExecutor(config, num_blocks=36, progress=False)
         return
     executor = LocalExecutor(config, num_blocks=36, progress=False)
@@ -211,8 +211,8 @@ def test_int16_decode_activations_keep_hf_greedy_tokens(gguf_model: tuple[str, P
 
 def test_auto_activations_are_int16_where_the_build_multiplies_int16_pairs(gguf_model: tuple[str, Path, Any]) -> None:
     """The defaults (cpu_decode_activations and cpu_prefill_activations "auto"): on a build with the ``i16_dot`` bit
-    (AVX-512 VNNI, AVX-VNNI) a model of 4-6-bit blocks multiplies every step's rows rounded to int16 (the panels
-    the int16 test above runs, its tokens HF's); a build without it, or a model of other formats (Q8_0, float
+    (AVX-512 VNNI, AVX-VNNI) a model of 4-8-bit blocks multiplies every step's rows rounded to int16 (the panels
+    the int16 test above runs, its tokens HF's); a build without it, or a model of other formats (float
     weights), keeps the float32 products. /stats says which."""
     case, gguf, _ = gguf_model
     config = ModelConfig(model=str(gguf), cpu_ops="native", attention_backend="cpu", device="cpu", block_size=4)

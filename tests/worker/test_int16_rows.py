@@ -1,4 +1,4 @@
-"""The int16-rows variants of the 4-6-bit block formats (csrc/rows_i16.c, ``CpuKernels.with_int16_rows``): a decode
+"""The int16-rows variants of the 4-8-bit block formats (csrc/rows_i16.c, ``CpuKernels.with_int16_rows``): a decode
 step's few rows are rounded to int16 per block of 32 values and multiplied in integer pairs. At every ISA level this
 CPU runs and in every such format, each output must be within the rounding's bound of the float32 product:
 sum over blocks of (the block's scale / 2) times the block's absolute weights, the scale being max|x| / 32767 of the
@@ -99,14 +99,15 @@ def test_every_row_variant_rounds_many_rows_too_within_the_bound(level_kernels: 
         assert torch.equal(level_kernels.linear(big, every, b)[-9:], level_kernels.linear(x, every, b))
 
 
-def test_only_the_block_formats_of_4_to_6_bits_have_int16_rows(level_kernels: CpuKernels) -> None:
+def test_only_the_block_formats_of_4_to_8_bits_have_int16_rows(level_kernels: CpuKernels) -> None:
     gen = torch.Generator().manual_seed(7)
-    for fmt in ("f32", "bf16", "q8_0"):
+    for fmt in ("f32", "bf16"):
         with pytest.raises(ValueError, match="int16-rows variant"):
             level_kernels.with_int16_rows(_weights(level_kernels, fmt, 48, 64, gen)[0])
     assert format_code("q4_k_i16") == format_code("q4_k") | 256
+    assert format_code("q8_0_i16all") == format_code("q8_0") | 768
     with pytest.raises(KeyError):
-        format_code("q8_0_i16")
+        format_code("bf16_i16")
 
 
 @pytest.mark.parametrize("fmt", INT16_ROWS_FORMATS)

@@ -87,11 +87,11 @@ ISA_FEATURES = {"avx2": 1, "avx512": 2, "avx512_bf16": 4, "amx": 8, "i16_dot": 1
 PANEL_FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_1": 3, "bf16_dot": 4, "q8_0_bf16": 5, "q4_1_bf16": 6,
                  "q4_0": 7, "q4_0_bf16": 8, "q4_k": 9, "q6_k": 10, "q5_k": 11,
                  "q5_0": 12}
-# Flags or'ed into a format's number: "i16", the few-row products of a 4-6-bit block format with the rows rounded to
+# Flags or'ed into a format's number: "i16", the few-row products of a 4-8-bit block format with the rows rounded to
 # int16 (INT16_ROWS_FORMATS; its name is the format's with "_i16" after it: "q4_k_i16"); "i16all", the same layout
 # with every step's rows rounded so ("q4_k_i16all").
 FORMAT_FLAGS = {"i16": 256, "i16all": 256 | 512}
-INT16_ROWS_FORMATS = ("q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k")
+INT16_ROWS_FORMATS = ("q4_0", "q4_1", "q5_0", "q4_k", "q5_k", "q6_k", "q8_0")
 
 
 def format_code(fmt: str) -> int:

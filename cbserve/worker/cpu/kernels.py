@@ -82,7 +82,7 @@ class CpuKernels(BlockPackers):
         return Panels(f"{panels.fmt}_bf16", panels.data, panels.n, panels.k)
 
     def with_int16_rows(self, panels: Panels, every_row: bool = False) -> Panels:
-        """4-6-bit block panels (``INT16_ROWS_FORMATS``) whose few-row products (decode steps: 1-4 rows with AVX-512,
+        """4-8-bit block panels (``INT16_ROWS_FORMATS``) whose few-row products (decode steps: 1-4 rows with AVX-512,
         1-2 with AVX2) round each row to int16 per 32 values and sum integer products (csrc/rows_i16.c): a new
         packing of the same size and weights, each block's values regrouped as int16 pairs (csrc/i16.h), and the
         same products for more rows; within 2^-16 of each block's largest input of the float32 product.

@@ -60,7 +60,7 @@ class CpuOps(NamedTuple):
     bf16_products: bool = False
     probe: ProbeResult | None = None  # cpu_ops "auto": the start-up probe's figures, when it ran
     linear_paths: tuple[str, str] = PATHS_NATIVE  # native mode: "native" | "torch" for few-row, many-row products
-    int16_rows: bool = False  # native: few-row products of 4-6-bit GGUF blocks on rows rounded to int16
+    int16_rows: bool = False  # native: few-row products of 4-8-bit GGUF blocks on rows rounded to int16
     int16_prefill: bool = False  # with int16_rows: every step's rows rounded so, prefills' too
 
     def report(self) -> dict[str, object]:
@@ -114,7 +114,7 @@ def int16_activations(activations: tuple[str, str], kernels: CpuKernels, weight_
     """Whether decode steps' rows, and every step's, are rounded to int16 (``CpuOps.int16_rows``, ``int16_prefill``)
     for the requested ``cpu_decode_activations`` and ``cpu_prefill_activations``: "int16" as asked ("int16" prefill
     implies int16 decode), "float32" never, "auto" where it pays: the kernels' build multiplies int16 pairs in one
-    instruction (its ``i16_dot`` bit: AVX-512 VNNI, AVX-VNNI) and most of the model's linear weights are 4-6-bit
+    instruction (its ``i16_dot`` bit: AVX-512 VNNI, AVX-VNNI) and most of the model's linear weights are 4-8-bit
     GGUF blocks kept as such (``weight_format``), multiplied in float32 (not ``bf16_products``). A rule of the
     build and the format, not a timing, so that every replica and restart computes the same outputs."""
     pays = ("i16_dot" in kernels.isa_features and weight_format in INT16_ROWS_FORMATS and not bf16_products)
@@ -197,8 +197,8 @@ def pack_weights(
     kernels, compact, bf16_products, paths = _packing(ops, compact)
     packed = pack_linear_weights(model, kernels, blocks, compact, bf16_products, paths)
     if kernels is not None and ops.int16_rows and not use_int16_rows(model, ops.int16_prefill):
-        raise ValueError("cpu_decode_activations 'int16' multiplies 4-6-bit GGUF blocks (Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, "
-                         "Q6_K), and this model has none")
+        raise ValueError("cpu_decode_activations 'int16' multiplies 4-8-bit GGUF blocks (Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, "
+                         "Q6_K, Q8_0), and this model has none")
     return packed
 
 
@@ -239,7 +239,7 @@ class PackAsLoaded:
 
 
 def use_int16_rows(model: nn.Module, every_row: bool = False) -> int:
-    """Switch every packed weight of ``model`` in a 4-6-bit GGUF block format (``abi.INT16_ROWS_FORMATS``, alone or as
+    """Switch every packed weight of ``model`` in a 4-8-bit GGUF block format (``abi.INT16_ROWS_FORMATS``, alone or as
     a part of a ``SplitWeight``, or a ``RegimeWeight``'s few-row side) to its int16-rows variant (``every_row``: the
     one whose many-row products round the rows to int16 too); returns how many weights (parts) run on int16 rows,
     those switched while loading (``PackAsLoaded``) included."""
@@ -254,7 +254,7 @@ def use_int16_rows(model: nn.Module, every_row: bool = False) -> int:
 
 
 def int16_variant(packed: PackedWeight, every_row: bool) -> PackedWeight:
-    """``packed`` with its 4-6-bit GGUF block panels in their int16-rows variant (see ``use_int16_rows``)."""
+    """``packed`` with its 4-8-bit GGUF block panels in their int16-rows variant (see ``use_int16_rows``)."""
     if isinstance(packed, RegimeWeight):
         return dataclasses.replace(packed, few=int16_variant(packed.few, every_row))
     if isinstance(packed, SplitWeight):

@@ -191,7 +191,7 @@ def probe_linear(kernels: CpuKernels, hidden: int, inter: int, weight_format: st
                  int16_every_row: bool = False) -> ProbeResult:
     """Time a [min(2 * inter, MAX_COLUMNS), hidden] weight of ``weight_format`` at FEW_ROWS and MANY_ROWS rows on
     the C kernels and on torch (k rounded down to whole GGUF blocks for the block formats: of 256 for the
-    K-quants); with ``int16_rows``, a 4-6-bit block format's int16-rows variant (as the model packs it: with
+    K-quants); with ``int16_rows``, a 4-8-bit block format's int16-rows variant (as the model packs it: with
     ``int16_every_row``, the one whose many-row products round the rows to int16 too)."""
     block = 256 if weight_format.endswith("_k") else 32
     k = hidden if weight_format in ("f32", "bf16") else max(block, hidden // block * block)

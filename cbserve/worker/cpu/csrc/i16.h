@@ -8,7 +8,8 @@
  * and from a full-width load of consecutive columns' dwords. The high bits follow the same idea: Q5's 32 fifth
  * bits are one dword per column, bit m for k = 2m and bit 16 + m for k = 2m + 1, so pair i's are at bits 4 and 20
  * after one shift by 4 - i; Q6_K's 64 high bits are two dwords (k 0-15, 16-31), bits 2m for k = 2m (m = i % 8) and
- * 16 + 2m for k = 2m + 1, at bits 4-5 and 20-21 after one shift by 4 - 2m. */
+ * 16 + 2m for k = 2m + 1, at bits 4-5 and 20-21 after one shift by 4 - 2m. Q8_0's bytes are pairs: [16][48][2], a
+ * column's k = 2i and 2i + 1 side by side, so that a load and a sign extension give a lane's two int16s. */
 #ifndef CB_I16_H
 #define CB_I16_H
 
@@ -33,6 +34,13 @@ typedef struct {
 
 static inline __attribute__((always_inline)) i16_block_t i16_block(const int fmt, const uint8_t *panel, int b) {
     i16_block_t B;
+    if (fmt == CB_FMT_Q8_0) { /* d[48], then q as [16 pairs][48][2] int8 (cb_repack_i16) */
+        B.bytes = Q8_BLOCK_BYTES;
+        B.start = B.sub = B.qh = panel + (int64_t)b * B.bytes;
+        B.q = B.start + Q8_Q;
+        B.d = (const uint16_t *)B.start;
+        return B;
+    }
     if (fmt == CB_FMT_Q4_0 || fmt == CB_FMT_Q4_1 || fmt == CB_FMT_Q5_0) {
         B.bytes = fmt == CB_FMT_Q4_1 ? Q41_BLOCK_BYTES : fmt == CB_FMT_Q4_0 ? Q40_BLOCK_BYTES : Q50_BLOCK;
         B.start = B.sub = panel + (int64_t)b * B.bytes;
@@ -66,15 +74,20 @@ static inline __attribute__((always_inline)) void i16_scales(const int fmt, cons
         *offset = q6_k_offset(*scale);
     } else {
         *scale = d;
-        *offset = fmt == CB_FMT_Q4_1 ? half_value(B->d + CB_NR + c) : fmt == CB_FMT_Q5_0 ? d * -16.0f : q4_0_offset(d);
+        *offset = fmt == CB_FMT_Q8_0 ? (vf){0} : fmt == CB_FMT_Q4_1 ? half_value(B->d + CB_NR + c) : fmt == CB_FMT_Q5_0 ? d * -16.0f : q4_0_offset(d);
     }
 }
 
 /* x shifted left by n (right by -n, logical); n a constant once the loops are unrolled */
 static inline vi i16_shift(vi x, const int n) { return n >= 0 ? x << n : (vi)((vu)x >> -n); }
 
-/* The weights of pair i (0..15, a constant once unrolled) of columns [c, c + CB_VW), as int16 pairs */
+typedef int8_t vpair8 __attribute__((vector_size(CB_VW * 2), aligned(1)));
+typedef int16_t vpair16 __attribute__((vector_size(CB_VW * 4)));
+
+/* The weights of pair i (0..15, a constant once unrolled) of columns [c, c + CB_VW), as int16 pairs (Q8_0: its
+ * two signed bytes a column, sign-extended) */
 static inline __attribute__((always_inline)) vi i16_pair(const int fmt, const i16_block_t *B, int c, const int i) {
+    if (fmt == CB_FMT_Q8_0) return (vi)__builtin_convertvector(*(const vpair8 *)(B->q + (i * CB_NR + c) * 2), vpair16);
     vi w = i16_shift(load_bits(B->q + ((i / 4) * CB_NR + c) * 4), -4 * (i % 4)) & I16_NIBBLES;
     if (fmt == CB_FMT_Q5_0 || fmt == CB_FMT_Q5_K)
         w |= i16_shift(load_bits(B->qh + c * 4), 4 - i) & I16_FIFTH;

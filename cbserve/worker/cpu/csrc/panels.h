@@ -61,7 +61,7 @@ int cb_storage_format(int fmt);
 /* The base formats that have a CB_FMT_I16 variant (its layout: i16.h). */
 static inline int cb_i16_format(int fmt) {
     return fmt == CB_FMT_Q4_0 || fmt == CB_FMT_Q4_1 || fmt == CB_FMT_Q5_0 || fmt == CB_FMT_Q4_K || fmt == CB_FMT_Q5_K ||
-           fmt == CB_FMT_Q6_K;
+           fmt == CB_FMT_Q6_K || fmt == CB_FMT_Q8_0;
 }
 static inline int cb_bf16_products(int fmt) {
     return fmt == CB_FMT_BF16_DOT || fmt == CB_FMT_Q8_0_BF16 || fmt == CB_FMT_Q4_1_BF16 || fmt == CB_FMT_Q4_0_BF16;

@@ -1,4 +1,4 @@
-/* The CB_FMT_I16 layouts (panels.h, i16.h): repacking a panel of a 4-6-bit block format into its int16-pairs
+/* The CB_FMT_I16 layouts (panels.h, i16.h): repacking a panel of a 4-8-bit block format into its int16-pairs
  * layout (cb_repack_i16), and decoding chunks of such a panel to float32 for the tiled path (gemm.c via
  * cb_panel_chunk) and cb_unpack_panels: the same float32 weights as the format's own decoder, bit for bit. */
 #include "i16.h"
@@ -66,6 +66,17 @@ static void regroup_high_bits(uint8_t *qh) {
     memcpy(qh, out, sizeof out);
 }
 
+/* Q8_0's q [32][48] bytes -> [16][48][2]: k = 2i and 2i + 1 of a column side by side */
+static void regroup_byte_pairs(uint8_t *q) {
+    uint8_t in[CB_QK * CB_NR];
+    memcpy(in, q, sizeof in);
+    for (int i = 0; i < CB_QK / 2; ++i)
+        for (int c = 0; c < CB_NR; ++c) {
+            q[(i * CB_NR + c) * 2] = in[2 * i * CB_NR + c];
+            q[(i * CB_NR + c) * 2 + 1] = in[(2 * i + 1) * CB_NR + c];
+        }
+}
+
 /* packed (fmt, [n, k]) -> out in fmt | CB_FMT_I16's layout (out may be packed: in place). */
 int cb_repack_i16(int fmt, const uint8_t *packed, int n, int k, uint8_t *out) {
     const int64_t pbytes = cb_panel_bytes(fmt, k);
@@ -76,6 +87,10 @@ int cb_repack_i16(int fmt, const uint8_t *packed, int n, int k, uint8_t *out) {
     for (int p = 0; p < panels; ++p)
         for (int b = 0; b < nb; ++b) {
             const i16_block_t B = i16_block(fmt, out + p * pbytes, b); /* out's: writable */
+            if (fmt == CB_FMT_Q8_0) {
+                regroup_byte_pairs((uint8_t *)B.q);
+                continue;
+            }
             regroup_nibbles((uint8_t *)B.q);
             if (fmt == CB_FMT_Q5_0 || fmt == CB_FMT_Q5_K) regroup_fifth_bits((uint8_t *)B.qh);
             if (fmt == CB_FMT_Q6_K) regroup_high_bits((uint8_t *)B.qh);
@@ -101,6 +116,11 @@ static inline __attribute__((always_inline)) void chunk_fmt(const int fmt, const
                 const vi w = i16_pair(fmt, &B, c, i);
                 const int h = i >= I16_PAIRS / 2;
                 float *out = dst + (int64_t)(o + 2 * i) * CB_NR + c;
+                if (fmt == CB_FMT_Q8_0) { /* signed halves, no offset: q8_0_value's d * q */
+                    cb_store(out, scale[h] * to_float((w << 16) >> 16));
+                    cb_store(out + CB_NR, scale[h] * to_float(w >> 16));
+                    continue;
+                }
                 cb_store(out, scale[h] * to_float(w & 0xFFFF) + offset[h]);
                 cb_store(out + CB_NR, scale[h] * to_float(i16_shift(w, -16)) + offset[h]);
             }
@@ -115,6 +135,7 @@ const float *cb_i16_chunk(int fmt, const uint8_t *panel, int k0, int kn, float *
     case CB_FMT_Q5_0: chunk_fmt(CB_FMT_Q5_0, panel, k0, kn, scratch); break;
     case CB_FMT_Q4_K: chunk_fmt(CB_FMT_Q4_K, panel, k0, kn, scratch); break;
     case CB_FMT_Q5_K: chunk_fmt(CB_FMT_Q5_K, panel, k0, kn, scratch); break;
+    case CB_FMT_Q8_0: chunk_fmt(CB_FMT_Q8_0, panel, k0, kn, scratch); break;
     default: chunk_fmt(CB_FMT_Q6_K, panel, k0, kn, scratch); break;
     }
     return scratch;

@@ -33,7 +33,7 @@ static inline vi dot_pairs(vi acc, vi w, int32_t x) {
     return acc + (vi)_mm256_madd_epi16((__m256i)w, _mm256_set1_epi32(x));
 #else
     const int32_t xl = (int16_t)(x & 0xffff), xh = x >> 16;
-    return acc + (w & 0xffff) * xl + (w >> 16) * xh;
+    return acc + ((w << 16) >> 16) * xl + (w >> 16) * xh; /* signed halves (Q8_0's) */
 #endif
 }
 
@@ -128,7 +128,9 @@ static inline __attribute__((always_inline)) void i16_flush(const int mr, const 
             } else if (fmt == CB_FMT_Q6_K) {
                 S->ks[i][v] += f[v] * (s + c * sx);
             } else {
-                S->ks[i][v] += fmt == CB_FMT_Q4_1 ? f[v] * s + g[v] * sx : f[v] * (s + c * sx);
+                S->ks[i][v] += fmt == CB_FMT_Q4_1   ? f[v] * s + g[v] * sx
+                               : fmt == CB_FMT_Q8_0 ? f[v] * s
+                                                    : f[v] * (s + c * sx);
             }
         }
     }
@@ -205,6 +207,7 @@ static inline __attribute__((always_inline)) void i16_panel_mr(const int mr, int
     case CB_FMT_Q5_0: i16_panel_fmt(mr, CB_FMT_Q5_0, r, panel, acc_io); break;
     case CB_FMT_Q4_K: i16_panel_fmt(mr, CB_FMT_Q4_K, r, panel, acc_io); break;
     case CB_FMT_Q5_K: i16_panel_fmt(mr, CB_FMT_Q5_K, r, panel, acc_io); break;
+    case CB_FMT_Q8_0: i16_panel_fmt(mr, CB_FMT_Q8_0, r, panel, acc_io); break;
     default: i16_panel_fmt(mr, CB_FMT_Q6_K, r, panel, acc_io); break;
     }
 }
