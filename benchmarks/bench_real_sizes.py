@@ -57,6 +57,7 @@ CBSERVE_VARIANTS = {
 # (system, format) pairs a size is served in: vLLM reads the HF folder, llama-server the GGUF files
 PAIRS = (
     ("cbserve", "q8_0"),
+    ("cbserve-f32", "q8_0"),
     ("llama", "q8_0"),
     ("cbserve", "q4_0"),
     ("cbserve-f32", "q4_0"),
