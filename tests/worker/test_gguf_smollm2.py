@@ -101,7 +101,7 @@ def test_smollm2_greedy_matches_hf(hf_reference: tuple[list[list[int]], list[lis
     if ex.runner.cpu_ops == "native":  # the kernels read the GGUF blocks, not float32 copies
         fmt = "q4_1_i16all" if int16 else "q4_1"
         assert native_weight(model.model.layers[0].mlp.down_proj.packed).panels.fmt == fmt
-        assert native_weight(model.lm_head.packed).panels.fmt == "q8_0"
+        assert native_weight(model.lm_head.packed).panels.fmt == ("q8_0_i16all" if int16 else "q8_0")
     run = run_engine(ex, [(f"r{i}", p, sp) for i, p in enumerate(prompts)], block_size=16, num_blocks=6,
                      max_num_batched_tokens=24, max_num_seqs=4, join_at_step={"r1": 2, "r3": 3})
     assert run.prefix_hits > 0 and run.num_preemptions > 0

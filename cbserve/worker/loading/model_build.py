@@ -61,6 +61,8 @@ def build_model(
     ``cpu_compact_weights``). ``weights``: HF-named tensors to load instead of the folder's (benchmarks with random
     weights); the folder still gives the config."""
     weight_format, weight_values = model_weights(folder)
+    if weights is not None:  # not the folder's: no GGUF blocks of theirs to keep ("auto" activations: float32)
+        weight_format = "f32"
     ops = resolve_cpu_ops(fp8_cpu_ops(config, device), device, dtype, config.cpu_isa, probe_shape(hf_config),
                           weight_format if config.cpu_compact_weights else "f32", weight_values,
                           (config.cpu_decode_activations, config.cpu_prefill_activations))
