@@ -5,8 +5,9 @@ values). Random weights make the generated text meaningless; the timings are tho
 
 Systems: cbserve (its defaults) and llama-server on each GGUF file, and cbserve's activations pinned:
 cbserve-f32 (``--cpu-decode-activations float32 --cpu-prefill-activations float32``: the exact float32 products; on
-every GGUF file), on the 4-bit ones cbserve-int16 (decode steps' rows rounded to int16 as llama.cpp rounds them to int8, prefill in float32)
-and cbserve-int16all (every step's rows so; what the defaults, "auto", run on a CPU with VNNI);
+every GGUF file), on the 4-bit ones cbserve-int16 (decode steps' rows rounded to int16 as llama.cpp rounds them to
+int8, prefill in float32) and cbserve-int16all (every step's rows so; what the defaults, "auto", run on a CPU with
+VNNI);
 cbserve (``--dtype bfloat16``: bfloat16 products) and vLLM (bfloat16, its best dtype on a CPU with AVX512-BF16) on
 the HF folder. Workloads, one client for all
 (``cbserve.bench``: streaming completions, ``ignore_eos``, greedy): **burst**, --burst requests at once;
