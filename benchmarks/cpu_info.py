@@ -15,11 +15,13 @@ import torch
 from cbserve.bench.report import cpu_model
 from cbserve.worker.cpu import native
 
-_PEAK_SRC = r"""
+# A timed main: @BODY@, run by every OpenMP thread, does ``iters`` iterations of @FLOPS@ floating-point operations
+# each; the best of 3 runs' GFLOP/s over all threads is printed.
+_TIMED_PEAK = r"""
 #include <stdio.h>
 #include <time.h>
 #include <omp.h>
-typedef float vf __attribute__((vector_size(VW * 4)));
+@HEADERS@
 int main(void) {
     const long iters = 20000000;
     double best = 0;
@@ -28,6 +30,18 @@ int main(void) {
         clock_gettime(CLOCK_MONOTONIC, &t0);
 #pragma omp parallel
         {
+@BODY@
+        }
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        const double s = (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
+        const double gf = omp_get_max_threads() * iters * (@FLOPS@) / s / 1e9;
+        best = gf > best ? gf : best;
+    }
+    printf("%f\n", best);
+    return 0;
+}
+"""
+_FMA_BODY = r"""
             volatile float one = 1.0f; /* not a constant: a * 1.0f + y must stay an FMA, not fold to an add */
             const vf x = (vf){0} + one, y = (vf){0} + 1e-9f;
             vf a0 = x, a1 = x + 1, a2 = x + 2, a3 = x + 3, a4 = x + 4, a5 = x + 5, a6 = x + 6, a7 = x + 7,
@@ -42,29 +56,8 @@ int main(void) {
             const vf a = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11;
             volatile float sink = a[0];
             (void)sink;
-        }
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        const double s = (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
-        const double gf = omp_get_max_threads() * iters * 12.0 * VW * 2 / s / 1e9;
-        best = gf > best ? gf : best;
-    }
-    printf("%f\n", best);
-    return 0;
-}
 """
-_BF16_PEAK_SRC = r"""
-#include <immintrin.h>
-#include <stdio.h>
-#include <time.h>
-#include <omp.h>
-int main(void) {
-    const long iters = 20000000;
-    double best = 0;
-    for (int rep = 0; rep < 3; ++rep) {
-        struct timespec t0, t1;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-#pragma omp parallel
-        {
+_BF16_BODY = r"""
             volatile int bits = 0x3f803f80; /* a pair of bfloat16 ones, not a constant */
             const __m512bh x = (__m512bh)_mm512_set1_epi32(bits);
             __m512 a0 = _mm512_set1_ps(0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0,
@@ -80,16 +73,16 @@ int main(void) {
             }
             volatile float sink = _mm512_reduce_add_ps(a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11);
             (void)sink;
-        }
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        const double s = (t1.tv_sec - t0.tv_sec) + 1e-9 * (t1.tv_nsec - t0.tv_nsec);
-        const double gf = omp_get_max_threads() * iters * 12.0 * 64 / s / 1e9;
-        best = gf > best ? gf : best;
-    }
-    printf("%f\n", best);
-    return 0;
-}
 """
+
+
+def _timed_peak(headers: str, body: str, flops: str) -> str:
+    return _TIMED_PEAK.replace("@HEADERS@", headers).replace("@BODY@", body).replace("@FLOPS@", flops)
+
+
+# 12 independent FMAs of VW lanes an iteration; 12 vdpbf16ps of 32 products and their sums
+_PEAK_SRC = _timed_peak("typedef float vf __attribute__((vector_size(VW * 4)));", _FMA_BODY, "12.0 * VW * 2")
+_BF16_PEAK_SRC = _timed_peak("#include <immintrin.h>", _BF16_BODY, "12.0 * 64")
 _READ_SRC = r"""
 #include <stdio.h>
 #include <stdlib.h>
