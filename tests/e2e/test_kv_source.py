@@ -89,6 +89,18 @@ def test_a_consumer_on_another_node_gets_the_published_blocks_through_the_object
         t.shutdown()
 
 
+def _wait_dead(actor: Any, timeout_s: float = 30.0) -> None:
+    """Until a call to ``actor`` fails as a dead actor's does."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.blocks.remote([], 0.0, SHAPE, "float32"), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{actor} still answers {timeout_s} s after ray.kill")
+
+
 def test_a_source_that_is_gone_fails_the_pull_and_raises_nothing(producer: tuple[Any, Any], tmp_path: Path) -> None:
     from cbserve.cluster.engine.kv_source import attach_ray_transport
 
@@ -97,5 +109,6 @@ def test_a_source_that_is_gone_fails_the_pull_and_raises_nothing(producer: tuple
     attach_ray_transport(consumer)
     assert _pull(consumer, tiers.config.shm_name, [1001]) == ([1001], [])
     ray.kill(source)
+    _wait_dead(source)  # ray.kill returns before the actor's process is gone: a call may still be answered
     assert _pull(consumer, tiers.config.shm_name, [1003]) == ([], [1003])
     consumer.shutdown()
