@@ -34,7 +34,8 @@ from cbserve.worker.cpu.native import load_cpu_kernels, supported_levels
 
 # Llama-3.2-1B: (n, k) of each product of one decoder layer
 SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
-FORMATS = ("Q4_0", "Q4_K", "Q6_K", "Q8_0", "BF16")
+GGUF_FORMATS = ("Q4_0", "Q4_K", "Q6_K", "Q8_0")
+FORMATS = (*GGUF_FORMATS, "BF16")
 KINDS = ("f32", "i16", "i16all")  # float32 rows; int16 rows for a few rows only; int16 rows for every row count
 
 
@@ -125,7 +126,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--isa", nargs="+", choices=["avx512", "avx2", "scalar"], default=None,
                     help="builds to time (default: avx512 and avx2 where the CPU runs them)")
-    ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS[:4]))
+    ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(GGUF_FORMATS))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--copies", type=int, default=6, help="copies of the layer's weights (6: ~200-300 MB)")
     ap.add_argument("--repeats", type=int, default=15)

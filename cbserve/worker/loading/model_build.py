@@ -61,10 +61,10 @@ def build_model(
     ``cpu_compact_weights``). ``weights``: HF-named tensors to load instead of the folder's (benchmarks with random
     weights); the folder still gives the config."""
     weight_format, weight_values = model_weights(folder)
-    if weights is not None:  # not the folder's: no GGUF blocks of theirs to keep ("auto" activations: float32)
-        weight_format = "f32"
+    # the weights kept compact: the folder's, unless other weights are given (no GGUF blocks of theirs to keep)
+    compact_format = weight_format if config.cpu_compact_weights and weights is None else "f32"
     ops = resolve_cpu_ops(fp8_cpu_ops(config, device), device, dtype, config.cpu_isa, probe_shape(hf_config),
-                          weight_format if config.cpu_compact_weights else "f32", weight_values,
+                          compact_format, weight_values,
                           (config.cpu_decode_activations, config.cpu_prefill_activations))
     if ops.bf16_products:  # bfloat16 on the C kernels: a float32 model and KV cache, bfloat16 products
         dtype = torch.float32

@@ -74,12 +74,19 @@ static inline __attribute__((always_inline)) void i16_scales(const int fmt, cons
         *offset = q6_k_offset(*scale);
     } else {
         *scale = d;
-        *offset = fmt == CB_FMT_Q8_0 ? (vf){0} : fmt == CB_FMT_Q4_1 ? half_value(B->d + CB_NR + c) : fmt == CB_FMT_Q5_0 ? d * -16.0f : q4_0_offset(d);
+        *offset = fmt == CB_FMT_Q8_0   ? (vf){0}
+                  : fmt == CB_FMT_Q4_1 ? half_value(B->d + CB_NR + c)
+                  : fmt == CB_FMT_Q5_0 ? d * -16.0f
+                                       : q4_0_offset(d);
     }
 }
 
 /* x shifted left by n (right by -n, logical); n a constant once the loops are unrolled */
 static inline vi i16_shift(vi x, const int n) { return n >= 0 ? x << n : (vi)((vu)x >> -n); }
+
+/* The low int16 of each lane of a pair vector, as int32: Q8_0's signed, the other formats' (0..63) as they are. The
+ * high one is w >> 16 for all (arithmetic: the same for the others' non-negative values). */
+static inline vi i16_low(const int fmt, vi w) { return fmt == CB_FMT_Q8_0 ? (w << 16) >> 16 : w & 0xFFFF; }
 
 typedef int8_t vpair8 __attribute__((vector_size(CB_VW * 2), aligned(1)));
 typedef int16_t vpair16 __attribute__((vector_size(CB_VW * 4)));

@@ -116,13 +116,8 @@ static inline __attribute__((always_inline)) void chunk_fmt(const int fmt, const
                 const vi w = i16_pair(fmt, &B, c, i);
                 const int h = i >= I16_PAIRS / 2;
                 float *out = dst + (int64_t)(o + 2 * i) * CB_NR + c;
-                if (fmt == CB_FMT_Q8_0) { /* signed halves, no offset: q8_0_value's d * q */
-                    cb_store(out, scale[h] * to_float((w << 16) >> 16));
-                    cb_store(out + CB_NR, scale[h] * to_float(w >> 16));
-                    continue;
-                }
-                cb_store(out, scale[h] * to_float(w & 0xFFFF) + offset[h]);
-                cb_store(out + CB_NR, scale[h] * to_float(i16_shift(w, -16)) + offset[h]);
+                cb_store(out, scale[h] * to_float(i16_low(fmt, w)) + offset[h]);
+                cb_store(out + CB_NR, scale[h] * to_float(w >> 16) + offset[h]);
             }
         }
     }
